@@ -1,0 +1,28 @@
+# Two commands for a fresh machine: `make run` (main job) and `make test` (test suite).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch goes in first, pinned, so no later dependency pulls a different (e.g. CUDA) build.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: run test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+# Main job: train the debug preset on the shipped corpus; results land in runs/debug/.
+run: $(VENV)/.installed
+	$(VENV)/bin/shardwise train --config configs/debug.toml --run.overwrite true
+
+test: $(VENV)/.installed
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.installed
+	$(PY) bench/throughput.py
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,112 @@
+"""``shardwise`` command line: thin wrappers over the library.
+
+``shardwise train --nproc N`` validates the config for N ranks, tokenizes the data once, then starts
+N ranks through torch's elastic launcher (``torch.distributed.run``, the code behind ``torchrun``,
+with c10d rendezvous on localhost). Each rank re-enters this same command with WORLD_SIZE set, which
+is also exactly what happens under an external ``torchrun`` or a Slurm ``srun torchrun`` on many nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from shardwise.config import ConfigError, help_text, load_config
+
+
+def _train_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a model", allow_abbrev=False,
+                       description="Train a model. Any config key can be overridden with "
+                                   "--section.key=value (see --help-config).")
+    p.add_argument("--config", help="TOML preset, e.g. configs/debug.toml (default: built-in defaults)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="launch this many local ranks (not under torchrun, which sets the world)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="with --nproc: restart all ranks this many times after a rank fails")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--help-config", action="store_true", help="list every config key and exit")
+
+
+def _strip_launcher_flags(argv: list[str]) -> list[str]:
+    """The command line a rank runs: the same, minus the flags only the launcher acts on."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--nproc", "--max-restarts"):
+            skip = True
+            continue
+        if a.startswith(("--nproc=", "--max-restarts=")):
+            continue
+        out.append(a)
+    return out
+
+
+def launch(argv: list[str], nproc: int, max_restarts: int) -> int:
+    """Run ``shardwise <argv>`` on ``nproc`` local ranks with torch's elastic launcher."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    # One thread per core share; set before the ranks start (torchrun would force 1 and warn).
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    largs = parse_args(["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+                        "--module", "shardwise", *argv])
+    try:
+        run(largs)
+    except ChildFailedError as e:
+        failures = e.failures
+        first = min(failures)
+        print(f"shardwise: error: {len(failures)} of {nproc} ranks failed (first: rank {first}, exit "
+              f"code {failures[first].exitcode}); see the messages above", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
+    from shardwise.parallel.dims import launched_world_size
+
+    if args.help_config:
+        print(help_text())
+        return 0
+    cfg = load_config(args.config, overrides)
+    if args.print_config:
+        print(cfg.to_toml(), end="")
+        return 0
+    world = launched_world_size()
+    if world is not None and args.nproc is not None:
+        raise ConfigError("--nproc cannot be used under torchrun: the launcher already sets the world "
+                          "size (use --nproc-per-node there)")
+    nproc = args.nproc if args.nproc is not None else (world or 1)
+    if nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {nproc}")
+    from shardwise.train import preflight, train
+
+    preflight(cfg, nproc)  # all config errors surface here, before any process group exists
+    if world is None and nproc > 1:
+        from shardwise.data.dataset import load_corpus
+        from shardwise.data.tokenizer import load_tokenizer
+
+        load_corpus(cfg.data, load_tokenizer(cfg.data.tokenizer))  # tokenize once, ranks read cache
+        return launch(_strip_launcher_flags(argv), nproc, args.max_restarts)
+    train(cfg)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="shardwise", allow_abbrev=False,
+                                     description="PyTorch-native N-D parallel LLM training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    args, rest = parser.parse_known_args(argv)
+    try:
+        if args.command == "train":
+            return cmd_train(args, rest, argv)
+    except ConfigError as e:
+        rank = os.environ.get("RANK")
+        prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+        print(f"shardwise: error: {prefix}{e}", file=sys.stderr)
+        return 2
+    return 1

@@ -1,0 +1,462 @@
+"""Typed configuration: dataclass sections, TOML presets, ``--section.key=value`` overrides.
+
+Each field's docstring (the string literal under it) is its help text: ``shardwise train
+--help-config`` prints them. Every value is checked against its field's type when it is read, so a
+mistyped key or a wrong type fails with one line that names the key, before any work starts.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import textwrap
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+import tomllib
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message is one line naming the key and the fix."""
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/default"
+    """Run directory: resolved config.toml, metrics.jsonl, tb/, loss.png and checkpoints/ go here."""
+    overwrite: bool = False
+    """Start fresh even if run.dir already holds checkpoints from an earlier run (they are deleted)."""
+    device: str = "auto"
+    """Device type: auto (cuda when available, else cpu), cpu or cuda."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "debug"
+    """Model preset (see shardwise/models/presets.py); the fields below override it when set."""
+    dim: int | None = None
+    """Hidden size."""
+    n_layers: int | None = None
+    """Number of transformer blocks."""
+    n_heads: int | None = None
+    """Query heads."""
+    n_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); must divide n_heads."""
+    vocab_size: int | None = None
+    """Embedding rows; must be at least the tokenizer's vocabulary."""
+    ffn_dim_multiplier: float | None = None
+    """Llama-3 FFN width multiplier applied to 8/3*dim."""
+    multiple_of: int | None = None
+    """FFN width is rounded up to a multiple of this."""
+    norm_eps: float | None = None
+    """RMSNorm epsilon."""
+    rope_theta: float | None = None
+    """RoPE base frequency."""
+    rope_scaling_factor: float | None = None
+    """Llama-3.1 RoPE frequency scaling factor (1.0 = no scaling)."""
+    max_seq_len: int | None = None
+    """Longest sequence the RoPE table covers."""
+    tie_embeddings: bool | None = None
+    """Share the input embedding with the output projection."""
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    """Training text: a .txt/.jsonl/.json/.parquet file or a folder of them; empty = shipped KJV corpus."""
+    tokenizer: str = ""
+    """A tokenizer.json (HF tokenizers), 'byte' for the byte-level fallback, or empty = shipped BPE."""
+    text_field: str = "text"
+    """Column holding the text in .jsonl/.json/.parquet data."""
+    txt_sample_by: str = "paragraph"
+    """How .txt files split into documents: paragraph (blank lines), line, or document (whole file)."""
+    val_fraction: float = 0.02
+    """Fraction of documents held out for the validation loss."""
+    document_mask: bool = False
+    """Mask attention across document boundaries inside a packed sequence."""
+    cache_dir: str = "~/.cache/shardwise"
+    """Where tokenized corpora are cached (keyed by data files and tokenizer)."""
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 100
+    """Optimizer steps to run."""
+    seed: int = 42
+    """Seed for weight init, data order and every RNG."""
+    seq_len: int = 512
+    """Tokens per sequence."""
+    global_batch: int = 8
+    """Sequences per optimizer step, summed over data-parallel ranks and micro-batches."""
+    micro_batch: int = 0
+    """Sequences per rank per forward/backward; 0 = global_batch / dp (no accumulation)."""
+    mixed_precision: str = "bf16"
+    """Compute dtype for parameters in forward/backward: bf16 or fp32 (master weights stay fp32)."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping; the norm is still reported)."""
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-3
+    """Peak learning rate."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices and embeddings only (not norms)."""
+    implementation: str = "auto"
+    """AdamW kernel: auto (fused where supported), fused, foreach or for-loop."""
+
+
+@dataclass
+class LRSchedulerConfig:
+    warmup_steps: int = 10
+    """Linear warmup from 0 to the peak learning rate."""
+    decay: str = "cosine"
+    """After warmup: cosine, linear, wsd (warmup-stable-decay) or constant."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+    decay_fraction: float = 0.2
+    """wsd only: fraction of all steps spent in the final linear decay."""
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    """Data-parallel replicas (HSDP outer dim: gradients all-reduced, parameters replicated)."""
+    dp_shard: int = -1
+    """FSDP degree (parameters sharded); -1 takes whatever the other degrees leave of the world."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    cp: int = 1
+    """Context-parallel degree."""
+    pp: int = 1
+    """Pipeline-parallel degree."""
+    ep: int = 1
+    """Expert-parallel degree (MoE models; borrows ranks from dp_shard*cp)."""
+    backend: str = "auto"
+    """Process-group backend: auto (nccl on cuda with gloo for cpu tensors, gloo on cpu), gloo, nccl."""
+    backend_override: dict[str, str] = field(default_factory=dict)
+    """Per mesh dim backend, e.g. {dp_replicate = "gloo"}; CLI form: dp_replicate=gloo,tp=nccl."""
+    reshard_after_forward: str = "default"
+    """FSDP: free gathered parameters after forward: default (all but the root), always, never."""
+    fsdp_reduce_dtype: str = "fp32"
+    """Gradient reduce-scatter dtype under bf16 mixed precision: fp32 or bf16."""
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 500
+    """Save every N steps (0 = only the final save)."""
+    final: bool = True
+    """Save at the end of training."""
+    resume: bool = False
+    """Continue from the latest complete checkpoint in run.dir (starts fresh if there is none)."""
+    path: str = ""
+    """Load this checkpoint directory instead of the latest one in run.dir."""
+
+
+@dataclass
+class MetricsConfig:
+    log_interval: int = 1
+    """Log metrics every N steps (the loss all-reduce and .item() sync happen only then)."""
+    tensorboard: bool = True
+    """Write a TensorBoard log to run.dir/tb."""
+    plot: bool = True
+    """Write run.dir/loss.png at the end."""
+    progress: bool = True
+    """Show a progress bar on rank 0 (plain log lines when disabled)."""
+    peak_tflops: float = 0.0
+    """Peak TFLOP/s per device for MFU; 0 = from the GPU table, or measured on CPU and cached."""
+
+
+@dataclass
+class EvalConfig:
+    interval: int = 50
+    """Run the validation loss every N steps and at the end (0 disables)."""
+    steps: int = 4
+    """Validation batches of global_batch sequences (capped by the size of the held-out split)."""
+
+
+@dataclass
+class DebugConfig:
+    deterministic: bool = False
+    """Use deterministic kernels (torch.use_deterministic_algorithms) for bit-reproducible runs."""
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Plain nested dict, None values dropped (TOML has no null)."""
+        return {
+            s: {k: v for k, v in dataclasses.asdict(getattr(self, s)).items() if v is not None}
+            for s in _sections()
+        }
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.to_dict())
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing
+
+
+def _sections() -> dict[str, type]:
+    hints = typing.get_type_hints(Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+
+
+def _fields(section_cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(section_cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
+    if typing.get_origin(tp) is dict:
+        return "table of strings"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
+    """Check ``value`` against the field type ``tp``; CLI values arrive as strings and are parsed."""
+    args = typing.get_args(tp)
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        inner = [a for a in args if a is not type(None)]
+        if value is None or (from_cli and str(value).lower() in ("none", "null")):
+            return None
+        return _coerce(key, inner[0], value, from_cli)
+    bad = ConfigError(f"config key '{key}' expects {_type_name(tp)}, got {value!r}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and str(value).lower() in ("true", "1", "yes", "on"):
+            return True
+        if from_cli and str(value).lower() in ("false", "0", "no", "off"):
+            return False
+        raise bad
+    if tp is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int):
+            return value
+        if from_cli:
+            try:
+                return int(str(value).replace("_", ""))
+            except ValueError:
+                raise bad from None
+        raise bad
+    if tp is float:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, (int, float)):
+            return float(value)
+        if from_cli:
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise bad
+    if typing.get_origin(tp) is dict:
+        if from_cli and isinstance(value, str):
+            out: dict[str, str] = {}
+            for item in filter(None, value.split(",")):
+                k, sep, v = item.partition("=")
+                if not sep:
+                    raise ConfigError(f"config key '{key}' expects k=v[,k=v...], got {value!r}")
+                out[k.strip()] = v.strip()
+            return out
+        if isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
+            return dict(value)
+        raise bad
+    raise ConfigError(f"config key '{key}' has an unsupported type {tp}")
+
+
+def _unknown(key: str, known: list[str], where: str) -> ConfigError:
+    near = difflib.get_close_matches(key, known, n=1)
+    hint = f"; did you mean '{near[0]}'?" if near else f"; known: {', '.join(sorted(known))}"
+    return ConfigError(f"unknown config key '{key}'{where}{hint}")
+
+
+def _apply(cfg: Config, key: str, value: Any, from_cli: bool, where: str) -> None:
+    section, _, name = key.partition(".")
+    sections = _sections()
+    all_keys = [f"{s}.{k}" for s, c in sections.items() for k in _fields(c)]
+    if section not in sections or not name:
+        raise _unknown(key, all_keys, where)
+    fields = _fields(sections[section])
+    if name not in fields:
+        raise _unknown(key, all_keys, where)
+    setattr(getattr(cfg, section), name, _coerce(key, fields[name], value, from_cli))
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """``['--a.b=1', '--c.d', '2']`` -> ``[('a.b', '1'), ('c.d', '2')]``."""
+    out: list[tuple[str, str]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(f"unexpected argument '{arg}': overrides take the form --section.key=value")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                raise ConfigError(f"override '--{key}' has no value: use --{key}=VALUE")
+            value = args[i + 1]
+            i += 1
+        out.append((key, value))
+        i += 1
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- TOML file <- CLI overrides, then model preset resolution and validation."""
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{p}' does not exist: pass --config with a TOML file "
+                              "(e.g. configs/debug.toml)")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file '{p}' is not valid TOML: {e}") from None
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"config file '{p}': top-level key '{section}' must be a [section]")
+            for name, value in table.items():
+                _apply(cfg, f"{section}.{name}", value, from_cli=False, where=f" in {p}")
+    for key, value in parse_overrides(overrides or []):
+        _apply(cfg, key, value, from_cli=True, where=" on the command line")
+    resolve_model(cfg)
+    validate(cfg)
+    return cfg
+
+
+def resolve_model(cfg: Config) -> None:
+    """Fill every unset model field from the named preset, so the saved config is complete."""
+    from shardwise.models.presets import PRESETS
+
+    if cfg.model.name not in PRESETS:
+        raise ConfigError(f"model.name '{cfg.model.name}' is not a preset; choose one of "
+                          f"{', '.join(PRESETS)}")
+    preset = PRESETS[cfg.model.name]
+    for f in dataclasses.fields(ModelConfig):
+        if f.name != "name" and getattr(cfg.model, f.name) is None:
+            setattr(cfg.model, f.name, getattr(preset, f.name))
+
+
+_CHOICES = {
+    "run.device": ("auto", "cpu", "cuda"),
+    "data.txt_sample_by": ("paragraph", "line", "document"),
+    "training.mixed_precision": ("bf16", "fp32"),
+    "optimizer.implementation": ("auto", "fused", "foreach", "for-loop"),
+    "lr_scheduler.decay": ("cosine", "linear", "wsd", "constant"),
+    "parallel.backend": ("auto", "gloo", "nccl"),
+    "parallel.reshard_after_forward": ("default", "always", "never"),
+    "parallel.fsdp_reduce_dtype": ("fp32", "bf16"),
+}
+
+_POSITIVE = ("training.steps", "training.seq_len", "training.global_batch", "metrics.log_interval",
+             "eval.steps", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
+             "model.vocab_size", "model.multiple_of", "model.max_seq_len")
+_NON_NEGATIVE = ("training.micro_batch", "training.max_grad_norm", "optimizer.lr",
+                 "optimizer.weight_decay", "lr_scheduler.warmup_steps", "checkpoint.interval",
+                 "eval.interval", "metrics.peak_tflops", "optimizer.eps")
+
+
+def _get(cfg: Config, key: str) -> Any:
+    s, _, k = key.partition(".")
+    return getattr(getattr(cfg, s), k)
+
+
+def validate(cfg: Config) -> None:
+    """Value checks that need no world size (layout checks live in ParallelDims)."""
+    for key, choices in _CHOICES.items():
+        if _get(cfg, key) not in choices:
+            raise ConfigError(f"{key} must be one of {', '.join(choices)}, got {_get(cfg, key)!r}")
+    for key in _POSITIVE:
+        if _get(cfg, key) <= 0:
+            raise ConfigError(f"{key} must be > 0, got {_get(cfg, key)}")
+    for key in _NON_NEGATIVE:
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"{key} must be >= 0, got {_get(cfg, key)}")
+    for key in ("optimizer.beta1", "optimizer.beta2"):
+        if not 0.0 <= _get(cfg, key) < 1.0:
+            raise ConfigError(f"{key} must be in [0, 1), got {_get(cfg, key)}")
+    for key in ("data.val_fraction", "lr_scheduler.min_lr_ratio", "lr_scheduler.decay_fraction"):
+        if not 0.0 <= _get(cfg, key) <= 1.0:
+            raise ConfigError(f"{key} must be in [0, 1], got {_get(cfg, key)}")
+    m = cfg.model
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
+    if m.dim % m.n_heads or (m.dim // m.n_heads) % 2:
+        raise ConfigError(f"model.dim={m.dim} must be n_heads={m.n_heads} times an even head dim")
+    if cfg.training.seq_len > m.max_seq_len:
+        raise ConfigError(f"training.seq_len={cfg.training.seq_len} exceeds model.max_seq_len="
+                          f"{m.max_seq_len}: lower the sequence length or raise model.max_seq_len")
+    if cfg.lr_scheduler.warmup_steps > cfg.training.steps:
+        raise ConfigError(f"lr_scheduler.warmup_steps={cfg.lr_scheduler.warmup_steps} exceeds "
+                          f"training.steps={cfg.training.steps}")
+    for dim in cfg.parallel.backend_override:
+        if dim not in ("pp", "dp_replicate", "dp_shard", "cp", "tp"):
+            raise ConfigError(f"parallel.backend_override names unknown mesh dim '{dim}'; use pp, "
+                              "dp_replicate, dp_shard, cp or tp")
+
+
+# ---------------------------------------------------------------------------------------------
+# Help text from field docstrings
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Map each field of a dataclass to the string literal written under it in the source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
+            docs[node.target.id] = str(nxt.value.value)
+    return docs
+
+
+def help_text() -> str:
+    """Every config key with its type, default and docstring."""
+    lines = []
+    defaults = Config()
+    for section, cls in _sections().items():
+        lines.append(f"[{section}]")
+        docs = field_docs(cls)
+        for name, tp in _fields(cls).items():
+            default = getattr(getattr(defaults, section), name)
+            shown = "(preset)" if default is None else repr(default)
+            lines.append(f"  --{section}.{name}  ({_type_name(tp)}, default {shown})")
+            lines.append(f"      {docs.get(name, '')}")
+    return "\n".join(lines)

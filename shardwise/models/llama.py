@@ -1,0 +1,229 @@
+"""Llama-3-style decoder: RMSNorm, RoPE (with Llama-3.1 frequency scaling), grouped-query attention
+through ``scaled_dot_product_attention`` (optionally masked per document), SwiGLU MLP.
+
+The model knows nothing of parallelism. It is built on the meta device, parallelized, moved with
+``to_empty()`` and then filled by :func:`init_weights`, which draws every parameter from a generator
+seeded by the run seed and the parameter's name: the same seed gives the same weights on any layout.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int = 256
+    n_layers: int = 6
+    n_heads: int = 16
+    n_kv_heads: int = 16
+    vocab_size: int = 2048
+    ffn_dim_multiplier: float = 1.0
+    multiple_of: int = 256
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling_factor: float = 1.0
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    # Llama-3.1 RoPE scaling constants (used only when rope_scaling_factor != 1).
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """Llama's SwiGLU width: 2/3 of 4*dim, times the multiplier, rounded up to multiple_of."""
+        hidden = int(self.ffn_dim_multiplier * int(2 * 4 * self.dim / 3))
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+
+def rope_frequencies(args: ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
+    """Complex rotations ``exp(i * pos * freq)`` for every position: (max_seq_len, head_dim // 2)."""
+    d = args.head_dim
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float64) / d))
+    if args.rope_scaling_factor != 1.0:
+        # Llama 3.1: leave high frequencies alone, divide low ones by the factor, blend between.
+        old = args.rope_original_max_seq_len
+        low_wavelen = old / args.rope_low_freq_factor
+        high_wavelen = old / args.rope_high_freq_factor
+        wavelen = 2 * math.pi / freqs
+        smooth = (old / wavelen - args.rope_low_freq_factor) / (
+            args.rope_high_freq_factor - args.rope_low_freq_factor)
+        blended = (1 - smooth) * freqs / args.rope_scaling_factor + smooth * freqs
+        freqs = torch.where(wavelen < high_wavelen, freqs,
+                            torch.where(wavelen > low_wavelen, freqs / args.rope_scaling_factor, blended))
+    t = torch.arange(args.max_seq_len, device=device, dtype=torch.float64)
+    angles = torch.outer(t, freqs)  # (S, D/2)
+    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+
+
+def apply_rope(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent channel pairs of ``x`` (B, S, H, D) by ``freqs_cis`` (S, D/2) or (B, S, D/2).
+
+    Pairs are interleaved (channels 2i, 2i+1), Meta's Llama convention; the rotation runs in fp32.
+    """
+    xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (B, S, H, D/2)
+    f = freqs_cis.unsqueeze(-2) if freqs_cis.dim() == 3 else freqs_cis[None, :, None, :]
+    return torch.view_as_real(xc * f).flatten(-2).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32 whatever the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        b, s, _ = x.shape
+        # view(b, s, -1, head_dim): the head count follows the local shard under tensor parallel.
+        q = self.wq(x).view(b, s, -1, self.head_dim)  # (B, S, H, D)
+        k = self.wk(x).view(b, s, -1, self.head_dim)  # (B, S, Hkv, D)
+        v = self.wv(x).view(b, s, -1, self.head_dim)  # (B, S, Hkv, D)
+        q, k = apply_rope(q, freqs_cis), apply_rope(k, freqs_cis)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
+        # Plain causal attention takes SDPA's is_causal fast path; a document mask is explicit.
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))  # (B, S, dim)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Causal mask that also blocks attention across documents: (B, S) ids -> (B, 1, S, S) bool."""
+    s = doc_ids.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()
+    return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal).unsqueeze(1)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keyed by layer index keeps parameter names stable when layers are split
+        # across pipeline stages.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        # Tied embeddings reuse tok_embeddings.weight in forward: one parameter, nothing to re-tie
+        # after to_empty() or sharding.
+        self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer("freqs_cis", rope_frequencies(args), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, S) -> logits (B, S, vocab). ``doc_ids`` (B, S) enables document masking;
+        ``positions`` (B, S) overrides the RoPE positions (default 0..S-1)."""
+        s = tokens.shape[1]
+        freqs = self.freqs_cis[positions] if positions is not None else self.freqs_cis[:s]
+        mask = document_mask(doc_ids) if doc_ids is not None else None
+        h = self.tok_embeddings(tokens)  # (B, S, dim)
+        for layer in self.layers.values():
+            h = layer(h, freqs, mask)
+        h = self.norm(h)
+        if self.output is None:
+            return F.linear(h, self.tok_embeddings.weight)
+        return self.output(h)  # (B, S, vocab)
+
+
+# ---------------------------------------------------------------------------------------------
+# Initialization
+
+
+def param_init_spec(name: str, args: ModelArgs) -> tuple[str, float]:
+    """(kind, std) for a parameter: 'ones' for norms, else a truncated normal at ±3 std.
+
+    Residual-branch outputs (wo, w2) are scaled down with depth (std 0.02 / sqrt(2 * (layer + 1))),
+    the output head uses dim**-0.5, and an untied input embedding uses std 1 (it is followed by
+    RMSNorm); a tied one uses the output head's scale.
+    """
+    if name.endswith("norm.weight"):
+        return "ones", 0.0
+    if name == "tok_embeddings.weight":
+        return "normal", args.dim**-0.5 if args.tie_embeddings else 1.0
+    if name == "output.weight":
+        return "normal", args.dim**-0.5
+    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+        layer = int(name.split(".")[1])
+        return "normal", 0.02 / math.sqrt(2 * (layer + 1))
+    return "normal", 0.02
+
+
+@torch.no_grad()
+def init_weights(model: Transformer, seed: int) -> None:
+    """Fill every parameter from a generator seeded by (seed, parameter name), then the RoPE table.
+
+    Each full parameter is drawn on its own device and only the local shard is kept, so the result
+    is independent of the layout (one full parameter exists at a time, never the whole model).
+    """
+    for name, p in model.named_parameters():
+        kind, std = param_init_spec(name, model.args)
+        full = torch.empty(p.shape, dtype=torch.float32, device=_local(p).device)
+        if kind == "ones":
+            full.fill_(1.0)
+        else:
+            g = torch.Generator(device=full.device)
+            g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+            nn.init.trunc_normal_(full, std=std, a=-3 * std, b=3 * std, generator=g)
+        if isinstance(p, DTensor):
+            # src_data_rank=None: every rank drew the same full tensor; each keeps its shard, no comm.
+            full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+        _local(p).copy_(full)
+    model.freqs_cis = rope_frequencies(model.args, device=model.freqs_cis.device)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p

@@ -1,0 +1,33 @@
+"""Model presets as data. Shapes of the Llama-3 family follow Meta's published configs.
+
+``debug`` matches torchtitan's debug model (dim 256, 6 layers, 16 heads, vocab 2048) so throughput
+figures compare; ``125m`` is a GPT-3-small-sized Llama for CPU benchmarks; the large ones are used by
+planning and must build on the meta device in well under a second.
+"""
+
+from __future__ import annotations
+
+from shardwise.models.llama import ModelArgs
+
+_LLAMA3 = dict(rope_theta=500000.0, vocab_size=128256, multiple_of=1024, n_kv_heads=8)
+
+PRESETS: dict[str, ModelArgs] = {
+    "debug": ModelArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=16, vocab_size=2048,
+                       multiple_of=256, max_seq_len=2048),
+    "125m": ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, vocab_size=32000,
+                      multiple_of=256, max_seq_len=2048),
+    # Llama 3.2 1B / 3B: tied embeddings, RoPE scaling factor 32.
+    "1b": ModelArgs(**{**_LLAMA3, "multiple_of": 256}, dim=2048, n_layers=16, n_heads=32,
+                    ffn_dim_multiplier=1.5, tie_embeddings=True, rope_scaling_factor=32.0,
+                    max_seq_len=131072),
+    "3b": ModelArgs(**{**_LLAMA3, "multiple_of": 256}, dim=3072, n_layers=28, n_heads=24,
+                    ffn_dim_multiplier=1.0, tie_embeddings=True, rope_scaling_factor=32.0,
+                    max_seq_len=131072),
+    # Llama 3.1 8B / 70B / 405B: RoPE scaling factor 8.
+    "8b": ModelArgs(**_LLAMA3, dim=4096, n_layers=32, n_heads=32, ffn_dim_multiplier=1.3,
+                    rope_scaling_factor=8.0, max_seq_len=131072),
+    "70b": ModelArgs(**{**_LLAMA3, "multiple_of": 4096}, dim=8192, n_layers=80, n_heads=64,
+                     ffn_dim_multiplier=1.3, rope_scaling_factor=8.0, max_seq_len=131072),
+    "405b": ModelArgs(**{**_LLAMA3, "multiple_of": 4096}, dim=16384, n_layers=126, n_heads=128,
+                      ffn_dim_multiplier=1.2, rope_scaling_factor=8.0, max_seq_len=131072),
+}

@@ -1,0 +1,102 @@
+"""Metrics sinks on rank 0: ``metrics.jsonl``, TensorBoard, and a progress bar (or log lines)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from shardwise.config import MetricsConfig
+
+
+class Throughput:
+    """Tokens/s, step time and MFU over the window since the last call to :meth:`window`."""
+
+    def __init__(self, flops_per_token: float, peak_tflops: float, world_size: int) -> None:
+        self.flops_per_token, self.peak, self.world = flops_per_token, peak_tflops, world_size
+        self._t, self._tokens, self._steps = time.perf_counter(), 0, 0
+
+    def add(self, tokens: int) -> None:
+        self._tokens += tokens
+        self._steps += 1
+
+    def reset(self) -> None:
+        """Start a new window now (e.g. after an eval or a checkpoint, which are not training)."""
+        self._t, self._tokens, self._steps = time.perf_counter(), 0, 0
+
+    def window(self) -> dict[str, float]:
+        dt = max(time.perf_counter() - self._t, 1e-9)
+        tps = self._tokens / dt
+        per_device = tps / self.world
+        out = {"tokens_per_s": tps, "tokens_per_s_per_device": per_device,
+               "step_time_s": dt / max(self._steps, 1),
+               "mfu": per_device * self.flops_per_token / (self.peak * 1e12)}
+        self.reset()
+        return out
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, cfg: MetricsConfig, total_steps: int, start_step: int,
+                 enabled: bool) -> None:
+        self.enabled, self.cfg = enabled, cfg
+        self.path = run_dir / "metrics.jsonl"
+        self._tb = self._bar = None
+        if not enabled:
+            return
+        records = read_metrics(self.path) if start_step > 0 else []
+        # On resume, drop records past the checkpoint (a crashed run may have logged further).
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in records if r["step"] <= start_step))
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1)
+        if cfg.progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                             dynamic_ncols=True, mininterval=0.5)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **metrics}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self._tb.add_scalar(k.replace("val_", "val/"), v, step)
+        short = {"loss": f"{metrics['loss']:.4f}", "tok/s": f"{metrics['tokens_per_s']:,.0f}",
+                 "mfu": f"{100 * metrics['mfu']:.1f}%"}
+        if "val_loss" in metrics:
+            short["val"] = f"{metrics['val_loss']:.4f}"
+        if self._bar is not None:
+            self._bar.set_postfix(short, refresh=False)
+        else:
+            print(f"step {step}: " + " ".join(f"{k} {v}" for k, v in short.items()), flush=True)
+
+    def advance(self) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def message(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,101 @@
+"""Peak dense FLOP/s of the device MFU is measured against.
+
+GPUs are looked up by name in a table of published dense peaks. A CPU, or a GPU not in the table,
+gets a measured GEMM peak (cached per machine, thread count, dtype and torch version). There is no
+silent fallback to another device's peak: ``metrics.peak_tflops`` overrides everything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+# Dense (no sparsity) peak TFLOP/s per dtype, from the vendors' data sheets.
+GPU_PEAKS: dict[str, dict[str, float]] = {
+    "H100 SXM": {"bf16": 989.0, "fp8": 1979.0, "fp32": 67.0},
+    "H100 PCIe": {"bf16": 756.0, "fp8": 1513.0, "fp32": 51.0},
+    "H100 NVL": {"bf16": 835.0, "fp8": 1671.0, "fp32": 60.0},
+    "H200": {"bf16": 989.0, "fp8": 1979.0, "fp32": 67.0},
+    "B200": {"bf16": 2250.0, "fp8": 4500.0, "fp32": 80.0},
+    "A100": {"bf16": 312.0, "fp8": 0.0, "fp32": 19.5},
+    "MI300X": {"bf16": 1307.0, "fp8": 2615.0, "fp32": 163.4},
+}
+
+
+def gpu_peak_name(device_name: str) -> str | None:
+    """Match a ``torch.cuda.get_device_name()`` string to a GPU_PEAKS row (None if unknown)."""
+    n = device_name.upper()
+    if "H100" in n:
+        if "PCIE" in n:
+            return "H100 PCIe"
+        return "H100 NVL" if "NVL" in n else "H100 SXM"
+    for key in ("H200", "B200", "A100", "MI300X"):
+        if key in n:
+            return key
+    return None
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measure_gemm_tflops(dtype: torch.dtype, device: torch.device, n: int = 2048,
+                        seconds: float = 1.0) -> float:
+    """Best sustained TFLOP/s of square n x n matmuls on ``device`` over about ``seconds``."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    torch.matmul(a, b)
+    sync()
+    best, start = 0.0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        for _ in range(4):
+            torch.matmul(a, b)
+        sync()
+        best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t0) / 1e12)
+    return best
+
+
+def peak_tflops(device: torch.device, mixed_precision: str, override: float = 0.0,
+                cache_dir: str = "~/.cache/shardwise") -> tuple[float, str]:
+    """(peak TFLOP/s, where the figure came from) for one device of this run."""
+    if override > 0:
+        return override, "metrics.peak_tflops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        row = gpu_peak_name(name)
+        if row is not None:
+            return GPU_PEAKS[row][mixed_precision], f"{row} data sheet"
+        label = f"cuda|{name}"
+    else:
+        label = f"cpu|{_cpu_name()}|threads={torch.get_num_threads()}"
+    key = f"{label}|{mixed_precision}|torch={torch.__version__}"
+    path = Path(cache_dir).expanduser() / "peak_tflops.json"
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if key not in cache:
+        dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
+        # Best of two sizes: small GEMMs can beat large ones on CPUs whose caches favour them.
+        cache[key] = max(measure_gemm_tflops(dtype, device, n) for n in (1024, 2048))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(cache, indent=1))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+    return cache[key], f"measured {mixed_precision} GEMM ({label})"

@@ -1,0 +1,1 @@
+"""Optimizer, learning-rate schedules and gradient clipping."""

@@ -1,0 +1,46 @@
+"""Gradient clipping by the true global norm of gradients that are sharded over mesh dims."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Scale gradients in place so their global L2 norm is at most ``max_norm``; return the norm.
+
+    Local squared norms are summed per (mesh, dims the gradient is sharded on); each such group is
+    all-reduced once over those dims only -- replicated dims hold copies and must not be counted
+    twice. With FSDP that is one all-reduce per step, not one per parameter. ``max_norm <= 0``
+    only measures.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    locals_: list[torch.Tensor] = []
+    for g in grads:
+        if isinstance(g, DTensor):
+            sharded = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
+            key = (g.device_mesh, sharded)
+            g = g.to_local()
+        else:
+            key = (None, ())
+        groups[key].append(g)
+        locals_.append(g)
+    if not locals_:
+        return torch.zeros(())
+    total_sq = torch.zeros((), dtype=torch.float32, device=locals_[0].device)
+    for (mesh, dims), tensors in groups.items():
+        sq = torch.stack([n.float() for n in torch._foreach_norm(tensors, 2.0)]).square().sum()
+        for d in dims:
+            dist.all_reduce(sq, group=mesh.get_group(d))  # sum of squares over the shards
+        total_sq += sq
+    total = total_sq.sqrt()
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        torch._foreach_mul_(locals_, coef)
+    return total

@@ -1,0 +1,152 @@
+"""``ParallelDims``: checks the parallel degrees and owns the named DeviceMesh.
+
+Mesh dims, outermost first: ``pp, dp_replicate, dp_shard, cp, tp``. Every dim exists even at size 1
+(a collective over a size-1 group is a no-op), so 1 rank and N ranks run the same code. Flattened
+views are built once:
+
+- ``dp``          = dp_replicate x dp_shard        (data loading: who reads which sequences)
+- ``dp_shard_cp`` = dp_shard x cp                  (FSDP shards parameters over these ranks)
+- ``dp_cp``       = dp_replicate x dp_shard x cp   (loss / valid-token all-reduce)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from shardwise.config import ConfigError, ParallelConfig
+from shardwise.models.llama import ModelArgs
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+# Degrees whose parallelism is not built yet: each is refused with a one-line error rather than run
+# as something it is not.
+_NOT_YET = {"tp": "tensor parallel", "cp": "context parallel", "pp": "pipeline parallel",
+            "ep": "expert parallel"}
+
+
+@dataclass
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    ep: int
+    world_size: int
+    _mesh: DeviceMesh | None = field(default=None, repr=False)
+    _flat: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
+        """Resolve ``dp_shard=-1`` and validate; raises ConfigError with a one-line message."""
+        degrees = {k: getattr(cfg, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")}
+        for k, v in degrees.items():
+            if v < 1 and not (k == "dp_shard" and v == -1):
+                raise ConfigError(f"parallel.{k} must be >= 1 (dp_shard may be -1), got {v}")
+        rest = degrees["dp_replicate"] * degrees["cp"] * degrees["tp"] * degrees["pp"]
+        if degrees["dp_shard"] == -1:
+            if world_size % rest:
+                raise ConfigError(f"world size {world_size} is not divisible by dp_replicate*cp*tp*pp"
+                                  f"={rest}: change the degrees or the number of ranks")
+            degrees["dp_shard"] = world_size // rest
+        product = rest * degrees["dp_shard"]
+        if product != world_size:
+            raise ConfigError(
+                f"parallel degrees pp*dp_replicate*dp_shard*cp*tp = {product} != world size "
+                f"{world_size}: make the product equal the number of ranks or set dp_shard=-1")
+        for k, what in _NOT_YET.items():
+            if degrees[k] > 1:
+                raise ConfigError(f"parallel.{k}={degrees[k]}: {what} is not available in this "
+                                  "version yet; use dp_shard / dp_replicate")
+        return cls(world_size=world_size, **degrees)
+
+    def check_model(self, args: ModelArgs) -> None:
+        """Divisibility of the model's heads/layers by the degrees that split them."""
+        if args.n_heads % self.tp or args.n_kv_heads % self.tp:
+            raise ConfigError(f"parallel.tp={self.tp} must divide model.n_heads={args.n_heads} and "
+                              f"model.n_kv_heads={args.n_kv_heads}")
+        if args.n_layers < self.pp:
+            raise ConfigError(f"parallel.pp={self.pp} exceeds model.n_layers={args.n_layers}")
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        if self._mesh is None:
+            raise RuntimeError("ParallelDims.build_mesh() has not been called")
+        return self._mesh
+
+    def build_mesh(self, device_type: str, backend_override: dict[str, str] | None = None) -> DeviceMesh:
+        """Create the world mesh (all five dims) and its flattened views."""
+        shape = tuple(getattr(self, d) for d in MESH_DIMS)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS,
+                                backend_override=dict(backend_override or {}) or None)
+        # torch wants flattened meshes kept by the caller rather than sliced from the root again.
+        self._flat = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+                      "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
+                      "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")}
+        self._mesh = mesh
+        return mesh
+
+    def submesh(self, name: str) -> DeviceMesh:
+        """A mesh dim of the world mesh, or one of the flattened views (dp, dp_shard_cp, dp_cp)."""
+        if name in self._flat:
+            return self._flat[name]
+        return self.mesh[name]
+
+    def fsdp_mesh(self) -> DeviceMesh:
+        """1-D over dp_shard x cp for FSDP, or 2-D (dp_replicate, dp_shard x cp) for HSDP."""
+        shard = "dp_shard" if self.cp == 1 else "dp_shard_cp"
+        if self.dp_replicate > 1:
+            if self.cp > 1:  # needs an unflattened 2-D view; arrives with context parallel
+                raise ConfigError("HSDP with context parallel is not available yet")
+            return self.mesh["dp_replicate", shard]
+        return self.submesh(shard)
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+
+def launched_world_size() -> int | None:
+    """WORLD_SIZE set by torchrun / the elastic launcher, or None when run as a plain process."""
+    ws = os.environ.get("WORLD_SIZE")
+    return int(ws) if ws else None
+
+
+def device_type(requested: str) -> str:
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("run.device=cuda but no CUDA device is visible: use run.device=cpu or auto")
+    return requested
+
+
+def init_distributed(requested_device: str, backend: str = "auto") -> DistEnv:
+    """Initialize the default process group: from torchrun's env, or a size-1 group otherwise."""
+    dtype = device_type(requested_device)
+    if backend == "auto":
+        # On GPUs NCCL carries device tensors and gloo the CPU ones (checkpoint metadata, objects).
+        backend = "cuda:nccl,cpu:gloo" if dtype == "cuda" else "gloo"
+    world = launched_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device(dtype, local_rank) if dtype == "cuda" else torch.device("cpu")
+    if dtype == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        if world is None:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend, device_id=device if dtype == "cuda" else None)
+    return DistEnv(dist.get_rank(), local_rank, dist.get_world_size(), device)

@@ -1,0 +1,49 @@
+"""FSDP2 (``fully_shard``) and HSDP with a mixed-precision policy.
+
+Gradient reduction is a plain SUM: the trainer divides each micro-batch loss by the number of valid
+tokens in the whole global batch, so summing the ranks' gradients gives exactly the single-device
+gradient. (FSDP's default would average over ranks.) ``set_gradient_divide_factor`` alone selects
+``PREMUL_SUM``, which gloo rejects, so the factor is paired with forced sum reductions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from shardwise.config import ParallelConfig
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def mixed_precision_policy(mixed_precision: str, reduce_dtype: str) -> MixedPrecisionPolicy:
+    """bf16: parameters cast to bf16 for compute, gradients reduced in ``reduce_dtype``."""
+    if mixed_precision == "fp32":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=DTYPES[reduce_dtype])
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig,
+               mp_policy: MixedPrecisionPolicy) -> None:
+    """Shard each transformer block, then the root (embeddings, final norm, output head).
+
+    One FSDP group per block lets the next block's all-gather overlap this block's compute. The
+    root keeps its parameters gathered after forward (backward needs the output head first).
+    """
+    layers = list(model.layers.values())  # type: ignore[union-attr]
+    for i, block in enumerate(layers):
+        if cfg.reshard_after_forward == "never":
+            reshard = False
+        elif cfg.reshard_after_forward == "always":
+            reshard = True
+        else:  # default: the last block's parameters are needed again first in backward
+            reshard = i < len(layers) - 1
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy,
+                reshard_after_forward=cfg.reshard_after_forward == "always")
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)

@@ -1,0 +1,263 @@
+"""The training loop: ``train()`` -> ``train_step()`` -> ``forward_backward()``.
+
+Loss normalization: every micro-batch's summed token loss is divided by the number of valid
+(non-ignored) labels in the *whole global batch* -- all data-parallel ranks and all micro-batches --
+and FSDP sums gradients across ranks. The gradient is then exactly that of the mean token loss of
+the global batch, whatever the layout or accumulation split.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise import checkpoint
+from shardwise.config import Config, ConfigError, TrainingConfig
+from shardwise.data.dataset import (
+    IGNORE_INDEX,
+    Batch,
+    PackedLoader,
+    TokenStream,
+    check_vocab,
+    data_files,
+    load_corpus,
+)
+from shardwise.data.tokenizer import load_tokenizer
+from shardwise.models import build_model, init_weights, model_args
+from shardwise.observe.flops import flops_per_token, num_params
+from shardwise.observe.memory import peak_memory_gib
+from shardwise.observe.metrics import MetricsLogger, Throughput
+from shardwise.observe.peak import peak_tflops
+from shardwise.observe.plot import plot_loss
+from shardwise.optim.adamw import build_optimizer
+from shardwise.optim.clip import clip_grad_norm_
+from shardwise.optim.lr import build_lr_scheduler
+from shardwise.parallel.dims import ParallelDims, init_distributed
+from shardwise.parallel.parallelize import parallelize
+
+
+def train(cfg: Config) -> None:
+    """Train ``cfg`` on this process's rank (1 rank, or one of N under torchrun / --nproc)."""
+    env = init_distributed(cfg.run.device, cfg.parallel.backend)
+    dims = preflight(cfg, env.world_size)
+    dims.build_mesh(env.device.type, cfg.parallel.backend_override)
+    set_determinism(cfg.debug.deterministic, cfg.training.seed)
+    run_dir = prepare_run_dir(cfg, env.rank)
+    args = model_args(cfg.model)
+
+    loader, val_stream = build_data(cfg, dims, env.device, args.vocab_size)
+    # 1) meta -> 2) parallelize -> 3) materialize -> 4) init: no full model on any rank.
+    model = build_model(args)
+    parallelize(model, dims, cfg.parallel, cfg.training.mixed_precision)
+    model.to_empty(device=env.device)
+    init_weights(model, cfg.training.seed)
+    optimizer = build_optimizer(model, cfg.optimizer, env.device.type)
+    scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
+    start = resume(cfg, run_dir, model, optimizer, scheduler, loader)
+
+    throughput = Throughput(flops_per_token(args, cfg.training.seq_len),
+                            shared_peak(env.device, cfg), env.world_size)
+    if env.rank == 0:
+        print(describe(cfg, dims, args, start), flush=True)
+    logger = MetricsLogger(run_dir, cfg.metrics, cfg.training.steps, start, enabled=env.rank == 0)
+    tokens_per_step = cfg.training.global_batch * cfg.training.seq_len
+    for step in range(start + 1, cfg.training.steps + 1):
+        loss, grad_norm, lr = train_step(model, optimizer, scheduler, loader.next_step(), dims,
+                                         cfg.training.max_grad_norm)
+        throughput.add(tokens_per_step)
+        do_eval = cfg.eval.interval > 0 and (step % cfg.eval.interval == 0 or step == cfg.training.steps)
+        do_save = (cfg.checkpoint.interval > 0 and step % cfg.checkpoint.interval == 0) or (
+            cfg.checkpoint.final and step == cfg.training.steps)
+        if do_eval or step % cfg.metrics.log_interval == 0 or step == cfg.training.steps:
+            metrics = {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr,  # .item() syncs
+                       **throughput.window(), "memory_gib": peak_memory_gib(env.device)}
+            if do_eval:
+                metrics.update(evaluate(model, val_stream, cfg, dims, env.device))
+            logger.log(step, metrics)
+        if do_save:
+            path = checkpoint.save(run_dir / "checkpoints", step, model, optimizer, scheduler, loader)
+            logger.message(f"saved checkpoint {path}")
+        if do_eval or do_save:
+            throughput.reset()  # evaluation and saving are not training throughput
+        logger.advance()
+    finish(cfg, run_dir, logger, env.rank)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+               scheduler: torch.optim.lr_scheduler.LRScheduler, batches: list[Batch],
+               dims: ParallelDims, max_grad_norm: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One optimizer step over this rank's micro-batches: (global mean loss, grad norm, lr used)."""
+    dp_cp = dims.submesh("dp_cp").get_group()
+    device = batches[0].inputs.device
+    n_valid = torch.tensor(sum(b.n_valid for b in batches), dtype=torch.int64, device=device)
+    dist.all_reduce(n_valid, group=dp_cp)  # all-reduce over dp x cp: the global valid-token count
+    n_valid = n_valid.clamp(min=1)
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    for batch in batches:
+        loss_sum += forward_backward(model, batch, n_valid)
+    grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm)
+    lr = optimizer.param_groups[0]["lr"]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    dist.all_reduce(loss_sum, group=dp_cp)
+    return loss_sum / n_valid, grad_norm, lr
+
+
+def forward_backward(model: nn.Module, batch: Batch, n_valid_global: torch.Tensor) -> torch.Tensor:
+    """Forward + backward of one micro-batch; returns its summed token loss (detached)."""
+    logits = model(batch.inputs, batch.doc_ids)  # (B, S, V)
+    loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(),
+                               ignore_index=IGNORE_INDEX, reduction="sum")
+    (loss_sum / n_valid_global).backward()
+    return loss_sum.detach()
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, val: TokenStream, cfg: Config, dims: ParallelDims,
+             device: torch.device) -> dict[str, float]:
+    """Mean token loss over the first ``eval.steps`` global batches of the held-out split."""
+    t = cfg.training
+    n_batches = min(cfg.eval.steps, val.num_windows(t.seq_len) // t.global_batch)
+    if n_batches == 0:
+        return {}
+    loader = PackedLoader(val, t.seq_len, t.global_batch, micro_batch_size(t, dims.dp),
+                          dims.submesh("dp").get_local_rank(), dims.dp, seed=0,
+                          document_mask=cfg.data.document_mask, device=device, shuffle=False)
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, valid tokens)
+    for _ in range(n_batches):
+        for b in loader.next_step():
+            logits = model(b.inputs, b.doc_ids)
+            sums[0] += F.cross_entropy(logits.flatten(0, 1).float(), b.labels.flatten(),
+                                       ignore_index=IGNORE_INDEX, reduction="sum")
+            sums[1] += b.n_valid
+    dist.all_reduce(sums, group=dims.submesh("dp_cp").get_group())
+    return {"val_loss": (sums[0] / sums[1].clamp(min=1)).item()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Setup helpers
+
+
+def micro_batch_size(t: TrainingConfig, dp: int) -> int:
+    if t.global_batch % dp:
+        raise ConfigError(f"training.global_batch={t.global_batch} must be divisible by the "
+                          f"data-parallel degree dp_replicate*dp_shard={dp}")
+    per_rank = t.global_batch // dp
+    mb = t.micro_batch or per_rank
+    if per_rank % mb:
+        raise ConfigError(f"training.micro_batch={mb} must divide the per-rank batch "
+                          f"global_batch/dp={per_rank}")
+    return mb
+
+
+def preflight(cfg: Config, world_size: int) -> ParallelDims:
+    """Every check that needs no process group: layout, batch split, data, tokenizer, run dir."""
+    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    args = model_args(cfg.model)
+    dims.check_model(args)
+    micro_batch_size(cfg.training, dims.dp)
+    data_files(cfg.data.path)
+    tok = load_tokenizer(cfg.data.tokenizer)
+    if tok.vocab_size > args.vocab_size:
+        raise ConfigError(f"the tokenizer has {tok.vocab_size} tokens but model.vocab_size="
+                          f"{args.vocab_size}: raise model.vocab_size or use a smaller tokenizer")
+    run_dir = Path(cfg.run.dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run.dir '{run_dir}' exists and is not a directory")
+    probe = run_dir if run_dir.exists() else next(p for p in run_dir.absolute().parents if p.exists())
+    if not os.access(probe, os.W_OK):
+        raise ConfigError(f"run.dir '{run_dir}' is not writable: choose another --run.dir")
+    if cfg.checkpoint.path and not Path(cfg.checkpoint.path).is_dir():
+        raise ConfigError(f"checkpoint.path '{cfg.checkpoint.path}' does not exist")
+    if (checkpoint.list_checkpoints(run_dir / "checkpoints") and not cfg.checkpoint.resume
+            and not cfg.run.overwrite and not cfg.checkpoint.path):
+        raise ConfigError(f"run.dir '{run_dir}' already has checkpoints: pass --checkpoint.resume "
+                          "true to continue, --run.overwrite true to start over, or another --run.dir")
+    return dims
+
+
+def set_determinism(deterministic: bool, seed: int) -> None:
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it to be deterministic
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+
+
+def prepare_run_dir(cfg: Config, rank: int) -> Path:
+    run_dir = Path(cfg.run.dir)
+    if rank == 0:
+        if cfg.run.overwrite and not cfg.checkpoint.resume:
+            for stale in ("checkpoints", "tb", "metrics.jsonl", "loss.png"):
+                p = run_dir / stale
+                shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(cfg.to_toml())
+    dist.barrier()
+    return run_dir
+
+
+def build_data(cfg: Config, dims: ParallelDims, device: torch.device,
+               vocab_size: int) -> tuple[PackedLoader, TokenStream]:
+    """Tokenize (rank 0 writes the cache, the others wait) and build this rank's train loader."""
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    train, val = load_corpus(cfg.data, tokenizer, build=dist.get_rank() == 0, barrier=dist.barrier)
+    check_vocab(train, vocab_size)
+    t = cfg.training
+    loader = PackedLoader(train, t.seq_len, t.global_batch, micro_batch_size(t, dims.dp),
+                          dims.submesh("dp").get_local_rank(), dims.dp, t.seed,
+                          cfg.data.document_mask, device)
+    return loader, val
+
+
+def resume(cfg: Config, run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+           scheduler: torch.optim.lr_scheduler.LRScheduler, loader: PackedLoader) -> int:
+    """Load checkpoint.path, or the latest checkpoint in run.dir when resuming; return its step."""
+    if cfg.checkpoint.path:
+        path = Path(cfg.checkpoint.path)
+    elif cfg.checkpoint.resume and (found := checkpoint.list_checkpoints(run_dir / "checkpoints")):
+        path = found[-1][1]
+    else:
+        return 0
+    step = checkpoint.load(path, model, optimizer, scheduler, loader)
+    if dist.get_rank() == 0:
+        print(f"resumed from {path} at step {step}", flush=True)
+    return step
+
+
+def shared_peak(device: torch.device, cfg: Config) -> float:
+    """Rank 0 finds (or measures) the peak; every rank uses that figure."""
+    box = [None]
+    if dist.get_rank() == 0:
+        box[0] = peak_tflops(device, cfg.training.mixed_precision, cfg.metrics.peak_tflops,
+                             cfg.data.cache_dir)
+    dist.broadcast_object_list(box, src=0)
+    value, source = box[0]
+    if dist.get_rank() == 0:
+        print(f"MFU peak: {value:.3f} TFLOP/s per device ({source})", flush=True)
+    return value
+
+
+def describe(cfg: Config, dims: ParallelDims, args, start: int) -> str:
+    t = cfg.training
+    accum = t.global_batch // dims.dp // micro_batch_size(t, dims.dp)
+    return (f"model {cfg.model.name}: {num_params(args) / 1e6:.1f}M params | layout "
+            f"dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} (world {dims.world_size}) | "
+            f"{t.global_batch}x{t.seq_len} tokens/step, {accum} micro-batch(es)/rank | "
+            f"{t.mixed_precision} | steps {start + 1}..{t.steps}")
+
+
+def finish(cfg: Config, run_dir: Path, logger: MetricsLogger, rank: int) -> None:
+    logger.close()
+    if rank == 0 and cfg.metrics.plot and (run_dir / "metrics.jsonl").stat().st_size:
+        plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png", f"{cfg.model.name} — {run_dir}")
+        print(f"run directory: {run_dir} (config.toml, metrics.jsonl, tb/, loss.png, checkpoints/)")
+    dist.barrier()
+    dist.destroy_process_group()
