@@ -314,7 +314,11 @@ def _apply(cfg: Config, key: str, value: Any, from_cli: bool, where: str) -> Non
     fields = _fields(sections[section])
     if name not in fields:
         raise _unknown(key, all_keys, where)
-    setattr(getattr(cfg, section), name, _coerce(key, fields[name], value, from_cli))
+    try:
+        value = _coerce(key, fields[name], value, from_cli)
+    except ConfigError as e:
+        raise ConfigError(f"{e}{where}") from None
+    setattr(getattr(cfg, section), name, value)
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str]]:

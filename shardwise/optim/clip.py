@@ -33,13 +33,15 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torc
         locals_.append(g)
     if not locals_:
         return torch.zeros(())
-    total_sq = torch.zeros((), dtype=torch.float32, device=locals_[0].device)
+    # Accumulate in float64: a one-pass fp32 sum of ~1e5 squares is off by ~1e-5 relative, enough
+    # to make the reported norm depend on how the gradients happen to be sharded.
+    total_sq = torch.zeros((), dtype=torch.float64, device=locals_[0].device)
     for (mesh, dims), tensors in groups.items():
-        sq = torch.stack([n.float() for n in torch._foreach_norm(tensors, 2.0)]).square().sum()
+        sq = torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float64)).square().sum()
         for d in dims:
             dist.all_reduce(sq, group=mesh.get_group(d))  # sum of squares over the shards
         total_sq += sq
-    total = total_sq.sqrt()
+    total = total_sq.sqrt().float()
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         torch._foreach_mul_(locals_, coef)

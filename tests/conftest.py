@@ -1,0 +1,48 @@
+"""Shared helpers: run the real CLI in a subprocess and read what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A tiny GQA Llama on the shipped corpus: fp32, deterministic, document masking on (so the number
+# of valid labels differs between sequences, which is what the global-token normalization handles).
+TINY_ARGS = [
+    "--config", str(ROOT / "configs" / "debug.toml"),
+    "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
+    "--model.multiple_of=16", "--training.seq_len=64", "--training.global_batch=8",
+    "--training.steps=10", "--training.mixed_precision=fp32", "--lr_scheduler.warmup_steps=2",
+    "--debug.deterministic=true", "--data.document_mask=true", "--eval.interval=0",
+    "--checkpoint.interval=0", "--checkpoint.final=false", "--metrics.tensorboard=false",
+    "--metrics.plot=false", "--metrics.progress=false", "--metrics.peak_tflops=1",
+]
+
+
+def run_cli(args: list[str], timeout: float = 300, launcher: list[str] | None = None,
+            check: bool = True) -> subprocess.CompletedProcess:
+    """``python -m shardwise <args>`` (or under ``launcher``, e.g. torchrun), from the repo root."""
+    cmd = [sys.executable, *(launcher or ["-m", "shardwise"]), *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}: {' '.join(cmd)}\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-5000:]}")
+    return proc
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One token cache for the whole session: the corpus is tokenized once."""
+    return str(tmp_path_factory.mktemp("cache"))

@@ -1,0 +1,85 @@
+"""End to end through the CLI: the README's main job on a short schedule, and bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from shardwise.config import load_config
+from tests.conftest import ROOT, TINY_ARGS, metrics, run_cli
+
+pytestmark = pytest.mark.e2e
+REQUIRED = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "memory_gib"}
+
+
+def test_main_job_short_schedule(tmp_path: Path, data_cache: str):
+    """What `make run` runs (configs/debug.toml), cut to 30 steps: the loss visibly falls and the run
+    directory holds everything the README promises."""
+    run_dir = tmp_path / "debug"
+    proc = run_cli(["train", "--config", "configs/debug.toml", "--run.overwrite", "true",
+                    f"--run.dir={run_dir}", "--training.steps=30", "--lr_scheduler.warmup_steps=5",
+                    "--eval.interval=15", "--checkpoint.interval=15", f"--data.cache_dir={data_cache}"],
+                   timeout=900)
+    assert "MFU peak" in proc.stdout and "run directory" in proc.stdout
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    assert all(REQUIRED <= r.keys() for r in rows)
+    first, last = rows[0]["loss"], sum(r["loss"] for r in rows[-5:]) / 5
+    assert first > 7.0 and last < first - 1.5, (first, last)  # from ~ln(2048) down
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(val) == 2 and val[1] < val[0]
+    assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["memory_gib"] > 0 for r in rows)
+    saved = tomllib.loads((run_dir / "config.toml").read_text())
+    assert saved["training"]["steps"] == 30 and saved["model"]["dim"] == 256
+    assert load_config(run_dir / "config.toml").training.steps == 30
+    assert list((run_dir / "tb").glob("events.out.tfevents.*"))
+    png = (run_dir / "loss.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    for step in (15, 30):
+        assert (run_dir / "checkpoints" / f"step-{step}" / ".metadata").is_file()
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))
+
+
+def test_print_config_round_trips(tmp_path: Path):
+    proc = run_cli(["train", "--config", "configs/debug.toml", "--print-config", "--training.steps=12"])
+    f = tmp_path / "c.toml"
+    f.write_text(proc.stdout)
+    assert load_config(f) == load_config(ROOT / "configs/debug.toml", ["--training.steps=12"])
+
+
+def test_help_config_lists_every_key():
+    out = run_cli(["train", "--help-config"]).stdout
+    for key in ("--training.global_batch", "--parallel.backend_override", "--checkpoint.resume"):
+        assert key in out
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--training.stpes=3"], "did you mean 'training.steps'"),
+    (["--training.steps=abc"], "expects int"),
+    (["--nproc=3", "--parallel.dp_shard=2"], "!= world size 3"),
+    (["--nproc=4", "--parallel.dp_replicate=3"], "world size 4 is not divisible"),
+    (["--parallel.tp=2", "--nproc=2"], "tensor parallel is not available"),
+    (["--training.global_batch=6", "--nproc=4"], "global_batch=6 must be divisible"),
+    (["--training.micro_batch=3"], "training.micro_batch=3 must divide"),
+    (["--data.path=/nonexistent/corpus.jsonl"], "data.path '/nonexistent/corpus.jsonl' does not exist"),
+    (["--data.tokenizer=byte", "--model.vocab_size=100"], "the tokenizer has 258 tokens"),
+    (["--checkpoint.path=/nonexistent/step-3"], "checkpoint.path '/nonexistent/step-3' does not exist"),
+])
+def test_bad_input_exits_2_with_one_line(args: list[str], fragment: str, tmp_path: Path):
+    proc = run_cli(["train", *TINY_ARGS, f"--run.dir={tmp_path / 'r'}", *args], check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("shardwise: error:") and fragment in lines[0], lines
+    assert not (tmp_path / "r").exists()  # rejected before any work or process group
+
+
+def test_refuses_to_overwrite_checkpoints(tmp_path: Path, data_cache: str):
+    args = ["train", *TINY_ARGS, f"--run.dir={tmp_path}", "--training.steps=2",
+            "--checkpoint.final=true", f"--data.cache_dir={data_cache}"]
+    run_cli(args)
+    proc = run_cli(args, check=False)
+    assert proc.returncode == 2 and "already has checkpoints" in proc.stderr
+    run_cli([*args, "--run.overwrite=true"])  # explicit consent starts over
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2]

@@ -1,0 +1,102 @@
+"""Config parsing: every preset file, overrides, and one-line errors for bad keys and values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shardwise.config import Config, ConfigError, field_docs, help_text, load_config, parse_overrides
+
+CONFIGS = sorted(Path(__file__).parents[2].joinpath("configs").glob("*.toml"))
+
+
+def test_there_are_presets():
+    assert any(p.name == "debug.toml" for p in CONFIGS)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_preset_file_parses_and_round_trips(path: Path, tmp_path: Path):
+    cfg = load_config(path)
+    assert cfg.model.dim is not None  # resolved from the preset
+    saved = tmp_path / "config.toml"
+    saved.write_text(cfg.to_toml())
+    assert load_config(saved) == cfg
+
+
+def test_overrides_are_typed():
+    cfg = load_config(None, ["--training.steps=7", "--lr_scheduler.warmup_steps=2",
+                             "--training.mixed_precision", "fp32",
+                             "--debug.deterministic", "true", "--optimizer.lr=2e-4",
+                             "--parallel.backend_override", "dp_shard=gloo,tp=gloo",
+                             "--model.n_layers", "2"])
+    assert cfg.training.steps == 7 and cfg.training.mixed_precision == "fp32"
+    assert cfg.debug.deterministic is True and cfg.optimizer.lr == 2e-4
+    assert cfg.parallel.backend_override == {"dp_shard": "gloo", "tp": "gloo"}
+    assert cfg.model.n_layers == 2 and cfg.model.dim == 256  # the rest from the debug preset
+
+
+def test_cli_overrides_beat_the_file(tmp_path: Path):
+    f = tmp_path / "c.toml"
+    f.write_text("[training]\nsteps = 50\nseq_len = 128\n")
+    cfg = load_config(f, ["--training.steps", "3", "--lr_scheduler.warmup_steps", "1"])
+    assert (cfg.training.steps, cfg.training.seq_len) == (3, 128)
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--training.stpes=3"],
+     "unknown config key 'training.stpes' on the command line; did you mean 'training.steps'"),
+    (["--trainer.steps=3"], "unknown config key 'trainer.steps'"),
+    (["--training.steps=three"], "config key 'training.steps' expects int, got 'three'"),
+    (["--debug.deterministic=maybe"], "config key 'debug.deterministic' expects bool"),
+    (["--training.mixed_precision=fp16"], "training.mixed_precision must be one of bf16, fp32"),
+    (["--training.steps=0"], "training.steps must be > 0"),
+    (["--training.seq_len=4096"], "training.seq_len=4096 exceeds model.max_seq_len=2048"),
+    (["--model.n_kv_heads=3"], "model.n_kv_heads=3 must divide model.n_heads=16"),
+    (["--model.name=gpt5"], "model.name 'gpt5' is not a preset"),
+    (["--optimizer.beta2=1.5"], "optimizer.beta2 must be in [0, 1)"),
+    (["--parallel.backend_override=xx=gloo"], "unknown mesh dim 'xx'"),
+    (["--parallel.backend_override=gloo"], "expects k=v"),
+    (["--training.steps"], "override '--training.steps' has no value"),
+    (["steps=3"], "unexpected argument 'steps=3'"),
+])
+def test_bad_overrides_fail_with_one_line(args: list[str], fragment: str):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, args)
+    assert fragment in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("text,fragment", [
+    ("[training]\nsteps = \"ten\"\n", "expects int, got 'ten'"),
+    ("[training]\nsteps = 1.5\n", "expects int"),
+    ("[traning]\nsteps = 3\n", "unknown config key 'traning.steps'"),
+    ("steps = 3\n", "must be a [section]"),
+    ("[training\n", "not valid TOML"),
+])
+def test_bad_files_fail_with_one_line(tmp_path: Path, text: str, fragment: str):
+    f = tmp_path / "bad.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    assert fragment in str(e.value) and str(f) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("nope.toml")
+
+
+def test_parse_overrides_forms():
+    assert parse_overrides(["--a.b=1", "--c.d", "x=y"]) == [("a.b", "1"), ("c.d", "x=y")]
+
+
+def test_every_field_is_documented():
+    import dataclasses
+
+    for f in dataclasses.fields(Config):
+        section = type(getattr(Config(), f.name))
+        docs = field_docs(section)
+        missing = [x.name for x in dataclasses.fields(section) if not docs.get(x.name)]
+        assert not missing, f"[{f.name}] fields without a docstring: {missing}"
+    assert "--training.global_batch" in help_text()

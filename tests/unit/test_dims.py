@@ -1,0 +1,44 @@
+"""ParallelDims: degree resolution and one-line errors for impossible layouts."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardwise.config import ConfigError, ParallelConfig
+from shardwise.models import ModelArgs
+from shardwise.parallel.dims import ParallelDims
+
+
+def dims(world: int, **kw) -> ParallelDims:
+    return ParallelDims.from_config(ParallelConfig(**kw), world)
+
+
+def test_dp_shard_takes_the_rest():
+    d = dims(8, dp_replicate=2)
+    assert (d.dp_replicate, d.dp_shard, d.dp) == (2, 4, 8)
+    assert dims(1).dp_shard == 1
+
+
+@pytest.mark.parametrize("world,kw,fragment", [
+    (4, dict(dp_shard=3), "= 3 != world size 4"),
+    (6, dict(dp_replicate=4), "world size 6 is not divisible by dp_replicate*cp*tp*pp=4"),
+    (4, dict(dp_shard=0), "parallel.dp_shard must be >= 1"),
+    (4, dict(dp_replicate=-1), "parallel.dp_replicate must be >= 1"),
+    (4, dict(tp=2), "parallel.tp=2: tensor parallel is not available"),
+    (4, dict(pp=2), "parallel.pp=2: pipeline parallel is not available"),
+    (4, dict(cp=2), "parallel.cp=2: context parallel is not available"),
+    (4, dict(ep=2), "parallel.ep=2: expert parallel is not available"),
+])
+def test_impossible_layouts(world: int, kw: dict, fragment: str):
+    with pytest.raises(ConfigError) as e:
+        dims(world, **kw)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_check_model_divisibility():
+    d = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=3, pp=1, ep=1, world_size=3)
+    with pytest.raises(ConfigError, match="parallel.tp=3 must divide model.n_heads=16"):
+        d.check_model(ModelArgs())
+    d = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=8, ep=1, world_size=8)
+    with pytest.raises(ConfigError, match="parallel.pp=8 exceeds model.n_layers=6"):
+        d.check_model(ModelArgs())

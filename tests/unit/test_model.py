@@ -1,0 +1,197 @@
+"""The model against references: RoPE and its Llama-3.1 scaling from their definitions, attention
+masking, and the whole forward against Hugging Face's independent LlamaForCausalLM."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardwise.models import PRESETS, ModelArgs, Transformer, build_model, init_weights
+from shardwise.models.llama import apply_rope, document_mask, rope_frequencies
+from shardwise.observe.flops import num_params
+
+TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16,
+                 max_seq_len=64)
+
+
+def tiny_model(args: ModelArgs = TINY, seed: int = 0) -> Transformer:
+    model = build_model(args)
+    model.to_empty(device="cpu")
+    init_weights(model, seed)
+    return model
+
+
+def test_rope_matches_rotation_of_each_channel_pair():
+    args = dataclasses.replace(TINY, rope_theta=10000.0)
+    d = args.head_dim
+    x = torch.randn(2, 5, 3, d, dtype=torch.float64).float()
+    out = apply_rope(x, rope_frequencies(args)[:5])
+    for pos in range(5):
+        for i in range(d // 2):
+            theta = pos * 10000.0 ** (-2 * i / d)
+            a, b = x[:, pos, :, 2 * i], x[:, pos, :, 2 * i + 1]
+            torch.testing.assert_close(out[:, pos, :, 2 * i], a * math.cos(theta) - b * math.sin(theta),
+                                       atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(out[:, pos, :, 2 * i + 1], a * math.sin(theta) + b * math.cos(theta),
+                                       atol=1e-5, rtol=1e-5)
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    freqs = rope_frequencies(TINY)
+    q, k = torch.randn(1, 1, 1, TINY.head_dim), torch.randn(1, 1, 1, TINY.head_dim)
+
+    def score(m: int, n: int) -> torch.Tensor:
+        return (apply_rope(q, freqs[m:m + 1]) * apply_rope(k, freqs[n:n + 1])).sum()
+
+    torch.testing.assert_close(score(3, 1), score(10, 8), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(score(7, 7), score(0, 0), atol=1e-5, rtol=1e-5)
+
+
+def test_llama31_rope_scaling_matches_published_rule():
+    args = dataclasses.replace(PRESETS["8b"], max_seq_len=4)
+    got = rope_frequencies(args)[1].angle()  # position 1: the angle is the frequency itself
+    d = args.head_dim
+    for i, f in enumerate(1.0 / args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)):
+        f = float(f)
+        wavelen = 2 * math.pi / f
+        if wavelen < 8192 / 4.0:
+            want = f
+        elif wavelen > 8192 / 1.0:
+            want = f / 8.0
+        else:
+            smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
+            want = (1 - smooth) * f / 8.0 + smooth * f
+        assert abs(float(got[i]) - want) <= 1e-6 * max(want, 1e-3), (i, float(got[i]), want)
+
+
+def test_attention_is_causal():
+    model = tiny_model()
+    tokens = torch.randint(0, TINY.vocab_size, (2, 16))
+    changed = tokens.clone()
+    changed[:, 10:] = (changed[:, 10:] + 1) % TINY.vocab_size
+    a, b = model(tokens), model(changed)
+    torch.testing.assert_close(a[:, :10], b[:, :10])
+    assert not torch.allclose(a[:, 10:], b[:, 10:])
+
+
+def test_document_mask_isolates_documents():
+    model = tiny_model()
+    tokens = torch.randint(0, TINY.vocab_size, (1, 16))
+    docs = torch.tensor([[0] * 6 + [1] * 10])
+    changed = tokens.clone()
+    changed[:, :6] = (changed[:, :6] + 5) % TINY.vocab_size  # rewrite the first document only
+    a, b = model(tokens, docs), model(changed, docs)
+    torch.testing.assert_close(a[:, 6:], b[:, 6:])  # the second document cannot see the first
+    # ...and without the mask it would have: the test can fail.
+    assert not torch.allclose(model(tokens)[:, 6:], model(changed)[:, 6:])
+    mask = document_mask(docs)[0, 0]
+    assert mask[7, 6] and not mask[7, 5] and not mask[6, 7]
+
+
+def test_gqa_equals_repeated_kv_heads():
+    """A GQA model equals the MHA model whose K/V projections repeat each KV head."""
+    gqa = tiny_model()
+    mha = tiny_model(dataclasses.replace(TINY, n_kv_heads=TINY.n_heads))
+    sd = gqa.state_dict()
+    rep = TINY.n_heads // TINY.n_kv_heads
+    for name in list(sd):
+        if name.endswith(("wk.weight", "wv.weight")):
+            w = sd[name].view(TINY.n_kv_heads, TINY.head_dim, -1)  # (Hkv, D, dim)
+            sd[name] = w.repeat_interleave(rep, 0).flatten(0, 1)
+    mha.load_state_dict(sd)
+    tokens = torch.randint(0, TINY.vocab_size, (2, 12))
+    torch.testing.assert_close(gqa(tokens), mha(tokens), atol=1e-5, rtol=1e-5)
+
+
+def _hf_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Meta's interleaved RoPE layout -> HF's rotate-half layout for a q/k projection."""
+    out_dim, in_dim = w.shape
+    return w.view(n_heads, out_dim // n_heads // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
+@pytest.mark.parametrize("tie,scaling", [(False, 1.0), (True, 8.0)])
+def test_forward_matches_huggingface_llama(tie: bool, scaling: float):
+    transformers = pytest.importorskip("transformers")
+    args = dataclasses.replace(TINY, tie_embeddings=tie, rope_scaling_factor=scaling,
+                               rope_original_max_seq_len=16, rope_theta=10000.0)
+    ours = tiny_model(args, seed=3)
+    rope = {"rope_type": "default", "rope_theta": args.rope_theta}
+    if scaling != 1.0:
+        rope = {"rope_type": "llama3", "rope_theta": args.rope_theta, "factor": scaling,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_hidden_dim,
+        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_kv_heads, rms_norm_eps=args.norm_eps,
+        max_position_embeddings=args.max_seq_len, tie_word_embeddings=tie, rope_parameters=rope,
+        attention_bias=False, mlp_bias=False)
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    sd = {"model.embed_tokens.weight": ours.tok_embeddings.weight, "model.norm.weight": ours.norm.weight}
+    if not tie:
+        sd["lm_head.weight"] = ours.output.weight
+    for i, layer in ours.layers.items():
+        p = f"model.layers.{i}."
+        sd.update({
+            p + "self_attn.q_proj.weight": _hf_permute(layer.attention.wq.weight, args.n_heads),
+            p + "self_attn.k_proj.weight": _hf_permute(layer.attention.wk.weight, args.n_kv_heads),
+            p + "self_attn.v_proj.weight": layer.attention.wv.weight,
+            p + "self_attn.o_proj.weight": layer.attention.wo.weight,
+            p + "mlp.gate_proj.weight": layer.feed_forward.w1.weight,
+            p + "mlp.down_proj.weight": layer.feed_forward.w2.weight,
+            p + "mlp.up_proj.weight": layer.feed_forward.w3.weight,
+            p + "input_layernorm.weight": layer.attention_norm.weight,
+            p + "post_attention_layernorm.weight": layer.ffn_norm.weight,
+        })
+    missing, unexpected = hf.load_state_dict({k: v.detach() for k, v in sd.items()}, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    tokens = torch.randint(0, args.vocab_size, (2, 48))  # past original_max_seq_len: scaling matters
+    with torch.no_grad():
+        want = hf(tokens).logits
+        got = ours(tokens)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_init_is_deterministic_per_seed_and_name():
+    a, b, c = tiny_model(seed=1), tiny_model(seed=1), tiny_model(seed=2)
+    for (n, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters(), strict=True):
+        assert torch.equal(pa, pb), n
+        if not n.endswith("norm.weight"):
+            assert not torch.equal(pa, pc), n
+    wo0, wo1 = a.layers["0"].attention.wo.weight, a.layers["1"].attention.wo.weight
+    assert wo1.std() < wo0.std()  # depth-scaled residual init
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_builds_on_meta_quickly(name: str):
+    args = PRESETS[name]
+    t0 = time.perf_counter()
+    model = build_model(args)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 1.0, f"{name} took {elapsed:.2f}s on meta"
+    assert all(p.is_meta for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) == num_params(args)
+    assert model.layers["0"].attention.wk.weight.shape == (args.n_kv_heads * args.head_dim, args.dim)
+    out = model(torch.zeros(1, 8, dtype=torch.long, device="meta"))
+    assert out.shape == (1, 8, args.vocab_size)
+
+
+@pytest.mark.parametrize("name,billions", [("1b", 1.236), ("3b", 3.213), ("8b", 8.030), ("70b", 70.554),
+                                           ("405b", 405.853)])
+def test_large_presets_have_published_parameter_counts(name: str, billions: float):
+    assert num_params(PRESETS[name]) / 1e9 == pytest.approx(billions, rel=2e-3)
+
+
+def test_cross_entropy_reference_on_logits():
+    """The trainer's loss is the standard one: sum over valid tokens of -log softmax."""
+    model = tiny_model()
+    tokens = torch.randint(0, TINY.vocab_size, (2, 8))
+    labels = torch.randint(0, TINY.vocab_size, (2, 8))
+    logits = model(tokens)
+    manual = -torch.log_softmax(logits.double(), -1).gather(-1, labels[..., None]).sum()
+    ours = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+    torch.testing.assert_close(ours.double(), manual, atol=1e-4, rtol=1e-5)
