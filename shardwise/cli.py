@@ -75,9 +75,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
         print(cfg.to_toml(), end="")
         return 0
     world = launched_world_size()
-    if world is not None and args.nproc is not None:
-        raise ConfigError("--nproc cannot be used under torchrun: the launcher already sets the world "
-                          "size (use --nproc-per-node there)")
+    if world is not None and (args.nproc is not None or args.max_restarts):
+        raise ConfigError("--nproc/--max-restarts cannot be used under torchrun: the launcher already "
+                          "sets them (use its --nproc-per-node / --max-restarts)")
     nproc = args.nproc if args.nproc is not None else (world or 1)
     if nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {nproc}")

@@ -147,7 +147,9 @@ class ParallelConfig:
     backend: str = "auto"
     """Process-group backend: auto (nccl on cuda with gloo for cpu tensors, gloo on cpu), gloo, nccl."""
     backend_override: dict[str, str] = field(default_factory=dict)
-    """Per mesh dim backend, e.g. {dp_replicate = "gloo"}; CLI form: dp_replicate=gloo,tp=nccl."""
+    """Per mesh dim backend[:option=value...], e.g. {dp_replicate = "gloo:timeout_s=600:threads=4"};
+    CLI: dp_replicate=gloo,tp=nccl:high_priority=true. Options: gloo timeout_s, threads; nccl
+    timeout_s, high_priority."""
     reshard_after_forward: str = "default"
     """FSDP: free gathered parameters after forward: default (all but the root), always, never."""
     fsdp_reduce_dtype: str = "fp32"
@@ -429,10 +431,34 @@ def validate(cfg: Config) -> None:
     if cfg.lr_scheduler.warmup_steps > cfg.training.steps:
         raise ConfigError(f"lr_scheduler.warmup_steps={cfg.lr_scheduler.warmup_steps} exceeds "
                           f"training.steps={cfg.training.steps}")
-    for dim in cfg.parallel.backend_override:
+    for dim, spec in cfg.parallel.backend_override.items():
         if dim not in ("pp", "dp_replicate", "dp_shard", "cp", "tp"):
             raise ConfigError(f"parallel.backend_override names unknown mesh dim '{dim}'; use pp, "
                               "dp_replicate, dp_shard, cp or tp")
+        parse_backend_spec(dim, spec)
+
+
+BACKEND_OPTIONS: dict[str, dict[str, type]] = {
+    "gloo": {"timeout_s": float, "threads": int},
+    "nccl": {"timeout_s": float, "high_priority": bool},
+}
+
+
+def parse_backend_spec(dim: str, spec: str) -> tuple[str, dict[str, Any]]:
+    """``"gloo:timeout_s=600:threads=4"`` -> ``("gloo", {"timeout_s": 600.0, "threads": 4})``."""
+    name, *opts = spec.split(":")
+    if name not in BACKEND_OPTIONS:
+        raise ConfigError(f"parallel.backend_override {dim}={spec!r}: backend must be one of "
+                          f"{', '.join(BACKEND_OPTIONS)}")
+    parsed: dict[str, Any] = {}
+    for opt in opts:
+        key, _, value = opt.partition("=")
+        if key not in BACKEND_OPTIONS[name]:
+            raise ConfigError(f"parallel.backend_override {dim}: {name} has no option '{key}'; options: "
+                              f"{', '.join(BACKEND_OPTIONS[name])}")
+        parsed[key] = _coerce(f"parallel.backend_override {dim} {key}", BACKEND_OPTIONS[name][key],
+                              value, from_cli=True)
+    return name, parsed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,5 +488,5 @@ def help_text() -> str:
             default = getattr(getattr(defaults, section), name)
             shown = "(preset)" if default is None else repr(default)
             lines.append(f"  --{section}.{name}  ({_type_name(tp)}, default {shown})")
-            lines.append(f"      {docs.get(name, '')}")
+            lines.append("      " + " ".join(docs.get(name, "").split()))
     return "\n".join(lines)

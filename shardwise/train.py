@@ -29,7 +29,7 @@ from shardwise.data.dataset import (
     load_corpus,
 )
 from shardwise.data.tokenizer import load_tokenizer
-from shardwise.models import build_model, init_weights, model_args
+from shardwise.models import ModelArgs, build_model, init_weights, model_args
 from shardwise.observe.flops import flops_per_token, num_params
 from shardwise.observe.memory import peak_memory_gib
 from shardwise.observe.metrics import MetricsLogger, Throughput
@@ -211,6 +211,11 @@ def build_data(cfg: Config, dims: ParallelDims, device: torch.device,
     train, val = load_corpus(cfg.data, tokenizer, build=dist.get_rank() == 0, barrier=dist.barrier)
     check_vocab(train, vocab_size)
     t = cfg.training
+    n_val = val.num_windows(t.seq_len)
+    if cfg.eval.interval and n_val < t.global_batch and dist.get_rank() == 0:
+        print(f"warning: the validation split has {n_val} sequences of {t.seq_len} tokens, fewer than "
+              f"one global batch ({t.global_batch}): no validation loss (raise data.val_fraction)",
+              flush=True)
     loader = PackedLoader(train, t.seq_len, t.global_batch, micro_batch_size(t, dims.dp),
                           dims.submesh("dp").get_local_rank(), dims.dp, t.seed,
                           cfg.data.document_mask, device)
@@ -245,7 +250,7 @@ def shared_peak(device: torch.device, cfg: Config) -> float:
     return value
 
 
-def describe(cfg: Config, dims: ParallelDims, args, start: int) -> str:
+def describe(cfg: Config, dims: ParallelDims, args: ModelArgs, start: int) -> str:
     t = cfg.training
     accum = t.global_batch // dims.dp // micro_batch_size(t, dims.dp)
     return (f"model {cfg.model.name}: {num_params(args) / 1e6:.1f}M params | layout "

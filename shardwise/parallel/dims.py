@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from shardwise.config import ConfigError, ParallelConfig
+from shardwise.config import ConfigError, ParallelConfig, parse_backend_spec
 from shardwise.models.llama import ModelArgs
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -86,8 +88,10 @@ class ParallelDims:
     def build_mesh(self, device_type: str, backend_override: dict[str, str] | None = None) -> DeviceMesh:
         """Create the world mesh (all five dims) and its flattened views."""
         shape = tuple(getattr(self, d) for d in MESH_DIMS)
+        overrides = {dim: backend_options(*parse_backend_spec(dim, spec))
+                     for dim, spec in (backend_override or {}).items()}
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS,
-                                backend_override=dict(backend_override or {}) or None)
+                                backend_override=overrides or None)
         # torch wants flattened meshes kept by the caller rather than sliced from the root again.
         self._flat = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
                       "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
@@ -109,6 +113,21 @@ class ParallelDims:
                 raise ConfigError("HSDP with context parallel is not available yet")
             return self.mesh["dp_replicate", shard]
         return self.submesh(shard)
+
+
+def backend_options(name: str, opts: dict[str, Any]) -> str | tuple[str, Any]:
+    """A backend name, or (name, options object) for ``init_device_mesh``'s backend_override."""
+    if not opts:
+        return name
+    if name == "gloo":
+        o = dist.ProcessGroupGloo._Options()
+        if "threads" in opts:
+            o._threads = opts["threads"]
+    else:  # ProcessGroupNCCL exists only in CUDA builds of torch
+        o = dist.ProcessGroupNCCL.Options(is_high_priority_stream=opts.get("high_priority", False))
+    if "timeout_s" in opts:
+        o._timeout = timedelta(seconds=opts["timeout_s"])
+    return name, o
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,8 @@ LAYOUTS = {
     "fsdp4": ["--nproc=4", "--parallel.dp_shard=4"],
     "hsdp2x2": ["--nproc=4", "--parallel.dp_replicate=2", "--parallel.dp_shard=2"],
     "fsdp2_accum2": ["--nproc=2", "--training.micro_batch=2"],  # 2 micro-batches per rank
-    "fsdp2_gloo_override": ["--nproc=2", "--parallel.backend_override=dp_shard=gloo,dp_replicate=gloo"],
+    "fsdp2_gloo_override": ["--nproc=2",
+                            "--parallel.backend_override=dp_shard=gloo:timeout_s=120:threads=2,tp=gloo"],
 }
 
 

@@ -42,3 +42,29 @@ def test_check_model_divisibility():
     d = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=8, ep=1, world_size=8)
     with pytest.raises(ConfigError, match="parallel.pp=8 exceeds model.n_layers=6"):
         d.check_model(ModelArgs())
+
+
+def test_backend_options_are_built():
+    from datetime import timedelta
+
+    from shardwise.config import parse_backend_spec
+    from shardwise.parallel.dims import backend_options
+
+    name, opts = parse_backend_spec("dp_replicate", "gloo:timeout_s=5:threads=3")
+    assert (name, opts) == ("gloo", {"timeout_s": 5.0, "threads": 3})
+    backend, o = backend_options(name, opts)
+    assert backend == "gloo" and o._threads == 3 and o._timeout == timedelta(seconds=5)
+    assert backend_options("gloo", {}) == "gloo"
+
+
+@pytest.mark.parametrize("spec,fragment", [
+    ("mpi", "backend must be one of gloo, nccl"),
+    ("gloo:speed=9", "gloo has no option 'speed'"),
+    ("gloo:threads=many", "expects int, got 'many'"),
+])
+def test_bad_backend_specs(spec: str, fragment: str):
+    from shardwise.config import load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"--parallel.backend_override=tp={spec}"])
+    assert fragment in str(e.value) and "\n" not in str(e.value)
