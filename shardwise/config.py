@@ -144,6 +144,8 @@ class ParallelConfig:
     """Pipeline-parallel degree."""
     ep: int = 1
     """Expert-parallel degree (MoE models; borrows ranks from dp_shard*cp)."""
+    loss_parallel: bool = True
+    """With tp > 1: keep logits vocab-sharded and compute the cross-entropy without gathering them."""
     backend: str = "auto"
     """Process-group backend: auto (nccl on cuda with gloo for cpu tensors, gloo on cpu), gloo, nccl."""
     backend_override: dict[str, str] = field(default_factory=dict)

@@ -8,6 +8,7 @@ the global batch, whatever the layout or accumulation split.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -16,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from shardwise import checkpoint
 from shardwise.config import Config, ConfigError, TrainingConfig
@@ -112,11 +115,26 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 def forward_backward(model: nn.Module, batch: Batch, n_valid_global: torch.Tensor) -> torch.Tensor:
     """Forward + backward of one micro-batch; returns its summed token loss (detached)."""
-    logits = model(batch.inputs, batch.doc_ids)  # (B, S, V)
-    loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(),
-                               ignore_index=IGNORE_INDEX, reduction="sum")
-    (loss_sum / n_valid_global).backward()
-    return loss_sum.detach()
+    logits = model(batch.inputs, batch.doc_ids)  # (B, S, V); vocab-sharded DTensor under loss parallel
+    with loss_context(logits):  # the backward of a loss-parallel cross-entropy needs it too
+        loss_sum = token_loss_sum(logits, batch.labels)
+        (loss_sum / n_valid_global).backward()
+    return _plain(loss_sum.detach())
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of token cross-entropies (fp32), ``IGNORE_INDEX`` labels excluded."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+def loss_context(logits: torch.Tensor) -> contextlib.AbstractContextManager:
+    """``loss_parallel()`` for vocab-sharded DTensor logits (TP), else nothing."""
+    return loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext()
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 @torch.no_grad()
@@ -134,8 +152,8 @@ def evaluate(model: nn.Module, val: TokenStream, cfg: Config, dims: ParallelDims
     for _ in range(n_batches):
         for b in loader.next_step():
             logits = model(b.inputs, b.doc_ids)
-            sums[0] += F.cross_entropy(logits.flatten(0, 1).float(), b.labels.flatten(),
-                                       ignore_index=IGNORE_INDEX, reduction="sum")
+            with loss_context(logits):
+                sums[0] += _plain(token_loss_sum(logits, b.labels))
             sums[1] += b.n_valid
     dist.all_reduce(sums, group=dims.submesh("dp_cp").get_group())
     return {"val_loss": (sums[0] / sums[1].clamp(min=1)).item()}
@@ -161,7 +179,7 @@ def preflight(cfg: Config, world_size: int) -> ParallelDims:
     """Every check that needs no process group: layout, batch split, data, tokenizer, run dir."""
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     args = model_args(cfg.model)
-    dims.check_model(args)
+    dims.check_model(args, cfg.training.seq_len)
     micro_batch_size(cfg.training, dims.dp)
     data_files(cfg.data.path)
     tok = load_tokenizer(cfg.data.tokenizer)
@@ -254,7 +272,8 @@ def describe(cfg: Config, dims: ParallelDims, args: ModelArgs, start: int) -> st
     t = cfg.training
     accum = t.global_batch // dims.dp // micro_batch_size(t, dims.dp)
     return (f"model {cfg.model.name}: {num_params(args) / 1e6:.1f}M params | layout "
-            f"dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} (world {dims.world_size}) | "
+            f"dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp} "
+            f"(world {dims.world_size}) | "
             f"{t.global_batch}x{t.seq_len} tokens/step, {accum} micro-batch(es)/rank | "
             f"{t.mixed_precision} | steps {start + 1}..{t.steps}")
 

@@ -27,8 +27,7 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 # Degrees whose parallelism is not built yet: each is refused with a one-line error rather than run
 # as something it is not.
-_NOT_YET = {"tp": "tensor parallel", "cp": "context parallel", "pp": "pipeline parallel",
-            "ep": "expert parallel"}
+_NOT_YET = {"cp": "context parallel", "pp": "pipeline parallel", "ep": "expert parallel"}
 
 
 @dataclass
@@ -67,11 +66,20 @@ class ParallelDims:
                                   "version yet; use dp_shard / dp_replicate")
         return cls(world_size=world_size, **degrees)
 
-    def check_model(self, args: ModelArgs) -> None:
-        """Divisibility of the model's heads/layers by the degrees that split them."""
+    def check_model(self, args: ModelArgs, seq_len: int) -> None:
+        """Divisibility of the model's heads/widths/layers and the sequence by the degrees that
+        split them."""
         if args.n_heads % self.tp or args.n_kv_heads % self.tp:
             raise ConfigError(f"parallel.tp={self.tp} must divide model.n_heads={args.n_heads} and "
                               f"model.n_kv_heads={args.n_kv_heads}")
+        for what, size in (("the FFN hidden dim", args.ffn_hidden_dim),
+                           ("model.vocab_size", args.vocab_size),
+                           ("training.seq_len (sequence parallel)", seq_len)):
+            if size % self.tp:
+                raise ConfigError(f"parallel.tp={self.tp} must divide {what}={size}")
+        if self.tp > 1 and args.tie_embeddings:
+            raise ConfigError("model.tie_embeddings with parallel.tp > 1 is not available yet: set "
+                              "model.tie_embeddings=false or tp=1")
         if args.n_layers < self.pp:
             raise ConfigError(f"parallel.pp={self.pp} exceeds model.n_layers={args.n_layers}")
 

@@ -1,9 +1,15 @@
-"""Every data-parallel layout is the same training run as one rank (gloo, fp32, deterministic).
+"""Every layout is the same training run as one rank (gloo, fp32, deterministic).
 
 Each layout trains 10 steps from the same seed on the same global batch of 8 sequences; per-step
-loss and gradient norm, and the final parameters, must match the single-rank run. Tolerance: max
-relative difference 1e-5 for losses and grad norms, 1e-5 absolute for parameters (fp32; the only
-differences are summation orders inside reduce-scatter / all-reduce).
+loss and gradient norm, and the final parameters, must match the single-rank run (fp32; the only
+differences are summation orders in collectives and in tensor-parallel matmuls). Tolerances:
+
+- loss and grad norm: max relative difference 1e-5 per step;
+- parameters: for every tensor, ||p_layout - p_ref|| <= 1e-4 * ||p_ref - p_init||, i.e. the
+  training displacement agrees to 0.01%. (An element-wise bound does not fit Adam: for entries whose
+  gradient is near zero, m / sqrt(v) turns rounding-level gradient differences into update
+  differences of up to ~lr per step. TP's row-parallel matmuls reach 2.4e-5 absolute on such
+  embedding entries while the tensor-level error is 1.5e-5 of the update.)
 """
 
 from __future__ import annotations
@@ -15,11 +21,13 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from shardwise.config import load_config
+from shardwise.models import build_model, init_weights, model_args
 from tests.conftest import TINY_ARGS, metrics, run_cli
 
 pytestmark = pytest.mark.dist
 LOSS_RTOL = 1e-5
-PARAM_ATOL = 1e-5
+PARAM_RTOL = 1e-4
 
 
 def train(tmp: Path, name: str, cache: str, *extra: str, launcher: list[str] | None = None) -> Path:
@@ -33,6 +41,21 @@ def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
     out = run_dir / "final.pt"
     dcp_to_torch_save(str(run_dir / "checkpoints" / "step-10"), str(out))
     return torch.load(out, weights_only=False)["model"]
+
+
+def initial_params(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The weights the run started from: init is layout-independent, so rebuild it on one CPU."""
+    cfg = load_config(run_dir / "config.toml")
+    model = build_model(model_args(cfg.model), device="cpu")
+    init_weights(model, cfg.training.seed)
+    return model.state_dict()
+
+
+def param_error(ref_dir: Path, run_dir: Path) -> float:
+    """max over tensors of ||p_run - p_ref|| / ||p_ref - p_init||."""
+    p_ref, p_got, p_init = final_params(ref_dir), final_params(run_dir), initial_params(ref_dir)
+    assert p_ref.keys() == p_got.keys()
+    return max(((p_got[k] - p_ref[k]).norm() / (p_ref[k] - p_init[k]).norm()).item() for k in p_ref)
 
 
 def max_rel(a: list[float], b: list[float]) -> float:
@@ -49,6 +72,10 @@ LAYOUTS = {
     "fsdp4": ["--nproc=4", "--parallel.dp_shard=4"],
     "hsdp2x2": ["--nproc=4", "--parallel.dp_replicate=2", "--parallel.dp_shard=2"],
     "fsdp2_accum2": ["--nproc=2", "--training.micro_batch=2"],  # 2 micro-batches per rank
+    "tp2": ["--nproc=2", "--parallel.tp=2"],
+    "fsdp2_tp2": ["--nproc=4", "--parallel.dp_shard=2", "--parallel.tp=2"],
+    "hsdp2_tp2": ["--nproc=4", "--parallel.dp_replicate=2", "--parallel.tp=2", "--training.micro_batch=2"],
+    "tp2_gathered_logits": ["--nproc=2", "--parallel.tp=2", "--parallel.loss_parallel=false"],
     "fsdp2_gloo_override": ["--nproc=2",
                             "--parallel.backend_override=dp_shard=gloo:timeout_s=120:threads=2,tp=gloo"],
 }
@@ -65,10 +92,8 @@ def test_layout_matches_single_rank(layout: str, reference: Path, tmp_path: Path
     assert norm_diff <= LOSS_RTOL, f"{layout}: grad-norm max rel diff {norm_diff:.2e}"
     assert ref[-1]["loss"] < ref[0]["loss"] - 0.2  # the run actually trains
     # The parameters after 10 steps (not just losses) are the same.
-    p_ref, p_got = final_params(reference), final_params(run_dir)
-    assert p_ref.keys() == p_got.keys()
-    worst = max((p_ref[k] - p_got[k]).abs().max().item() for k in p_ref)
-    assert worst <= PARAM_ATOL, f"{layout}: final params max abs diff {worst:.2e}"
+    err = param_error(reference, run_dir)
+    assert err <= PARAM_RTOL, f"{layout}: final params differ by {err:.2e} of the update"
 
 
 def test_torchrun_entry_point(reference: Path, tmp_path: Path, data_cache: str):
@@ -85,8 +110,7 @@ def test_gradient_accumulation_4x1_equals_1x4(tmp_path: Path, data_cache: str):
     four = train(tmp_path, "mb1", data_cache, *common, "--training.micro_batch=1")
     diff = max_rel([r["loss"] for r in metrics(four)], [r["loss"] for r in metrics(one)])
     assert diff <= LOSS_RTOL, f"accumulation loss max rel diff {diff:.2e}"
-    p1, p4 = final_params(one), final_params(four)
-    assert max((p1[k] - p4[k]).abs().max().item() for k in p1) <= PARAM_ATOL
+    assert param_error(one, four) <= PARAM_RTOL
 
 
 @pytest.mark.parametrize("nproc", [1, 2])

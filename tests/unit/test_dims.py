@@ -24,7 +24,6 @@ def test_dp_shard_takes_the_rest():
     (6, dict(dp_replicate=4), "world size 6 is not divisible by dp_replicate*cp*tp*pp=4"),
     (4, dict(dp_shard=0), "parallel.dp_shard must be >= 1"),
     (4, dict(dp_replicate=-1), "parallel.dp_replicate must be >= 1"),
-    (4, dict(tp=2), "parallel.tp=2: tensor parallel is not available"),
     (4, dict(pp=2), "parallel.pp=2: pipeline parallel is not available"),
     (4, dict(cp=2), "parallel.cp=2: context parallel is not available"),
     (4, dict(ep=2), "parallel.ep=2: expert parallel is not available"),
@@ -35,13 +34,31 @@ def test_impossible_layouts(world: int, kw: dict, fragment: str):
     assert fragment in str(e.value) and "\n" not in str(e.value)
 
 
-def test_check_model_divisibility():
-    d = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=3, pp=1, ep=1, world_size=3)
-    with pytest.raises(ConfigError, match="parallel.tp=3 must divide model.n_heads=16"):
-        d.check_model(ModelArgs())
+def test_tp_is_accepted():
+    d = dims(4, tp=2)
+    assert (d.tp, d.dp_shard) == (2, 2)
+    d.check_model(ModelArgs(), seq_len=512)
+
+
+@pytest.mark.parametrize("tp,args,seq,fragment", [
+    (3, ModelArgs(), 512, "parallel.tp=3 must divide model.n_heads=16"),
+    (2, ModelArgs(n_heads=16, n_kv_heads=1), 512, "model.n_kv_heads=1"),
+    (4, ModelArgs(dim=64, n_heads=4, n_kv_heads=4, multiple_of=2), 512, "the FFN hidden dim=170"),
+    (2, ModelArgs(vocab_size=2049), 512, "model.vocab_size=2049"),
+    (2, ModelArgs(), 511, "training.seq_len (sequence parallel)=511"),
+    (2, ModelArgs(tie_embeddings=True), 512, "model.tie_embeddings with parallel.tp > 1"),
+])
+def test_check_model_divisibility(tp: int, args: ModelArgs, seq: int, fragment: str):
+    d = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=tp, pp=1, ep=1, world_size=tp)
+    with pytest.raises(ConfigError) as e:
+        d.check_model(args, seq)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_pp_must_not_exceed_layers():
     d = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=8, ep=1, world_size=8)
     with pytest.raises(ConfigError, match="parallel.pp=8 exceeds model.n_layers=6"):
-        d.check_model(ModelArgs())
+        d.check_model(ModelArgs(), 512)
 
 
 def test_backend_options_are_built():

@@ -1,0 +1,57 @@
+"""Tensor + sequence parallel for the Llama family, with loss parallel, on DTensor.
+
+Megatron-style TP (Shoeybi et al., 2019) with sequence parallel (Korthikanti et al., 2022): the
+residual stream between blocks stays sharded along the sequence (``Shard(1)``), so norms run on
+``S/tp`` tokens each. Entering attention or the MLP, the activations are all-gathered (over tp);
+Q/K/V and w1/w3 are column-parallel (each rank owns whole heads / a slice of the hidden dim); wo and
+w2 are row-parallel and reduce-scatter their output back to sequence shards.
+
+With ``parallel.loss_parallel`` the output head stays column-parallel (vocab-sharded logits,
+``Shard(-1)``) and the cross-entropy runs under ``loss_parallel()``: no rank ever holds the full
+logits. The trainer enters that context whenever the logits arrive as a DTensor.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from shardwise.config import ParallelConfig
+
+
+def apply_tp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> None:
+    """Shard ``model`` over the 1-D ``tp`` mesh in place (call before FSDP)."""
+    parallelize_module(model, mesh, {
+        # Vocab-sharded lookup; the partial sums are reduce-scattered into sequence shards.
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1),
+                                  output_layouts=Shard(-1) if cfg.loss_parallel else Replicate(),
+                                  use_local_output=not cfg.loss_parallel),
+    })
+    for block in model.layers.values():  # type: ignore[union-attr]
+        parallelize_module(block, mesh, {
+            "attention_norm": SequenceParallel(),
+            # (x, freqs_cis, mask): gather x over the sequence (all-gather over tp); RoPE table and
+            # document mask are plain tensors, the same on every rank.
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),  # reduce-scatter over tp
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                               desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),  # reduce-scatter over tp
+            "feed_forward.w3": ColwiseParallel(),
+        })
