@@ -79,16 +79,28 @@ def save(folder: Path, step: int, model: nn.Module, optimizer: torch.optim.Optim
 
 
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-         scheduler: torch.optim.lr_scheduler.LRScheduler, loader: PackedLoader) -> int:
+         scheduler: torch.optim.lr_scheduler.LambdaLR, loader: PackedLoader) -> int:
     """Restore everything saved by :func:`save` in place; returns the checkpoint's step."""
     if not (path / ".metadata").is_file():
         raise ConfigError(f"checkpoint '{path}' is not a complete checkpoint (no .metadata): point "
                           "checkpoint.path at a step-<N> directory")
     state = _app_state(model, optimizer, scheduler, loader, step=0)
     dcp.load(state, checkpoint_id=str(path))
+    # Hyperparameters come from this run's config, state from the checkpoint: the optimizer state
+    # dict would otherwise bring back the saved lr / betas / weight decay, and the scheduler its
+    # base LRs, silently overriding what the user asked for.
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
-    scheduler.load_state_dict({**scheduler.state_dict(), **state["lr_scheduler"]})
+    for group, h in zip(optimizer.param_groups, hyper, strict=True):
+        group.update(h)
+    saved = state["lr_scheduler"]
+    scheduler.last_epoch, scheduler._step_count = saved["last_epoch"], saved["_step_count"]
+    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas,
+                                                               strict=True)]
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
     loader.load_state_dict(state["dataloader"])
     rng_file = path / f"rng-rank{dist.get_rank()}.pt"
     if rng_file.is_file():  # absent when resuming on more ranks than saved

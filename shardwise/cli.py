@@ -94,16 +94,42 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
     return 0
 
 
+def _verify_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("verify", help="prove layouts match the 1-rank run", allow_abbrev=False,
+                       description="Train the 1-rank reference and each layout for --steps steps from "
+                                   "one seed checkpoint; compare losses and final parameters against "
+                                   "documented tolerances. Extra --section.key=value overrides apply "
+                                   "to every run.")
+    p.add_argument("--config", help="TOML preset, e.g. configs/debug.toml")
+    p.add_argument("--layouts", nargs="+", required=True,
+                   help="layouts as degree lists, e.g. dp_shard=4 tp=2,dp_shard=2")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--out", default="runs/verify", help="where runs, logs and the plot go")
+
+
+def cmd_verify(args: argparse.Namespace, overrides: list[str]) -> int:
+    from pathlib import Path
+
+    from shardwise.verify import verify
+
+    if args.steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {args.steps}")
+    return 0 if verify(args.config, overrides, args.layouts, args.steps, Path(args.out)) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="shardwise", allow_abbrev=False,
                                      description="PyTorch-native N-D parallel LLM training.")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
+    _verify_parser(sub)
     args, rest = parser.parse_known_args(argv)
     try:
         if args.command == "train":
             return cmd_train(args, rest, argv)
+        if args.command == "verify":
+            return cmd_verify(args, rest)
     except ConfigError as e:
         rank = os.environ.get("RANK")
         prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""

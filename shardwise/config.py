@@ -168,6 +168,8 @@ class CheckpointConfig:
     """Continue from the latest complete checkpoint in run.dir (starts fresh if there is none)."""
     path: str = ""
     """Load this checkpoint directory instead of the latest one in run.dir."""
+    save_initial: bool = False
+    """Save the initialized state as step-0 before training (a seed checkpoint for other layouts)."""
 
 
 @dataclass

@@ -63,6 +63,8 @@ def train(cfg: Config) -> None:
     optimizer = build_optimizer(model, cfg.optimizer, env.device.type)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     start = resume(cfg, run_dir, model, optimizer, scheduler, loader)
+    if cfg.checkpoint.save_initial and start == 0:
+        checkpoint.save(run_dir / "checkpoints", 0, model, optimizer, scheduler, loader)
 
     throughput = Throughput(flops_per_token(args, cfg.training.seq_len),
                             shared_peak(env.device, cfg), env.world_size)
