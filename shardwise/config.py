@@ -198,6 +198,8 @@ class EvalConfig:
 class DebugConfig:
     deterministic: bool = False
     """Use deterministic kernels (torch.use_deterministic_algorithms) for bit-reproducible runs."""
+    comm: bool = False
+    """Print (and write comm.json) every collective of the first step: module, mesh dim, calls, bytes."""
 
 
 @dataclass

@@ -33,6 +33,7 @@ from shardwise.data.dataset import (
 )
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.models import ModelArgs, build_model, init_weights, model_args
+from shardwise.observe.comm import trace_step
 from shardwise.observe.flops import flops_per_token, num_params
 from shardwise.observe.memory import peak_memory_gib
 from shardwise.observe.metrics import MetricsLogger, Throughput
@@ -73,8 +74,10 @@ def train(cfg: Config) -> None:
     logger = MetricsLogger(run_dir, cfg.metrics, cfg.training.steps, start, enabled=env.rank == 0)
     tokens_per_step = cfg.training.global_batch * cfg.training.seq_len
     for step in range(start + 1, cfg.training.steps + 1):
-        loss, grad_norm, lr = train_step(model, optimizer, scheduler, loader.next_step(), dims,
-                                         cfg.training.max_grad_norm)
+        with trace_step(cfg.debug.comm and step == start + 1, dims.mesh, dims.flat_meshes,
+                        run_dir / "comm.json", env.rank):
+            loss, grad_norm, lr = train_step(model, optimizer, scheduler, loader.next_step(), dims,
+                                             cfg.training.max_grad_norm)
         throughput.add(tokens_per_step)
         do_eval = cfg.eval.interval > 0 and (step % cfg.eval.interval == 0 or step == cfg.training.steps)
         do_save = (cfg.checkpoint.interval > 0 and step % cfg.checkpoint.interval == 0) or (

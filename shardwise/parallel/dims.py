@@ -107,6 +107,11 @@ class ParallelDims:
         self._mesh = mesh
         return mesh
 
+    @property
+    def flat_meshes(self) -> dict[str, DeviceMesh]:
+        """The flattened views (dp, dp_shard_cp, dp_cp) by name."""
+        return dict(self._flat)
+
     def submesh(self, name: str) -> DeviceMesh:
         """A mesh dim of the world mesh, or one of the flattened views (dp, dp_shard_cp, dp_cp)."""
         if name in self._flat:

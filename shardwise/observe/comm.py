@@ -1,0 +1,129 @@
+"""Collectives of one training step, per module and mesh dim, with the bytes they move.
+
+Built on torch's ``CommDebugMode``, which sees both DTensor collectives (TP, loss parallel) and the
+c10d collectives FSDP2 issues. It counts calls; :class:`CommTracker` adds, for every call, the
+*buffer bytes*: the size of the largest tensor among the collective's inputs and outputs (the
+gathered tensor of an all-gather, the unreduced tensor of a reduce-scatter, the tensor of an
+all-reduce). On a ring, each rank sends and receives about ``(n - 1) / n`` of that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import warnings
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils._pytree import tree_leaves
+
+# c10d op names -> the collective they are (FSDP2 uses the c10d base ops directly).
+_CANONICAL = {
+    "_allgather_base_": "all_gather", "allgather_": "all_gather", "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather", "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter", "allreduce_": "all_reduce",
+    "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce", "broadcast_": "broadcast",
+    "broadcast": "broadcast", "all_to_all_single": "all_to_all", "alltoall_base_": "all_to_all",
+}
+
+
+def _group_name(args: tuple) -> str | None:
+    """c10d ops carry the ProcessGroup as a script object; functional collectives pass the group
+    name as their last string argument (earlier strings are reduce ops such as 'sum')."""
+    leaves = tree_leaves(args)
+    for a in leaves:
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return dist.ProcessGroup.unbox(a).group_name
+            except RuntimeError:
+                continue
+    names = [a for a in leaves if isinstance(a, str)]
+    return names[-1] if names else None
+
+
+class CommTracker(CommDebugMode):
+    """``CommDebugMode`` that also records (module, phase, collective, group) -> calls and bytes."""
+
+    def __init__(self, group_names: dict[str, str] | None = None) -> None:
+        super().__init__()
+        self.group_names = group_names or {}
+        self.records: dict[tuple[str, str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if out is NotImplemented or isinstance(func, torch._ops.HigherOrderOperator):
+            return out
+        kind = _CANONICAL.get(func._overloadpacket.__name__)
+        if kind is None or not func.namespace.startswith(("c10d", "_c10d")):
+            return out
+        tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        nbytes = max((t.numel() * t.element_size() for t in tensors), default=0)
+        group = self.group_names.get(_group_name(args) or "", _group_name(args) or "?")
+        phase = "backward" if self.advanced_module_tracker.is_bw else "forward"
+        rec = self.records[(self.advanced_module_tracker.name, phase, kind, group)]
+        rec[0] += 1
+        rec[1] += nbytes
+        return out
+
+    def summary(self) -> list[dict[str, Any]]:
+        """One row per (module, phase, collective, mesh dim), in call order."""
+        return [{"module": m, "phase": p, "collective": c, "mesh_dim": g, "calls": n, "bytes": b}
+                for (m, p, c, g), (n, b) in self.records.items()]
+
+    def totals(self) -> dict[str, dict[str, int]]:
+        """Bytes per mesh dim and collective over the whole step."""
+        out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        for (_, _, c, g), (_, b) in self.records.items():
+            out[g][c] += b
+        return {g: dict(v) for g, v in out.items()}
+
+
+def mesh_group_names(mesh: DeviceMesh, flat: dict[str, DeviceMesh]) -> dict[str, str]:
+    """Process-group name -> mesh dim name, for the world mesh's dims and the flattened views."""
+    names = {}
+    for dim in mesh.mesh_dim_names or ():
+        names[mesh.get_group(dim).group_name] = dim
+    for dim, sub in flat.items():
+        names.setdefault(sub.get_group().group_name, dim)
+    return names
+
+
+def format_comm(rows: list[dict[str, Any]], totals: dict[str, dict[str, int]]) -> str:
+    lines = ["| module | phase | collective | mesh dim | calls | MiB |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['module']} | {r['phase']} | {r['collective']} | {r['mesh_dim']} | "
+                     f"{r['calls']} | {r['bytes'] / 2**20:.3f} |")
+    lines += ["", "| mesh dim | collective | MiB per step |", "|---|---|---|"]
+    for g, per in totals.items():
+        for c, b in per.items():
+            lines.append(f"| {g} | {c} | {b / 2**20:.3f} |")
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def trace_step(enabled: bool, mesh: DeviceMesh, flat: dict[str, DeviceMesh], out: Path,
+               rank: int) -> Iterator[None]:
+    """Record the collectives of the wrapped step; rank 0 prints the table and writes ``out``."""
+    if not enabled:
+        yield
+        return
+    tracker = CommTracker(mesh_group_names(mesh, flat))
+    with tracker, warnings.catch_warnings():
+        # Artifacts of tracing, not of training: under a dispatch mode F.linear decomposes into mm +
+        # a real view (FSDP2 then warns about the root returning a view; nothing modifies the logits
+        # in place), and the module tracker's own full backward hooks warn about themselves.
+        warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+        warnings.filterwarnings("ignore", message="Full backward hook is firing.*")
+        yield
+    if rank == 0:
+        rows, totals = tracker.summary(), tracker.totals()
+        out.write_text(json.dumps({"rows": rows, "totals": totals}, indent=1))
+        print(f"collectives of one step on rank 0 (--debug.comm; also in {out}):\n"
+              + format_comm(rows, totals), flush=True)

@@ -1,0 +1,43 @@
+"""--debug.comm: the collectives of one step, per mesh dim, with exact byte counts for FSDP."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shardwise.config import load_config
+from shardwise.models import build_model, model_args
+from tests.conftest import TINY_ARGS, run_cli
+
+pytestmark = pytest.mark.dist
+
+
+def comm(tmp: Path, cache: str, *extra: str) -> dict:
+    run_cli(["train", *TINY_ARGS, f"--data.cache_dir={cache}", f"--run.dir={tmp}", "--training.steps=1",
+             "--lr_scheduler.warmup_steps=1", "--debug.comm=true", *extra])
+    return json.loads((tmp / "comm.json").read_text())
+
+
+def test_fsdp_bytes_are_exact(tmp_path: Path, data_cache: str):
+    """fp32 FSDP moves every parameter once in the forward all-gather, again in backward for every
+    block that was resharded after forward (all but the last), and every gradient once in the
+    reduce-scatter."""
+    data = comm(tmp_path, data_cache, "--nproc=2", "--parallel.dp_shard=2")
+    model = build_model(model_args(load_config(tmp_path / "config.toml").model))
+    total = 4 * sum(p.numel() for p in model.parameters())
+    resharded = 4 * sum(p.numel() for p in model.layers["0"].parameters())  # 2 layers: all but the last
+    dp = data["totals"]["dp_shard"]
+    assert dp["all_gather"] == total + resharded
+    assert dp["reduce_scatter"] == total
+    assert set(data["totals"]) == {"dp_shard"}  # nothing else communicates in pure FSDP
+
+
+def test_tp_collectives_are_on_the_tp_dim(tmp_path: Path, data_cache: str):
+    data = comm(tmp_path, data_cache, "--nproc=4", "--parallel.dp_shard=2", "--parallel.tp=2")
+    assert {"all_gather", "reduce_scatter"} <= set(data["totals"]["tp"])
+    assert {"all_gather", "reduce_scatter"} <= set(data["totals"]["dp_shard"])
+    attention = [r for r in data["rows"] if r["module"].endswith("layers.0.attention")
+                 and r["phase"] == "forward"]
+    assert attention and attention[0]["collective"] == "all_gather" and attention[0]["mesh_dim"] == "tp"
