@@ -144,6 +144,8 @@ class ParallelConfig:
     """Pipeline-parallel degree."""
     ep: int = 1
     """Expert-parallel degree (MoE models; borrows ranks from dp_shard*cp)."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule: gpipe or 1f1b (the micro-batches are the accumulation micro-batches)."""
     loss_parallel: bool = True
     """With tp > 1: keep logits vocab-sharded and compute the cross-entropy without gathering them."""
     backend: str = "auto"
@@ -393,6 +395,7 @@ _CHOICES = {
     "lr_scheduler.decay": ("cosine", "linear", "wsd", "constant"),
     "parallel.backend": ("auto", "gloo", "nccl"),
     "parallel.reshard_after_forward": ("default", "always", "never"),
+    "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved1f1b", "zbv", "dualpipev"),
     "parallel.fsdp_reduce_dtype": ("fp32", "bf16"),
 }
 

@@ -44,6 +44,7 @@ from shardwise.optim.clip import clip_grad_norm_
 from shardwise.optim.lr import build_lr_scheduler
 from shardwise.parallel.dims import ParallelDims, init_distributed
 from shardwise.parallel.parallelize import parallelize
+from shardwise.parallel.pipeline import SCHEDULES, Pipe, split_stage
 
 
 def train(cfg: Config) -> None:
@@ -56,11 +57,12 @@ def train(cfg: Config) -> None:
     args = model_args(cfg.model)
 
     loader, val_stream = build_data(cfg, dims, env.device, args.vocab_size)
-    # 1) meta -> 2) parallelize -> 3) materialize -> 4) init: no full model on any rank.
-    model = build_model(args)
+    # 1) meta (this rank's pipeline stage) -> 2) parallelize -> 3) materialize -> 4) init.
+    model = build_stage(args, dims)
     parallelize(model, dims, cfg.parallel, cfg.training.mixed_precision)
     model.to_empty(device=env.device)
     init_weights(model, cfg.training.seed)
+    pipe = build_pipe(model, dims, cfg, env.device)
     optimizer = build_optimizer(model, cfg.optimizer, env.device.type)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     start = resume(cfg, run_dir, model, optimizer, scheduler, loader)
@@ -77,7 +79,7 @@ def train(cfg: Config) -> None:
         with trace_step(cfg.debug.comm and step == start + 1, dims.mesh, dims.flat_meshes,
                         run_dir / "comm.json", env.rank):
             loss, grad_norm, lr = train_step(model, optimizer, scheduler, loader.next_step(), dims,
-                                             cfg.training.max_grad_norm)
+                                             cfg.training.max_grad_norm, pipe)
         throughput.add(tokens_per_step)
         do_eval = cfg.eval.interval > 0 and (step % cfg.eval.interval == 0 or step == cfg.training.steps)
         do_save = (cfg.checkpoint.interval > 0 and step % cfg.checkpoint.interval == 0) or (
@@ -86,7 +88,7 @@ def train(cfg: Config) -> None:
             metrics = {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr,  # .item() syncs
                        **throughput.window(), "memory_gib": peak_memory_gib(env.device)}
             if do_eval:
-                metrics.update(evaluate(model, val_stream, cfg, dims, env.device))
+                metrics.update(evaluate(model, val_stream, cfg, dims, env.device, pipe))
             logger.log(step, metrics)
         if do_save:
             path = checkpoint.save(run_dir / "checkpoints", step, model, optimizer, scheduler, loader)
@@ -99,17 +101,24 @@ def train(cfg: Config) -> None:
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                scheduler: torch.optim.lr_scheduler.LRScheduler, batches: list[Batch],
-               dims: ParallelDims, max_grad_norm: float) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """One optimizer step over this rank's micro-batches: (global mean loss, grad norm, lr used)."""
+               dims: ParallelDims, max_grad_norm: float,
+               pipe: Pipe | None = None) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One optimizer step over this rank's micro-batches: (global mean loss, grad norm, lr used).
+
+    With pipeline parallel the schedule runs the micro-batches through the stages."""
     dp_cp = dims.submesh("dp_cp").get_group()
     device = batches[0].inputs.device
     n_valid = torch.tensor(sum(b.n_valid for b in batches), dtype=torch.int64, device=device)
     dist.all_reduce(n_valid, group=dp_cp)  # all-reduce over dp x cp: the global valid-token count
     n_valid = n_valid.clamp(min=1)
-    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-    for batch in batches:
-        loss_sum += forward_backward(model, batch, n_valid)
-    grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm)
+    if pipe is not None:
+        loss_sum = pipe.forward_backward(batches, n_valid)
+    else:
+        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        for batch in batches:
+            loss_sum += forward_backward(model, batch, n_valid)
+    stages = dims.submesh("pp").get_group() if dims.pp > 1 else None
+    grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm, stages)
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     scheduler.step()
@@ -144,7 +153,7 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, val: TokenStream, cfg: Config, dims: ParallelDims,
-             device: torch.device) -> dict[str, float]:
+             device: torch.device, pipe: Pipe | None = None) -> dict[str, float]:
     """Mean token loss over the first ``eval.steps`` global batches of the held-out split."""
     t = cfg.training
     n_batches = min(cfg.eval.steps, val.num_windows(t.seq_len) // t.global_batch)
@@ -155,17 +164,39 @@ def evaluate(model: nn.Module, val: TokenStream, cfg: Config, dims: ParallelDims
                           document_mask=cfg.data.document_mask, device=device, shuffle=False)
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, valid tokens)
     for _ in range(n_batches):
-        for b in loader.next_step():
+        batches = loader.next_step()
+        sums[1] += sum(b.n_valid for b in batches)
+        if pipe is not None:
+            sums[0] += pipe.loss_sum(batches)
+            continue
+        for b in batches:
             logits = model(b.inputs, b.doc_ids)
             with loss_context(logits):
                 sums[0] += _plain(token_loss_sum(logits, b.labels))
-            sums[1] += b.n_valid
     dist.all_reduce(sums, group=dims.submesh("dp_cp").get_group())
     return {"val_loss": (sums[0] / sums[1].clamp(min=1)).item()}
 
 
 # ---------------------------------------------------------------------------------------------
 # Setup helpers
+
+
+def build_stage(args: ModelArgs, dims: ParallelDims) -> nn.Module:
+    """The model on meta, or with pipeline parallel only this rank's stage of it."""
+    model = build_model(args)
+    if dims.pp == 1:
+        return model
+    return split_stage(model, dims.submesh("pp").get_local_rank(), dims.pp)
+
+
+def build_pipe(model: nn.Module, dims: ParallelDims, cfg: Config, device: torch.device) -> Pipe | None:
+    if dims.pp == 1:
+        return None
+    t = cfg.training
+    n_micro = t.global_batch // dims.dp // micro_batch_size(t, dims.dp)
+    # Loss parallel's backward must run inside its context, and the schedule runs the backward.
+    ctx = loss_parallel if dims.tp > 1 and cfg.parallel.loss_parallel else contextlib.nullcontext
+    return Pipe(model, dims.submesh("pp"), device, cfg.parallel.pp_schedule, n_micro, token_loss_sum, ctx)
 
 
 def micro_batch_size(t: TrainingConfig, dp: int) -> int:
@@ -185,7 +216,8 @@ def preflight(cfg: Config, world_size: int) -> ParallelDims:
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     args = model_args(cfg.model)
     dims.check_model(args, cfg.training.seq_len)
-    micro_batch_size(cfg.training, dims.dp)
+    mb = micro_batch_size(cfg.training, dims.dp)
+    check_pipeline(cfg, dims, cfg.training.global_batch // dims.dp // mb)
     data_files(cfg.data.path)
     tok = load_tokenizer(cfg.data.tokenizer)
     if tok.vocab_size > args.vocab_size:
@@ -204,6 +236,20 @@ def preflight(cfg: Config, world_size: int) -> ParallelDims:
         raise ConfigError(f"run.dir '{run_dir}' already has checkpoints: pass --checkpoint.resume "
                           "true to continue, --run.overwrite true to start over, or another --run.dir")
     return dims
+
+
+def check_pipeline(cfg: Config, dims: ParallelDims, n_microbatches: int) -> None:
+    if dims.pp == 1:
+        return
+    if cfg.parallel.pp_schedule not in SCHEDULES:
+        raise ConfigError(f"parallel.pp_schedule={cfg.parallel.pp_schedule} is not available yet; "
+                          f"use one of {', '.join(SCHEDULES)}")
+    if cfg.data.document_mask:
+        raise ConfigError("data.document_mask with parallel.pp > 1 is not available yet (the pipeline "
+                          "feeds extra inputs to the first stage only): set data.document_mask=false")
+    if cfg.parallel.pp_schedule == "1f1b" and n_microbatches < dims.pp:
+        raise ConfigError(f"parallel.pp_schedule=1f1b needs at least pp={dims.pp} micro-batches per step, "
+                          f"got {n_microbatches}: lower training.micro_batch or use pp_schedule=gpipe")
 
 
 def set_determinism(deterministic: bool, seed: int) -> None:
@@ -277,7 +323,7 @@ def describe(cfg: Config, dims: ParallelDims, args: ModelArgs, start: int) -> st
     t = cfg.training
     accum = t.global_batch // dims.dp // micro_batch_size(t, dims.dp)
     return (f"model {cfg.model.name}: {num_params(args) / 1e6:.1f}M params | layout "
-            f"dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp} "
+            f"pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp} "
             f"(world {dims.world_size}) | "
             f"{t.global_batch}x{t.seq_len} tokens/step, {accum} micro-batch(es)/rank | "
             f"{t.mixed_precision} | steps {start + 1}..{t.steps}")

@@ -106,6 +106,9 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim)  # (B, S, H, D)
         k = self.wk(x).view(b, s, -1, self.head_dim)  # (B, S, Hkv, D)
         v = self.wv(x).view(b, s, -1, self.head_dim)  # (B, S, Hkv, D)
+        # The table covers every position (or was indexed by explicit positions); take the length
+        # attention actually sees, which under sequence parallel is the gathered one.
+        freqs_cis = freqs_cis[:s] if freqs_cis.dim() == 2 else freqs_cis
         q, k = apply_rope(q, freqs_cis), apply_rope(k, freqs_cis)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
         # Plain causal attention takes SDPA's is_causal fast path; a document mask is explicit.
@@ -166,13 +169,17 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, S) -> logits (B, S, vocab). ``doc_ids`` (B, S) enables document masking;
-        ``positions`` (B, S) overrides the RoPE positions (default 0..S-1)."""
-        s = tokens.shape[1]
-        freqs = self.freqs_cis[positions] if positions is not None else self.freqs_cis[:s]
+        ``positions`` (B, S) overrides the RoPE positions (default 0..S-1).
+
+        A pipeline stage without the embedding takes hidden states (B, S, dim) instead of tokens,
+        and one without the head returns hidden states."""
+        freqs = self.freqs_cis[positions] if positions is not None else self.freqs_cis
         mask = document_mask(doc_ids) if doc_ids is not None else None
-        h = self.tok_embeddings(tokens)  # (B, S, dim)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, S, dim)
         for layer in self.layers.values():
             h = layer(h, freqs, mask)
+        if self.norm is None:
+            return h
         h = self.norm(h)
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)

@@ -11,13 +11,15 @@ from torch.distributed.tensor import DTensor
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
+                    stage_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Scale gradients in place so their global L2 norm is at most ``max_norm``; return the norm.
 
     Local squared norms are summed per (mesh, dims the gradient is sharded on); each such group is
     all-reduced once over those dims only -- replicated dims hold copies and must not be counted
     twice. With FSDP that is one all-reduce per step, not one per parameter. ``max_norm <= 0``
-    only measures.
+    only measures. ``stage_group`` (pipeline parallel) sums the squared norm over the stages, whose
+    ranks hold different parameters.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
@@ -31,18 +33,19 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torc
             key = (None, ())
         groups[key].append(g)
         locals_.append(g)
-    if not locals_:
-        return torch.zeros(())
     # Accumulate in float64: a one-pass fp32 sum of ~1e5 squares is off by ~1e-5 relative, enough
     # to make the reported norm depend on how the gradients happen to be sharded.
-    total_sq = torch.zeros((), dtype=torch.float64, device=locals_[0].device)
+    device = locals_[0].device if locals_ else torch.device("cpu")
+    total_sq = torch.zeros((), dtype=torch.float64, device=device)
     for (mesh, dims), tensors in groups.items():
         sq = torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float64)).square().sum()
         for d in dims:
             dist.all_reduce(sq, group=mesh.get_group(d))  # sum of squares over the shards
         total_sq += sq
+    if stage_group is not None:
+        dist.all_reduce(total_sq, group=stage_group)  # all-reduce over pp: stages hold disjoint params
     total = total_sq.sqrt().float()
-    if max_norm > 0:
+    if max_norm > 0 and locals_:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         torch._foreach_mul_(locals_, coef)
     return total

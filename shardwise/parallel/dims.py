@@ -27,7 +27,7 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 # Degrees whose parallelism is not built yet: each is refused with a one-line error rather than run
 # as something it is not.
-_NOT_YET = {"cp": "context parallel", "pp": "pipeline parallel", "ep": "expert parallel"}
+_NOT_YET = {"cp": "context parallel", "ep": "expert parallel"}
 
 
 @dataclass
@@ -77,6 +77,9 @@ class ParallelDims:
                            ("training.seq_len (sequence parallel)", seq_len)):
             if size % self.tp:
                 raise ConfigError(f"parallel.tp={self.tp} must divide {what}={size}")
+        if self.pp > 1 and args.tie_embeddings:
+            raise ConfigError("model.tie_embeddings with parallel.pp > 1 is not available yet: set "
+                              "model.tie_embeddings=false or pp=1")
         if self.tp > 1 and args.tie_embeddings:
             raise ConfigError("model.tie_embeddings with parallel.tp > 1 is not available yet: set "
                               "model.tie_embeddings=false or tp=1")

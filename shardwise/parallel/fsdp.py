@@ -38,8 +38,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig,
             reshard = False
         elif cfg.reshard_after_forward == "always":
             reshard = True
-        else:  # default: the last block's parameters are needed again first in backward
-            reshard = i < len(layers) - 1
+        else:  # default: the last block's parameters are needed again first in backward, and
+            # under PP every block's are, once per micro-batch: keep them gathered.
+            reshard = i < len(layers) - 1 and cfg.pp == 1
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy,
                 reshard_after_forward=cfg.reshard_after_forward == "always")

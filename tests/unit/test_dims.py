@@ -24,7 +24,6 @@ def test_dp_shard_takes_the_rest():
     (6, dict(dp_replicate=4), "world size 6 is not divisible by dp_replicate*cp*tp*pp=4"),
     (4, dict(dp_shard=0), "parallel.dp_shard must be >= 1"),
     (4, dict(dp_replicate=-1), "parallel.dp_replicate must be >= 1"),
-    (4, dict(pp=2), "parallel.pp=2: pipeline parallel is not available"),
     (4, dict(cp=2), "parallel.cp=2: context parallel is not available"),
     (4, dict(ep=2), "parallel.ep=2: expert parallel is not available"),
 ])
@@ -53,6 +52,12 @@ def test_check_model_divisibility(tp: int, args: ModelArgs, seq: int, fragment: 
     with pytest.raises(ConfigError) as e:
         d.check_model(args, seq)
     assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_pp_refuses_tied_embeddings():
+    d = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=2, ep=1, world_size=2)
+    with pytest.raises(ConfigError, match="tie_embeddings with parallel.pp > 1"):
+        d.check_model(ModelArgs(tie_embeddings=True), 512)
 
 
 def test_pp_must_not_exceed_layers():
