@@ -7,6 +7,7 @@ comm.json (see shardwise/observe/comm.py for what "buffer bytes" means).
 
     python bench/layouts.py                       # world size 4
     python bench/layouts.py --steps 12 --layouts dp_shard=4 tp=2,dp_shard=2
+    python bench/layouts.py --layouts pp=2,dp_shard=2,training.micro_batch=2 pp=4,training.micro_batch=2
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ def run(layout: str, steps: int, warmup: int, out: Path) -> dict:
            f"--training.steps={steps}", "--lr_scheduler.warmup_steps=2", "--eval.interval=0",
            "--checkpoint.interval=0", "--checkpoint.final=false", "--metrics.progress=false",
            "--metrics.tensorboard=false", "--metrics.plot=false", "--debug.comm=true"]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        errors = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()]
+        raise SystemExit(f"{layout}: {errors[-1] if errors else proc.stderr[-500:]}")
     rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     comm = json.loads((run_dir / "comm.json").read_text())["totals"]
     return {"world": world, "tps": statistics.median(r["tokens_per_s"] for r in rows[warmup:]),

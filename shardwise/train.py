@@ -45,6 +45,7 @@ from shardwise.optim.lr import build_lr_scheduler
 from shardwise.parallel.dims import ParallelDims, init_distributed
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.pipeline import SCHEDULES, Pipe, split_stage
+from shardwise.parallel.tensor import full_value
 
 
 def train(cfg: Config) -> None:
@@ -77,7 +78,7 @@ def train(cfg: Config) -> None:
     tokens_per_step = cfg.training.global_batch * cfg.training.seq_len
     for step in range(start + 1, cfg.training.steps + 1):
         with trace_step(cfg.debug.comm and step == start + 1, dims.mesh, dims.flat_meshes,
-                        run_dir / "comm.json", env.rank):
+                        run_dir / "comm.json", env.rank, track_modules=dims.pp == 1):
             loss, grad_norm, lr = train_step(model, optimizer, scheduler, loader.next_step(), dims,
                                              cfg.training.max_grad_norm, pipe)
         throughput.add(tokens_per_step)
@@ -133,7 +134,7 @@ def forward_backward(model: nn.Module, batch: Batch, n_valid_global: torch.Tenso
     with loss_context(logits):  # the backward of a loss-parallel cross-entropy needs it too
         loss_sum = token_loss_sum(logits, batch.labels)
         (loss_sum / n_valid_global).backward()
-    return _plain(loss_sum.detach())
+    return full_value(loss_sum.detach())
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -146,9 +147,6 @@ def loss_context(logits: torch.Tensor) -> contextlib.AbstractContextManager:
     """``loss_parallel()`` for vocab-sharded DTensor logits (TP), else nothing."""
     return loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext()
 
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 @torch.no_grad()
@@ -172,7 +170,7 @@ def evaluate(model: nn.Module, val: TokenStream, cfg: Config, dims: ParallelDims
         for b in batches:
             logits = model(b.inputs, b.doc_ids)
             with loss_context(logits):
-                sums[0] += _plain(token_loss_sum(logits, b.labels))
+                sums[0] += full_value(token_loss_sum(logits, b.labels))
     dist.all_reduce(sums, group=dims.submesh("dp_cp").get_group())
     return {"val_loss": (sums[0] / sums[1].clamp(min=1)).item()}
 

@@ -20,7 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 # c10d op names -> the collective they are (FSDP2 uses the c10d base ops directly).
@@ -31,6 +33,7 @@ _CANONICAL = {
     "reduce_scatter_tensor_coalesced": "reduce_scatter", "allreduce_": "all_reduce",
     "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce", "broadcast_": "broadcast",
     "broadcast": "broadcast", "all_to_all_single": "all_to_all", "alltoall_base_": "all_to_all",
+    "send": "send", "recv_": "recv", "recv_any_source_": "recv",  # pipeline stages' point-to-point
 }
 
 
@@ -51,13 +54,34 @@ def _group_name(args: tuple) -> str | None:
 class CommTracker(CommDebugMode):
     """``CommDebugMode`` that also records (module, phase, collective, group) -> calls and bytes."""
 
-    def __init__(self, group_names: dict[str, str] | None = None) -> None:
+    def __init__(self, group_names: dict[str, str] | None = None, track_modules: bool = True) -> None:
         super().__init__()
-        self.group_names = group_names or {}
+        self.group_names, self.track_modules = group_names or {}, track_modules
         self.records: dict[tuple[str, str, str, str], list[int]] = defaultdict(lambda: [0, 0])
 
+    def __enter__(self) -> CommTracker:
+        if self.track_modules:
+            return super().__enter__()
+        # Without module tracking: its hooks cannot run under torch.autograd.grad, which pipeline
+        # stages use for their backward. Collectives are then counted for the step as a whole.
+        self.comm_module_counts["Global"] = {"forward": defaultdict(int), "backward": defaultdict(int)}
+        TorchDispatchMode.__enter__(self)
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        if self.track_modules:
+            return super().__exit__(*args)
+        TorchDispatchMode.__exit__(self, *args)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.track_modules:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+        elif isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        elif any(t is DTensor for t in types):
+            return NotImplemented  # let DTensor desugar into collectives first, then see those
+        else:
+            out = func(*args, **(kwargs or {}))
         if out is NotImplemented or isinstance(func, torch._ops.HigherOrderOperator):
             return out
         kind = _CANONICAL.get(func._overloadpacket.__name__)
@@ -66,8 +90,12 @@ class CommTracker(CommDebugMode):
         tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
         nbytes = max((t.numel() * t.element_size() for t in tensors), default=0)
         group = self.group_names.get(_group_name(args) or "", _group_name(args) or "?")
-        phase = "backward" if self.advanced_module_tracker.is_bw else "forward"
-        rec = self.records[(self.advanced_module_tracker.name, phase, kind, group)]
+        if self.track_modules:
+            module = self.advanced_module_tracker.name
+            phase = "backward" if self.advanced_module_tracker.is_bw else "forward"
+        else:
+            module, phase = "(pipeline stage)", "step"
+        rec = self.records[(module, phase, kind, group)]
         rec[0] += 1
         rec[1] += nbytes
         return out
@@ -109,12 +137,13 @@ def format_comm(rows: list[dict[str, Any]], totals: dict[str, dict[str, int]]) -
 
 @contextlib.contextmanager
 def trace_step(enabled: bool, mesh: DeviceMesh, flat: dict[str, DeviceMesh], out: Path,
-               rank: int) -> Iterator[None]:
-    """Record the collectives of the wrapped step; rank 0 prints the table and writes ``out``."""
+               rank: int, track_modules: bool = True) -> Iterator[None]:
+    """Record the collectives of the wrapped step; rank 0 prints the table and writes ``out``.
+    ``track_modules=False`` (pipeline parallel) attributes them to the step, not to modules."""
     if not enabled:
         yield
         return
-    tracker = CommTracker(mesh_group_names(mesh, flat))
+    tracker = CommTracker(mesh_group_names(mesh, flat), track_modules)
     with tracker, warnings.catch_warnings():
         # Artifacts of tracing, not of training: under a dispatch mode F.linear decomposes into mm +
         # a real view (FSDP2 then warns about the root returning a view; nothing modifies the logits

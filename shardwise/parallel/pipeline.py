@@ -21,7 +21,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.tensor import DTensor
+
+from shardwise.parallel.tensor import full_value
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -66,24 +67,18 @@ class PipelineLoss:
         return self.token_loss_sum(logits, labels) / self.n_valid
 
 
-def build_pipeline(stage_module: nn.Module, mesh: DeviceMesh, device: torch.device, schedule: str,
-                   n_microbatches: int, loss_fn: PipelineLoss) -> tuple[PipelineStage, object]:
-    """The rank's PipelineStage and its schedule over the ``pp`` mesh dim."""
-    stage = PipelineStage(stage_module, mesh.get_local_rank(), mesh.size(), device,
-                          group=mesh.get_group())
-    return stage, SCHEDULES[schedule](stage, n_microbatches, loss_fn=loss_fn, scale_grads=False)
-
-
 class Pipe:
-    """Runs a step's micro-batches through this rank's stage with the schedule."""
+    """This rank's PipelineStage (over the ``pp`` mesh dim) and its schedule; runs a step's
+    micro-batches through them."""
 
     def __init__(self, stage_module: nn.Module, mesh: DeviceMesh, device: torch.device, schedule: str,
                  n_microbatches: int, token_loss_sum: Callable, loss_context: Callable) -> None:
         self.mesh, self.device, self.loss_context = mesh, device, loss_context
         self.loss = PipelineLoss(token_loss_sum)
-        self.stage, self.schedule = build_pipeline(stage_module, mesh, device, schedule, n_microbatches,
-                                                   self.loss)
         rank, size = mesh.get_local_rank(), mesh.size()
+        self.stage = PipelineStage(stage_module, rank, size, device, group=mesh.get_group())
+        self.schedule = SCHEDULES[schedule](self.stage, n_microbatches, loss_fn=self.loss,
+                                            scale_grads=False)
         self.is_first, self.is_last = rank == 0, rank == size - 1
 
     def _run(self, fn: Callable, batches: list, n_valid: torch.Tensor | float) -> torch.Tensor:
@@ -96,7 +91,7 @@ class Pipe:
             fn(*args, target=labels if self.is_last else None, losses=losses if self.is_last else None)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for loss in losses:  # last stage only: the micro-batches' scaled losses
-            total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+            total += full_value(loss).detach()
         total *= n_valid
         torch.distributed.all_reduce(total, group=self.mesh.get_group())  # last stage's sum to all stages
         return total

@@ -13,9 +13,10 @@ logits. The trainer enters that context whenever the logits arrive as a DTensor.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -25,6 +26,11 @@ from torch.distributed.tensor.parallel import (
 )
 
 from shardwise.config import ParallelConfig
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of ``t``'s global value (a loss-parallel loss is a replicated DTensor)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> None:

@@ -41,3 +41,12 @@ def test_tp_collectives_are_on_the_tp_dim(tmp_path: Path, data_cache: str):
     attention = [r for r in data["rows"] if r["module"].endswith("layers.0.attention")
                  and r["phase"] == "forward"]
     assert attention and attention[0]["collective"] == "all_gather" and attention[0]["mesh_dim"] == "tp"
+
+
+def test_pipeline_send_recv_on_the_pp_dim(tmp_path: Path, data_cache: str):
+    """Under PP (no per-module attribution: stages run backward through autograd.grad) the stages'
+    point-to-point traffic is counted on the pp dim."""
+    data = comm(tmp_path, data_cache, "--nproc=2", "--parallel.pp=2", "--training.micro_batch=2",
+                "--data.document_mask=false")
+    assert {"send", "recv"} <= set(data["totals"]["pp"])
+    assert all(r["module"] == "(pipeline stage)" for r in data["rows"])
