@@ -9,10 +9,41 @@ is also exactly what happens under an external ``torchrun`` or a Slurm ``srun to
 from __future__ import annotations
 
 import argparse
+import ast
+import inspect
 import os
 import sys
+import textwrap
 
-from shardwise.config import ConfigError, help_text, load_config
+from shardwise import config
+from shardwise.config import ConfigError, load_config
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Map each field of a dataclass to the string literal written under it in the source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
+            docs[node.target.id] = str(nxt.value.value)
+    return docs
+
+
+def help_text() -> str:
+    """Every config key with its type, default and docstring."""
+    lines = []
+    defaults = config.Config()
+    for section, cls in config._sections().items():
+        lines.append(f"[{section}]")
+        docs = field_docs(cls)
+        for name, tp in config._fields(cls).items():
+            default = getattr(getattr(defaults, section), name)
+            shown = "(preset)" if default is None else repr(default)
+            lines.append(f"  --{section}.{name}  ({config._type_name(tp)}, default {shown})")
+            lines.append("      " + " ".join(docs.get(name, "").split()))
+    return "\n".join(lines)
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:

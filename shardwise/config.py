@@ -1,17 +1,15 @@
 """Typed configuration: dataclass sections, TOML presets, ``--section.key=value`` overrides.
 
 Each field's docstring (the string literal under it) is its help text: ``shardwise train
---help-config`` prints them. Every value is checked against its field's type when it is read, so a
-mistyped key or a wrong type fails with one line that names the key, before any work starts.
+--help-config`` prints them (shardwise/cli.py). Every value is checked against its field's type
+when it is read, so a mistyped key or a wrong type fails with one line that names the key, before
+any work starts.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import difflib
-import inspect
-import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
@@ -468,34 +466,3 @@ def parse_backend_spec(dim: str, spec: str) -> tuple[str, dict[str, Any]]:
         parsed[key] = _coerce(f"parallel.backend_override {dim} {key}", BACKEND_OPTIONS[name][key],
                               value, from_cli=True)
     return name, parsed
-
-
-# ---------------------------------------------------------------------------------------------
-# Help text from field docstrings
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """Map each field of a dataclass to the string literal written under it in the source."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, nxt in zip(body, body[1:], strict=False):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
-            docs[node.target.id] = str(nxt.value.value)
-    return docs
-
-
-def help_text() -> str:
-    """Every config key with its type, default and docstring."""
-    lines = []
-    defaults = Config()
-    for section, cls in _sections().items():
-        lines.append(f"[{section}]")
-        docs = field_docs(cls)
-        for name, tp in _fields(cls).items():
-            default = getattr(getattr(defaults, section), name)
-            shown = "(preset)" if default is None else repr(default)
-            lines.append(f"  --{section}.{name}  ({_type_name(tp)}, default {shown})")
-            lines.append("      " + " ".join(docs.get(name, "").split()))
-    return "\n".join(lines)

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.config import Config, ConfigError, field_docs, help_text, load_config, parse_overrides
+from shardwise.cli import field_docs, help_text
+from shardwise.config import Config, ConfigError, load_config, parse_overrides
 
 CONFIGS = sorted(Path(__file__).parents[2].joinpath("configs").glob("*.toml"))
 
