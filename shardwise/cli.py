@@ -35,13 +35,13 @@ def help_text() -> str:
     """Every config key with its type, default and docstring."""
     lines = []
     defaults = config.Config()
-    for section, cls in config._sections().items():
+    for section, cls in config.sections().items():
         lines.append(f"[{section}]")
         docs = field_docs(cls)
-        for name, tp in config._fields(cls).items():
+        for name, tp in config.section_fields(cls).items():
             default = getattr(getattr(defaults, section), name)
             shown = "(preset)" if default is None else repr(default)
-            lines.append(f"  --{section}.{name}  ({config._type_name(tp)}, default {shown})")
+            lines.append(f"  --{section}.{name}  ({config.type_name(tp)}, default {shown})")
             lines.append("      " + " ".join(docs.get(name, "").split()))
     return "\n".join(lines)
 

@@ -220,7 +220,7 @@ class Config:
         """Plain nested dict, None values dropped (TOML has no null)."""
         return {
             s: {k: v for k, v in dataclasses.asdict(getattr(self, s)).items() if v is not None}
-            for s in _sections()
+            for s in sections()
         }
 
     def to_toml(self) -> str:
@@ -231,19 +231,22 @@ class Config:
 # Parsing
 
 
-def _sections() -> dict[str, type]:
+def sections() -> dict[str, type]:
+    """Config section name -> its dataclass."""
     hints = typing.get_type_hints(Config)
     return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
 
 
-def _fields(section_cls: type) -> dict[str, Any]:
+def section_fields(section_cls: type) -> dict[str, Any]:
+    """Field name -> resolved type annotation of one section dataclass."""
     hints = typing.get_type_hints(section_cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
+    """A readable name for a field type, as used in error messages and help."""
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
+        return " or ".join(type_name(a) for a in typing.get_args(tp) if a is not type(None))
     if typing.get_origin(tp) is dict:
         return "table of strings"
     return getattr(tp, "__name__", str(tp))
@@ -257,7 +260,7 @@ def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
         if value is None or (from_cli and str(value).lower() in ("none", "null")):
             return None
         return _coerce(key, inner[0], value, from_cli)
-    bad = ConfigError(f"config key '{key}' expects {_type_name(tp)}, got {value!r}")
+    bad = ConfigError(f"config key '{key}' expects {type_name(tp)}, got {value!r}")
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -315,11 +318,11 @@ def _unknown(key: str, known: list[str], where: str) -> ConfigError:
 
 def _apply(cfg: Config, key: str, value: Any, from_cli: bool, where: str) -> None:
     section, _, name = key.partition(".")
-    sections = _sections()
-    all_keys = [f"{s}.{k}" for s, c in sections.items() for k in _fields(c)]
-    if section not in sections or not name:
+    known = sections()
+    all_keys = [f"{s}.{k}" for s, c in known.items() for k in section_fields(c)]
+    if section not in known or not name:
         raise _unknown(key, all_keys, where)
-    fields = _fields(sections[section])
+    fields = section_fields(known[section])
     if name not in fields:
         raise _unknown(key, all_keys, where)
     try:
