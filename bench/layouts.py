@@ -20,14 +20,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from shardwise.verify import parse_layout
+from shardwise.verify import parse_layout, run_dirname
 
 DEFAULT = ["dp_shard=4", "dp_replicate=2,dp_shard=2", "tp=2,dp_shard=2", "tp=4", "tp=2,dp_replicate=2"]
 
 
 def run(layout: str, steps: int, warmup: int, out: Path) -> dict:
     args, world = parse_layout(layout)
-    run_dir = out / layout.replace("=", "").replace(",", "_")
+    run_dir = out / run_dirname(layout)
     cmd = [sys.executable, "-m", "shardwise", "train", "--config", "configs/debug.toml",
            f"--nproc={world}", *args, f"--run.dir={run_dir}", "--run.overwrite=true",
            f"--training.steps={steps}", "--lr_scheduler.warmup_steps=2", "--eval.interval=0",

@@ -190,11 +190,15 @@ def build_stage(args: ModelArgs, dims: ParallelDims) -> nn.Module:
 def build_pipe(model: nn.Module, dims: ParallelDims, cfg: Config, device: torch.device) -> Pipe | None:
     if dims.pp == 1:
         return None
-    t = cfg.training
-    n_micro = t.global_batch // dims.dp // micro_batch_size(t, dims.dp)
+    n_micro = micro_batches_per_rank(cfg.training, dims.dp)
     # Loss parallel's backward must run inside its context, and the schedule runs the backward.
     ctx = loss_parallel if dims.tp > 1 and cfg.parallel.loss_parallel else contextlib.nullcontext
     return Pipe(model, dims.submesh("pp"), device, cfg.parallel.pp_schedule, n_micro, token_loss_sum, ctx)
+
+
+def micro_batches_per_rank(t: TrainingConfig, dp: int) -> int:
+    """Gradient-accumulation steps per optimizer step (the pipeline's micro-batches under PP)."""
+    return t.global_batch // dp // micro_batch_size(t, dp)
 
 
 def micro_batch_size(t: TrainingConfig, dp: int) -> int:
@@ -214,8 +218,7 @@ def preflight(cfg: Config, world_size: int) -> ParallelDims:
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     args = model_args(cfg.model)
     dims.check_model(args, cfg.training.seq_len)
-    mb = micro_batch_size(cfg.training, dims.dp)
-    check_pipeline(cfg, dims, cfg.training.global_batch // dims.dp // mb)
+    check_pipeline(cfg, dims, micro_batches_per_rank(cfg.training, dims.dp))
     data_files(cfg.data.path)
     tok = load_tokenizer(cfg.data.tokenizer)
     if tok.vocab_size > args.vocab_size:
@@ -319,7 +322,7 @@ def shared_peak(device: torch.device, cfg: Config) -> float:
 
 def describe(cfg: Config, dims: ParallelDims, args: ModelArgs, start: int) -> str:
     t = cfg.training
-    accum = t.global_batch // dims.dp // micro_batch_size(t, dims.dp)
+    accum = micro_batches_per_rank(t, dims.dp)
     return (f"model {cfg.model.name}: {num_params(args) / 1e6:.1f}M params | layout "
             f"pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp} "
             f"(world {dims.world_size}) | "

@@ -92,12 +92,28 @@ def _train(args: list[str], nproc: int, log: Path) -> str:
     return (lines[-1] if lines else f"exit code {proc.returncode}")[:200]
 
 
-def _params(checkpoint: Path) -> dict[str, torch.Tensor]:
+def run_dirname(layout: str) -> str:
+    """A directory name for a layout string: 'tp=2,dp_shard=2' -> 'tp2_dp_shard2'."""
+    return layout.replace("=", "").replace(",", "_").replace(".", "-")
+
+
+def checkpoint_params(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The model parameters of a DCP checkpoint, gathered into plain tensors (no process group)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(str(checkpoint), f"{tmp}/m.pt")
         return torch.load(f"{tmp}/m.pt", weights_only=False)["model"]
+
+
+def update_error(p: dict[str, torch.Tensor], p_ref: dict[str, torch.Tensor],
+                 p_start: dict[str, torch.Tensor]) -> float:
+    """max over tensors of ||p - p_ref|| / ||p_ref - p_start||: how far two runs ended apart,
+    relative to how far training moved each tensor."""
+    if p.keys() != p_ref.keys():
+        raise ValueError(f"parameter names differ: {sorted(p.keys() ^ p_ref.keys())[:5]}")
+    return max(((p[k] - p_ref[k]).norm() / (p_ref[k] - p_start[k]).norm().clamp(min=1e-30)).item()
+               for k in p_ref)
 
 
 def verify(config: str | None, overrides: list[str], layouts: list[str], steps: int, out: Path) -> bool:
@@ -119,11 +135,11 @@ def verify(config: str | None, overrides: list[str], layouts: list[str], steps: 
         raise ConfigError(f"the reference run failed: {err} (log: {out / 'reference.log'})")
     seed = ref_dir / "checkpoints" / "step-0"
     ref_loss = [r["loss"] for r in read_metrics(ref_dir / "metrics.jsonl")]
-    p_ref, p_seed = _params(ref_dir / "checkpoints" / f"step-{steps}"), _params(seed)
+    p_ref, p_seed = checkpoint_params(ref_dir / "checkpoints" / f"step-{steps}"), checkpoint_params(seed)
     results, curves = [], {"reference (1 rank)": ref_loss}
     for name, layout_args, world in parsed:
         print(f"{name}: {world} ranks ...", flush=True)
-        run_dir = out / name.replace("=", "").replace(",", "_").replace(".", "-")
+        run_dir = out / run_dirname(name)
         err = _train([*common, f"--run.dir={run_dir}", f"--checkpoint.path={seed}", *layout_args],
                      world, out / f"{run_dir.name}.log")
         if err:
@@ -133,9 +149,7 @@ def verify(config: str | None, overrides: list[str], layouts: list[str], steps: 
         curves[name] = loss
         diffs = [abs(a - b) for a, b in zip(loss, ref_loss, strict=True)]
         rel = max(d / abs(b) for d, b in zip(diffs, ref_loss, strict=True))
-        p = _params(run_dir / "checkpoints" / f"step-{steps}")
-        prel = max(((p[k] - p_ref[k]).norm() / (p_ref[k] - p_seed[k]).norm().clamp(min=1e-30)).item()
-                   for k in p_ref)
+        prel = update_error(checkpoint_params(run_dir / "checkpoints" / f"step-{steps}"), p_ref, p_seed)
         results.append(Result(name, world, max(diffs), rel, prel,
                                rel <= tol.loss_rel and prel <= tol.param_rel))
     print()

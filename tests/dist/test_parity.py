@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from shardwise.config import load_config
 from shardwise.models import build_model, init_weights, model_args
+from shardwise.verify import checkpoint_params, update_error
 from tests.conftest import TINY_ARGS, metrics, run_cli
 
 pytestmark = pytest.mark.dist
@@ -37,12 +37,6 @@ def train(tmp: Path, name: str, cache: str, *extra: str, launcher: list[str] | N
     return run_dir
 
 
-def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
-    out = run_dir / "final.pt"
-    dcp_to_torch_save(str(run_dir / "checkpoints" / "step-10"), str(out))
-    return torch.load(out, weights_only=False)["model"]
-
-
 def initial_params(run_dir: Path) -> dict[str, torch.Tensor]:
     """The weights the run started from: init is layout-independent, so rebuild it on one CPU."""
     cfg = load_config(run_dir / "config.toml")
@@ -52,10 +46,9 @@ def initial_params(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def param_error(ref_dir: Path, run_dir: Path) -> float:
-    """max over tensors of ||p_run - p_ref|| / ||p_ref - p_init||."""
-    p_ref, p_got, p_init = final_params(ref_dir), final_params(run_dir), initial_params(ref_dir)
-    assert p_ref.keys() == p_got.keys()
-    return max(((p_got[k] - p_ref[k]).norm() / (p_ref[k] - p_init[k]).norm()).item() for k in p_ref)
+    """max over tensors of ||p_run - p_ref|| / ||p_ref - p_init|| (verify's measure)."""
+    final = lambda d: checkpoint_params(d / "checkpoints" / "step-10")  # noqa: E731
+    return update_error(final(run_dir), final(ref_dir), initial_params(ref_dir))
 
 
 def max_rel(a: list[float], b: list[float]) -> float:
