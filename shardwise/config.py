@@ -137,7 +137,7 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel degree."""
     cp: int = 1
-    """Context-parallel degree."""
+    """Context-parallel degree: each sequence split over this many ranks (ring attention)."""
     pp: int = 1
     """Pipeline-parallel degree."""
     ep: int = 1
@@ -146,6 +146,11 @@ class ParallelConfig:
     """Pipeline schedule: gpipe or 1f1b (the micro-batches are the accumulation micro-batches)."""
     loss_parallel: bool = True
     """With tp > 1: keep logits vocab-sharded and compute the cross-entropy without gathering them."""
+    cp_load_balance: bool = True
+    """With cp > 1: give each rank a head and a tail chunk of the sequence so causal attention work
+    is even across ranks."""
+    cp_rotate_method: str = "allgather"
+    """With cp > 1: how key/value shards travel around the ring: allgather or alltoall."""
     backend: str = "auto"
     """Process-group backend: auto (nccl on cuda with gloo for cpu tensors, gloo on cpu), gloo, nccl."""
     backend_override: dict[str, str] = field(default_factory=dict)
@@ -398,6 +403,7 @@ _CHOICES = {
     "parallel.reshard_after_forward": ("default", "always", "never"),
     "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved1f1b", "zbv", "dualpipev"),
     "parallel.fsdp_reduce_dtype": ("fp32", "bf16"),
+    "parallel.cp_rotate_method": ("allgather", "alltoall"),
 }
 
 _POSITIVE = ("training.steps", "training.seq_len", "training.global_batch", "metrics.log_interval",

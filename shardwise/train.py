@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -42,6 +43,7 @@ from shardwise.observe.plot import plot_loss
 from shardwise.optim.adamw import build_optimizer
 from shardwise.optim.clip import clip_grad_norm_
 from shardwise.optim.lr import build_lr_scheduler
+from shardwise.parallel.context import shard_sequences
 from shardwise.parallel.dims import ParallelDims, init_distributed
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.pipeline import SCHEDULES, Pipe, split_stage
@@ -60,10 +62,11 @@ def train(cfg: Config) -> None:
     loader, val_stream = build_data(cfg, dims, env.device, args.vocab_size)
     # 1) meta (this rank's pipeline stage) -> 2) parallelize -> 3) materialize -> 4) init.
     model = build_stage(args, dims)
-    parallelize(model, dims, cfg.parallel, cfg.training.mixed_precision)
+    parallelize(model, dims, cfg.parallel, cfg.training.mixed_precision, cfg.training.seq_len)
     model.to_empty(device=env.device)
     init_weights(model, cfg.training.seed)
     pipe = build_pipe(model, dims, cfg, env.device)
+    shard = batch_sharder(dims, cfg.parallel.cp_load_balance)
     optimizer = build_optimizer(model, cfg.optimizer, env.device.type)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     start = resume(cfg, run_dir, model, optimizer, scheduler, loader)
@@ -79,8 +82,8 @@ def train(cfg: Config) -> None:
     for step in range(start + 1, cfg.training.steps + 1):
         with trace_step(cfg.debug.comm and step == start + 1, dims.mesh, dims.flat_meshes,
                         run_dir / "comm.json", env.rank, track_modules=dims.pp == 1):
-            loss, grad_norm, lr = train_step(model, optimizer, scheduler, loader.next_step(), dims,
-                                             cfg.training.max_grad_norm, pipe)
+            loss, grad_norm, lr = train_step(model, optimizer, scheduler, shard(loader.next_step()),
+                                             dims, cfg.training.max_grad_norm, pipe)
         throughput.add(tokens_per_step)
         do_eval = cfg.eval.interval > 0 and (step % cfg.eval.interval == 0 or step == cfg.training.steps)
         do_save = (cfg.checkpoint.interval > 0 and step % cfg.checkpoint.interval == 0) or (
@@ -89,7 +92,7 @@ def train(cfg: Config) -> None:
             metrics = {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr,  # .item() syncs
                        **throughput.window(), "memory_gib": peak_memory_gib(env.device)}
             if do_eval:
-                metrics.update(evaluate(model, val_stream, cfg, dims, env.device, pipe))
+                metrics.update(evaluate(model, val_stream, cfg, dims, env.device, pipe, shard))
             logger.log(step, metrics)
         if do_save:
             path = checkpoint.save(run_dir / "checkpoints", step, model, optimizer, scheduler, loader)
@@ -151,7 +154,8 @@ def loss_context(logits: torch.Tensor) -> contextlib.AbstractContextManager:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, val: TokenStream, cfg: Config, dims: ParallelDims,
-             device: torch.device, pipe: Pipe | None = None) -> dict[str, float]:
+             device: torch.device, pipe: Pipe | None = None,
+             shard: Callable[[list[Batch]], list[Batch]] = list) -> dict[str, float]:
     """Mean token loss over the first ``eval.steps`` global batches of the held-out split."""
     t = cfg.training
     n_batches = min(cfg.eval.steps, val.num_windows(t.seq_len) // t.global_batch)
@@ -162,7 +166,7 @@ def evaluate(model: nn.Module, val: TokenStream, cfg: Config, dims: ParallelDims
                           document_mask=cfg.data.document_mask, device=device, shuffle=False)
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, valid tokens)
     for _ in range(n_batches):
-        batches = loader.next_step()
+        batches = shard(loader.next_step())
         sums[1] += sum(b.n_valid for b in batches)
         if pipe is not None:
             sums[0] += pipe.loss_sum(batches)
@@ -196,6 +200,21 @@ def build_pipe(model: nn.Module, dims: ParallelDims, cfg: Config, device: torch.
     return Pipe(model, dims.submesh("pp"), device, cfg.parallel.pp_schedule, n_micro, token_loss_sum, ctx)
 
 
+def batch_sharder(dims: ParallelDims, load_balance: bool) -> Callable[[list[Batch]], list[Batch]]:
+    """Identity, or under context parallel: each micro-batch cut to this cp rank's positions."""
+    if dims.cp == 1:
+        return list
+    mesh = dims.submesh("cp")
+
+    def shard(batches: list[Batch]) -> list[Batch]:
+        out = []
+        for b in batches:
+            inputs, labels = shard_sequences(mesh, [b.inputs, b.labels], load_balance)  # (B, S/cp)
+            out.append(Batch(inputs, labels, None, int((labels != IGNORE_INDEX).sum())))
+        return out
+    return shard
+
+
 def micro_batches_per_rank(t: TrainingConfig, dp: int) -> int:
     """Gradient-accumulation steps per optimizer step (the pipeline's micro-batches under PP)."""
     return t.global_batch // dp // micro_batch_size(t, dp)
@@ -219,6 +238,9 @@ def preflight(cfg: Config, world_size: int) -> ParallelDims:
     args = model_args(cfg.model)
     dims.check_model(args, cfg.training.seq_len)
     check_pipeline(cfg, dims, micro_batches_per_rank(cfg.training, dims.dp))
+    if dims.cp > 1 and cfg.data.document_mask:
+        raise ConfigError("data.document_mask with parallel.cp > 1 is not available (the ring "
+                          "attention is causal-only): set data.document_mask=false or cp=1")
     data_files(cfg.data.path)
     tok = load_tokenizer(cfg.data.tokenizer)
     if tok.vocab_size > args.vocab_size:
@@ -324,7 +346,8 @@ def describe(cfg: Config, dims: ParallelDims, args: ModelArgs, start: int) -> st
     t = cfg.training
     accum = micro_batches_per_rank(t, dims.dp)
     return (f"model {cfg.model.name}: {num_params(args) / 1e6:.1f}M params | layout "
-            f"pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp} "
+            f"pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} cp={dims.cp} "
+            f"tp={dims.tp} "
             f"(world {dims.world_size}) | "
             f"{t.global_batch}x{t.seq_len} tokens/step, {accum} micro-batch(es)/rank | "
             f"{t.mixed_precision} | steps {start + 1}..{t.steps}")

@@ -90,10 +90,24 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
 
 
+class AttentionCore(nn.Module):
+    """softmax(q k^T / sqrt(d)) v with a causal (or document) mask: (B, H, S, D) in and out.
+
+    A module of its own so that context parallel can wrap exactly this part (as a ring attention).
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        # Plain causal attention takes SDPA's is_causal fast path; a document mask is explicit.
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.head_dim = args.head_dim
+        self.core = AttentionCore()
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
@@ -111,9 +125,7 @@ class Attention(nn.Module):
         freqs_cis = freqs_cis[:s] if freqs_cis.dim() == 2 else freqs_cis
         q, k = apply_rope(q, freqs_cis), apply_rope(k, freqs_cis)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
-        # Plain causal attention takes SDPA's is_causal fast path; a document mask is explicit.
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+        out = self.core(q, k, v, mask)  # (B, H, S, D)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))  # (B, S, dim)
 
 
@@ -165,6 +177,9 @@ class Transformer(nn.Module):
         # after to_empty() or sharding.
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("freqs_cis", rope_frequencies(args), persistent=False)
+        # The sequence positions this rank's tokens hold, when context parallel shards the
+        # sequence; init_weights then keeps only those rows of the RoPE table.
+        self.rope_positions: torch.Tensor | None = None
 
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -211,7 +226,8 @@ def param_init_spec(name: str, args: ModelArgs) -> tuple[str, float]:
 
 @torch.no_grad()
 def init_weights(model: Transformer, seed: int) -> None:
-    """Fill every parameter from a generator seeded by (seed, parameter name), then the RoPE table.
+    """Fill every parameter from a generator seeded by (seed, parameter name), then the RoPE table
+    (only this rank's positions under context parallel).
 
     Each full parameter is drawn on its own device and only the local shard is kept, so the result
     is independent of the layout (one full parameter exists at a time, never the whole model).
@@ -229,7 +245,10 @@ def init_weights(model: Transformer, seed: int) -> None:
             # src_data_rank=None: every rank drew the same full tensor; each keeps its shard, no comm.
             full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
         _local(p).copy_(full)
-    model.freqs_cis = rope_frequencies(model.args, device=model.freqs_cis.device)
+    freqs = rope_frequencies(model.args, device=model.freqs_cis.device)
+    if model.rope_positions is not None:
+        freqs = freqs[model.rope_positions.to(freqs.device)]  # (S/cp, D/2): this cp rank's rows
+    model.freqs_cis = freqs
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

@@ -119,7 +119,11 @@ def mesh_group_names(mesh: DeviceMesh, flat: dict[str, DeviceMesh]) -> dict[str,
     for dim in mesh.mesh_dim_names or ():
         names[mesh.get_group(dim).group_name] = dim
     for dim, sub in flat.items():
-        names.setdefault(sub.get_group().group_name, dim)
+        if sub.ndim == 1:
+            names.setdefault(sub.get_group().group_name, dim)
+            continue
+        for sub_dim in sub.mesh_dim_names or ():  # a 2-D view (HSDP with cp): name its own dims
+            names.setdefault(sub.get_group(sub_dim).group_name, sub_dim)
     return names
 
 

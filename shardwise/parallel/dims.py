@@ -27,7 +27,7 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 # Degrees whose parallelism is not built yet: each is refused with a one-line error rather than run
 # as something it is not.
-_NOT_YET = {"cp": "context parallel", "ep": "expert parallel"}
+_NOT_YET = {"ep": "expert parallel"}
 
 
 @dataclass
@@ -83,6 +83,12 @@ class ParallelDims:
         if self.tp > 1 and args.tie_embeddings:
             raise ConfigError("model.tie_embeddings with parallel.tp > 1 is not available yet: set "
                               "model.tie_embeddings=false or tp=1")
+        if self.cp > 1 and seq_len % (2 * self.cp):
+            raise ConfigError(f"parallel.cp={self.cp} needs training.seq_len={seq_len} divisible by "
+                              f"2*cp={2 * self.cp} (each rank takes a head and a tail chunk)")
+        if self.cp > 1 and self.tp > 1 and (seq_len // self.cp) % self.tp:
+            raise ConfigError(f"parallel.tp={self.tp} must divide the per-cp-rank sequence "
+                              f"training.seq_len/cp={seq_len // self.cp} (sequence parallel)")
         if args.n_layers < self.pp:
             raise ConfigError(f"parallel.pp={self.pp} exceeds model.n_layers={args.n_layers}")
 
@@ -107,6 +113,10 @@ class ParallelDims:
         self._flat = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
                       "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
                       "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")}
+        if self.dp_replicate > 1 and self.cp > 1:
+            # HSDP over (dp_replicate, dp_shard x cp): a 2-D view made by unflattening dp_cp.
+            self._flat["hsdp"] = self._flat["dp_cp"]._unflatten(
+                0, (self.dp_replicate, self.dp_shard * self.cp), ("dp_replicate", "dp_shard_cp"))
         self._mesh = mesh
         return mesh
 
@@ -123,12 +133,9 @@ class ParallelDims:
 
     def fsdp_mesh(self) -> DeviceMesh:
         """1-D over dp_shard x cp for FSDP, or 2-D (dp_replicate, dp_shard x cp) for HSDP."""
-        shard = "dp_shard" if self.cp == 1 else "dp_shard_cp"
         if self.dp_replicate > 1:
-            if self.cp > 1:  # needs an unflattened 2-D view; arrives with context parallel
-                raise ConfigError("HSDP with context parallel is not available yet")
-            return self.mesh["dp_replicate", shard]
-        return self.submesh(shard)
+            return self._flat["hsdp"] if self.cp > 1 else self.mesh["dp_replicate", "dp_shard"]
+        return self.submesh("dp_shard" if self.cp == 1 else "dp_shard_cp")
 
 
 def backend_options(name: str, opts: dict[str, Any]) -> str | tuple[str, Any]:

@@ -50,3 +50,19 @@ def test_pipeline_send_recv_on_the_pp_dim(tmp_path: Path, data_cache: str):
                 "--data.document_mask=false")
     assert {"send", "recv"} <= set(data["totals"]["pp"])
     assert all(r["module"] == "(pipeline stage)" for r in data["rows"])
+
+
+def test_cp_ring_bytes_are_exact(tmp_path: Path, data_cache: str):
+    """Ring attention (cp=2, all-gather rotation): each block's forward and backward all-gather the
+    local K and V shards of the cp group (counted as gathered bytes), and the backward passes the
+    key/value gradients around the ring once per ring step (all-to-all)."""
+    data = comm(tmp_path, data_cache, "--nproc=4", "--parallel.dp_shard=2", "--parallel.cp=2",
+                "--data.document_mask=false")
+    cfg = load_config(tmp_path / "config.toml")
+    args, cp = model_args(cfg.model), 2
+    micro_batch = cfg.training.global_batch // 2  # dp_shard=2
+    kv_local = micro_batch * args.n_kv_heads * (cfg.training.seq_len // cp) * args.head_dim * 2 * 4
+    ring = data["totals"]["cp"]
+    assert ring["all_gather"] == args.n_layers * 2 * cp * kv_local
+    assert ring["all_to_all"] == args.n_layers * cp * kv_local
+    assert set(data["totals"]) == {"cp", "dp_shard_cp"}  # FSDP shards over dp_shard x cp

@@ -74,8 +74,17 @@ LAYOUTS = {
 }
 
 
-# Pipeline parallel does not take document masks yet, so it is compared with an unmasked reference.
-PP_LAYOUTS = {
+# Pipeline and context parallel do not take document masks, so they are compared with an unmasked
+# reference.
+UNMASKED_LAYOUTS = {
+    "cp2": ["--nproc=2", "--parallel.cp=2"],
+    "cp2_no_load_balance_alltoall": ["--nproc=2", "--parallel.cp=2", "--parallel.cp_load_balance=false",
+                                     "--parallel.cp_rotate_method=alltoall"],
+    "cp4": ["--nproc=4", "--parallel.cp=4"],
+    "fsdp2_cp2": ["--nproc=4", "--parallel.dp_shard=2", "--parallel.cp=2"],
+    "hsdp2_cp2": ["--nproc=4", "--parallel.dp_replicate=2", "--parallel.cp=2"],
+    "cp2_tp2": ["--nproc=4", "--parallel.cp=2", "--parallel.tp=2"],
+    "pp2_cp2": ["--nproc=4", "--parallel.pp=2", "--parallel.cp=2", "--training.micro_batch=4"],
     "pp2_1f1b": ["--nproc=2", "--parallel.pp=2", "--training.micro_batch=2"],
     "pp2_gpipe": ["--nproc=2", "--parallel.pp=2", "--parallel.pp_schedule=gpipe", "--training.micro_batch=4"],
     "pp2_fsdp2": ["--nproc=4", "--parallel.pp=2", "--parallel.dp_shard=2", "--training.micro_batch=2"],
@@ -88,10 +97,10 @@ def reference_unmasked(tmp_path_factory: pytest.TempPathFactory, data_cache: str
     return train(tmp_path_factory.mktemp("ref_unmasked"), "ref", data_cache, "--data.document_mask=false")
 
 
-@pytest.mark.parametrize("layout", list(PP_LAYOUTS))
-def test_pipeline_layout_matches_single_rank(layout: str, reference_unmasked: Path, tmp_path: Path,
+@pytest.mark.parametrize("layout", list(UNMASKED_LAYOUTS))
+def test_unmasked_layout_matches_single_rank(layout: str, reference_unmasked: Path, tmp_path: Path,
                                              data_cache: str):
-    run_dir = train(tmp_path, layout, data_cache, "--data.document_mask=false", *PP_LAYOUTS[layout])
+    run_dir = train(tmp_path, layout, data_cache, "--data.document_mask=false", *UNMASKED_LAYOUTS[layout])
     check_same_run(reference_unmasked, run_dir, layout)
 
 

@@ -24,7 +24,6 @@ def test_dp_shard_takes_the_rest():
     (6, dict(dp_replicate=4), "world size 6 is not divisible by dp_replicate*cp*tp*pp=4"),
     (4, dict(dp_shard=0), "parallel.dp_shard must be >= 1"),
     (4, dict(dp_replicate=-1), "parallel.dp_replicate must be >= 1"),
-    (4, dict(cp=2), "parallel.cp=2: context parallel is not available"),
     (4, dict(ep=2), "parallel.ep=2: expert parallel is not available"),
 ])
 def test_impossible_layouts(world: int, kw: dict, fragment: str):
@@ -51,6 +50,18 @@ def test_check_model_divisibility(tp: int, args: ModelArgs, seq: int, fragment: 
     d = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=tp, pp=1, ep=1, world_size=tp)
     with pytest.raises(ConfigError) as e:
         d.check_model(args, seq)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("cp,tp,seq,fragment", [
+    (2, 1, 66, "needs training.seq_len=66 divisible by 2*cp=4"),
+    (4, 1, 100, "divisible by 2*cp=8"),
+    (2, 4, 60, "parallel.tp=4 must divide the per-cp-rank sequence training.seq_len/cp=30"),
+])
+def test_cp_sequence_divisibility(cp: int, tp: int, seq: int, fragment: str):
+    d = ParallelDims(dp_replicate=1, dp_shard=1, cp=cp, tp=tp, pp=1, ep=1, world_size=cp * tp)
+    with pytest.raises(ConfigError) as e:
+        d.check_model(ModelArgs(n_heads=16, n_kv_heads=4), seq)
     assert fragment in str(e.value) and "\n" not in str(e.value)
 
 
