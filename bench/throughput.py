@@ -64,7 +64,7 @@ def bench_preset(name: str, steps: int, warmup: int, peak: float) -> dict[str, f
     popt = torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=True)
 
     def step_ours(mbs):
-        train_step(ours, opt, sched, mbs, dims, 1.0)[0].item()
+        train_step(ours, opt, sched, mbs, dims, 1.0)["loss"].item()
 
     def step_plain(mbs):
         (b,) = mbs

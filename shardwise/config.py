@@ -62,6 +62,31 @@ class ModelConfig:
     """Longest sequence the RoPE table covers."""
     tie_embeddings: bool | None = None
     """Share the input embedding with the output projection."""
+    head_size: int | None = None
+    """Per-head width; 0 = dim / n_heads."""
+    n_experts: int | None = None
+    """Routed experts per MoE layer; 0 = dense model."""
+    moe_top_k: int | None = None
+    """Experts each token is routed to."""
+    moe_hidden_dim: int | None = None
+    """Hidden width of each expert's SwiGLU."""
+    n_shared_experts: int | None = None
+    """Shared experts every token also goes through (fused into one MLP of n * moe_hidden_dim)."""
+    moe_score: str | None = None
+    """Router scores: softmax or sigmoid."""
+    moe_route_norm: bool | None = None
+    """Renormalize the chosen experts' scores to sum to 1."""
+    moe_route_scale: float | None = None
+    """Multiplier on the routing weights."""
+    moe_balance: str | None = None
+    """Load balancing: aux_loss (sequence-wise balance loss), bias (auxiliary-loss-free routing
+    bias), or none."""
+    moe_aux_coef: float | None = None
+    """Weight of the balance loss (moe_balance=aux_loss)."""
+    moe_bias_rate: float | None = None
+    """Routing-bias step per optimizer step (moe_balance=bias)."""
+    n_dense_layers: int | None = None
+    """Leading blocks that keep the dense MLP in an MoE model."""
 
 
 @dataclass
@@ -404,6 +429,8 @@ _CHOICES = {
     "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved1f1b", "zbv", "dualpipev"),
     "parallel.fsdp_reduce_dtype": ("fp32", "bf16"),
     "parallel.cp_rotate_method": ("allgather", "alltoall"),
+    "model.moe_score": ("softmax", "sigmoid"),
+    "model.moe_balance": ("aux_loss", "bias", "none"),
 }
 
 _POSITIVE = ("training.steps", "training.seq_len", "training.global_batch", "metrics.log_interval",
@@ -439,7 +466,10 @@ def validate(cfg: Config) -> None:
     m = cfg.model
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
-    if m.dim % m.n_heads or (m.dim // m.n_heads) % 2:
+    if m.head_size:
+        if m.head_size % 2:
+            raise ConfigError(f"model.head_size={m.head_size} must be even (RoPE rotates pairs)")
+    elif m.dim % m.n_heads or (m.dim // m.n_heads) % 2:
         raise ConfigError(f"model.dim={m.dim} must be n_heads={m.n_heads} times an even head dim")
     if cfg.training.seq_len > m.max_seq_len:
         raise ConfigError(f"training.seq_len={cfg.training.seq_len} exceeds model.max_seq_len="

@@ -34,6 +34,7 @@ from shardwise.data.dataset import (
 )
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.models import ModelArgs, build_model, init_weights, model_args
+from shardwise.models.moe import moe_layers, update_expert_bias
 from shardwise.observe.comm import trace_step
 from shardwise.observe.flops import flops_per_token, num_params
 from shardwise.observe.memory import peak_memory_gib
@@ -66,6 +67,8 @@ def train(cfg: Config) -> None:
     model.to_empty(device=env.device)
     init_weights(model, cfg.training.seed)
     pipe = build_pipe(model, dims, cfg, env.device)
+    for moe in moe_layers(model):  # the balance loss is a mean over the step's sequences
+        moe.sequences_per_step = cfg.training.global_batch
     shard = batch_sharder(dims, cfg.parallel.cp_load_balance)
     optimizer = build_optimizer(model, cfg.optimizer, env.device.type)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
@@ -82,15 +85,15 @@ def train(cfg: Config) -> None:
     for step in range(start + 1, cfg.training.steps + 1):
         with trace_step(cfg.debug.comm and step == start + 1, dims.mesh, dims.flat_meshes,
                         run_dir / "comm.json", env.rank, track_modules=dims.pp == 1):
-            loss, grad_norm, lr = train_step(model, optimizer, scheduler, shard(loader.next_step()),
-                                             dims, cfg.training.max_grad_norm, pipe)
+            result = train_step(model, optimizer, scheduler, shard(loader.next_step()), dims,
+                                cfg.training.max_grad_norm, pipe)
         throughput.add(tokens_per_step)
         do_eval = cfg.eval.interval > 0 and (step % cfg.eval.interval == 0 or step == cfg.training.steps)
         do_save = (cfg.checkpoint.interval > 0 and step % cfg.checkpoint.interval == 0) or (
             cfg.checkpoint.final and step == cfg.training.steps)
         if do_eval or step % cfg.metrics.log_interval == 0 or step == cfg.training.steps:
-            metrics = {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr,  # .item() syncs
-                       **throughput.window(), "memory_gib": peak_memory_gib(env.device)}
+            metrics = {k: float(v) for k, v in result.items()}  # float() of a tensor syncs
+            metrics.update(**throughput.window(), memory_gib=peak_memory_gib(env.device))
             if do_eval:
                 metrics.update(evaluate(model, val_stream, cfg, dims, env.device, pipe, shard))
             logger.log(step, metrics)
@@ -106,8 +109,9 @@ def train(cfg: Config) -> None:
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                scheduler: torch.optim.lr_scheduler.LRScheduler, batches: list[Batch],
                dims: ParallelDims, max_grad_norm: float,
-               pipe: Pipe | None = None) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """One optimizer step over this rank's micro-batches: (global mean loss, grad norm, lr used).
+               pipe: Pipe | None = None) -> dict[str, torch.Tensor | float]:
+    """One optimizer step over this rank's micro-batches: global mean ``loss``, ``grad_norm``,
+    ``lr`` used, and for MoE models ``expert_load`` (busiest expert over the mean, worst layer).
 
     With pipeline parallel the schedule runs the micro-batches through the stages."""
     dp_cp = dims.submesh("dp_cp").get_group()
@@ -128,7 +132,14 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     dist.all_reduce(loss_sum, group=dp_cp)
-    return loss_sum / n_valid, grad_norm, lr
+    result = {"loss": loss_sum / n_valid, "grad_norm": grad_norm, "lr": lr}
+    if model.args.n_experts:
+        load = update_expert_bias(model, dims.submesh("dp_cp_tp").get_group())
+        if dims.pp > 1:  # the worst layer over all stages (a stage may hold no MoE block)
+            load = load if load is not None else torch.zeros((), device=device)
+            dist.all_reduce(load, op=dist.ReduceOp.MAX, group=stages)
+        result["expert_load"] = load
+    return result
 
 
 def forward_backward(model: nn.Module, batch: Batch, n_valid_global: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from shardwise.models.moe import MoE
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -36,10 +38,27 @@ class ModelArgs:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_seq_len: int = 8192
+    head_size: int = 0
+    """Per-head width; 0 = dim // n_heads (Qwen3-style models decouple the two)."""
+    # Mixture of experts (n_experts = 0: every block has the dense SwiGLU MLP). See moe.py.
+    n_experts: int = 0
+    moe_top_k: int = 2
+    moe_hidden_dim: int = 0
+    n_shared_experts: int = 0
+    moe_score: str = "softmax"
+    moe_route_norm: bool = True
+    moe_route_scale: float = 1.0
+    moe_balance: str = "aux_loss"
+    moe_aux_coef: float = 0.01
+    moe_bias_rate: float = 1e-3
+    n_dense_layers: int = 0
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_size or self.dim // self.n_heads
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return self.n_experts > 0 and layer_id >= self.n_dense_layers
 
     @property
     def ffn_hidden_dim(self) -> int:
@@ -149,7 +168,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.feed_forward: nn.Module = (MoE(args) if args.is_moe_layer(layer_id)
+                                        else FeedForward(args.dim, args.ffn_hidden_dim))
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
@@ -218,7 +238,8 @@ def param_init_spec(name: str, args: ModelArgs) -> tuple[str, float]:
         return "normal", args.dim**-0.5 if args.tie_embeddings else 1.0
     if name == "output.weight":
         return "normal", args.dim**-0.5
-    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "shared_expert.w2.weight",
+                      "experts.w2")):
         layer = int(name.split(".")[1])
         return "normal", 0.02 / math.sqrt(2 * (layer + 1))
     return "normal", 0.02
@@ -245,6 +266,10 @@ def init_weights(model: Transformer, seed: int) -> None:
             # src_data_rank=None: every rank drew the same full tensor; each keeps its shard, no comm.
             full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
         _local(p).copy_(full)
+    for m in model.modules():  # MoE state: no routing bias, no tokens counted yet
+        if isinstance(m, MoE):
+            m.router.expert_bias.zero_()
+            m.tokens_per_expert.zero_()
     freqs = rope_frequencies(model.args, device=model.freqs_cis.device)
     if model.rope_positions is not None:
         freqs = freqs[model.rope_positions.to(freqs.device)]  # (S/cp, D/2): this cp rank's rows

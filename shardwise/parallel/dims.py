@@ -7,6 +7,8 @@ views are built once:
 - ``dp``          = dp_replicate x dp_shard        (data loading: who reads which sequences)
 - ``dp_shard_cp`` = dp_shard x cp                  (FSDP shards parameters over these ranks)
 - ``dp_cp``       = dp_replicate x dp_shard x cp   (loss / valid-token all-reduce)
+- ``dp_cp_tp``    = all but pp                     (MoE: every rank routes different tokens)
+- ``cp_tp``       = cp x tp                        (MoE: the ranks that share one sequence)
 """
 
 from __future__ import annotations
@@ -25,9 +27,6 @@ from shardwise.models.llama import ModelArgs
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
-# Degrees whose parallelism is not built yet: each is refused with a one-line error rather than run
-# as something it is not.
-_NOT_YET = {"ep": "expert parallel"}
 
 
 @dataclass
@@ -60,10 +59,10 @@ class ParallelDims:
             raise ConfigError(
                 f"parallel degrees pp*dp_replicate*dp_shard*cp*tp = {product} != world size "
                 f"{world_size}: make the product equal the number of ranks or set dp_shard=-1")
-        for k, what in _NOT_YET.items():
-            if degrees[k] > 1:
-                raise ConfigError(f"parallel.{k}={degrees[k]}: {what} is not available in this "
-                                  "version yet; use dp_shard / dp_replicate")
+        borrow = degrees["dp_shard"] * degrees["cp"] * degrees["tp"]
+        if borrow % degrees["ep"]:
+            raise ConfigError(f"parallel.ep={degrees['ep']} must divide dp_shard*cp*tp={borrow} (expert "
+                              "parallel borrows those ranks): change ep or the other degrees")
         return cls(world_size=world_size, **degrees)
 
     def check_model(self, args: ModelArgs, seq_len: int) -> None:
@@ -89,6 +88,11 @@ class ParallelDims:
         if self.cp > 1 and self.tp > 1 and (seq_len // self.cp) % self.tp:
             raise ConfigError(f"parallel.tp={self.tp} must divide the per-cp-rank sequence "
                               f"training.seq_len/cp={seq_len // self.cp} (sequence parallel)")
+        if self.ep > 1 and not args.n_experts:
+            raise ConfigError(f"parallel.ep={self.ep} needs an MoE model (model.n_experts > 0, e.g. "
+                              "model.name=moe-debug): set ep=1")
+        if args.n_experts and args.n_experts % self.ep:
+            raise ConfigError(f"parallel.ep={self.ep} must divide model.n_experts={args.n_experts}")
         if args.n_layers < self.pp:
             raise ConfigError(f"parallel.pp={self.pp} exceeds model.n_layers={args.n_layers}")
 
@@ -112,7 +116,9 @@ class ParallelDims:
         # torch wants flattened meshes kept by the caller rather than sliced from the root again.
         self._flat = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
                       "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
-                      "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")}
+                      "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+                      "dp_cp_tp": mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten("dp_cp_tp"),
+                      "cp_tp": mesh["cp", "tp"]._flatten("cp_tp")}
         if self.dp_replicate > 1 and self.cp > 1:
             # HSDP over (dp_replicate, dp_shard x cp): a 2-D view made by unflattening dp_cp.
             self._flat["hsdp"] = self._flat["dp_cp"]._unflatten(
@@ -130,6 +136,31 @@ class ParallelDims:
         if name in self._flat:
             return self._flat[name]
         return self.mesh[name]
+
+    def moe_meshes(self) -> dict[str, DeviceMesh]:
+        """Meshes of MoE blocks (built on first use, on every rank alike):
+
+        - ``moe``: FSDP mesh of router and shared expert -- all of dp_shard x cp x tp (2-D with
+          dp_replicate for HSDP): for an MoE block those ranks all hold different tokens;
+        - ``ep``: the expert-parallel dim (1-D), borrowed from dp_shard x cp x tp;
+        - ``experts``: FSDP mesh of the expert weights, the rest of dp_shard x cp x tp (``efsdp``),
+          with dp_replicate for HSDP.
+        """
+        if "moe" in self._flat:
+            return {k: self._flat[k] for k in ("moe", "ep", "experts") if k in self._flat}
+        shard = self.dp_shard * self.cp * self.tp
+        all_but_pp = self._flat["dp_cp_tp"]
+        if self.dp_replicate > 1:
+            self._flat["moe"] = all_but_pp._unflatten(0, (self.dp_replicate, shard),
+                                                      ("dp_replicate", "dp_shard_cp_tp"))
+        else:
+            self._flat["moe"] = self.mesh["dp_shard", "cp", "tp"]._flatten("dp_shard_cp_tp")
+        if self.ep > 1:
+            grid = all_but_pp._unflatten(0, (self.dp_replicate, shard // self.ep, self.ep),
+                                         ("dp_replicate", "efsdp", "ep"))
+            self._flat["ep"] = grid["ep"]
+            self._flat["experts"] = grid["dp_replicate", "efsdp"] if self.dp_replicate > 1 else grid["efsdp"]
+        return self.moe_meshes()
 
     def fsdp_mesh(self) -> DeviceMesh:
         """1-D over dp_shard x cp for FSDP, or 2-D (dp_replicate, dp_shard x cp) for HSDP."""

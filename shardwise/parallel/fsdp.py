@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from shardwise.config import ParallelConfig
+from shardwise.models.moe import MoE
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -26,11 +27,14 @@ def mixed_precision_policy(mixed_precision: str, reduce_dtype: str) -> MixedPrec
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig,
-               mp_policy: MixedPrecisionPolicy) -> None:
+               mp_policy: MixedPrecisionPolicy, moe_meshes: dict[str, DeviceMesh] | None = None) -> None:
     """Shard each transformer block, then the root (embeddings, final norm, output head).
 
     One FSDP group per block lets the next block's all-gather overlap this block's compute. The
     root keeps its parameters gathered after forward (backward needs the output head first).
+    An MoE block's feed-forward is its own group on ``moe_meshes["moe"]`` (all ranks that route
+    different tokens), with the experts in a group of their own on ``moe_meshes["experts"]`` under
+    expert parallel.
     """
     layers = list(model.layers.values())  # type: ignore[union-attr]
     for i, block in enumerate(layers):
@@ -41,6 +45,12 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig,
         else:  # default: the last block's parameters are needed again first in backward, and
             # under PP every block's are, once per micro-batch: keep them gathered.
             reshard = i < len(layers) - 1 and cfg.pp == 1
+        if isinstance(block.feed_forward, MoE):
+            if "experts" in (moe_meshes or {}):
+                fully_shard(block.feed_forward.experts, mesh=moe_meshes["experts"], mp_policy=mp_policy,
+                            reshard_after_forward=reshard)
+            fully_shard(block.feed_forward, mesh=moe_meshes["moe"], mp_policy=mp_policy,
+                        reshard_after_forward=reshard)
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy,
                 reshard_after_forward=cfg.reshard_after_forward == "always")

@@ -1,7 +1,8 @@
 """``parallelize()``: apply each parallelism to a meta-device model in one fixed order.
 
-The order is TP -> CP -> activation checkpointing -> compile -> FSDP (torchtitan's): TP rewrites
-the linear layers into DTensor ops, CP wraps the attention cores (no parameters), checkpointing and
+The order is TP -> CP -> EP -> activation checkpointing -> compile -> FSDP (torchtitan's): TP
+rewrites the linear layers into DTensor ops, CP wraps the attention cores (no parameters), EP shards
+the MoE experts over their own mesh dim and wraps them in the token exchange, checkpointing and
 compile wrap the already-sharded blocks, and FSDP comes last so it shards the final parameters and
 its hooks sit outside everything else. Pipeline parallel happens before all of them (the model is
 cut into this rank's stage first); the other stages arrive with their issues and slot in here.
@@ -12,8 +13,10 @@ from __future__ import annotations
 from torch import nn
 
 from shardwise.config import ParallelConfig
+from shardwise.models.moe import moe_layers
 from shardwise.parallel.context import apply_cp
 from shardwise.parallel.dims import ParallelDims
+from shardwise.parallel.expert import apply_ep
 from shardwise.parallel.fsdp import apply_fsdp, mixed_precision_policy
 from shardwise.parallel.tensor import apply_tp
 
@@ -26,5 +29,14 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, mixed
         apply_tp(model, dims.submesh("tp"), cfg)
     if dims.cp > 1:
         apply_cp(model, dims.submesh("cp"), cfg, seq_len)
+    moe_meshes = {}
+    if moe := moe_layers(model):
+        moe_meshes = dims.moe_meshes()
+        # A sequence's tokens are split over cp x tp: the balance loss counts over those ranks.
+        group = dims.submesh("cp_tp").get_group() if dims.cp * dims.tp > 1 else None
+        for m in moe:
+            m.sequence_group = group
+        if dims.ep > 1:
+            apply_ep(model, moe_meshes["ep"])
     mp = mixed_precision_policy(mixed_precision, cfg.fsdp_reduce_dtype)
-    apply_fsdp(model, dims.fsdp_mesh(), cfg, mp)
+    apply_fsdp(model, dims.fsdp_mesh(), cfg, mp, moe_meshes)

@@ -22,9 +22,32 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from shardwise.models.moe import routing_not_counted
 from shardwise.parallel.tensor import full_value
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+class Stage(PipelineStage):
+    """A PipelineStage whose shape inference does not count as MoE routing.
+
+    Before the first step torch runs the stage once on placeholder tensors to learn the shapes it
+    exchanges (``_shape_inference`` in torch 2.11, ``_forward_metadata_inference`` in 2.13); an MoE
+    block would otherwise count those tokens into its expert loads."""
+
+
+def _uncounted(name: str) -> None:
+    original = getattr(PipelineStage, name)
+
+    def wrapper(self: Stage, *args: object, **kwargs: object) -> object:
+        with routing_not_counted(self.submod):
+            return original(self, *args, **kwargs)
+    setattr(Stage, name, wrapper)
+
+
+for _name in ("_shape_inference", "_forward_metadata_inference"):
+    if hasattr(PipelineStage, _name):
+        _uncounted(_name)
 
 
 def stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
@@ -76,7 +99,7 @@ class Pipe:
         self.mesh, self.device, self.loss_context = mesh, device, loss_context
         self.loss = PipelineLoss(token_loss_sum)
         rank, size = mesh.get_local_rank(), mesh.size()
-        self.stage = PipelineStage(stage_module, rank, size, device, group=mesh.get_group())
+        self.stage = Stage(stage_module, rank, size, device, group=mesh.get_group())
         self.schedule = SCHEDULES[schedule](self.stage, n_microbatches, loss_fn=self.loss,
                                             scale_grads=False)
         self.is_first, self.is_last = rank == 0, rank == size - 1

@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from shardwise.config import ParallelConfig
+from shardwise.models.moe import MoE
 
 
 def full_value(t: torch.Tensor) -> torch.Tensor:
@@ -44,6 +45,24 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> None:
                                   use_local_output=not cfg.loss_parallel),
     })
     for block in model.layers.values():  # type: ignore[union-attr]
+        if isinstance(block.feed_forward, MoE):
+            ffn_plan = {
+                # MoE blocks stay on the sequence shard: each tp rank routes its own S/tp tokens
+                # (no gather), and router and experts are not split over tp -- FSDP shards them over
+                # dp_shard x cp x tp instead and sums their gradients over all of those ranks. The
+                # output is the local shard, as the residual stream between blocks is.
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                   desired_input_layouts=(Shard(1),),
+                                                   use_local_output=True),
+            }
+        else:
+            ffn_plan = {
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                   desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),  # reduce-scatter over tp
+                "feed_forward.w3": ColwiseParallel(),
+            }
         parallelize_module(block, mesh, {
             "attention_norm": SequenceParallel(),
             # (x, freqs_cis, mask): gather x over the sequence (all-gather over tp); RoPE table and
@@ -55,9 +74,5 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> None:
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),  # reduce-scatter over tp
             "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
-                                               desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),  # reduce-scatter over tp
-            "feed_forward.w3": ColwiseParallel(),
+            **ffn_plan,
         })

@@ -92,6 +92,46 @@ UNMASKED_LAYOUTS = {
 }
 
 
+# MoE (tiny moe-debug: 4 experts of width 32, top-2, a shared expert, block 0 dense), unmasked.
+MOE_ARGS = ["--data.document_mask=false", "--model.name=moe-debug", "--model.dim=64", "--model.n_layers=2",
+            "--model.n_heads=4", "--model.n_kv_heads=2", "--model.moe_hidden_dim=32", "--model.n_experts=4"]
+MOE_LAYOUTS = {
+    "moe_fsdp2": ["--nproc=2"],
+    "moe_ep2": ["--nproc=2", "--parallel.ep=2"],
+    "moe_fsdp4_ep2": ["--nproc=4", "--parallel.ep=2"],
+    "moe_tp2": ["--nproc=2", "--parallel.tp=2"],
+    "moe_ep2_tp2": ["--nproc=4", "--parallel.ep=2", "--parallel.tp=2"],
+    "moe_ep4_tp2": ["--nproc=4", "--parallel.ep=4", "--parallel.tp=2"],
+    "moe_cp2_ep2": ["--nproc=2", "--parallel.cp=2", "--parallel.ep=2"],
+    "moe_hsdp2_ep2": ["--nproc=4", "--parallel.dp_replicate=2", "--parallel.ep=2"],
+    "moe_pp2_ep2": ["--nproc=4", "--parallel.pp=2", "--parallel.ep=2", "--training.micro_batch=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def reference_moe(tmp_path_factory: pytest.TempPathFactory, data_cache: str) -> Path:
+    return train(tmp_path_factory.mktemp("ref_moe"), "ref", data_cache, *MOE_ARGS)
+
+
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+def test_moe_layout_matches_single_rank(layout: str, reference_moe: Path, tmp_path: Path, data_cache: str):
+    """Expert parallel alone and with FSDP, HSDP, TP, CP and PP; the expert load each step (from
+    counts summed over all ranks) is the reference's too."""
+    run_dir = train(tmp_path, layout, data_cache, *MOE_ARGS, *MOE_LAYOUTS[layout])
+    check_same_run(reference_moe, run_dir, layout)
+    loads = [r["expert_load"] for r in metrics(run_dir)]
+    assert loads == pytest.approx([r["expert_load"] for r in metrics(reference_moe)], rel=1e-6)
+
+
+def test_moe_bias_balancing_sigmoid_matches_single_rank(tmp_path: Path, data_cache: str):
+    """Auxiliary-loss-free balancing (routing bias updated from global counts) with sigmoid scores:
+    the same run on 1 rank and on EP2 x TP2."""
+    extra = [*MOE_ARGS, "--model.moe_balance=bias", "--model.moe_score=sigmoid", "--model.moe_bias_rate=0.01"]
+    ref = train(tmp_path, "ref", data_cache, *extra)
+    check_same_run(ref, train(tmp_path, "ep2_tp2", data_cache, *extra, "--nproc=4", "--parallel.ep=2",
+                              "--parallel.tp=2"), "bias ep2_tp2")
+
+
 @pytest.fixture(scope="module")
 def reference_unmasked(tmp_path_factory: pytest.TempPathFactory, data_cache: str) -> Path:
     return train(tmp_path_factory.mktemp("ref_unmasked"), "ref", data_cache, "--data.document_mask=false")

@@ -24,7 +24,8 @@ def test_dp_shard_takes_the_rest():
     (6, dict(dp_replicate=4), "world size 6 is not divisible by dp_replicate*cp*tp*pp=4"),
     (4, dict(dp_shard=0), "parallel.dp_shard must be >= 1"),
     (4, dict(dp_replicate=-1), "parallel.dp_replicate must be >= 1"),
-    (4, dict(ep=2), "parallel.ep=2: expert parallel is not available"),
+    (4, dict(ep=3), "parallel.ep=3 must divide dp_shard*cp*tp=4"),
+    (8, dict(ep=4, dp_replicate=4), "parallel.ep=4 must divide dp_shard*cp*tp=2"),
 ])
 def test_impossible_layouts(world: int, kw: dict, fragment: str):
     with pytest.raises(ConfigError) as e:
@@ -62,6 +63,17 @@ def test_cp_sequence_divisibility(cp: int, tp: int, seq: int, fragment: str):
     d = ParallelDims(dp_replicate=1, dp_shard=1, cp=cp, tp=tp, pp=1, ep=1, world_size=cp * tp)
     with pytest.raises(ConfigError) as e:
         d.check_model(ModelArgs(n_heads=16, n_kv_heads=4), seq)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("ep,args,fragment", [
+    (2, ModelArgs(), "parallel.ep=2 needs an MoE model"),
+    (4, ModelArgs(n_experts=6, moe_hidden_dim=32), "parallel.ep=4 must divide model.n_experts=6"),
+])
+def test_ep_needs_divisible_experts(ep: int, args: ModelArgs, fragment: str):
+    d = ParallelDims(dp_replicate=1, dp_shard=ep, cp=1, tp=1, pp=1, ep=ep, world_size=ep)
+    with pytest.raises(ConfigError) as e:
+        d.check_model(args, 512)
     assert fragment in str(e.value) and "\n" not in str(e.value)
 
 

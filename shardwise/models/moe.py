@@ -1,0 +1,212 @@
+"""Mixture-of-experts feed-forward: token-choice top-k routing, grouped-GEMM SwiGLU experts,
+optional shared expert, and load balancing by auxiliary loss or by a routing bias.
+
+Routing (per token): scores = softmax or sigmoid of the router logits over the experts; the top-k
+experts are chosen by ``score + expert_bias`` (the bias only steers the choice, it never scales an
+output: DeepSeek-V3's auxiliary-loss-free balancing), and each chosen expert's output is weighted by
+its score (renormalized over the k chosen when ``moe_route_norm``, times ``moe_route_scale``).
+Dispatch is capacity-free: no token is dropped, experts take whatever they are sent.
+
+Load balancing, ``moe_balance``:
+
+- ``aux_loss``: the sequence-wise balance loss ``coef * E * sum_e f_e * P_e`` per sequence, with
+  ``f_e`` the fraction of the sequence's k*S routing slots that went to expert ``e`` and ``P_e`` the
+  mean router score of ``e`` over the sequence, averaged over the sequences of the global batch. Per
+  sequence (not per micro-batch) so that it is the same number whatever the data-parallel split or
+  accumulation; when a sequence is split over ranks (context / tensor-sequence parallel) the counts
+  behind ``f_e`` are all-reduced over those ranks, and each rank's share of ``sum P_e`` is a plain
+  partial sum, reduced like every other gradient. The loss enters the backward through
+  :class:`AuxLossGrad` (its gradient is injected next to the layer's output), so it works unchanged
+  under pipeline parallel where only the last stage sees the language-model loss.
+- ``bias``: after each optimizer step every expert's bias moves by ``moe_bias_rate`` towards
+  balance (``+rate`` if the expert got fewer tokens than the mean over the global batch, ``-rate``
+  if more) -- :func:`update_expert_bias`.
+- ``none``.
+
+Tensors are (T, dim) for the flattened tokens of the micro-batch, T = B*S local.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+class AuxLossGrad(torch.autograd.Function):
+    """Identity on ``x`` whose backward also sends gradient 1 into ``aux`` (a scalar loss term
+    already scaled by its weight): the auxiliary loss joins the backward of whatever loss ``x``
+    feeds, without being returned through the model."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        ctx.aux_shape, ctx.aux_dtype = aux.shape, aux.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+        return grad, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad.device)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` (N, a), grouped in order by ``counts`` (G,), times their group's ``w[g]``
+    (G, a, b) -> (N, b). ``torch._grouped_mm`` where it exists and takes these shapes (it needs
+    16-byte aligned rows), a loop over the groups otherwise."""
+    aligned = all(n * x.element_size() % 16 == 0 for n in (w.shape[1], w.shape[2]))
+    if hasattr(torch, "_grouped_mm") and aligned and x.dtype in (torch.bfloat16, torch.float32) \
+            and (x.device.type == "cpu" or x.dtype == torch.bfloat16):
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        return torch._grouped_mm(x, w, offs=offs)
+    sizes = counts.tolist()
+    outs = [xi @ w[g] for g, xi in enumerate(torch.split(x, sizes))]
+    return torch.cat(outs) if outs else x.new_zeros(0, w.shape[2])
+
+
+class GroupedExperts(nn.Module):
+    """``n`` SwiGLU experts as 3-D weights: w1, w3 (n, dim, hidden), w2 (n, hidden, dim)."""
+
+    def __init__(self, n: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(n, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(n, dim, hidden))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (N, dim) sorted by expert, counts (n_local,) tokens per expert -> (N, dim)."""
+        # Under expert parallel the weights are DTensors sharded over experts and the tokens have
+        # already been exchanged: this rank runs its own experts on plain local tensors.
+        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        h = F.silu(grouped_mm(x, w1, counts)) * grouped_mm(x, w3, counts)  # (N, hidden)
+        return grouped_mm(h, w2, counts)
+
+
+class Router(nn.Module):
+    """Token-choice top-k gate."""
+
+    def __init__(self, dim: int, n_experts: int, top_k: int, score: str, route_norm: bool,
+                 route_scale: float) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, n_experts, bias=False)
+        self.top_k, self.score, self.route_norm, self.route_scale = top_k, score, route_norm, route_scale
+        # Balancing bias for the choice only (DeepSeek-V3); a persistent buffer, so checkpointed.
+        self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (T, dim) -> (weights (T, k), expert ids (T, k), scores (T, E)); fp32 scores."""
+        logits = self.gate(x).float()  # (T, E)
+        scores = torch.sigmoid(logits) if self.score == "sigmoid" else torch.softmax(logits, dim=-1)
+        _, ids = torch.topk(scores + self.expert_bias, self.top_k, dim=-1)  # (T, k)
+        weights = scores.gather(-1, ids)
+        if self.route_norm:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights * self.route_scale, ids, scores
+
+
+class MoE(nn.Module):
+    """Routed experts (+ an optional shared expert) in place of the dense feed-forward."""
+
+    def __init__(self, args) -> None:  # noqa: ANN001 -- ModelArgs (llama.py imports this module)
+        super().__init__()
+        self.n_experts, self.top_k = args.n_experts, args.moe_top_k
+        self.balance, self.aux_coef, self.bias_rate = args.moe_balance, args.moe_aux_coef, args.moe_bias_rate
+        self.router = Router(args.dim, args.n_experts, args.moe_top_k, args.moe_score,
+                             args.moe_route_norm, args.moe_route_scale)
+        self.experts = GroupedExperts(args.n_experts, args.dim, args.moe_hidden_dim)
+        self.shared_expert = None
+        if args.n_shared_experts:
+            from shardwise.models.llama import FeedForward
+            self.shared_expert = FeedForward(args.dim, args.n_shared_experts * args.moe_hidden_dim)
+        # Tokens routed to each expert since the last bias update (all micro-batches of a step).
+        self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts), persistent=False)
+        # Set by the trainer / parallelize: the global number of sequences per step (the aux loss is
+        # a mean over them) and the group of ranks that share a sequence (cp x tp), if any.
+        self.sequences_per_step = 1
+        self.sequence_group: dist.ProcessGroup | None = None
+        self.count_tokens = True  # off while a forward is not training (pipeline shape inference)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, dim = x.shape
+        tokens = x.reshape(-1, dim)  # (T, dim)
+        weights, ids, scores = self.router(tokens)  # (T, k), (T, k), (T, E)
+        flat_ids = ids.flatten()  # (T*k,)
+        counts = torch.bincount(flat_ids, minlength=self.n_experts)  # (E,)
+        training = self.training and torch.is_grad_enabled()  # not evaluation
+        if training and self.count_tokens:
+            with torch.no_grad():
+                self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+        order = torch.argsort(flat_ids, stable=True)  # routing slots grouped by expert
+        routed = tokens[order // self.top_k]  # (T*k, dim)
+        out = self.experts(routed, counts)  # (T*k, dim)
+        out = out * weights.flatten()[order, None].to(out.dtype)
+        y = torch.zeros_like(tokens).index_add_(0, order // self.top_k, out)  # (T, dim)
+        if self.shared_expert is not None:
+            y = y + self.shared_expert(tokens)
+        y = y.view(b, s, dim)
+        if training and self.balance == "aux_loss" and self.aux_coef > 0:
+            y = AuxLossGrad.apply(y, self.aux_loss(ids.view(b, s, -1), scores.view(b, s, -1)))
+        return y
+
+    def aux_loss(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """This rank's part of coef * mean over the step's sequences of E * sum_e f_e P_e.
+
+        ids (B, S, k), scores (B, S, E), S local. Only P carries gradient; f is a count."""
+        e, k = self.n_experts, self.top_k
+        with torch.no_grad():
+            seq_counts = F.one_hot(ids, e).sum(dim=(1, 2)).float()  # (B, E) slots per expert
+            seq_len = torch.full((b := ids.shape[0], 1), float(ids.shape[1]), device=ids.device)
+            if self.sequence_group is not None:  # all-reduce over the ranks that share a sequence
+                dist.all_reduce(seq_counts, group=self.sequence_group)
+                dist.all_reduce(seq_len, group=self.sequence_group)
+            f = seq_counts / (k * seq_len)  # (B, E)
+        scores = scores / scores.sum(-1, keepdim=True)  # sigmoid scores normalized to sum 1
+        p_sum = scores.sum(dim=1)  # (B, E): this rank's part of S * P_e
+        per_seq = e * (f * p_sum / seq_len).sum(-1)  # (B,) partial over the sequence group
+        del b
+        return self.aux_coef * per_seq.sum() / self.sequences_per_step
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+@contextlib.contextmanager
+def routing_not_counted(model: nn.Module) -> Iterator[None]:
+    """Forwards inside do not count towards the experts' token loads (bias update, load metric)."""
+    layers = moe_layers(model)
+    for m in layers:
+        m.count_tokens = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.count_tokens = True
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, group: dist.ProcessGroup | None) -> torch.Tensor | None:
+    """After an optimizer step: move each router's bias towards balance (``moe_balance=bias``),
+    reset the token counts, and return the step's expert load -- the busiest expert's tokens over
+    the mean, worst MoE layer (1.0 = perfectly balanced) -- or None for a dense model (or stage).
+
+    ``group``: every rank that routes different tokens (dp x cp x tp); the counts are summed over it
+    so every rank applies the same update, whatever the layout."""
+    layers = moe_layers(model)
+    if not layers:
+        return None
+    counts = torch.stack([m.tokens_per_expert for m in layers])  # (L_moe, E)
+    if group is not None:
+        dist.all_reduce(counts, group=group)
+    for m, c in zip(layers, counts, strict=True):
+        if m.balance == "bias":
+            m.router.expert_bias += m.bias_rate * torch.sign(c.mean() - c)
+        m.tokens_per_expert.zero_()
+    return (counts.max(-1).values / counts.mean(-1).clamp(min=1e-9)).max()

@@ -1,0 +1,157 @@
+"""The MoE block against an independent implementation (Hugging Face Qwen3-MoE), the grouped GEMM
+against a loop, and the balance loss / bias update against their definitions."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardwise.models import PRESETS, ModelArgs, build_model, init_weights
+from shardwise.models.moe import MoE, grouped_mm, update_expert_bias
+from shardwise.observe.flops import num_params
+
+
+def tiny(**kw) -> ModelArgs:
+    base = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, n_experts=8, moe_top_k=2,
+                moe_hidden_dim=32, n_shared_experts=0, n_dense_layers=0)
+    return dataclasses.replace(PRESETS["moe-debug"], **{**base, **kw})
+
+
+def moe_block(args: ModelArgs, seed: int = 0) -> MoE:
+    torch.manual_seed(seed)
+    m = MoE(args)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    m.router.expert_bias.zero_()
+    m.tokens_per_expert.zero_()
+    return m
+
+
+def test_matches_huggingface_qwen3_moe_block():
+    """Softmax top-k with renormalized weights, SwiGLU experts: output and input gradient equal HF's."""
+    pytest.importorskip("transformers")
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    args = tiny()
+    ours = moe_block(args)
+    ours.balance = "none"
+    hf = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=8,
+                                               num_experts_per_tok=2, norm_topk_prob=True))
+    with torch.no_grad():
+        hf.gate.weight.copy_(ours.router.gate.weight)
+        # HF: gate_up_proj (E, 2h, d) applied as x @ W.T; ours: w1/w3 (E, d, h) applied as x @ W.
+        hf.experts.gate_up_proj.copy_(torch.cat([ours.experts.w1, ours.experts.w3], dim=2).transpose(1, 2))
+        hf.experts.down_proj.copy_(ours.experts.w2.transpose(1, 2))
+    x = torch.randn(3, 10, 64)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = ours(xa), hf(xb)
+    torch.testing.assert_close(ya, yb, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(ya)
+    ya.backward(g)
+    yb.backward(g)
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_matches_a_loop(dtype: torch.dtype):
+    counts = torch.tensor([3, 0, 5, 8])  # an expert with no tokens too
+    x = torch.randn(16, 32, dtype=dtype, requires_grad=True)
+    w = torch.randn(4, 32, 16, dtype=dtype, requires_grad=True)
+    y = grouped_mm(x, w, counts)
+    ref = torch.cat([xi @ w[g] for g, xi in enumerate(torch.split(x, counts.tolist()))])
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(y, ref, **tol)
+    g = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, w), g)
+    rx, rw = torch.autograd.grad(ref, (x, w), g)
+    torch.testing.assert_close(gx, rx, **tol)
+    torch.testing.assert_close(gw, rw, **tol)
+
+
+def _hf_switch_loss(scores: torch.Tensor, ids: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Switch/Mixtral's batch balance loss (HF's load_balancing_loss_func) for one sequence."""
+    tokens_per_expert = F.one_hot(ids, n_experts).float().mean(0)  # (k, E)
+    return (tokens_per_expert * scores.mean(0)).sum() * n_experts
+
+
+def test_aux_loss_is_the_sequence_balance_loss():
+    """coef * E * sum_e f_e P_e per sequence (DeepSeek-V3's normalization: Switch's loss / k),
+    averaged over the step's sequences."""
+    args = tiny(moe_aux_coef=0.1)
+    m = moe_block(args)
+    x = torch.randn(2, 12, 64)
+    m.sequences_per_step = 2
+    _, ids, scores = m.router(x.reshape(-1, 64))
+    got = m.aux_loss(ids.view(2, 12, -1), scores.view(2, 12, -1))
+    per_seq = [_hf_switch_loss(scores.view(2, 12, -1)[b], ids.view(2, 12, -1)[b], 8) / 2 for b in range(2)]
+    torch.testing.assert_close(got, 0.1 * sum(per_seq) / 2)
+
+
+def test_aux_loss_gradient_joins_the_backward():
+    """The loss attached by AuxLossGrad gives the same parameter gradients as adding it explicitly."""
+    args = tiny(moe_aux_coef=0.5)
+    m = moe_block(args)
+    x = torch.randn(2, 12, 64)
+    m.sequences_per_step = 2
+    m.zero_grad()
+    m(x).square().mean().backward()
+    attached = m.router.gate.weight.grad.clone()
+    m.zero_grad()
+    m.balance = "none"
+    y = m(x)
+    _, ids, scores = m.router(x.reshape(-1, 64))
+    (y.square().mean() + m.aux_loss(ids.view(2, 12, -1), scores.view(2, 12, -1))).backward()
+    torch.testing.assert_close(attached, m.router.gate.weight.grad)
+    # and the aux term matters: without it the router gradient differs
+    m.zero_grad()
+    m(x).square().mean().backward()
+    assert not torch.allclose(attached, m.router.gate.weight.grad)
+
+
+def test_balance_loss_does_not_depend_on_the_batch_split():
+    """Two sequences at once == each alone, summed: the property that makes it layout-independent."""
+    m = moe_block(tiny())
+    x = torch.randn(2, 12, 64)
+    m.sequences_per_step = 2
+
+    def loss(xs: torch.Tensor) -> torch.Tensor:
+        _, ids, scores = m.router(xs.reshape(-1, 64))
+        return m.aux_loss(ids.view(xs.shape[0], 12, -1), scores.view(xs.shape[0], 12, -1))
+    torch.testing.assert_close(loss(x), loss(x[:1]) + loss(x[1:]))
+
+
+def test_bias_update_moves_towards_balance_and_counts_reset():
+    args = tiny(moe_balance="bias", moe_bias_rate=0.1, n_layers=1)
+    model = build_model(args, device="cpu")
+    init_weights(model, 0)
+    moe = model.layers["0"].feed_forward
+    moe.tokens_per_expert.copy_(torch.tensor([10.0, 0, 0, 0, 0, 0, 0, 6]))  # mean 2
+    load = update_expert_bias(model, None)
+    assert load.item() == pytest.approx(5.0)  # busiest over mean
+    assert moe.router.expert_bias.tolist() == pytest.approx([-0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, -0.1])
+    assert moe.tokens_per_expert.sum() == 0
+
+
+def test_counts_only_training_forwards():
+    model = build_model(tiny(n_layers=1), device="cpu")
+    init_weights(model, 0)
+    moe = model.layers["0"].feed_forward
+    with torch.no_grad():
+        model(torch.randint(0, 128, (2, 8)))
+    assert moe.tokens_per_expert.sum() == 0  # evaluation does not count
+    model(torch.randint(0, 128, (2, 8)))
+    assert moe.tokens_per_expert.sum() == 2 * 8 * 2  # every token, top-2
+
+
+def test_presets_count_parameters():
+    """Qwen3-30B-A3B's published sizes: 30.5B parameters, 3.3B active."""
+    args = PRESETS["qwen3-30b-a3b"]
+    assert sum(p.numel() for p in build_model(args).parameters()) == num_params(args)
+    assert num_params(args) / 1e9 == pytest.approx(30.5, abs=0.05)
+    assert num_params(args, active=True) / 1e9 == pytest.approx(3.35, abs=0.05)
+    moe = PRESETS["moe-debug"]
+    assert sum(p.numel() for p in build_model(moe).parameters()) == num_params(moe)
