@@ -61,9 +61,11 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
     """Rows of ``x`` (N, a), grouped in order by ``counts`` (G,), times their group's ``w[g]``
     (G, a, b) -> (N, b). ``torch._grouped_mm`` where it exists and takes these shapes (it needs
     16-byte aligned rows), a loop over the groups otherwise."""
+    if x.device.type == "meta":  # shapes only (building / planning on meta): (N, a) x (G, a, b)
+        return torch.einsum("na,gab->nb", x, w)
     aligned = all(n * x.element_size() % 16 == 0 for n in (w.shape[1], w.shape[2]))
     if hasattr(torch, "_grouped_mm") and aligned and x.dtype in (torch.bfloat16, torch.float32) \
-            and (x.device.type == "cpu" or x.dtype == torch.bfloat16):
+            and (x.device.type == "cpu" or x.dtype == torch.bfloat16):  # CUDA: bf16 only
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         return torch._grouped_mm(x, w, offs=offs)
     sizes = counts.tolist()
@@ -138,7 +140,8 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, dim)  # (T, dim)
         weights, ids, scores = self.router(tokens)  # (T, k), (T, k), (T, E)
         flat_ids = ids.flatten()  # (T*k,)
-        counts = torch.bincount(flat_ids, minlength=self.n_experts)  # (E,)
+        # (E,) slots per expert; scatter_add rather than bincount, which has no meta kernel
+        counts = flat_ids.new_zeros(self.n_experts).scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
         training = self.training and torch.is_grad_enabled()  # not evaluation
         if training and self.count_tokens:
             with torch.no_grad():
