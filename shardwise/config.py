@@ -168,7 +168,10 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel degree (MoE models; borrows ranks from dp_shard*cp)."""
     pp_schedule: str = "1f1b"
-    """Pipeline schedule: gpipe or 1f1b (the micro-batches are the accumulation micro-batches)."""
+    """Pipeline schedule: gpipe, 1f1b, interleaved1f1b, zbv or dualpipev (the micro-batches are the
+    accumulation micro-batches)."""
+    pp_stages_per_rank: int = 2
+    """interleaved1f1b: stages per rank (zbv and dualpipev always use 2, gpipe and 1f1b 1)."""
     loss_parallel: bool = True
     """With tp > 1: keep logits vocab-sharded and compute the cross-entropy without gathering them."""
     cp_load_balance: bool = True

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from shardwise import checkpoint
-from shardwise.config import Config, ConfigError, TrainingConfig
+from shardwise.config import Config, ConfigError, ParallelConfig, TrainingConfig
 from shardwise.data.dataset import (
     IGNORE_INDEX,
     Batch,
@@ -47,7 +47,14 @@ from shardwise.optim.lr import build_lr_scheduler
 from shardwise.parallel.context import shard_sequences
 from shardwise.parallel.dims import ParallelDims, init_distributed
 from shardwise.parallel.parallelize import parallelize
-from shardwise.parallel.pipeline import SCHEDULES, Pipe, split_stage
+from shardwise.parallel.pipeline import (
+    SCHEDULES,
+    Pipe,
+    attach_stage_views,
+    rank_stages,
+    split_stage,
+    stages_per_rank,
+)
 from shardwise.parallel.tensor import full_value
 
 
@@ -62,7 +69,7 @@ def train(cfg: Config) -> None:
 
     loader, val_stream = build_data(cfg, dims, env.device, args.vocab_size)
     # 1) meta (this rank's pipeline stage) -> 2) parallelize -> 3) materialize -> 4) init.
-    model = build_stage(args, dims)
+    model = build_stage(args, dims, cfg.parallel)
     parallelize(model, dims, cfg.parallel, cfg.training.mixed_precision, cfg.training.seq_len)
     model.to_empty(device=env.device)
     init_weights(model, cfg.training.seed)
@@ -194,12 +201,15 @@ def evaluate(model: nn.Module, val: TokenStream, cfg: Config, dims: ParallelDims
 # Setup helpers
 
 
-def build_stage(args: ModelArgs, dims: ParallelDims) -> nn.Module:
-    """The model on meta, or with pipeline parallel only this rank's stage of it."""
+def build_stage(args: ModelArgs, dims: ParallelDims, pc: ParallelConfig) -> nn.Module:
+    """The model on meta, or with pipeline parallel only this rank's stages of it (one module)."""
     model = build_model(args)
     if dims.pp == 1:
         return model
-    return split_stage(model, dims.submesh("pp").get_local_rank(), dims.pp)
+    ids = rank_stages(dims.submesh("pp").get_local_rank(), dims.pp, pc.pp_schedule, pc.pp_stages_per_rank)
+    part = split_stage(model, ids, dims.pp * len(ids))
+    attach_stage_views(part, ids, dims.pp * len(ids))
+    return part
 
 
 def build_pipe(model: nn.Module, dims: ParallelDims, cfg: Config, device: torch.device) -> Pipe | None:
@@ -208,7 +218,8 @@ def build_pipe(model: nn.Module, dims: ParallelDims, cfg: Config, device: torch.
     n_micro = micro_batches_per_rank(cfg.training, dims.dp)
     # Loss parallel's backward must run inside its context, and the schedule runs the backward.
     ctx = loss_parallel if dims.tp > 1 and cfg.parallel.loss_parallel else contextlib.nullcontext
-    return Pipe(model, dims.submesh("pp"), device, cfg.parallel.pp_schedule, n_micro, token_loss_sum, ctx)
+    return Pipe(model, dims.submesh("pp"), device, cfg.parallel.pp_schedule, n_micro, token_loss_sum, ctx,
+                cfg.parallel.pp_stages_per_rank)
 
 
 def batch_sharder(dims: ParallelDims, load_balance: bool) -> Callable[[list[Batch]], list[Batch]]:
@@ -275,9 +286,23 @@ def preflight(cfg: Config, world_size: int) -> ParallelDims:
 def check_pipeline(cfg: Config, dims: ParallelDims, n_microbatches: int) -> None:
     if dims.pp == 1:
         return
-    if cfg.parallel.pp_schedule not in SCHEDULES:
-        raise ConfigError(f"parallel.pp_schedule={cfg.parallel.pp_schedule} is not available yet; "
-                          f"use one of {', '.join(SCHEDULES)}")
+    pc = cfg.parallel
+    if pc.pp_schedule not in SCHEDULES:  # (the config's choices list them; kept for API callers)
+        raise ConfigError(f"parallel.pp_schedule={pc.pp_schedule} is not available; use one of "
+                          f"{', '.join(SCHEDULES)}")
+    v = stages_per_rank(pc.pp_schedule, pc.pp_stages_per_rank)
+    if v < 1 or dims.pp * v > cfg.model.n_layers:
+        raise ConfigError(f"parallel.pp_schedule={pc.pp_schedule} needs pp*stages_per_rank={dims.pp * v} "
+                          f"stages of at least one block, but model.n_layers={cfg.model.n_layers}: lower "
+                          "pp or parallel.pp_stages_per_rank")
+    rounds = max(1, n_microbatches // dims.pp)
+    if pc.pp_schedule == "dualpipev" and n_microbatches < 2 * dims.pp:
+        raise ConfigError(f"parallel.pp_schedule=dualpipev needs at least 2*pp={2 * dims.pp} micro-batches "
+                          f"per step (one per stage), got {n_microbatches}: lower training.micro_batch")
+    if pc.pp_schedule == "interleaved1f1b" and n_microbatches % rounds:
+        raise ConfigError(f"parallel.pp_schedule=interleaved1f1b needs the micro-batches per step "
+                          f"({n_microbatches}) to be a multiple of max(1, micro-batches // pp)={rounds}: "
+                          "change training.micro_batch")
     if cfg.data.document_mask:
         raise ConfigError("data.document_mask with parallel.pp > 1 is not available yet (the pipeline "
                           "feeds extra inputs to the first stage only): set data.document_mask=false")

@@ -52,9 +52,13 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig,
             fully_shard(block.feed_forward, mesh=moe_meshes["moe"], mp_policy=mp_policy,
                         reshard_after_forward=reshard)
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy,
-                reshard_after_forward=cfg.reshard_after_forward == "always")
-    for m in model.modules():
+    root_reshard = cfg.reshard_after_forward == "always"
+    # Several pipeline stages on this rank run as views of this module, whose own forward never
+    # runs: each view is an FSDP root instead (owning the embedding / head of its stage).
+    roots = getattr(model, "stage_views", None) or [model]
+    for root in roots:
+        fully_shard(root, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=root_reshard)
+    for m in [*model.modules(), *roots]:
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)

@@ -1,15 +1,29 @@
 """Pipeline parallel on ``torch.distributed.pipelining``: the model split by layers into stages.
 
-Rank ``r`` of the ``pp`` mesh dim holds stage ``r``: stage 0 keeps the embedding, the last stage
-the final norm and output head, and the blocks are split as evenly as possible (earlier stages
-take the remainder). Parameter names stay those of the full model, so initialization (seeded by
-name), checkpoints (DCP, by name) and resharding between PP and non-PP layouts need nothing special.
+The model is cut into ``pp * v`` stages (``v`` stages per rank): stage 0 keeps the embedding, the
+last stage the final norm and output head, and the blocks are split as evenly as possible (earlier
+stages take the remainder). Which rank holds which stages depends on the schedule:
 
-Schedules: GPipe (Huang et al., 2019) runs every micro-batch's forward, then every backward;
-1F1B (PipeDream-Flush, Narayanan et al., 2021) alternates them after a warm-up, holding at most
-``pp`` micro-batches of activations. The micro-batches are the gradient-accumulation micro-batches
-of the step. Gradient scaling is off (``scale_grads=False``): the loss function already divides
-each micro-batch's summed token loss by the global valid-token count.
+- ``gpipe``, ``1f1b`` -- one stage per rank (``v = 1``); GPipe (Huang et al., 2019) runs every
+  micro-batch's forward, then every backward; 1F1B (PipeDream-Flush, Narayanan et al., 2021)
+  alternates them after a warm-up, holding at most ``pp`` micro-batches of activations.
+- ``interleaved1f1b`` -- ``v = parallel.pp_stages_per_rank`` stages per rank in a loop (rank r holds
+  stages r, r+pp, ...): the bubble shrinks by ``v`` for ``v`` times the point-to-point traffic
+  (Narayanan et al., 2021).
+- ``zbv`` (zero-bubble V, Qi et al., 2024) and ``dualpipev`` (DeepSeek-V3's DualPipe in its V form)
+  -- two stages per rank in a V (rank r holds stages r and 2*pp-1-r, so rank 0 holds both the
+  embedding and the head); backward is split into input- and weight-gradient passes that fill the
+  bubble.
+
+Each rank builds one module -- the union of its stages (parameter names those of the full model,
+so initialization seeded by name, DCP checkpoints and resharding between layouts need nothing
+special) -- and with several stages per rank each stage is a :class:`StageView` sharing that
+module's blocks, made by :func:`attach_stage_views` before parallelization. Each stage module is
+an FSDP root (torch's schedules drive FSDP's gradient reduction through the stage module; the
+zero-bubble weight-gradient pass needs it). The micro-batches
+are the step's gradient-accumulation micro-batches. Gradient scaling is off (``scale_grads=False``):
+the loss function already divides each micro-batch's summed token loss by the global valid-token
+count.
 """
 
 from __future__ import annotations
@@ -20,12 +34,35 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
 
 from shardwise.models.moe import routing_not_counted
 from shardwise.parallel.tensor import full_value
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B,
+             "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+V_SHAPED = ("zbv", "dualpipev")
+
+
+def stages_per_rank(schedule: str, interleaved: int) -> int:
+    if schedule in V_SHAPED:
+        return 2
+    return interleaved if schedule == "interleaved1f1b" else 1
+
+
+def rank_stages(rank: int, pp: int, schedule: str, interleaved: int = 2) -> list[int]:
+    """The stage indices ``rank`` holds: looped (rank, rank+pp, ...) or V-shaped (zbv, dualpipev:
+    rank and 2*pp-1-rank)."""
+    if schedule in V_SHAPED:
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + i * pp for i in range(stages_per_rank(schedule, interleaved))]
 
 
 class Stage(PipelineStage):
@@ -61,19 +98,51 @@ def stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
     return out
 
 
-def split_stage(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
-    """A copy of the (meta-device) model keeping only what ``stage`` runs."""
+def split_stage(model: nn.Module, stages: int | list[int], n_stages: int) -> nn.Module:
+    """A copy of the (meta-device) model keeping only what ``stages`` run: their blocks, the
+    embedding if stage 0 is among them, the final norm and head if the last stage is."""
+    stages = [stages] if isinstance(stages, int) else stages
     part = copy.deepcopy(model)
-    keep = {str(i) for i in stage_layers(len(model.layers), n_stages)[stage]}
+    per_stage = stage_layers(len(model.layers), n_stages)
+    keep = {str(i) for s in stages for i in per_stage[s]}
     for key in list(part.layers.keys()):
         if key not in keep:
             del part.layers[key]
-    if stage != 0:
+    if 0 not in stages:
         part.tok_embeddings = None
-    if stage != n_stages - 1:
+    if n_stages - 1 not in stages:
         part.norm = None
         part.output = None
     return part
+
+
+def attach_stage_views(part: nn.Module, stages: list[int], n_stages: int) -> None:
+    """With several stages on this rank, give the part one :class:`StageView` per stage
+    (``part.stage_views``, a plain list: the views are not submodules of the part)."""
+    part.stage_views = [StageView(part, s, n_stages) for s in stages] if len(stages) > 1 else []
+
+
+class StageView(nn.Module):
+    """One stage of a rank's part: its blocks (and embedding / head) are the part's own modules,
+    so parameters, FSDP units and checkpoints stay with the part."""
+
+    def __init__(self, part: nn.Module, stage: int, n_stages: int) -> None:
+        super().__init__()
+        self._part = [part]  # a list, so the part is not registered as a child
+        self.args = part.args
+        layer_ids = stage_layers(part.args.n_layers, n_stages)[stage]
+        self.tok_embeddings = part.tok_embeddings if stage == 0 else None
+        self.layers = nn.ModuleDict({str(i): part.layers[str(i)] for i in layer_ids})
+        last = stage == n_stages - 1
+        self.norm = part.norm if last else None
+        self.output = part.output if last else None
+
+    @property
+    def freqs_cis(self) -> torch.Tensor:  # the part's RoPE table (init_weights replaces it)
+        return self._part[0].freqs_cis
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return type(self._part[0]).forward(self, tokens)
 
 
 class PipelineLoss:
@@ -94,15 +163,25 @@ class Pipe:
     """This rank's PipelineStage (over the ``pp`` mesh dim) and its schedule; runs a step's
     micro-batches through them."""
 
-    def __init__(self, stage_module: nn.Module, mesh: DeviceMesh, device: torch.device, schedule: str,
-                 n_microbatches: int, token_loss_sum: Callable, loss_context: Callable) -> None:
+    def __init__(self, part: nn.Module, mesh: DeviceMesh, device: torch.device, schedule: str,
+                 n_microbatches: int, token_loss_sum: Callable, loss_context: Callable,
+                 interleaved: int = 2) -> None:
         self.mesh, self.device, self.loss_context = mesh, device, loss_context
         self.loss = PipelineLoss(token_loss_sum)
         rank, size = mesh.get_local_rank(), mesh.size()
-        self.stage = Stage(stage_module, rank, size, device, group=mesh.get_group())
-        self.schedule = SCHEDULES[schedule](self.stage, n_microbatches, loss_fn=self.loss,
-                                            scale_grads=False)
-        self.is_first, self.is_last = rank == 0, rank == size - 1
+        ids = rank_stages(rank, size, schedule, interleaved)
+        n_stages = size * len(ids)
+        group = mesh.get_group()
+        if len(ids) == 1:
+            self.stages = [Stage(part, ids[0], n_stages, device, group=group)]
+            self.schedule = SCHEDULES[schedule](self.stages[0], n_microbatches, loss_fn=self.loss,
+                                                scale_grads=False)
+        else:
+            self.stages = [Stage(view, i, n_stages, device, group=group)
+                           for view, i in zip(part.stage_views, ids, strict=True)]
+            self.schedule = SCHEDULES[schedule](self.stages, n_microbatches, loss_fn=self.loss,
+                                                scale_grads=False)
+        self.is_first, self.is_last = 0 in ids, n_stages - 1 in ids
 
     def _run(self, fn: Callable, batches: list, n_valid: torch.Tensor | float) -> torch.Tensor:
         self.loss.n_valid = n_valid

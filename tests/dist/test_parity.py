@@ -144,6 +144,34 @@ def test_unmasked_layout_matches_single_rank(layout: str, reference_unmasked: Pa
     check_same_run(reference_unmasked, run_dir, layout)
 
 
+# Schedules with 2 stages of one block per rank (looped or V-shaped): a 4-block model, its own
+# reference, 4 micro-batches of 2 sequences.
+MULTI_STAGE = ["--data.document_mask=false", "--model.n_layers=4", "--training.micro_batch=2"]
+MULTI_STAGE_LAYOUTS = {
+    "pp2_interleaved": ["--nproc=2", "--parallel.pp=2", "--parallel.pp_schedule=interleaved1f1b"],
+    "pp2_interleaved_fsdp2": ["--nproc=4", "--parallel.pp=2", "--parallel.dp_shard=2",
+                              "--parallel.pp_schedule=interleaved1f1b"],
+    "pp2_interleaved_tp2": ["--nproc=4", "--parallel.pp=2", "--parallel.tp=2",
+                            "--parallel.pp_schedule=interleaved1f1b"],
+    "pp2_zbv": ["--nproc=2", "--parallel.pp=2", "--parallel.pp_schedule=zbv"],
+    "pp2_zbv_fsdp2": ["--nproc=4", "--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.pp_schedule=zbv"],
+    "pp2_dualpipev": ["--nproc=2", "--parallel.pp=2", "--parallel.pp_schedule=dualpipev"],
+    "pp2_dualpipev_tp2": ["--nproc=4", "--parallel.pp=2", "--parallel.tp=2", "--parallel.pp_schedule=dualpipev"],
+}
+
+
+@pytest.fixture(scope="module")
+def reference_4_layers(tmp_path_factory: pytest.TempPathFactory, data_cache: str) -> Path:
+    return train(tmp_path_factory.mktemp("ref4"), "ref", data_cache, *MULTI_STAGE)
+
+
+@pytest.mark.parametrize("layout", list(MULTI_STAGE_LAYOUTS))
+def test_multi_stage_pipeline_matches_single_rank(layout: str, reference_4_layers: Path, tmp_path: Path,
+                                                  data_cache: str):
+    run_dir = train(tmp_path, layout, data_cache, *MULTI_STAGE, *MULTI_STAGE_LAYOUTS[layout])
+    check_same_run(reference_4_layers, run_dir, layout)
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_rank(layout: str, reference: Path, tmp_path: Path, data_cache: str):
     check_same_run(reference, train(tmp_path, layout, data_cache, *LAYOUTS[layout]), layout)
