@@ -381,10 +381,11 @@ def shared_peak(device: torch.device, cfg: Config) -> float:
 def describe(cfg: Config, dims: ParallelDims, args: ModelArgs, start: int) -> str:
     t = cfg.training
     accum = micro_batches_per_rank(t, dims.dp)
-    return (f"model {cfg.model.name}: {num_params(args) / 1e6:.1f}M params | layout "
-            f"pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} cp={dims.cp} "
-            f"tp={dims.tp} "
-            f"(world {dims.world_size}) | "
+    schedule = f" ({cfg.parallel.pp_schedule})" if dims.pp > 1 else ""
+    active = f", {num_params(args, active=True) / 1e6:.1f}M active" if args.n_experts else ""
+    return (f"model {cfg.model.name}: {num_params(args) / 1e6:.1f}M params{active} | layout "
+            f"pp={dims.pp}{schedule} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} "
+            f"cp={dims.cp} tp={dims.tp} ep={dims.ep} (world {dims.world_size}) | "
             f"{t.global_batch}x{t.seq_len} tokens/step, {accum} micro-batch(es)/rank | "
             f"{t.mixed_precision} | steps {start + 1}..{t.steps}")
 

@@ -85,6 +85,8 @@ UNMASKED_LAYOUTS = {
     "hsdp2_cp2": ["--nproc=4", "--parallel.dp_replicate=2", "--parallel.cp=2"],
     "cp2_tp2": ["--nproc=4", "--parallel.cp=2", "--parallel.tp=2"],
     "pp2_cp2": ["--nproc=4", "--parallel.pp=2", "--parallel.cp=2", "--training.micro_batch=4"],
+    "pp2_fsdp2_tp2": ["--nproc=8", "--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.tp=2",
+                      "--training.micro_batch=2"],
     "pp2_1f1b": ["--nproc=2", "--parallel.pp=2", "--training.micro_batch=2"],
     "pp2_gpipe": ["--nproc=2", "--parallel.pp=2", "--parallel.pp_schedule=gpipe", "--training.micro_batch=4"],
     "pp2_fsdp2": ["--nproc=4", "--parallel.pp=2", "--parallel.dp_shard=2", "--training.micro_batch=2"],
