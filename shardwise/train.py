@@ -36,7 +36,7 @@ from shardwise.data.tokenizer import load_tokenizer
 from shardwise.models import ModelArgs, build_model, init_weights, model_args
 from shardwise.models.moe import moe_layers, update_expert_bias
 from shardwise.observe.comm import trace_step
-from shardwise.observe.flops import flops_per_token, num_params
+from shardwise.observe.flops import batch_pairs, executed_flops, flops_per_token, num_params
 from shardwise.observe.memory import peak_memory_gib
 from shardwise.observe.metrics import MetricsLogger, Throughput
 from shardwise.observe.peak import peak_tflops
@@ -89,12 +89,17 @@ def train(cfg: Config) -> None:
         print(describe(cfg, dims, args, start), flush=True)
     logger = MetricsLogger(run_dir, cfg.metrics, cfg.training.steps, start, enabled=env.rank == 0)
     tokens_per_step = cfg.training.global_batch * cfg.training.seq_len
+    sharing = env.world_size // dims.dp  # ranks (pp x cp x tp) that split one data-parallel share
     for step in range(start + 1, cfg.training.steps + 1):
+        batches = loader.next_step()
+        # This data-parallel share's executed FLOPs, exact for its masks, per device of the share.
+        flops = executed_flops(args, sum(b.inputs.numel() for b in batches),
+                               batch_pairs(batches, cfg.training.seq_len)).total / sharing
         with trace_step(cfg.debug.comm and step == start + 1, dims.mesh, dims.flat_meshes,
                         run_dir / "comm.json", env.rank, track_modules=dims.pp == 1):
-            result = train_step(model, optimizer, scheduler, shard(loader.next_step()), dims,
+            result = train_step(model, optimizer, scheduler, shard(batches), dims,
                                 cfg.training.max_grad_norm, pipe)
-        throughput.add(tokens_per_step)
+        throughput.add(tokens_per_step, flops)
         do_eval = cfg.eval.interval > 0 and (step % cfg.eval.interval == 0 or step == cfg.training.steps)
         do_save = (cfg.checkpoint.interval > 0 and step % cfg.checkpoint.interval == 0) or (
             cfg.checkpoint.final and step == cfg.training.steps)

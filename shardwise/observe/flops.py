@@ -1,16 +1,38 @@
-"""Analytic FLOPs per token for MFU (PaLM / torchtitan convention).
+"""FLOPs accounting: the PaLM-convention figure for MFU, and the FLOPs a step actually executes.
 
-FLOPs per token = 6 * N + 6 * L * H * (d_qk + d_v) * S  =  6 * N + 12 * L * H * d_head * S, where N
-counts parameters that do matmuls for a token (for MoE: the router, the top-k routed experts and the
-shared expert) (the input embedding is a lookup and is excluded unless it is tied to
-the output head) and the attention term is not discounted for causal masking, so the figure
-compares with torchtitan's and Megatron's published MFU tables. Exact executed FLOPs (causal-aware,
-recompute included) are a separate, later measure.
+**PaLM convention** (:func:`flops_per_token`, what torchtitan's and Megatron's MFU tables use):
+``6 * N + 12 * L * H * d_head * S`` per token, where ``N`` counts the parameters that do matmuls for
+a token -- the input embedding is a lookup and is excluded unless tied to the output head; for MoE,
+the router, the top-k routed experts and the shared expert -- and the attention term assumes every
+query attends to all ``S`` keys (no causal discount).
+
+**Executed FLOPs** (:func:`executed_flops`): what the kernels run.
+
+- Matmuls: ``2 * N`` per token forward (multiply + add), backward ``2x`` forward (the gradients of
+  the input and of the weight), so ``6 * N`` with backward.
+- Attention per layer: ``4 * H * d_head`` per (query, key) pair forward (``QK^T`` and ``PV``; query
+  heads count, so GQA/MQA do not reduce it), backward ``2.5x`` forward (flash-attention backward
+  recomputes the scores and runs four more matmuls). The pairs are exact for the mask:
+  ``S(S+1)/2`` per causal sequence, ``sum_d L_d(L_d+1)/2`` with document masks, ``sum_i min(i+1, w)``
+  for a sliding window of ``w`` keys.
+- Activation checkpointing: ``full`` re-runs each block's forward during backward (its matmuls and
+  attention once more); ``none`` adds nothing.
+
+The two are reported as ``mfu`` (PaLM) and ``exec_util`` (executed FLOPs / peak).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
+
 from shardwise.models.llama import ModelArgs
+
+# Backward-to-forward FLOP ratios: matmuls compute two gradients (input, weight) of the same size
+# as the forward product; flash attention's backward recomputes QK^T then runs four matmuls.
+MATMUL_BACKWARD = 2.0
+ATTENTION_BACKWARD = 2.5
 
 
 def num_params(args: ModelArgs, include_embedding: bool = True, active: bool = False) -> int:
@@ -29,9 +51,116 @@ def num_params(args: ModelArgs, include_embedding: bool = True, active: bool = F
     return total + head + (emb if include_embedding else 0)
 
 
-def flops_per_token(args: ModelArgs, seq_len: int) -> float:
-    """Training FLOPs (forward + backward) per token, PaLM convention."""
-    n = num_params(args, include_embedding=False, active=True)
+def matmul_params(args: ModelArgs) -> int:
+    """Parameters that take part in a matmul for one token (active experts; the output head, but
+    not an untied input embedding, which is a lookup; not the norms)."""
+    n = num_params(args, include_embedding=False, active=True) - (2 * args.n_layers + 1) * args.dim
     if args.tie_embeddings:
         n += args.vocab_size * args.dim  # the shared table does the output matmul
+    return n
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """Training FLOPs (forward + backward) per token, PaLM convention (norm weights included in
+    ``N`` as torchtitan does)."""
+    n = num_params(args, include_embedding=False, active=True)
+    if args.tie_embeddings:
+        n += args.vocab_size * args.dim
     return 6.0 * n + 12.0 * args.n_layers * args.n_heads * args.head_dim * seq_len
+
+
+def attention_pairs(seq_len: int, causal: bool = True, window: int = 0) -> int:
+    """(query, key) pairs one sequence's attention computes: ``S^2`` without a mask, ``S(S+1)/2``
+    causal, ``sum_i min(i+1, window)`` causal with a sliding window of ``window`` keys."""
+    if not causal:
+        return seq_len * seq_len
+    if window <= 0 or window >= seq_len:
+        return seq_len * (seq_len + 1) // 2
+    return window * (window + 1) // 2 + (seq_len - window) * window
+
+
+def document_pairs(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Pairs under a causal document mask, ``sum over documents L(L+1)/2``, for doc ids (B, S): a
+    0-d tensor on their device (no host sync). Query i attends to its position in its document + 1
+    keys."""
+    b, s = doc_ids.shape
+    idx = torch.arange(s, device=doc_ids.device).expand(b, s)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    doc_start = torch.where(starts, idx, 0).cummax(dim=1).values  # (B, S) first index of the doc
+    return (idx - doc_start + 1).sum()
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    """Executed FLOPs of a training step (forward + backward + recompute); the attention term is a
+    0-d tensor when the pair count is (document masks, counted on the device)."""
+
+    matmul: float
+    attention: float | torch.Tensor
+
+    @property
+    def total(self) -> float | torch.Tensor:
+        return self.matmul + self.attention
+
+
+def batch_pairs(batches: list, seq_len: int) -> int | torch.Tensor:
+    """Attention pairs of a step's micro-batches (objects with ``inputs`` (B, S) and ``doc_ids``)."""
+    total: int | torch.Tensor = 0
+    for b in batches:
+        if b.doc_ids is not None:
+            total = total + document_pairs(b.doc_ids)
+        else:
+            total = total + b.inputs.shape[0] * attention_pairs(seq_len)
+    return total
+
+
+def executed_flops(args: ModelArgs, tokens: int, pairs: int | torch.Tensor,
+                   recompute: str = "none") -> StepFlops:
+    """FLOPs executed to train on ``tokens`` tokens whose attention computes ``pairs`` (query, key)
+    pairs in all (per sequence, summed over sequences; see :func:`attention_pairs`).
+
+    ``recompute``: ``none`` or ``full`` (every block's forward runs again in backward)."""
+    fwd_matmul = 2.0 * matmul_params(args) * tokens
+    fwd_attn = 4.0 * args.n_layers * args.n_heads * args.head_dim * pairs
+    matmul = fwd_matmul * (1 + MATMUL_BACKWARD)
+    attention = fwd_attn * (1 + ATTENTION_BACKWARD)
+    if recompute == "full":
+        head = 2.0 * args.vocab_size * args.dim * tokens  # the output head is not in a block
+        matmul += fwd_matmul - head
+        attention += fwd_attn
+    elif recompute != "none":
+        raise ValueError(f"unknown recompute mode {recompute!r}")
+    return StepFlops(matmul, attention)
+
+
+# ---------------------------------------------------------------------------------------------
+# Formulas for torch's FlopCounterMode where torch 2.13 has none (CPU attention, grouped GEMM).
+# Like torch's own SDPA formulas they count every (query, key) pair: no causal discount.
+
+
+def _sdpa_cpu(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:  # noqa: ANN001
+    from torch.utils.flop_counter import sdpa_flop_count
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _sdpa_cpu_backward(grad_out_shape, query_shape, key_shape, value_shape, *args,  # noqa: ANN001
+                       out_shape=None, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_backward_flop_count
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+def _grouped_mm(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:  # noqa: ANN001
+    # (N, a) x (G, a, b) -> (N, b), or the weight gradient (a, N) x (N, b) -> (G, a, b): every row
+    # of the long dim is multiplied once, 2 * rows * a * b either way.
+    return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
+
+
+def flop_counter_formulas() -> dict:
+    """``custom_mapping`` for ``torch.utils.flop_counter.FlopCounterMode``."""
+    aten = torch.ops.aten
+    formulas = {aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu,
+                aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward}
+    if hasattr(aten, "_grouped_mm"):
+        formulas[aten._grouped_mm] = _grouped_mm
+    return formulas

@@ -12,19 +12,23 @@ from shardwise.config import MetricsConfig
 
 
 class Throughput:
-    """Tokens/s, step time and MFU over the window since the last call to :meth:`window`."""
+    """Tokens/s, step time, MFU (PaLM convention) and executed-FLOPs utilization over the window
+    since the last call to :meth:`window`."""
 
     def __init__(self, flops_per_token: float, peak_tflops: float, world_size: int) -> None:
         self.flops_per_token, self.peak, self.world = flops_per_token, peak_tflops, world_size
-        self._t, self._tokens, self._steps = time.perf_counter(), 0, 0
+        self.reset()
 
-    def add(self, tokens: int) -> None:
+    def add(self, tokens: int, executed_flops_per_device: float | Any = 0.0) -> None:
+        """One step: global tokens, and the FLOPs one device executed (a tensor is fine: it is
+        only read when the window is)."""
         self._tokens += tokens
+        self._flops = self._flops + executed_flops_per_device
         self._steps += 1
 
     def reset(self) -> None:
         """Start a new window now (e.g. after an eval or a checkpoint, which are not training)."""
-        self._t, self._tokens, self._steps = time.perf_counter(), 0, 0
+        self._t, self._tokens, self._steps, self._flops = time.perf_counter(), 0, 0, 0.0
 
     def window(self) -> dict[str, float]:
         dt = max(time.perf_counter() - self._t, 1e-9)
@@ -33,6 +37,8 @@ class Throughput:
         out = {"tokens_per_s": tps, "tokens_per_s_per_device": per_device,
                "step_time_s": dt / max(self._steps, 1),
                "mfu": per_device * self.flops_per_token / (self.peak * 1e12)}
+        if self._flops:
+            out["exec_util"] = float(self._flops) / dt / (self.peak * 1e12)
         self.reset()
         return out
 

@@ -8,6 +8,8 @@ import pytest
 import tomllib
 
 from shardwise.config import load_config
+from shardwise.models import PRESETS
+from shardwise.observe.flops import attention_pairs, executed_flops, flops_per_token
 from tests.conftest import ROOT, TINY_ARGS, metrics, run_cli
 
 pytestmark = pytest.mark.e2e
@@ -31,6 +33,10 @@ def test_main_job_short_schedule(tmp_path: Path, data_cache: str):
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(val) == 2 and val[1] < val[0]
     assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["memory_gib"] > 0 for r in rows)
+    # Executed FLOPs (causal attention, flash backward 2.5x) over PaLM's, for the debug shape at 512.
+    args, s = PRESETS["debug"], 512
+    ratio = executed_flops(args, s, attention_pairs(s)).total / (flops_per_token(args, s) * s)
+    assert all(r["exec_util"] / r["mfu"] == pytest.approx(ratio, rel=1e-6) for r in rows)
     saved = tomllib.loads((run_dir / "config.toml").read_text())
     assert saved["training"]["steps"] == 30 and saved["model"]["dim"] == 256
     assert load_config(run_dir / "config.toml").training.steps == 30

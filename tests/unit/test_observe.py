@@ -64,8 +64,72 @@ def test_throughput_mfu_arithmetic(monkeypatch: pytest.MonkeyPatch):
     clock = itertools.chain([0.0], itertools.repeat(2.0))  # start, then 2 s later (and the reset)
     monkeypatch.setattr("shardwise.observe.metrics.time.perf_counter", lambda: next(clock))
     t = Throughput(flops_per_token=1e9, peak_tflops=1.0, world_size=2)
-    t.add(1000)
-    t.add(1000)
+    t.add(1000, 3e11)
+    t.add(1000, torch.tensor(1e11, dtype=torch.float64))  # a device count is fine too
     w = t.window()
     assert w["tokens_per_s"] == 1000 and w["tokens_per_s_per_device"] == 500
     assert w["step_time_s"] == 1.0 and w["mfu"] == pytest.approx(500 * 1e9 / 1e12)
+    assert w["exec_util"] == pytest.approx(4e11 / 2.0 / 1e12)  # per-device FLOPs over the window
+
+
+@pytest.mark.parametrize("kind", ["dense_gqa", "moe"])
+def test_executed_flops_match_torch_flop_counter(kind: str):
+    """A real forward + backward under FlopCounterMode (with formulas for CPU attention and grouped
+    GEMM, which count every query-key pair) equals the analytic count with non-causal pairs."""
+    import dataclasses
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from shardwise.models import init_weights
+    from shardwise.observe.flops import executed_flops, flop_counter_formulas
+
+    base = PRESETS["moe-debug"] if kind == "moe" else PRESETS["debug"]
+    args = dataclasses.replace(base, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=256,
+                               multiple_of=16, moe_hidden_dim=32, n_experts=4 if kind == "moe" else 0)
+    model = build_model(args, device="cpu")
+    init_weights(model, 0)
+    b, s = 2, 32
+    with FlopCounterMode(display=False, custom_mapping=flop_counter_formulas()) as counter:
+        logits = model(torch.randint(0, 256, (b, s)))
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.randint(0, 256, (b * s,))).backward()
+    want = executed_flops(args, b * s, pairs=b * s * s)
+    got = counter.get_total_flops()
+    assert abs(got - want.total) <= 0.01 * want.total, (got, want)
+    assert got == pytest.approx(want.total, rel=1e-9)  # in fact exact
+
+
+def test_attention_pairs_match_the_mask():
+    """Causal, sliding-window and document-mask pair counts equal the True entries of the mask."""
+    from shardwise.models.llama import document_mask
+    from shardwise.observe.flops import attention_pairs, document_pairs
+
+    s = 37
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    assert attention_pairs(s) == causal.sum()
+    assert attention_pairs(s, causal=False) == s * s
+    for w in (1, 5, 36, 37, 50):
+        window = causal & ~torch.ones(s, s, dtype=torch.bool).tril(-w)
+        assert attention_pairs(s, window=w) == window.sum(), w
+    doc_ids = torch.tensor([[0] * 10 + [1] * 20 + [2] * 7, [5] * 37])
+    assert document_pairs(doc_ids) == document_mask(doc_ids).sum()
+
+
+def test_executed_flops_terms():
+    """GQA does not reduce attention FLOPs; full recompute adds one forward of the blocks; MoE
+    counts the top-k experts only."""
+    import dataclasses
+
+    from shardwise.observe.flops import executed_flops, matmul_params
+
+    a = PRESETS["debug"]
+    gqa = dataclasses.replace(a, n_kv_heads=4)
+    f, g = executed_flops(a, 100, 1000), executed_flops(gqa, 100, 1000)
+    assert f.attention == g.attention and g.matmul < f.matmul
+    full = executed_flops(a, 100, 1000, recompute="full")
+    blocks = 2 * (matmul_params(a) - a.vocab_size * a.dim) * 100
+    assert full.matmul - f.matmul == pytest.approx(blocks)
+    assert full.attention == pytest.approx(f.attention * 4.5 / 3.5)
+    moe = PRESETS["moe-debug"]
+    top1 = dataclasses.replace(moe, moe_top_k=1)
+    expert = 3 * moe.dim * moe.moe_hidden_dim
+    assert matmul_params(moe) - matmul_params(top1) == (moe.n_layers - moe.n_dense_layers) * expert

@@ -158,7 +158,8 @@ MULTI_STAGE_LAYOUTS = {
     "pp2_zbv": ["--nproc=2", "--parallel.pp=2", "--parallel.pp_schedule=zbv"],
     "pp2_zbv_fsdp2": ["--nproc=4", "--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.pp_schedule=zbv"],
     "pp2_dualpipev": ["--nproc=2", "--parallel.pp=2", "--parallel.pp_schedule=dualpipev"],
-    "pp2_dualpipev_tp2": ["--nproc=4", "--parallel.pp=2", "--parallel.tp=2", "--parallel.pp_schedule=dualpipev"],
+    "pp2_dualpipev_tp2": ["--nproc=4", "--parallel.pp=2", "--parallel.tp=2",
+                          "--parallel.pp_schedule=dualpipev"],
 }
 
 
@@ -196,7 +197,8 @@ def test_torchrun_entry_point(reference: Path, tmp_path: Path, data_cache: str):
     """The same command under torch's own launcher (torchrun) is the same run."""
     run_dir = train(tmp_path, "torchrun", data_cache, launcher=[
         "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "shardwise"])
-    assert max_rel([r["loss"] for r in metrics(run_dir)], [r["loss"] for r in metrics(reference)]) <= LOSS_RTOL
+    losses = [r["loss"] for r in metrics(run_dir)]
+    assert max_rel(losses, [r["loss"] for r in metrics(reference)]) <= LOSS_RTOL
 
 
 def test_gradient_accumulation_4x1_equals_1x4(tmp_path: Path, data_cache: str):
