@@ -148,6 +148,33 @@ def cmd_verify(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0 if verify(args.config, overrides, args.layouts, args.steps, Path(args.out)) else 1
 
 
+def _report_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="HTML + PNG report of one or more runs", allow_abbrev=False,
+                       description="Write a self-contained HTML page and PNGs (loss, lr, grad norm, "
+                                   "tokens/s, MFU, memory and step time per rank) for the given run "
+                                   "directories, overlaid for comparison.")
+    p.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl)")
+    p.add_argument("--out", default="", help="output folder (default: RUN_DIR/report for one run, "
+                                             "runs/report for several)")
+
+
+def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
+    from pathlib import Path
+
+    from shardwise.observe.report import write_report
+
+    if extra:
+        raise ConfigError(f"report takes run directories and --out only, got {' '.join(extra)}")
+    for d in args.runs:
+        if not (Path(d) / "metrics.jsonl").is_file():
+            raise ConfigError(f"'{d}' has no metrics.jsonl: pass a run directory (run.dir of a training run)")
+    out = Path(args.out) if args.out else (Path(args.runs[0]) / "report" if len(args.runs) == 1
+                                           else Path("runs/report"))
+    page = write_report([Path(d) for d in args.runs], out)
+    print(f"report: {page}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="shardwise", allow_abbrev=False,
@@ -155,12 +182,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _verify_parser(sub)
+    _report_parser(sub)
     args, rest = parser.parse_known_args(argv)
     try:
         if args.command == "train":
             return cmd_train(args, rest, argv)
         if args.command == "verify":
             return cmd_verify(args, rest)
+        if args.command == "report":
+            return cmd_report(args, rest)
     except ConfigError as e:
         rank = os.environ.get("RANK")
         prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""

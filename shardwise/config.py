@@ -228,6 +228,24 @@ class EvalConfig:
 
 
 @dataclass
+class ProfileConfig:
+    enabled: bool = False
+    """Record torch.profiler traces to run.dir/traces/rank{R}_step{S}.json (Perfetto / chrome://tracing)."""
+    start: int = 1
+    """First step of the first profiling window."""
+    every: int = 50
+    """Window length in steps; each window records its last `active` steps after `warmup` more."""
+    warmup: int = 1
+    """Profiled-but-discarded steps before the recorded ones (the profiler's own start-up)."""
+    active: int = 2
+    """Steps recorded per window."""
+    record_shapes: bool = False
+    """Record operator input shapes."""
+    profile_memory: bool = False
+    """Record tensor allocations in the trace (on CUDA an allocator snapshot is always dumped)."""
+
+
+@dataclass
 class DebugConfig:
     deterministic: bool = False
     """Use deterministic kernels (torch.use_deterministic_algorithms) for bit-reproducible runs."""
@@ -247,6 +265,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -438,7 +457,8 @@ _CHOICES = {
 
 _POSITIVE = ("training.steps", "training.seq_len", "training.global_batch", "metrics.log_interval",
              "eval.steps", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
-             "model.vocab_size", "model.multiple_of", "model.max_seq_len")
+             "model.vocab_size", "model.multiple_of", "model.max_seq_len", "profile.start",
+             "profile.every", "profile.active")
 _NON_NEGATIVE = ("training.micro_batch", "training.max_grad_norm", "optimizer.lr",
                  "optimizer.weight_decay", "lr_scheduler.warmup_steps", "checkpoint.interval",
                  "eval.interval", "metrics.peak_tflops", "optimizer.eps")
@@ -477,6 +497,9 @@ def validate(cfg: Config) -> None:
     if cfg.training.seq_len > m.max_seq_len:
         raise ConfigError(f"training.seq_len={cfg.training.seq_len} exceeds model.max_seq_len="
                           f"{m.max_seq_len}: lower the sequence length or raise model.max_seq_len")
+    if cfg.profile.warmup < 0 or cfg.profile.warmup + cfg.profile.active > cfg.profile.every:
+        raise ConfigError(f"profile.warmup={cfg.profile.warmup} + profile.active={cfg.profile.active} must "
+                          f"fit in profile.every={cfg.profile.every} steps (warmup >= 0)")
     if cfg.lr_scheduler.warmup_steps > cfg.training.steps:
         raise ConfigError(f"lr_scheduler.warmup_steps={cfg.lr_scheduler.warmup_steps} exceeds "
                           f"training.steps={cfg.training.steps}")

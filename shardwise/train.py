@@ -38,9 +38,10 @@ from shardwise.models.moe import moe_layers, update_expert_bias
 from shardwise.observe.comm import trace_step
 from shardwise.observe.flops import batch_pairs, executed_flops, flops_per_token, num_params
 from shardwise.observe.memory import peak_memory_gib
-from shardwise.observe.metrics import MetricsLogger, Throughput
+from shardwise.observe.metrics import MetricsLogger, Throughput, per_rank
 from shardwise.observe.peak import peak_tflops
 from shardwise.observe.plot import plot_loss
+from shardwise.observe.profile import StepProfiler
 from shardwise.optim.adamw import build_optimizer
 from shardwise.optim.clip import clip_grad_norm_
 from shardwise.optim.lr import build_lr_scheduler
@@ -90,31 +91,38 @@ def train(cfg: Config) -> None:
     logger = MetricsLogger(run_dir, cfg.metrics, cfg.training.steps, start, enabled=env.rank == 0)
     tokens_per_step = cfg.training.global_batch * cfg.training.seq_len
     sharing = env.world_size // dims.dp  # ranks (pp x cp x tp) that split one data-parallel share
-    for step in range(start + 1, cfg.training.steps + 1):
-        batches = loader.next_step()
-        # This data-parallel share's executed FLOPs, exact for its masks, per device of the share.
-        flops = executed_flops(args, sum(b.inputs.numel() for b in batches),
-                               batch_pairs(batches, cfg.training.seq_len)).total / sharing
-        with trace_step(cfg.debug.comm and step == start + 1, dims.mesh, dims.flat_meshes,
-                        run_dir / "comm.json", env.rank, track_modules=dims.pp == 1):
-            result = train_step(model, optimizer, scheduler, shard(batches), dims,
-                                cfg.training.max_grad_norm, pipe)
-        throughput.add(tokens_per_step, flops)
-        do_eval = cfg.eval.interval > 0 and (step % cfg.eval.interval == 0 or step == cfg.training.steps)
-        do_save = (cfg.checkpoint.interval > 0 and step % cfg.checkpoint.interval == 0) or (
-            cfg.checkpoint.final and step == cfg.training.steps)
-        if do_eval or step % cfg.metrics.log_interval == 0 or step == cfg.training.steps:
-            metrics = {k: float(v) for k, v in result.items()}  # float() of a tensor syncs
-            metrics.update(**throughput.window(), memory_gib=peak_memory_gib(env.device))
-            if do_eval:
-                metrics.update(evaluate(model, val_stream, cfg, dims, env.device, pipe, shard))
-            logger.log(step, metrics)
-        if do_save:
-            path = checkpoint.save(run_dir / "checkpoints", step, model, optimizer, scheduler, loader)
-            logger.message(f"saved checkpoint {path}")
-        if do_eval or do_save:
-            throughput.reset()  # evaluation and saving are not training throughput
-        logger.advance()
+    profiler = StepProfiler(cfg.profile, run_dir, env.rank, env.device, start + 1)
+    with profiler:
+        for step in range(start + 1, cfg.training.steps + 1):
+            batches = loader.next_step()
+            # This data-parallel share's executed FLOPs, exact for its masks, per device of the share.
+            flops = executed_flops(args, sum(b.inputs.numel() for b in batches),
+                                   batch_pairs(batches, cfg.training.seq_len)).total / sharing
+            with trace_step(cfg.debug.comm and step == start + 1, dims.mesh, dims.flat_meshes,
+                            run_dir / "comm.json", env.rank, track_modules=dims.pp == 1):
+                result = train_step(model, optimizer, scheduler, shard(batches), dims,
+                                    cfg.training.max_grad_norm, pipe)
+            throughput.add(tokens_per_step, flops)
+            last = step == cfg.training.steps
+            do_eval = cfg.eval.interval > 0 and (step % cfg.eval.interval == 0 or last)
+            do_save = (cfg.checkpoint.interval > 0 and step % cfg.checkpoint.interval == 0) or (
+                cfg.checkpoint.final and last)
+            if do_eval or step % cfg.metrics.log_interval == 0 or last:
+                metrics = {k: float(v) for k, v in result.items()}  # float() of a tensor syncs
+                metrics.update(**throughput.window(), memory_gib=peak_memory_gib(env.device))
+                metrics.update(per_rank({k: metrics[k] for k in ("step_time_s", "memory_gib")},
+                                        env.device))
+                if do_eval:
+                    metrics.update(evaluate(model, val_stream, cfg, dims, env.device, pipe, shard))
+                logger.log(step, metrics)
+            if do_save:
+                path = checkpoint.save(run_dir / "checkpoints", step, model, optimizer, scheduler,
+                                       loader)
+                logger.message(f"saved checkpoint {path}")
+            if do_eval or do_save:
+                throughput.reset()  # evaluation and saving are not training throughput
+            logger.advance()
+            profiler.step()
     finish(cfg, run_dir, logger, env.rank)
 
 

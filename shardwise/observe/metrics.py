@@ -8,6 +8,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from shardwise.config import MetricsConfig
 
 
@@ -41,6 +44,21 @@ class Throughput:
             out["exec_util"] = float(self._flops) / dt / (self.peak * 1e12)
         self.reset()
         return out
+
+
+def per_rank(values: dict[str, float], device: torch.device) -> dict[str, Any]:
+    """All-gather a few per-rank figures (every rank must call): each as a list indexed by rank,
+    plus the straggler report -- slowest rank's step time over the median rank's."""
+    local = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
+    gathered = torch.empty(dist.get_world_size() * local.numel(), dtype=torch.float64, device=device)
+    dist.all_gather_into_tensor(gathered, local)
+    table = gathered.view(-1, local.numel()).cpu()  # (ranks, figures)
+    out: dict[str, Any] = {f"{k}_per_rank": table[:, i].tolist() for i, k in enumerate(values)}
+    if "step_time_s" in values:
+        times = table[:, list(values).index("step_time_s")]
+        out["straggler_ratio"] = (times.max() / times.median().clamp(min=1e-12)).item()
+        out["slowest_rank"] = int(times.argmax())
+    return out
 
 
 class MetricsLogger:

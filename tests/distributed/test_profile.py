@@ -1,0 +1,36 @@
+"""Profiler traces: one file per rank and window, named rank{R}_step{S}.json, each a Chrome trace;
+and the per-rank figures (step time, memory) with the straggler report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY_ARGS, metrics, run_cli
+
+pytestmark = pytest.mark.dist
+
+
+def test_traces_are_named_by_rank_and_step(tmp_path: Path, data_cache: str):
+    run_cli(["train", *TINY_ARGS, f"--data.cache_dir={data_cache}", f"--run.dir={tmp_path}", "--nproc=2",
+             "--training.steps=6", "--profile.enabled=true", "--profile.every=3", "--profile.warmup=1",
+             "--profile.active=1"])
+    traces = sorted(p.name for p in (tmp_path / "traces").iterdir())
+    # Windows of 3 steps from step 1, each recording its last step.
+    assert traces == ["rank0_step3.json", "rank0_step6.json", "rank1_step3.json", "rank1_step6.json"]
+    for name in traces:
+        events = json.loads((tmp_path / "traces" / name).read_text())["traceEvents"]
+        names = {e.get("name", "") for e in events}
+        assert any("ProfilerStep#" in n for n in names), name  # the recorded step is in the trace
+        assert any("aten::mm" in n or "aten::addmm" in n for n in names), name  # and its matmuls
+        assert any("all_reduce" in n or "reduce_scatter" in n or "all_gather" in n for n in names), name
+
+    rows = metrics(tmp_path)
+    for r in rows:
+        assert len(r["step_time_s_per_rank"]) == 2 and len(r["memory_gib_per_rank"]) == 2
+        assert r["step_time_s_per_rank"][0] == pytest.approx(r["step_time_s"])  # rank 0 logs its own
+        assert r["straggler_ratio"] >= 1.0 and r["slowest_rank"] in (0, 1)
+        times = r["step_time_s_per_rank"]
+        assert r["straggler_ratio"] == pytest.approx(max(times) / sorted(times)[0])  # median of 2: lower

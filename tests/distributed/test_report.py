@@ -1,0 +1,44 @@
+"""``shardwise report`` on real runs: the page, its PNGs, and the lines in each panel."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY_ARGS, metrics, run_cli
+
+pytestmark = pytest.mark.dist
+
+
+def test_report_of_two_real_runs(tmp_path: Path, data_cache: str):
+    common = ["train", *TINY_ARGS, f"--data.cache_dir={data_cache}", "--training.steps=8",
+              "--eval.interval=4", "--eval.steps=1", "--data.val_fraction=0.2"]
+    run_cli([*common, f"--run.dir={tmp_path / 'one'}"])
+    run_cli([*common, f"--run.dir={tmp_path / 'two'}", "--nproc=2"])
+    out = tmp_path / "report"
+    proc = run_cli(["report", str(tmp_path / "one"), str(tmp_path / "two"), f"--out={out}"])
+    page = (out / "report.html").read_text()
+    assert "report.html" in proc.stdout
+    manifest = re.search(r"<script type='application/json' id='panels'>(.*?)</script>", page)
+    panels = json.loads(manifest.group(1))
+    steps = len(metrics(tmp_path / "one"))
+    assert steps == 8
+    # Every panel a person needs, each line with the run's number of logged points.
+    assert panels["loss"]["one loss"] == steps and panels["loss"]["two loss"] == steps
+    assert panels["loss"]["one val_loss"] == 2  # evaluated at steps 4 and 8
+    assert panels["utilization"]["two mfu"] == steps and panels["utilization"]["two exec_util"] == steps
+    assert panels["memory"].keys() == {"one memory_gib_per_rank rank 0", "two memory_gib_per_rank rank 0",
+                                       "two memory_gib_per_rank rank 1"}
+    assert panels["step_time"]["two step_time_s_per_rank rank 1"] == steps
+    for stem in ("loss", "lr", "grad_norm", "tokens_per_s", "utilization", "memory", "step_time"):
+        png = (out / f"{stem}.png").read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000, stem
+    assert page.count("data:image/png;base64,") == 7  # embedded: the page stands alone
+
+
+def test_report_refuses_a_folder_without_metrics(tmp_path: Path):
+    proc = run_cli(["report", str(tmp_path)], check=False)
+    assert proc.returncode == 2 and "has no metrics.jsonl" in proc.stderr
