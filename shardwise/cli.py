@@ -156,12 +156,14 @@ def _report_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl)")
     p.add_argument("--out", default="", help="output folder (default: RUN_DIR/report for one run, "
                                              "runs/report for several)")
+    p.add_argument("--screenshot", action="store_true",
+                   help="also render the page in headless Chromium to report.png")
 
 
 def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
     from pathlib import Path
 
-    from shardwise.observe.report import write_report
+    from shardwise.observe.report import screenshot, write_report
 
     if extra:
         raise ConfigError(f"report takes run directories and --out only, got {' '.join(extra)}")
@@ -172,6 +174,11 @@ def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
                                            else Path("runs/report"))
     page = write_report([Path(d) for d in args.runs], out)
     print(f"report: {page}")
+    if args.screenshot:
+        try:
+            print(f"screenshot: {screenshot(page, out / 'report.png')}")
+        except FileNotFoundError as e:
+            raise ConfigError(str(e)) from None
     return 0
 
 

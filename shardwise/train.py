@@ -9,10 +9,12 @@ the global batch, whatever the layout or accumulation split.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,7 +39,7 @@ from shardwise.models import ModelArgs, build_model, init_weights, model_args
 from shardwise.models.moe import moe_layers, update_expert_bias
 from shardwise.observe.comm import trace_step
 from shardwise.observe.flops import batch_pairs, executed_flops, flops_per_token, num_params
-from shardwise.observe.memory import peak_memory_gib
+from shardwise.observe.memory import GiB, SavedActivations, peak_memory_gib, state_bytes
 from shardwise.observe.metrics import MetricsLogger, Throughput, per_rank
 from shardwise.observe.peak import peak_tflops
 from shardwise.observe.plot import plot_loss
@@ -46,7 +48,7 @@ from shardwise.optim.adamw import build_optimizer
 from shardwise.optim.clip import clip_grad_norm_
 from shardwise.optim.lr import build_lr_scheduler
 from shardwise.parallel.context import shard_sequences
-from shardwise.parallel.dims import ParallelDims, init_distributed
+from shardwise.parallel.dims import DistEnv, ParallelDims, init_distributed
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.pipeline import (
     SCHEDULES,
@@ -98,10 +100,13 @@ def train(cfg: Config) -> None:
             # This data-parallel share's executed FLOPs, exact for its masks, per device of the share.
             flops = executed_flops(args, sum(b.inputs.numel() for b in batches),
                                    batch_pairs(batches, cfg.training.seq_len)).total / sharing
-            with trace_step(cfg.debug.comm and step == start + 1, dims.mesh, dims.flat_meshes,
+            first = step == start + 1
+            with trace_step(cfg.debug.comm and first, dims.mesh, dims.flat_meshes,
                             run_dir / "comm.json", env.rank, track_modules=dims.pp == 1):
                 result = train_step(model, optimizer, scheduler, shard(batches), dims,
-                                    cfg.training.max_grad_norm, pipe)
+                                    cfg.training.max_grad_norm, pipe, measure_memory=first)
+            if first:
+                report_memory(result.pop("memory"), run_dir, env, logger)
             throughput.add(tokens_per_step, flops)
             last = step == cfg.training.steps
             do_eval = cfg.eval.interval > 0 and (step % cfg.eval.interval == 0 or last)
@@ -128,10 +133,11 @@ def train(cfg: Config) -> None:
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                scheduler: torch.optim.lr_scheduler.LRScheduler, batches: list[Batch],
-               dims: ParallelDims, max_grad_norm: float,
-               pipe: Pipe | None = None) -> dict[str, torch.Tensor | float]:
+               dims: ParallelDims, max_grad_norm: float, pipe: Pipe | None = None,
+               measure_memory: bool = False) -> dict[str, Any]:
     """One optimizer step over this rank's micro-batches: global mean ``loss``, ``grad_norm``,
-    ``lr`` used, and for MoE models ``expert_load`` (busiest expert over the mean, worst layer).
+    ``lr`` used, for MoE models ``expert_load`` (busiest expert over the mean, worst layer), and
+    with ``measure_memory`` this rank's ``memory`` breakdown in bytes.
 
     With pipeline parallel the schedule runs the micro-batches through the stages."""
     dp_cp = dims.submesh("dp_cp").get_group()
@@ -139,20 +145,29 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     n_valid = torch.tensor(sum(b.n_valid for b in batches), dtype=torch.int64, device=device)
     dist.all_reduce(n_valid, group=dp_cp)  # all-reduce over dp x cp: the global valid-token count
     n_valid = n_valid.clamp(min=1)
+    # Activations: what autograd saves for backward -- per micro-batch (freed by its backward), or
+    # everything a pipeline step holds in flight.
+    saved = [SavedActivations() if measure_memory else contextlib.nullcontext()
+             for _ in (batches if pipe is None else [None])]
     if pipe is not None:
-        loss_sum = pipe.forward_backward(batches, n_valid)
+        with saved[0]:
+            loss_sum = pipe.forward_backward(batches, n_valid)
     else:
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-        for batch in batches:
-            loss_sum += forward_backward(model, batch, n_valid)
+        for batch, tracker in zip(batches, saved, strict=True):
+            with tracker:
+                loss_sum += forward_backward(model, batch, n_valid)
     stages = dims.submesh("pp").get_group() if dims.pp > 1 else None
     grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm, stages)
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     scheduler.step()
+    memory = state_bytes(model, optimizer) if measure_memory else None  # before grads are freed
     optimizer.zero_grad(set_to_none=True)
     dist.all_reduce(loss_sum, group=dp_cp)
-    result = {"loss": loss_sum / n_valid, "grad_norm": grad_norm, "lr": lr}
+    result: dict[str, Any] = {"loss": loss_sum / n_valid, "grad_norm": grad_norm, "lr": lr}
+    if memory is not None:
+        result["memory"] = {**memory, "activations": max(t.bytes for t in saved)}
     if model.args.n_experts:
         load = update_expert_bias(model, dims.submesh("dp_cp_tp").get_group())
         if dims.pp > 1:  # the worst layer over all stages (a stage may hold no MoE block)
@@ -160,6 +175,16 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
             dist.all_reduce(load, op=dist.ReduceOp.MAX, group=stages)
         result["expert_load"] = load
     return result
+
+
+def report_memory(memory: dict[str, int], run_dir: Path, env: DistEnv, logger: MetricsLogger) -> None:
+    """Gather every rank's first-step breakdown; rank 0 prints it and writes memory_breakdown.json."""
+    table = per_rank({k: v / GiB for k, v in memory.items()}, env.device)
+    if env.rank == 0:
+        (run_dir / "memory_breakdown.json").write_text(json.dumps(table, indent=1))
+        rows = [f"{k:>12}: " + "  ".join(f"{v:.4f}" for v in table[f"{k}_per_rank"]) for k in memory]
+        logger.message("memory at the first step, GiB per rank (params, grads, optimizer states; "
+                       "activations = saved for backward):\n" + "\n".join(rows))
 
 
 def forward_backward(model: nn.Module, batch: Batch, n_valid_global: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,16 @@
-"""Per-rank memory: the CUDA allocator's peak on GPUs, the process RSS high-water mark on CPU."""
+"""Per-rank memory: the CUDA allocator's peak on GPUs, the process RSS high-water mark on CPU;
+and a breakdown at the first step -- parameters, gradients and optimizer states counted from the
+tensors, activations as the bytes autograd saves for backward."""
 
 from __future__ import annotations
 
 import resource
 import sys
+from collections.abc import Iterable
 
 import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 GiB = 1024**3
 
@@ -15,3 +20,50 @@ def peak_memory_gib(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / GiB
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss * (1 if sys.platform == "darwin" else 1024) / GiB  # Linux reports KiB
+
+
+def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes this rank holds for ``tensors`` (the local shard of a DTensor)."""
+    total = 0
+    for t in tensors:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Parameters, gradients and optimizer states held by this rank (exact, from the tensors)."""
+    params = list(model.parameters())
+    states = [v for st in optimizer.state.values() for v in st.values()
+              if isinstance(v, torch.Tensor) and v.numel() > 1]  # Adam's 1-element step counters aside
+    return {"params": local_bytes(params),
+            "grads": local_bytes(p.grad for p in params if p.grad is not None),
+            "optimizer": local_bytes(states)}
+
+
+class SavedActivations:
+    """Counts the bytes autograd saves for backward inside the ``with`` block (unique storages;
+    parameters and views of them -- including FSDP's gathered ones -- are not activations)."""
+
+    def __init__(self) -> None:
+        self._storages: dict[int, int] = {}
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._storages.values())
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if not (isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)):
+            local = t.to_local() if isinstance(t, DTensor) else t
+            if local.device.type != "meta":
+                storage = local.untyped_storage()
+                self._storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def __enter__(self) -> SavedActivations:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)

@@ -145,3 +145,19 @@ def write_report(run_dirs: list[Path], out: Path) -> Path:
     page = out / "report.html"
     page.write_text("\n".join(parts))
     return page
+
+
+def screenshot(page: Path, png: Path, width: int = 1600, height: int = 2600) -> Path:
+    """Render ``page`` in headless Chromium (Debian's ``chromium``) and save a PNG of it."""
+    import shutil
+    import subprocess
+
+    exe = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")
+                if shutil.which(n)), None)
+    if exe is None:
+        raise FileNotFoundError("no chromium on PATH: install Debian's chromium (apt-get install "
+                                "chromium) to render the report")
+    subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                    f"--window-size={width},{height}", f"--screenshot={png.absolute()}",
+                    page.absolute().as_uri()], check=True, capture_output=True, timeout=120)
+    return png

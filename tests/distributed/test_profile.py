@@ -34,3 +34,29 @@ def test_traces_are_named_by_rank_and_step(tmp_path: Path, data_cache: str):
         assert r["straggler_ratio"] >= 1.0 and r["slowest_rank"] in (0, 1)
         times = r["step_time_s_per_rank"]
         assert r["straggler_ratio"] == pytest.approx(max(times) / sorted(times)[0])  # median of 2: lower
+
+
+def test_memory_breakdown_counts_every_tensor(tmp_path: Path, data_cache: str):
+    """First-step breakdown: FSDP shards params/grads/optimizer states exactly in two (Adam: two fp32
+    moments per parameter); activations halve with half the sequences per micro-batch or per rank."""
+    from shardwise.config import load_config
+    from shardwise.models import build_model, model_args
+
+    def breakdown(name: str, *extra: str) -> dict:
+        run_cli(["train", *TINY_ARGS, f"--data.cache_dir={data_cache}", f"--run.dir={tmp_path / name}",
+                 "--training.steps=1", "--lr_scheduler.warmup_steps=0", *extra])
+        return json.loads((tmp_path / name / "memory_breakdown.json").read_text())
+
+    one, fsdp2, accum2 = breakdown("one"), breakdown("fsdp2", "--nproc=2"), breakdown(
+        "accum2", "--training.micro_batch=4")
+    model = build_model(model_args(load_config(tmp_path / "one" / "config.toml").model))
+    total = 4 * sum(p.numel() for p in model.parameters()) / 2**30  # fp32, GiB
+    assert one["params_per_rank"] == [pytest.approx(total)]
+    assert sum(fsdp2["params_per_rank"]) == pytest.approx(total)  # every element on exactly one rank
+    for b in (one, fsdp2):
+        assert b["grads_per_rank"] == pytest.approx(b["params_per_rank"])
+        assert b["optimizer_per_rank"] == pytest.approx([2 * p for p in b["params_per_rank"]])
+    act = one["activations_per_rank"][0]
+    assert act > 0
+    assert accum2["activations_per_rank"][0] == pytest.approx(act / 2, rel=0.1)
+    assert fsdp2["activations_per_rank"][0] == pytest.approx(act / 2, rel=0.1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,8 @@ def test_report_of_two_real_runs(tmp_path: Path, data_cache: str):
     run_cli([*common, f"--run.dir={tmp_path / 'one'}"])
     run_cli([*common, f"--run.dir={tmp_path / 'two'}", "--nproc=2"])
     out = tmp_path / "report"
-    proc = run_cli(["report", str(tmp_path / "one"), str(tmp_path / "two"), f"--out={out}"])
+    proc = run_cli(["report", str(tmp_path / "one"), str(tmp_path / "two"), f"--out={out}"]
+                   + (["--screenshot"] if shutil.which("chromium") else []))
     page = (out / "report.html").read_text()
     assert "report.html" in proc.stdout
     manifest = re.search(r"<script type='application/json' id='panels'>(.*?)</script>", page)
@@ -37,6 +39,19 @@ def test_report_of_two_real_runs(tmp_path: Path, data_cache: str):
         png = (out / f"{stem}.png").read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000, stem
     assert page.count("data:image/png;base64,") == 7  # embedded: the page stands alone
+    if shutil.which("chromium"):  # .ci/run installs Debian's chromium where apt can
+        check_screenshot(out / "report.png")
+
+
+def check_screenshot(png: Path) -> None:
+    """The rendered page is a real picture: big, and mostly not one colour (the plots are drawn)."""
+    import numpy as np
+    from PIL import Image
+
+    img = np.asarray(Image.open(png).convert("L"), dtype=np.float32)
+    assert img.shape[0] >= 2000 and img.shape[1] >= 1500
+    assert img.std() > 10  # a blank or error page is nearly uniform
+    assert (img < 128).mean() > 0.01  # dark pixels: text, axes and curves
 
 
 def test_report_refuses_a_folder_without_metrics(tmp_path: Path):
