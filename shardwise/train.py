@@ -39,7 +39,13 @@ from shardwise.models import ModelArgs, build_model, init_weights, model_args
 from shardwise.models.moe import moe_layers, update_expert_bias
 from shardwise.observe.comm import trace_step
 from shardwise.observe.flops import batch_pairs, executed_flops, flops_per_token, num_params
-from shardwise.observe.memory import GiB, SavedActivations, peak_memory_gib, state_bytes
+from shardwise.observe.memory import (
+    GiB,
+    SavedActivations,
+    current_memory_gib,
+    peak_memory_gib,
+    state_bytes,
+)
 from shardwise.observe.metrics import MetricsLogger, Throughput, per_rank
 from shardwise.observe.peak import peak_tflops
 from shardwise.observe.plot import plot_loss
@@ -114,7 +120,8 @@ def train(cfg: Config) -> None:
                 cfg.checkpoint.final and last)
             if do_eval or step % cfg.metrics.log_interval == 0 or last:
                 metrics = {k: float(v) for k, v in result.items()}  # float() of a tensor syncs
-                metrics.update(**throughput.window(), memory_gib=peak_memory_gib(env.device))
+                metrics.update(**throughput.window(), memory_gib=peak_memory_gib(env.device),
+                               memory_current_gib=current_memory_gib(env.device))
                 metrics.update(per_rank({k: metrics[k] for k in ("step_time_s", "memory_gib")},
                                         env.device))
                 if do_eval:

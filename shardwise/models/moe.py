@@ -146,6 +146,11 @@ class MoE(nn.Module):
         if training and self.count_tokens:
             with torch.no_grad():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+        aux = None
+        if training and self.balance == "aux_loss" and self.aux_coef > 0:
+            # Computed before the experts so the block's last ops are the experts' (activation
+            # checkpointing then need not recompute past the shared expert's down projection).
+            aux = self.aux_loss(ids.view(b, s, -1), scores.view(b, s, -1))
         order = torch.argsort(flat_ids, stable=True)  # routing slots grouped by expert
         routed = tokens[order // self.top_k]  # (T*k, dim)
         out = self.experts(routed, counts)  # (T*k, dim)
@@ -154,9 +159,7 @@ class MoE(nn.Module):
         if self.shared_expert is not None:
             y = y + self.shared_expert(tokens)
         y = y.view(b, s, dim)
-        if training and self.balance == "aux_loss" and self.aux_coef > 0:
-            y = AuxLossGrad.apply(y, self.aux_loss(ids.view(b, s, -1), scores.view(b, s, -1)))
-        return y
+        return AuxLossGrad.apply(y, aux) if aux is not None else y
 
     def aux_loss(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """This rank's part of coef * mean over the step's sequences of E * sum_e f_e P_e.

@@ -16,7 +16,9 @@ query attends to all ``S`` keys (no causal discount).
   ``S(S+1)/2`` per causal sequence, ``sum_d L_d(L_d+1)/2`` with document masks, ``sum_i min(i+1, w)``
   for a sliding window of ``w`` keys.
 - Activation checkpointing: ``full`` re-runs each block's forward during backward (its matmuls and
-  attention once more); ``none`` adds nothing.
+  attention once more) -- except the MLP's down projection (w2, and the shared expert's), whose
+  output only feeds the residual add: torch's non-reentrant checkpoint stops recomputing once every
+  tensor backward needs exists again. ``none`` adds nothing.
 
 The two are reported as ``mfu`` (PaLM) and ``exec_util`` (executed FLOPs / peak).
 """
@@ -126,8 +128,12 @@ def executed_flops(args: ModelArgs, tokens: int, pairs: int | torch.Tensor,
     matmul = fwd_matmul * (1 + MATMUL_BACKWARD)
     attention = fwd_attn * (1 + ATTENTION_BACKWARD)
     if recompute == "full":
-        head = 2.0 * args.vocab_size * args.dim * tokens  # the output head is not in a block
-        matmul += fwd_matmul - head
+        head = args.vocab_size * args.dim  # the output head is not in a block
+        n_moe = sum(args.is_moe_layer(i) for i in range(args.n_layers))
+        # Down projections whose outputs are only added to the residual: not recomputed.
+        last = ((args.n_layers - n_moe) * args.ffn_hidden_dim
+                + n_moe * args.n_shared_experts * args.moe_hidden_dim) * args.dim
+        matmul += 2.0 * (matmul_params(args) - head - last) * tokens
         attention += fwd_attn
     elif recompute != "none":
         raise ValueError(f"unknown recompute mode {recompute!r}")

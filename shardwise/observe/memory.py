@@ -22,6 +22,17 @@ def peak_memory_gib(device: torch.device) -> float:
     return rss * (1 if sys.platform == "darwin" else 1024) / GiB  # Linux reports KiB
 
 
+def current_memory_gib(device: torch.device) -> float:
+    """Memory in use now: the CUDA allocator's allocated bytes, or the process RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / GiB
+    try:
+        resident_pages = int(open("/proc/self/statm").read().split()[1])
+    except OSError:  # not Linux: fall back to the high-water mark
+        return peak_memory_gib(device)
+    return resident_pages * resource.getpagesize() / GiB
+
+
 def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes this rank holds for ``tensors`` (the local shard of a DTensor)."""
     total = 0

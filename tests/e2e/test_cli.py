@@ -13,7 +13,8 @@ from shardwise.observe.flops import attention_pairs, executed_flops, flops_per_t
 from tests.conftest import ROOT, TINY_ARGS, metrics, run_cli
 
 pytestmark = pytest.mark.e2e
-REQUIRED = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "memory_gib"}
+REQUIRED = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "exec_util", "memory_gib",
+            "memory_current_gib", "memory_gib_per_rank", "step_time_s_per_rank", "straggler_ratio"}
 
 
 def test_main_job_short_schedule(tmp_path: Path, data_cache: str):

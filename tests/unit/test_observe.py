@@ -115,8 +115,8 @@ def test_attention_pairs_match_the_mask():
 
 
 def test_executed_flops_terms():
-    """GQA does not reduce attention FLOPs; full recompute adds one forward of the blocks; MoE
-    counts the top-k experts only."""
+    """GQA does not reduce attention FLOPs; full recompute adds one forward of the blocks but their
+    down projections; MoE counts the top-k experts only."""
     import dataclasses
 
     from shardwise.observe.flops import executed_flops, matmul_params
@@ -126,10 +126,40 @@ def test_executed_flops_terms():
     f, g = executed_flops(a, 100, 1000), executed_flops(gqa, 100, 1000)
     assert f.attention == g.attention and g.matmul < f.matmul
     full = executed_flops(a, 100, 1000, recompute="full")
-    blocks = 2 * (matmul_params(a) - a.vocab_size * a.dim) * 100
+    w2 = a.n_layers * a.ffn_hidden_dim * a.dim  # down projections: not recomputed (early stop)
+    blocks = 2 * (matmul_params(a) - a.vocab_size * a.dim - w2) * 100
     assert full.matmul - f.matmul == pytest.approx(blocks)
     assert full.attention == pytest.approx(f.attention * 4.5 / 3.5)
     moe = PRESETS["moe-debug"]
     top1 = dataclasses.replace(moe, moe_top_k=1)
     expert = 3 * moe.dim * moe.moe_hidden_dim
     assert matmul_params(moe) - matmul_params(top1) == (moe.n_layers - moe.n_dense_layers) * expert
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_executed_flops_with_full_recompute_match_the_flop_counter(kind: str):
+    """Every block under torch.utils.checkpoint: FlopCounterMode sees one more forward of each block
+    in backward (less the down projection, which checkpoint's early stop skips), exactly the
+    analytic ``recompute="full"`` count; dense and MoE."""
+    import dataclasses
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from shardwise.models import init_weights
+    from shardwise.observe.flops import executed_flops, flop_counter_formulas
+
+    base = PRESETS["moe-debug"] if kind == "moe" else PRESETS["debug"]
+    args = dataclasses.replace(base, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=256,
+                               multiple_of=16, moe_hidden_dim=32, n_experts=4 if kind == "moe" else 0)
+    model = build_model(args, device="cpu")
+    init_weights(model, 0)
+    for block in model.layers.values():
+        block.forward = partial(checkpoint, block.forward, use_reentrant=False)
+    b, s = 2, 32
+    with FlopCounterMode(display=False, custom_mapping=flop_counter_formulas()) as counter:
+        logits = model(torch.randint(0, 256, (b, s)))
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.randint(0, 256, (b * s,))).backward()
+    want = executed_flops(args, b * s, pairs=b * s * s, recompute="full")
+    assert counter.get_total_flops() == pytest.approx(want.total, rel=1e-9)
