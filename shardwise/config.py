@@ -217,6 +217,12 @@ class MetricsConfig:
     """Show a progress bar on rank 0 (plain log lines when disabled)."""
     peak_tflops: float = 0.0
     """Peak TFLOP/s per device for MFU; 0 = from the GPU table, or measured on CPU and cached."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs `pip install wandb`), into run.dir/wandb."""
+    wandb_project: str = "shardwise"
+    """W&B project name."""
+    wandb_mode: str = "offline"
+    """offline (no network; sync later with `wandb sync run.dir/wandb/offline-run-*`) or online."""
 
 
 @dataclass
@@ -451,6 +457,7 @@ _CHOICES = {
     "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved1f1b", "zbv", "dualpipev"),
     "parallel.fsdp_reduce_dtype": ("fp32", "bf16"),
     "parallel.cp_rotate_method": ("allgather", "alltoall"),
+    "metrics.wandb_mode": ("offline", "online"),
     "model.moe_score": ("softmax", "sigmoid"),
     "model.moe_balance": ("aux_loss", "bias", "none"),
 }

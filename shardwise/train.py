@@ -9,6 +9,8 @@ the global batch, whatever the layout or accumulation split.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import importlib.util
 import json
 import os
 import shutil
@@ -96,7 +98,8 @@ def train(cfg: Config) -> None:
                             shared_peak(env.device, cfg), env.world_size)
     if env.rank == 0:
         print(describe(cfg, dims, args, start), flush=True)
-    logger = MetricsLogger(run_dir, cfg.metrics, cfg.training.steps, start, enabled=env.rank == 0)
+    logger = MetricsLogger(run_dir, cfg.metrics, cfg.training.steps, start, enabled=env.rank == 0,
+                           run_config=dataclasses.asdict(cfg))
     tokens_per_step = cfg.training.global_batch * cfg.training.seq_len
     sharing = env.world_size // dims.dp  # ranks (pp x cp x tp) that split one data-parallel share
     profiler = StepProfiler(cfg.profile, run_dir, env.rank, env.device, start + 1)
@@ -309,6 +312,9 @@ def preflight(cfg: Config, world_size: int) -> ParallelDims:
         raise ConfigError("data.document_mask with parallel.cp > 1 is not available (the ring "
                           "attention is causal-only): set data.document_mask=false or cp=1")
     data_files(cfg.data.path)
+    if cfg.metrics.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("metrics.wandb=true needs the wandb package: pip install wandb (or "
+                          "shardwise[wandb]), or set metrics.wandb=false")
     tok = load_tokenizer(cfg.data.tokenizer)
     if tok.vocab_size > args.vocab_size:
         raise ConfigError(f"the tokenizer has {tok.vocab_size} tokens but model.vocab_size="

@@ -63,10 +63,10 @@ def per_rank(values: dict[str, float], device: torch.device) -> dict[str, Any]:
 
 class MetricsLogger:
     def __init__(self, run_dir: Path, cfg: MetricsConfig, total_steps: int, start_step: int,
-                 enabled: bool) -> None:
+                 enabled: bool, run_config: dict[str, Any] | None = None) -> None:
         self.enabled, self.cfg = enabled, cfg
         self.path = run_dir / "metrics.jsonl"
-        self._tb = self._bar = None
+        self._tb = self._bar = self._wandb = None
         if not enabled:
             return
         records = read_metrics(self.path) if start_step > 0 else []
@@ -76,6 +76,11 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1)
+        if cfg.wandb:
+            import wandb
+
+            self._wandb = wandb.init(project=cfg.wandb_project, dir=str(run_dir), mode=cfg.wandb_mode,
+                                     name=run_dir.name, config=run_config or {})
         if cfg.progress:
             from tqdm import tqdm
 
@@ -88,10 +93,12 @@ class MetricsLogger:
         record = {"step": step, **metrics}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
         if self._tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(k.replace("val_", "val/"), v, step)
+            for k, v in scalars.items():
+                self._tb.add_scalar(k.replace("val_", "val/"), v, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
         short = {"loss": f"{metrics['loss']:.4f}", "tok/s": f"{metrics['tokens_per_s']:,.0f}",
                  "mfu": f"{100 * metrics['mfu']:.1f}%"}
         if "val_loss" in metrics:
@@ -118,6 +125,8 @@ class MetricsLogger:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
