@@ -72,7 +72,7 @@ def test_throughput_mfu_arithmetic(monkeypatch: pytest.MonkeyPatch):
     assert w["exec_util"] == pytest.approx(4e11 / 2.0 / 1e12)  # per-device FLOPs over the window
 
 
-@pytest.mark.parametrize("kind", ["dense_gqa", "moe"])
+@pytest.mark.parametrize("kind", ["dense_mha", "dense_gqa", "moe"])
 def test_executed_flops_match_torch_flop_counter(kind: str):
     """A real forward + backward under FlopCounterMode (with formulas for CPU attention and grouped
     GEMM, which count every query-key pair) equals the analytic count with non-causal pairs."""
@@ -84,8 +84,9 @@ def test_executed_flops_match_torch_flop_counter(kind: str):
     from shardwise.observe.flops import executed_flops, flop_counter_formulas
 
     base = PRESETS["moe-debug"] if kind == "moe" else PRESETS["debug"]
-    args = dataclasses.replace(base, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=256,
-                               multiple_of=16, moe_hidden_dim=32, n_experts=4 if kind == "moe" else 0)
+    args = dataclasses.replace(base, dim=64, n_layers=3, n_heads=4, vocab_size=256, multiple_of=16,
+                               n_kv_heads=4 if kind == "dense_mha" else 2, moe_hidden_dim=32,
+                               n_experts=4 if kind == "moe" else 0)
     model = build_model(args, device="cpu")
     init_weights(model, 0)
     b, s = 2, 32
