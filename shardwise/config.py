@@ -123,6 +123,9 @@ class TrainingConfig:
     """Compute dtype for parameters in forward/backward: bf16 or fp32 (master weights stay fp32)."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping; the norm is still reported)."""
+    loss_chunk: int = 0
+    """Fused output projection + cross-entropy over chunks of this many tokens, so the (tokens,
+    vocab) logits never exist; 0 = plain logits then cross-entropy."""
 
 
 @dataclass
@@ -466,7 +469,7 @@ _POSITIVE = ("training.steps", "training.seq_len", "training.global_batch", "met
              "eval.steps", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
              "model.vocab_size", "model.multiple_of", "model.max_seq_len", "profile.start",
              "profile.every", "profile.active")
-_NON_NEGATIVE = ("training.micro_batch", "training.max_grad_norm", "optimizer.lr",
+_NON_NEGATIVE = ("training.loss_chunk", "training.micro_batch", "training.max_grad_norm", "optimizer.lr",
                  "optimizer.weight_decay", "lr_scheduler.warmup_steps", "checkpoint.interval",
                  "eval.interval", "metrics.peak_tflops", "optimizer.eps")
 

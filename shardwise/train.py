@@ -84,6 +84,7 @@ def train(cfg: Config) -> None:
     parallelize(model, dims, cfg.parallel, cfg.training.mixed_precision, cfg.training.seq_len)
     model.to_empty(device=env.device)
     init_weights(model, cfg.training.seed)
+    model.loss_chunk = cfg.training.loss_chunk
     pipe = build_pipe(model, dims, cfg, env.device)
     for moe in moe_layers(model):  # the balance loss is a mean over the step's sequences
         moe.sequences_per_step = cfg.training.global_batch
@@ -199,6 +200,10 @@ def report_memory(memory: dict[str, int], run_dir: Path, env: DistEnv, logger: M
 
 def forward_backward(model: nn.Module, batch: Batch, n_valid_global: torch.Tensor) -> torch.Tensor:
     """Forward + backward of one micro-batch; returns its summed token loss (detached)."""
+    if model.loss_chunk:  # fused chunked projection + loss: no logits
+        loss_sum = model(batch.inputs, batch.doc_ids, labels=batch.labels, ignore_index=IGNORE_INDEX)
+        (loss_sum / n_valid_global).backward()
+        return loss_sum.detach()
     logits = model(batch.inputs, batch.doc_ids)  # (B, S, V); vocab-sharded DTensor under loss parallel
     with loss_context(logits):  # the backward of a loss-parallel cross-entropy needs it too
         loss_sum = token_loss_sum(logits, batch.labels)
@@ -238,6 +243,9 @@ def evaluate(model: nn.Module, val: TokenStream, cfg: Config, dims: ParallelDims
             sums[0] += pipe.loss_sum(batches)
             continue
         for b in batches:
+            if model.loss_chunk:
+                sums[0] += model(b.inputs, b.doc_ids, labels=b.labels, ignore_index=IGNORE_INDEX)
+                continue
             logits = model(b.inputs, b.doc_ids)
             with loss_context(logits):
                 sums[0] += full_value(token_loss_sum(logits, b.labels))
@@ -308,6 +316,9 @@ def preflight(cfg: Config, world_size: int) -> ParallelDims:
     args = model_args(cfg.model)
     dims.check_model(args, cfg.training.seq_len)
     check_pipeline(cfg, dims, micro_batches_per_rank(cfg.training, dims.dp))
+    if cfg.training.loss_chunk and (dims.tp > 1 or dims.pp > 1):
+        raise ConfigError("training.loss_chunk with parallel.tp > 1 or pp > 1 is not available yet (the "
+                          "vocab-parallel / last-stage variants): set training.loss_chunk=0")
     if dims.cp > 1 and cfg.data.document_mask:
         raise ConfigError("data.document_mask with parallel.cp > 1 is not available (the ring "
                           "attention is causal-only): set data.document_mask=false or cp=1")

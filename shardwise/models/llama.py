@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardwise.models.moe import MoE
+from shardwise.ops.chunked_ce import chunked_linear_cross_entropy
 
 
 @dataclass(frozen=True)
@@ -200,11 +201,17 @@ class Transformer(nn.Module):
         # The sequence positions this rank's tokens hold, when context parallel shards the
         # sequence; init_weights then keeps only those rows of the RoPE table.
         self.rope_positions: torch.Tensor | None = None
+        self.loss_chunk = 4096  # tokens per chunk of the fused output projection + loss
 
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                ignore_index: int = -100) -> torch.Tensor:
         """tokens (B, S) -> logits (B, S, vocab). ``doc_ids`` (B, S) enables document masking;
         ``positions`` (B, S) overrides the RoPE positions (default 0..S-1).
+
+        With ``labels`` (B, S) it returns the summed token cross-entropy instead (fp32 scalar),
+        computed by the chunked linear + cross-entropy (``self.loss_chunk`` tokens at a time), so
+        the logits never exist.
 
         A pipeline stage without the embedding takes hidden states (B, S, dim) instead of tokens,
         and one without the head returns hidden states."""
@@ -216,9 +223,13 @@ class Transformer(nn.Module):
         if self.norm is None:
             return h
         h = self.norm(h)
+        if labels is not None:
+            head = self.tok_embeddings.weight if self.output is None else self.output.weight  # (V, dim)
+            return chunked_linear_cross_entropy(h, head, labels, reduction="sum",
+                                                ignore_index=ignore_index, chunk_size=self.loss_chunk)
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)
-        return self.output(h)  # (B, S, vocab)
+        return self.output(h)  # (B, S, vocab); through the module so tensor parallel's hooks apply
 
 
 # ---------------------------------------------------------------------------------------------

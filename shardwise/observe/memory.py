@@ -57,7 +57,7 @@ class SavedActivations:
     parameters and views of them -- including FSDP's gathered ones -- are not activations)."""
 
     def __init__(self) -> None:
-        self._storages: dict[int, int] = {}
+        self._storages: dict[object, int] = {}
 
     @property
     def bytes(self) -> int:
@@ -67,8 +67,12 @@ class SavedActivations:
         if not (isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)):
             local = t.to_local() if isinstance(t, DTensor) else t
             if local.device.type != "meta":
-                storage = local.untyped_storage()
-                self._storages[storage.data_ptr()] = storage.nbytes()
+                try:
+                    storage = local.untyped_storage()
+                    self._storages[storage.data_ptr()] = storage.nbytes()
+                except (RuntimeError, NotImplementedError):  # a wrapper without a real storage
+                    # (e.g. an in-flight collective's result): count the tensor itself
+                    self._storages[("tensor", id(local))] = local.numel() * local.element_size()
         return t
 
     def __enter__(self) -> SavedActivations:

@@ -69,6 +69,8 @@ LAYOUTS = {
     "fsdp2_tp2": ["--nproc=4", "--parallel.dp_shard=2", "--parallel.tp=2"],
     "hsdp2_tp2": ["--nproc=4", "--parallel.dp_replicate=2", "--parallel.tp=2", "--training.micro_batch=2"],
     "tp2_gathered_logits": ["--nproc=2", "--parallel.tp=2", "--parallel.loss_parallel=false"],
+    # Fused chunked projection + loss (uneven chunks of 100 of the 256 tokens per micro-batch).
+    "fsdp2_chunked_loss": ["--nproc=2", "--training.loss_chunk=100"],
     "fsdp2_gloo_override": ["--nproc=2",
                             "--parallel.backend_override=dp_shard=gloo:timeout_s=120:threads=2,tp=gloo"],
 }
@@ -107,6 +109,8 @@ MOE_LAYOUTS = {
     "moe_cp2_ep2": ["--nproc=2", "--parallel.cp=2", "--parallel.ep=2"],
     "moe_hsdp2_ep2": ["--nproc=4", "--parallel.dp_replicate=2", "--parallel.ep=2"],
     "moe_pp2_ep2": ["--nproc=4", "--parallel.pp=2", "--parallel.ep=2", "--training.micro_batch=2"],
+    "moe_cp2_ep2_chunked_loss": ["--nproc=2", "--parallel.cp=2", "--parallel.ep=2",
+                                 "--training.loss_chunk=50"],
 }
 
 

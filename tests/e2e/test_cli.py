@@ -81,6 +81,8 @@ def test_help_config_lists_every_key():
      "needs pp*stages_per_rank=4 stages of at least one block, but model.n_layers=2"),
     (["--parallel.tp=2", "--nproc=2", "--model.n_kv_heads=1"], "parallel.tp=2 must divide"),
     (["--parallel.ep=2", "--nproc=2"], "parallel.ep=2 needs an MoE model"),
+    (["--parallel.tp=2", "--nproc=2", "--training.loss_chunk=128"],
+     "training.loss_chunk with parallel.tp > 1"),
     (["--model.name=moe-debug", "--model.moe_top_k=9"], "model.moe_top_k=9 must be between 1 and"),
     (["--model.name=moe-debug", "--model.moe_balance=loss"], "model.moe_balance"),
     (["--training.global_batch=6", "--nproc=4"], "global_batch=6 must be divisible"),

@@ -1,0 +1,1 @@
+"""Fused / custom ops, each tested against the plain PyTorch computation."""
