@@ -1,0 +1,79 @@
+"""Value checks of a loaded :class:`~shardwise.config.Config`: choices, signs, ranges and the
+relations between fields that need no process group. Each failure is one line naming the field and
+the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardwise.config import Config, ConfigError, parse_backend_spec
+
+_CHOICES = {
+    "run.device": ("auto", "cpu", "cuda"),
+    "data.txt_sample_by": ("paragraph", "line", "document"),
+    "training.mixed_precision": ("bf16", "fp32"),
+    "optimizer.implementation": ("auto", "fused", "foreach", "for-loop"),
+    "lr_scheduler.decay": ("cosine", "linear", "wsd", "constant"),
+    "parallel.backend": ("auto", "gloo", "nccl"),
+    "parallel.reshard_after_forward": ("default", "always", "never"),
+    "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved1f1b", "zbv", "dualpipev"),
+    "parallel.fsdp_reduce_dtype": ("fp32", "bf16"),
+    "parallel.cp_rotate_method": ("allgather", "alltoall"),
+    "metrics.wandb_mode": ("offline", "online"),
+    "model.moe_score": ("softmax", "sigmoid"),
+    "model.moe_balance": ("aux_loss", "bias", "none"),
+}
+
+_POSITIVE = ("training.steps", "training.seq_len", "training.global_batch", "metrics.log_interval",
+             "eval.steps", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
+             "model.vocab_size", "model.multiple_of", "model.max_seq_len", "profile.start",
+             "profile.every", "profile.active")
+_NON_NEGATIVE = ("training.loss_chunk", "training.micro_batch", "training.max_grad_norm", "optimizer.lr",
+                 "optimizer.weight_decay", "lr_scheduler.warmup_steps", "checkpoint.interval",
+                 "eval.interval", "metrics.peak_tflops", "optimizer.eps")
+
+
+def _get(cfg: Config, key: str) -> Any:
+    s, _, k = key.partition(".")
+    return getattr(getattr(cfg, s), k)
+
+
+def validate(cfg: Config) -> None:
+    """Value checks that need no world size (layout checks live in ParallelDims)."""
+    for key, choices in _CHOICES.items():
+        if _get(cfg, key) not in choices:
+            raise ConfigError(f"{key} must be one of {', '.join(choices)}, got {_get(cfg, key)!r}")
+    for key in _POSITIVE:
+        if _get(cfg, key) <= 0:
+            raise ConfigError(f"{key} must be > 0, got {_get(cfg, key)}")
+    for key in _NON_NEGATIVE:
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"{key} must be >= 0, got {_get(cfg, key)}")
+    for key in ("optimizer.beta1", "optimizer.beta2"):
+        if not 0.0 <= _get(cfg, key) < 1.0:
+            raise ConfigError(f"{key} must be in [0, 1), got {_get(cfg, key)}")
+    for key in ("data.val_fraction", "lr_scheduler.min_lr_ratio", "lr_scheduler.decay_fraction"):
+        if not 0.0 <= _get(cfg, key) <= 1.0:
+            raise ConfigError(f"{key} must be in [0, 1], got {_get(cfg, key)}")
+    m = cfg.model
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
+    if m.head_size:
+        if m.head_size % 2:
+            raise ConfigError(f"model.head_size={m.head_size} must be even (RoPE rotates pairs)")
+    elif m.dim % m.n_heads or (m.dim // m.n_heads) % 2:
+        raise ConfigError(f"model.dim={m.dim} must be n_heads={m.n_heads} times an even head dim")
+    if cfg.training.seq_len > m.max_seq_len:
+        raise ConfigError(f"training.seq_len={cfg.training.seq_len} exceeds model.max_seq_len="
+                          f"{m.max_seq_len}: lower the sequence length or raise model.max_seq_len")
+    if cfg.profile.warmup < 0 or cfg.profile.warmup + cfg.profile.active > cfg.profile.every:
+        raise ConfigError(f"profile.warmup={cfg.profile.warmup} + profile.active={cfg.profile.active} must "
+                          f"fit in profile.every={cfg.profile.every} steps (warmup >= 0)")
+    if cfg.lr_scheduler.warmup_steps > cfg.training.steps:
+        raise ConfigError(f"lr_scheduler.warmup_steps={cfg.lr_scheduler.warmup_steps} exceeds "
+                          f"training.steps={cfg.training.steps}")
+    for dim, spec in cfg.parallel.backend_override.items():
+        if dim not in ("pp", "dp_replicate", "dp_shard", "cp", "tp"):
+            raise ConfigError(f"parallel.backend_override names unknown mesh dim '{dim}'; use pp, "
+                              "dp_replicate, dp_shard, cp or tp")
+        parse_backend_spec(dim, spec)
