@@ -167,16 +167,16 @@ class MoE(nn.Module):
         ids (B, S, k), scores (B, S, E), S local. Only P carries gradient; f is a count."""
         e, k = self.n_experts, self.top_k
         with torch.no_grad():
-            seq_counts = F.one_hot(ids, e).sum(dim=(1, 2)).float()  # (B, E) slots per expert
-            seq_len = torch.full((b := ids.shape[0], 1), float(ids.shape[1]), device=ids.device)
-            if self.sequence_group is not None:  # all-reduce over the ranks that share a sequence
-                dist.all_reduce(seq_counts, group=self.sequence_group)
-                dist.all_reduce(seq_len, group=self.sequence_group)
+            counts = F.one_hot(ids, e).sum(dim=(1, 2)).float()  # (B, E) slots per expert
+            local_len = torch.full_like(counts[:, :1], ids.shape[1])  # (B, 1) tokens here
+            stats = torch.cat([counts, local_len], dim=1)  # (B, E + 1)
+            if self.sequence_group is not None:  # one all-reduce over the ranks sharing a sequence
+                dist.all_reduce(stats, group=self.sequence_group)
+            seq_counts, seq_len = stats[:, :e], stats[:, e:]  # (B, E), (B, 1): whole sequences
             f = seq_counts / (k * seq_len)  # (B, E)
         scores = scores / scores.sum(-1, keepdim=True)  # sigmoid scores normalized to sum 1
         p_sum = scores.sum(dim=1)  # (B, E): this rank's part of S * P_e
         per_seq = e * (f * p_sum / seq_len).sum(-1)  # (B,) partial over the sequence group
-        del b
         return self.aux_coef * per_seq.sum() / self.sequences_per_step
 
 
