@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-CONFIGS = [(32000, 0), (32000, 4096), (128256, 0), (128256, 4096)]
+VOCABS = (32000, 128256)
 
 
 def child(vocab: int, chunk: int, a: argparse.Namespace) -> dict:
@@ -70,6 +70,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--chunk", type=int, default=512, help="training.loss_chunk of the chunked runs")
     p.add_argument("--child", nargs=2, type=int, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
@@ -81,7 +82,7 @@ def main() -> None:
     print("| vocab | loss | peak memory (GiB) | step time (s) | fp32 logits alone (GiB) |")
     print("|---|---|---|---|---|")
     results = {}
-    for vocab, chunk in CONFIGS:
+    for vocab, chunk in [(v, c) for v in VOCABS for c in (0, a.chunk)]:
         argv = [sys.executable, __file__, "--child", str(vocab), str(chunk)] + sys.argv[1:]
         out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
         r = results[vocab, chunk] = json.loads(out.strip().splitlines()[-1])
@@ -89,8 +90,8 @@ def main() -> None:
         print(f"| {vocab:,} | {what} | {r['peak_gib']:.2f} | {r['step_s']:.2f} | "
               f"{tokens * vocab * 4 / 2**30:.2f} |", flush=True)
     print()
-    for vocab in sorted({v for v, _ in CONFIGS}):
-        plain, chunked = results[vocab, 0], results[vocab, 4096]
+    for vocab in VOCABS:
+        plain, chunked = results[vocab, 0], results[vocab, a.chunk]
         print(f"vocab {vocab:,}: peak {chunked['peak_gib'] / plain['peak_gib']:.2f}x of plain "
               f"(saves {plain['peak_gib'] - chunked['peak_gib']:.2f} GiB), step time "
               f"{chunked['step_s'] / plain['step_s']:.2f}x")
