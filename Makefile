@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # torch goes in first, pinned, so no later dependency pulls a different (e.g. CUDA) build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: run test lint bench clean
+.PHONY: run test test-all lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -20,6 +20,11 @@ run: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
+
+# Everything, including the extended layout matrix (about 10 more minutes on 2 cores).
+test-all: $(VENV)/.installed
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q -m ""
 
 bench: $(VENV)/.installed
 	$(PY) bench/throughput.py
