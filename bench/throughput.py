@@ -53,7 +53,8 @@ def bench_preset(name: str, steps: int, warmup: int, peak: float) -> dict[str, f
     batches = [loader.next_step() for _ in range(warmup + steps)]
 
     ours = build_model(args)
-    parallelize(ours, dims, cfg.parallel, "bf16", cfg.training.seq_len)
+    cfg.training.mixed_precision = "bf16"
+    parallelize(ours, dims, cfg)
     ours.to_empty(device=device)
     init_weights(ours, 0)
     opt = build_optimizer(ours, cfg.optimizer, "cpu")

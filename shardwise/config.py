@@ -141,7 +141,10 @@ class OptimizerConfig:
     weight_decay: float = 0.1
     """Decoupled weight decay, applied to matrices and embeddings only (not norms)."""
     implementation: str = "auto"
-    """AdamW kernel: auto (fused where supported), fused, foreach or for-loop."""
+    """AdamW kernel: auto (fused where supported), fused, foreach or for-loop (fp32 states only)."""
+    state_dtype: str = "fp32"
+    """AdamW moment (exp_avg, exp_avg_sq) storage: fp32, or bf16 (half the bytes; every update is
+    still computed in fp32: upcast, update, round back)."""
 
 
 @dataclass
@@ -192,6 +195,34 @@ class ParallelConfig:
     """FSDP: free gathered parameters after forward: default (all but the root), always, never."""
     fsdp_reduce_dtype: str = "fp32"
     """Gradient reduce-scatter dtype under bf16 mixed precision: fp32 or bf16."""
+
+
+@dataclass
+class ActivationCheckpointConfig:
+    mode: str = "none"
+    """none; full (each block recomputed in backward); selective (keep matmul, attention and
+    collective outputs, recompute the elementwise ops); layer (every `every`-th block in full)."""
+    every: int = 2
+    """layer mode: checkpoint one block in this many (2 = blocks 0, 2, 4, ...)."""
+
+
+@dataclass
+class CompileConfig:
+    enabled: bool = False
+    """torch.compile each transformer block and the plain loss (the first steps pay the compile)."""
+
+
+@dataclass
+class Float8Config:
+    enabled: bool = False
+    """Linear GEMMs in float8 with per-tensor current scaling (torchao): E4M3 weights and
+    activations, E5M2 output gradients. The output head stays in high precision."""
+    min_dim: int = 64
+    """Leave linears whose (local) in/out features are below this in high precision (dims must also
+    be multiples of 16)."""
+    fsdp_all_gather: bool = False
+    """FSDP all-gathers weights already cast to float8 (scales precomputed in one all-reduce after
+    each optimizer step)."""
 
 
 @dataclass
@@ -271,6 +302,9 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    float8: Float8Config = field(default_factory=Float8Config)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -449,26 +483,3 @@ def resolve_model(cfg: Config) -> None:
     for f in dataclasses.fields(ModelConfig):
         if f.name != "name" and getattr(cfg.model, f.name) is None:
             setattr(cfg.model, f.name, getattr(preset, f.name))
-
-
-BACKEND_OPTIONS: dict[str, dict[str, type]] = {
-    "gloo": {"timeout_s": float, "threads": int},
-    "nccl": {"timeout_s": float, "high_priority": bool},
-}
-
-
-def parse_backend_spec(dim: str, spec: str) -> tuple[str, dict[str, Any]]:
-    """``"gloo:timeout_s=600:threads=4"`` -> ``("gloo", {"timeout_s": 600.0, "threads": 4})``."""
-    name, *opts = spec.split(":")
-    if name not in BACKEND_OPTIONS:
-        raise ConfigError(f"parallel.backend_override {dim}={spec!r}: backend must be one of "
-                          f"{', '.join(BACKEND_OPTIONS)}")
-    parsed: dict[str, Any] = {}
-    for opt in opts:
-        key, _, value = opt.partition("=")
-        if key not in BACKEND_OPTIONS[name]:
-            raise ConfigError(f"parallel.backend_override {dim}: {name} has no option '{key}'; options: "
-                              f"{', '.join(BACKEND_OPTIONS[name])}")
-        parsed[key] = _coerce(f"parallel.backend_override {dim} {key}", BACKEND_OPTIONS[name][key],
-                              value, from_cli=True)
-    return name, parsed

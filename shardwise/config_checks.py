@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardwise.config import Config, ConfigError, parse_backend_spec
+from shardwise.config import Config, ConfigError, _coerce
 
 _CHOICES = {
     "run.device": ("auto", "cpu", "cuda"),
@@ -20,6 +20,8 @@ _CHOICES = {
     "parallel.fsdp_reduce_dtype": ("fp32", "bf16"),
     "parallel.cp_rotate_method": ("allgather", "alltoall"),
     "metrics.wandb_mode": ("offline", "online"),
+    "optimizer.state_dtype": ("fp32", "bf16"),
+    "activation_checkpoint.mode": ("none", "full", "selective", "layer"),
     "model.moe_score": ("softmax", "sigmoid"),
     "model.moe_balance": ("aux_loss", "bias", "none"),
 }
@@ -27,7 +29,7 @@ _CHOICES = {
 _POSITIVE = ("training.steps", "training.seq_len", "training.global_batch", "metrics.log_interval",
              "eval.steps", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
              "model.vocab_size", "model.multiple_of", "model.max_seq_len", "profile.start",
-             "profile.every", "profile.active")
+             "profile.every", "profile.active", "activation_checkpoint.every", "float8.min_dim")
 _NON_NEGATIVE = ("training.loss_chunk", "training.micro_batch", "training.max_grad_norm", "optimizer.lr",
                  "optimizer.weight_decay", "lr_scheduler.warmup_steps", "checkpoint.interval",
                  "eval.interval", "metrics.peak_tflops", "optimizer.eps")
@@ -77,3 +79,26 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"parallel.backend_override names unknown mesh dim '{dim}'; use pp, "
                               "dp_replicate, dp_shard, cp or tp")
         parse_backend_spec(dim, spec)
+
+
+BACKEND_OPTIONS: dict[str, dict[str, type]] = {
+    "gloo": {"timeout_s": float, "threads": int},
+    "nccl": {"timeout_s": float, "high_priority": bool},
+}
+
+
+def parse_backend_spec(dim: str, spec: str) -> tuple[str, dict[str, Any]]:
+    """``"gloo:timeout_s=600:threads=4"`` -> ``("gloo", {"timeout_s": 600.0, "threads": 4})``."""
+    name, *opts = spec.split(":")
+    if name not in BACKEND_OPTIONS:
+        raise ConfigError(f"parallel.backend_override {dim}={spec!r}: backend must be one of "
+                          f"{', '.join(BACKEND_OPTIONS)}")
+    parsed: dict[str, Any] = {}
+    for opt in opts:
+        key, _, value = opt.partition("=")
+        if key not in BACKEND_OPTIONS[name]:
+            raise ConfigError(f"parallel.backend_override {dim}: {name} has no option '{key}'; options: "
+                              f"{', '.join(BACKEND_OPTIONS[name])}")
+        parsed[key] = _coerce(f"parallel.backend_override {dim} {key}", BACKEND_OPTIONS[name][key],
+                              value, from_cli=True)
+    return name, parsed

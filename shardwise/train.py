@@ -57,6 +57,7 @@ from shardwise.optim.clip import clip_grad_norm_
 from shardwise.optim.lr import build_lr_scheduler
 from shardwise.parallel.context import shard_sequences
 from shardwise.parallel.dims import DistEnv, ParallelDims, init_distributed
+from shardwise.parallel.float8 import precompute_scales
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.pipeline import (
     SCHEDULES,
@@ -81,7 +82,7 @@ def train(cfg: Config) -> None:
     loader, val_stream = build_data(cfg, dims, env.device, args.vocab_size)
     # 1) meta (this rank's pipeline stage) -> 2) parallelize -> 3) materialize -> 4) init.
     model = build_stage(args, dims, cfg.parallel)
-    parallelize(model, dims, cfg.parallel, cfg.training.mixed_precision, cfg.training.seq_len)
+    parallelize(model, dims, cfg)
     model.to_empty(device=env.device)
     init_weights(model, cfg.training.seed)
     model.loss_chunk = cfg.training.loss_chunk
@@ -173,6 +174,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     scheduler.step()
+    if getattr(model, "float8_all_gather", False):  # next step's float8 weight scales, one all-reduce
+        precompute_scales(model)
     memory = state_bytes(model, optimizer) if measure_memory else None  # before grads are freed
     optimizer.zero_grad(set_to_none=True)
     dist.all_reduce(loss_sum, group=dp_cp)

@@ -143,7 +143,9 @@ class MoE(nn.Module):
         # (E,) slots per expert; scatter_add rather than bincount, which has no meta kernel
         counts = flat_ids.new_zeros(self.n_experts).scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
         training = self.training and torch.is_grad_enabled()  # not evaluation
-        if training and self.count_tokens:
+        # Not when activation checkpointing reruns this forward inside backward: counted once.
+        recompute = torch._C._current_graph_task_id() != -1
+        if training and self.count_tokens and not recompute:
             with torch.no_grad():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
         aux = None

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from shardwise.config import ConfigError, ParallelConfig, parse_backend_spec
+from shardwise.config import ConfigError, ParallelConfig
+from shardwise.config_checks import parse_backend_spec
 from shardwise.models.llama import ModelArgs
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")

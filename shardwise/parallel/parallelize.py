@@ -1,6 +1,7 @@
 """``parallelize()``: apply each parallelism to a meta-device model in one fixed order.
 
-The order is TP -> CP -> EP -> activation checkpointing -> compile -> FSDP (torchtitan's): TP
+The order is float8 conversion -> TP -> CP -> EP -> activation checkpointing -> compile -> FSDP
+(torchtitan's): float8 swaps the linear modules first so TP picks float8 styles for them, TP
 rewrites the linear layers into DTensor ops, CP wraps the attention cores (no parameters), EP shards
 the MoE experts over their own mesh dim and wraps them in the token exchange, checkpointing and
 compile wrap the already-sharded blocks, and FSDP comes last so it shards the final parameters and
@@ -12,23 +13,28 @@ from __future__ import annotations
 
 from torch import nn
 
-from shardwise.config import ParallelConfig
+from shardwise.config import Config
 from shardwise.models.moe import moe_layers
+from shardwise.parallel.ac import apply_ac
+from shardwise.parallel.compile import apply_compile
 from shardwise.parallel.context import apply_cp
 from shardwise.parallel.dims import ParallelDims
 from shardwise.parallel.expert import apply_ep
+from shardwise.parallel.float8 import apply_float8
 from shardwise.parallel.fsdp import apply_fsdp, mixed_precision_policy
 from shardwise.parallel.tensor import apply_tp
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, mixed_precision: str,
-                seq_len: int) -> None:
-    """Shard ``model`` (still on meta) in place according to ``dims``; ``seq_len`` is the training
-    sequence length (context parallel fixes which positions each rank holds)."""
+def parallelize(model: nn.Module, dims: ParallelDims, config: Config) -> None:
+    """Shard ``model`` (still on meta) in place according to ``dims`` and the parallel, float8,
+    activation-checkpoint and compile sections of ``config``."""
+    cfg = config.parallel
+    apply_float8(model, config.float8, dims.tp, dims.mesh.device_type)
     if dims.tp > 1:
         apply_tp(model, dims.submesh("tp"), cfg)
     if dims.cp > 1:
-        apply_cp(model, dims.submesh("cp"), cfg, seq_len)
+        # The training sequence length fixes which positions each cp rank holds.
+        apply_cp(model, dims.submesh("cp"), cfg, config.training.seq_len)
     moe_meshes = {}
     if moe := moe_layers(model):
         moe_meshes = dims.moe_meshes()
@@ -38,5 +44,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, mixed
             m.sequence_group = group
         if dims.ep > 1:
             apply_ep(model, moe_meshes["ep"])
-    mp = mixed_precision_policy(mixed_precision, cfg.fsdp_reduce_dtype)
+    apply_ac(model, config.activation_checkpoint)
+    apply_compile(model, config.compile)
+    mp = mixed_precision_policy(config.training.mixed_precision, cfg.fsdp_reduce_dtype)
     apply_fsdp(model, dims.fsdp_mesh(), cfg, mp, moe_meshes)

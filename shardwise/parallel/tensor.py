@@ -9,6 +9,9 @@ w2 are row-parallel and reduce-scatter their output back to sequence shards.
 With ``parallel.loss_parallel`` the output head stays column-parallel (vocab-sharded logits,
 ``Shard(-1)``) and the cross-entropy runs under ``loss_parallel()``: no rank ever holds the full
 logits. The trainer enters that context whenever the logits arrive as a DTensor.
+
+Groups converted to float8 (shardwise/parallel/float8.py) take torchao's float8 styles: the input is
+cast to float8 on its sequence shard, with the amax reduced over tp, and all-gathered in float8.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from torch.distributed.tensor.parallel import (
 
 from shardwise.config import ParallelConfig
 from shardwise.models.moe import MoE
+from shardwise.parallel.float8 import tp_styles
 
 
 def full_value(t: torch.Tensor) -> torch.Tensor:
@@ -56,23 +60,24 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> None:
                                                    use_local_output=True),
             }
         else:
+            col, row, prepare = tp_styles(block.feed_forward, "w1")
             ffn_plan = {
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
-                                                   desired_input_layouts=(Replicate(),)),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),  # reduce-scatter over tp
-                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward": prepare(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": col(),
+                "feed_forward.w2": row(output_layouts=Shard(1)),  # reduce-scatter over tp
+                "feed_forward.w3": col(),
             }
+        col, row, prepare = tp_styles(block.attention, "wq")
         parallelize_module(block, mesh, {
             "attention_norm": SequenceParallel(),
             # (x, freqs_cis, mask): gather x over the sequence (all-gather over tp); RoPE table and
             # document mask are plain tensors, the same on every rank.
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),  # reduce-scatter over tp
+            "attention": prepare(input_layouts=(Shard(1), None, None),
+                                 desired_input_layouts=(Replicate(), None, None)),
+            "attention.wq": col(),
+            "attention.wk": col(),
+            "attention.wv": col(),
+            "attention.wo": row(output_layouts=Shard(1)),  # reduce-scatter over tp
             "ffn_norm": SequenceParallel(),
             **ffn_plan,
         })

@@ -92,7 +92,7 @@ def test_pp_must_not_exceed_layers():
 def test_backend_options_are_built():
     from datetime import timedelta
 
-    from shardwise.config import parse_backend_spec
+    from shardwise.config_checks import parse_backend_spec
     from shardwise.parallel.dims import backend_options
 
     name, opts = parse_backend_spec("dp_replicate", "gloo:timeout_s=5:threads=3")

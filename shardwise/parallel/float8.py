@@ -1,0 +1,145 @@
+"""FP8 training with per-tensor current scaling, on torchao's float8 linear.
+
+Each converted ``nn.Linear`` runs its three GEMMs through ``torch._scaled_mm``: inputs and weights
+cast to E4M3, output gradients to E5M2, each with a scale ``fp8_max / amax`` computed from the
+*current* tensor every step (no amax history). This module decides what to convert and keeps the
+pieces consistent across layouts:
+
+- **What**: the attention (wq, wk, wv, wo) and MLP (w1, w2, w3, shared experts) linears of every
+  block, as whole groups, when all of a group's local GEMM dims are multiples of 16 (a
+  ``_scaled_mm`` requirement) and at least ``float8.min_dim``. The output head, the embedding, the
+  MoE router and the grouped experts stay in high precision.
+- **Tensor / sequence parallel**: :func:`tp_styles` gives torchao's float8 TP styles, which cast
+  the sequence-sharded input to float8 *before* the all-gather: the amax is reduced over the TP
+  group first, so every rank uses one scale (and the all-gather moves half the bytes).
+- **FSDP**: with ``float8.fsdp_all_gather`` weights are cast before FSDP's all-gather; their
+  scales are computed for all weights in one all-reduce after each optimizer step
+  (:func:`precompute_scales`). Each scale gets its own allocation: torchao returns them as views
+  into one tensor at 4-byte offsets, and cuBLAS on CUDA >= 12.9 rejects scale pointers that are
+  not 16-byte aligned.
+
+torchao is imported only when float8 is enabled (it logs warnings about optional CUDA extensions
+at import).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
+from shardwise.config import ConfigError, Float8Config
+
+# (column-parallel, row-parallel) linears of each convertible group: the GEMM dims that tensor
+# parallel divides are the column-parallel outputs and the row-parallel inputs.
+GROUPS = {
+    "attention": (("wq", "wk", "wv"), ("wo",)),
+    "feed_forward": (("w1", "w3"), ("w2",)),
+    "feed_forward.shared_expert": (("w1", "w3"), ("w2",)),
+}
+
+
+def _torchao() -> Any:
+    # Quiet import: torchao logs each optional CUDA extension it cannot load, and torch's pytree
+    # warns about an Enum torchao registers.
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    pytree_log = logging.getLogger("torch.utils._pytree")
+    level = pytree_log.level
+    pytree_log.setLevel(logging.ERROR)
+    try:
+        import torchao.float8
+    finally:
+        pytree_log.setLevel(level)
+
+    return torchao.float8
+
+
+def is_float8(module: nn.Module) -> bool:
+    """Whether ``module`` is a torchao ``Float8Linear`` (False while torchao is not imported)."""
+    mod = sys.modules.get("torchao.float8.float8_linear")
+    return mod is not None and isinstance(module, mod.Float8Linear)
+
+
+def float8_groups(model: nn.Module, cfg: Float8Config, tp: int) -> list[str]:
+    """Fully qualified names of the linear groups to convert, given the tensor-parallel degree
+    (a group is converted whole: its TP styles cast the shared input once)."""
+    out = []
+    for name, block in model.layers.items():  # type: ignore[union-attr]
+        for group, (col, row) in GROUPS.items():
+            try:
+                parent = block.get_submodule(group)
+            except AttributeError:
+                continue
+            linears = {n: getattr(parent, n, None) for n in (*col, *row)}
+            if not all(isinstance(m, nn.Linear) for m in linears.values()):
+                continue  # a MoE block's feed_forward, or a group already converted
+            # An MoE block is not split by TP (it runs on the sequence shard): full dims.
+            split = tp if group == "attention" or group == "feed_forward" else 1
+            dims = []
+            for n, m in linears.items():
+                out_f, in_f = m.out_features, m.in_features
+                dims += [out_f // split if n in col else out_f, in_f // split if n in row else in_f]
+            if all(d % 16 == 0 and d >= cfg.min_dim for d in dims):
+                out.append(f"layers.{name}.{group}")
+    return out
+
+
+def apply_float8(model: nn.Module, cfg: Float8Config, tp: int, device_type: str) -> list[str]:
+    """Swap the selected groups' linears for float8 ones in place (on meta, before TP/FSDP);
+    returns the converted group names.
+
+    On CUDA the GEMMs are ``torch._scaled_mm`` (needs compute capability >= 8.9: Ada, Hopper and
+    later). Elsewhere they are emulated: the same float8 casts and scales, the matmul in high
+    precision on the dequantized values -- the numerics of float8 training without its speed.
+    (CPU ``_scaled_mm`` exists but is a reference loop, ~1000x slower than a float32 matmul.)
+    """
+    if not cfg.enabled:
+        return []
+    if device_type == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        raise ConfigError(f"float8.enabled needs a GPU of compute capability >= 8.9 (this one is "
+                          f"{torch.cuda.get_device_capability()}): set float8.enabled=false")
+    ao = _torchao()
+    groups = float8_groups(model, cfg, tp)
+    config = ao.Float8LinearConfig(enable_fsdp_float8_all_gather=cfg.fsdp_all_gather,
+                                   emulate=device_type != "cuda")
+
+    def keep(module: nn.Module, fqn: str) -> bool:
+        return any(fqn.startswith(g + ".") and fqn.count(".") == g.count(".") + 1 for g in groups)
+
+    ao.convert_to_float8_training(model, module_filter_fn=keep, config=config)
+    # The trainer precomputes the weight scales after each optimizer step when this is set.
+    model.float8_all_gather = bool(cfg.fsdp_all_gather and groups)
+    return groups
+
+
+def tp_styles(parent: nn.Module, col: str) -> tuple[type, type, type]:
+    """(colwise, rowwise, prepare-input) TP styles for a linear group whose column-parallel member
+    is ``parent.<col>``: torchao's float8 styles when the group was converted, else torch's."""
+    if is_float8(getattr(parent, col)):
+        tp = sys.modules["torchao.float8.float8_tensor_parallel"]
+        return tp.Float8ColwiseParallel, tp.Float8RowwiseParallel, tp.PrepareFloat8ModuleInput
+    return ColwiseParallel, RowwiseParallel, PrepareModuleInput
+
+
+@torch.no_grad()
+def precompute_scales(model: nn.Module) -> None:
+    """After the optimizer step, with ``float8.fsdp_all_gather``: every float8 weight's scale from
+    one all-reduce of the amaxes (torchao), each scale then moved to its own 16-byte aligned
+    allocation."""
+    ao = _torchao()
+    ao.precompute_float8_dynamic_scale_for_fsdp(model)
+    for w in float8_weights(model):
+        scale = w._local_tensor._precomputed_scale
+        if scale is not None:
+            w._local_tensor._precomputed_scale = scale.clone()  # a fresh, aligned allocation
+
+
+def float8_weights(model: nn.Module) -> list[DTensor]:
+    """The DTensor weights of float8 linears that FSDP all-gathers in float8."""
+    return [m.weight for m in model.modules() if is_float8(m) and isinstance(m.weight, DTensor)
+            and hasattr(m.weight._local_tensor, "_precomputed_scale")]

@@ -1,0 +1,103 @@
+"""Activation checkpointing modes and torch.compile per block against the plain model: the same
+loss and gradients; checkpointing recomputes what its policy says (counted matmuls and SiLUs) and
+holds fewer activation bytes (torch's MemTracker)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from shardwise.config import ActivationCheckpointConfig, CompileConfig
+from shardwise.models import PRESETS, build_model, init_weights
+from shardwise.parallel.ac import apply_ac
+from shardwise.parallel.compile import apply_compile
+
+ARGS = dataclasses.replace(PRESETS["debug"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16,
+                           vocab_size=512, max_seq_len=256)
+TOKENS = torch.randint(0, 512, (4, 256), generator=torch.Generator().manual_seed(0))
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.calls[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def model(mode: str = "none", every: int = 2) -> torch.nn.Module:
+    m = build_model(ARGS, device="cpu")
+    init_weights(m, 0)
+    apply_ac(m, ActivationCheckpointConfig(mode=mode, every=every))
+    return m
+
+
+def loss_of(m: torch.nn.Module) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(m(TOKENS).flatten(0, 1), TOKENS.roll(-1, 1).flatten())
+
+
+def run(mode: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], Counter, float]:
+    m = model(mode)
+    loss = loss_of(m)
+    counter = OpCounter()
+    with counter:
+        loss.backward()
+    tracked = model(mode)
+    tracker = MemTracker()
+    tracker.track_external(tracked)
+    with tracker:
+        loss_of(tracked).backward()
+    (peak,) = tracker.get_tracker_snapshot("peak").values()
+    activations = next(v for k, v in peak.items() if getattr(k, "value", None) == "Activation")
+    return loss.detach(), {n: p.grad for n, p in m.named_parameters()}, counter.calls, activations
+
+
+@pytest.fixture(scope="module")
+def plain() -> tuple:
+    return run("none")
+
+
+@pytest.mark.parametrize("mode", ["full", "selective", "layer"])
+def test_checkpointing_gives_the_same_loss_and_gradients(mode: str, plain: tuple):
+    loss, grads, calls, activations = run(mode)
+    ref_loss, ref_grads, ref_calls, ref_activations = plain
+    assert torch.equal(loss, ref_loss)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=0, atol=1e-6, msg=name)
+    recomputed_mm = calls["mm"] - ref_calls["mm"]
+    if mode == "selective":  # matmul outputs kept, elementwise ops (SiLU) recomputed
+        assert recomputed_mm == 0 and calls["silu"] == ARGS.n_layers and ref_calls["silu"] == 0
+    elif mode == "full":  # every block's matmuls (but the last down projection, never needed) again
+        assert recomputed_mm >= 5 * ARGS.n_layers and calls["silu"] == ARGS.n_layers
+    else:  # layer, every 2nd block: block 0 of 2
+        assert 0 < recomputed_mm < 5 * ARGS.n_layers and calls["silu"] == 1
+    assert activations < ref_activations
+
+
+def test_memory_order_full_below_selective_below_none(plain: tuple):
+    full, selective = run("full")[3], run("selective")[3]
+    assert full < selective < plain[3]
+
+
+def test_names_unchanged():
+    """Checkpointing wraps forward in place: parameter names (init seeds, checkpoints) stay."""
+    assert [n for n, _ in model("full").named_parameters()] == [n for n, _ in model().named_parameters()]
+
+
+def test_compile_with_selective_checkpointing_matches_eager(plain: tuple):
+    m = model("selective")
+    apply_compile(m, CompileConfig(enabled=True))
+    loss = loss_of(m)
+    loss.backward()
+    ref_loss, ref_grads = plain[0], plain[1]
+    torch.testing.assert_close(loss.detach(), ref_loss, rtol=1e-5, atol=0)
+    for name, p in m.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert all(b._compiled_call_impl is not None for b in m.layers.values())
