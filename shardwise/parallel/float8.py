@@ -11,7 +11,8 @@ pieces consistent across layouts:
   MoE router and the grouped experts stay in high precision.
 - **Tensor / sequence parallel**: :func:`tp_styles` gives torchao's float8 TP styles, which cast
   the sequence-sharded input to float8 *before* the all-gather: the amax is reduced over the TP
-  group first, so every rank uses one scale (and the all-gather moves half the bytes).
+  group first, so every rank uses one scale (and the all-gather moves half the bytes). On gloo,
+  which cannot carry float8, the gather is in high precision and the cast follows it.
 - **FSDP**: with ``float8.fsdp_all_gather`` weights are cast before FSDP's all-gather; their
   scales are computed for all weights in one all-reduce after each optimizer step
   (:func:`precompute_scales`). Each scale gets its own allocation: torchao returns them as views
@@ -117,11 +118,17 @@ def apply_float8(model: nn.Module, cfg: Float8Config, tp: int, device_type: str)
     return groups
 
 
-def tp_styles(parent: nn.Module, col: str) -> tuple[type, type, type]:
+def tp_styles(parent: nn.Module, col: str, float8_comm: bool) -> tuple[type, type, type]:
     """(colwise, rowwise, prepare-input) TP styles for a linear group whose column-parallel member
-    is ``parent.<col>``: torchao's float8 styles when the group was converted, else torch's."""
-    if is_float8(getattr(parent, col)):
-        tp = sys.modules["torchao.float8.float8_tensor_parallel"]
+    is ``parent.<col>``: torchao's float8 styles when the group was converted and the TP group's
+    backend can move float8 tensors (NCCL), else torch's.
+
+    gloo has no float8 dtypes, so there the input is all-gathered in high precision and cast after
+    the gather: every rank then computes the amax over the same full tensor, which gives the same
+    single scale (at twice the all-gather bytes)."""
+    if float8_comm and is_float8(getattr(parent, col)):
+        import torchao.float8.float8_tensor_parallel as tp  # already loaded with torchao
+
         return tp.Float8ColwiseParallel, tp.Float8RowwiseParallel, tp.PrepareFloat8ModuleInput
     return ColwiseParallel, RowwiseParallel, PrepareModuleInput
 

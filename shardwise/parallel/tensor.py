@@ -17,6 +17,7 @@ cast to float8 on its sequence shard, with the amax reduced over tp, and all-gat
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -40,6 +41,7 @@ def full_value(t: torch.Tensor) -> torch.Tensor:
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> None:
     """Shard ``model`` over the 1-D ``tp`` mesh in place (call before FSDP)."""
+    float8_comm = dist.get_backend(mesh.get_group()) != "gloo"  # gloo has no float8 dtypes
     parallelize_module(model, mesh, {
         # Vocab-sharded lookup; the partial sums are reduce-scattered into sequence shards.
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -60,14 +62,14 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> None:
                                                    use_local_output=True),
             }
         else:
-            col, row, prepare = tp_styles(block.feed_forward, "w1")
+            col, row, prepare = tp_styles(block.feed_forward, "w1", float8_comm)
             ffn_plan = {
                 "feed_forward": prepare(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
                 "feed_forward.w1": col(),
                 "feed_forward.w2": row(output_layouts=Shard(1)),  # reduce-scatter over tp
                 "feed_forward.w3": col(),
             }
-        col, row, prepare = tp_styles(block.attention, "wq")
+        col, row, prepare = tp_styles(block.attention, "wq", float8_comm)
         parallelize_module(block, mesh, {
             "attention_norm": SequenceParallel(),
             # (x, freqs_cis, mask): gather x over the sequence (all-gather over tp); RoPE table and

@@ -33,12 +33,12 @@ PARAM_RTOL = 1e-4
 # run with `make test-all` (CI's 30-minute budget on a 2-core machine does not fit them all).
 SLOW = {"fsdp4", "hsdp2_tp2", "cp2_no_load_balance_alltoall", "cp4", "hsdp2_cp2", "moe_fsdp2",
         "moe_fsdp4_ep2", "moe_tp2", "moe_ep4_tp2", "moe_hsdp2_ep2", "pp2_interleaved",
-        "pp2_interleaved_tp2", "pp2_zbv", "pp2_dualpipev"}
+        "pp2_interleaved_tp2", "pp2_zbv", "pp2_dualpipev", "fsdp2_tp2_ac_layer"}
 
 
-def layouts(table: dict[str, list[str]]) -> list:
+def layouts(table: dict[str, list[str]], slow: set[str] = SLOW) -> list:
     """Parametrize over ``table``'s layouts, marking the extended ones ``slow``."""
-    return [pytest.param(k, marks=pytest.mark.slow) if k in SLOW else k for k in table]
+    return [pytest.param(k, marks=pytest.mark.slow) if k in slow else k for k in table]
 
 
 def train(tmp: Path, name: str, cache: str, *extra: str, launcher: list[str] | None = None) -> Path:
@@ -82,6 +82,11 @@ LAYOUTS = {
     "tp2_gathered_logits": ["--nproc=2", "--parallel.tp=2", "--parallel.loss_parallel=false"],
     # Fused chunked projection + loss (uneven chunks of 100 of the 256 tokens per micro-batch).
     "fsdp2_chunked_loss": ["--nproc=2", "--training.loss_chunk=100"],
+    # Activation checkpointing recomputes exactly (fp32, deterministic): the same run.
+    "fsdp2_ac_selective": ["--nproc=2", "--activation_checkpoint.mode=selective"],
+    "tp2_ac_full": ["--nproc=2", "--parallel.tp=2", "--activation_checkpoint.mode=full"],
+    "fsdp2_tp2_ac_layer": ["--nproc=4", "--parallel.dp_shard=2", "--parallel.tp=2",
+                           "--activation_checkpoint.mode=layer", "--activation_checkpoint.every=2"],
     "fsdp2_gloo_override": ["--nproc=2",
                             "--parallel.backend_override=dp_shard=gloo:timeout_s=120:threads=2,tp=gloo"],
 }
@@ -120,6 +125,8 @@ MOE_LAYOUTS = {
     "moe_cp2_ep2": ["--nproc=2", "--parallel.cp=2", "--parallel.ep=2"],
     "moe_hsdp2_ep2": ["--nproc=4", "--parallel.dp_replicate=2", "--parallel.ep=2"],
     "moe_pp2_ep2": ["--nproc=4", "--parallel.pp=2", "--parallel.ep=2", "--training.micro_batch=2"],
+    # Recompute must not count the routed tokens twice (expert_load is compared too).
+    "moe_ep2_ac_full": ["--nproc=2", "--parallel.ep=2", "--activation_checkpoint.mode=full"],
     "moe_cp2_ep2_chunked_loss": ["--nproc=2", "--parallel.cp=2", "--parallel.ep=2",
                                  "--training.loss_chunk=50"],
 }
