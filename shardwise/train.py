@@ -104,13 +104,15 @@ def train(cfg: Config) -> None:
                            run_config=dataclasses.asdict(cfg))
     tokens_per_step = cfg.training.global_batch * cfg.training.seq_len
     sharing = env.world_size // dims.dp  # ranks (pp x cp x tp) that split one data-parallel share
+    ac = cfg.activation_checkpoint
     profiler = StepProfiler(cfg.profile, run_dir, env.rank, env.device, start + 1)
     with profiler:
         for step in range(start + 1, cfg.training.steps + 1):
             batches = loader.next_step()
             # This data-parallel share's executed FLOPs, exact for its masks, per device of the share.
             flops = executed_flops(args, sum(b.inputs.numel() for b in batches),
-                                   batch_pairs(batches, cfg.training.seq_len)).total / sharing
+                                   batch_pairs(batches, cfg.training.seq_len), ac.mode, ac.every,
+                                   cfg.training.loss_chunk > 0).total / sharing
             first = step == start + 1
             with trace_step(cfg.debug.comm and first, dims.mesh, dims.flat_meshes,
                             run_dir / "comm.json", env.rank, track_modules=dims.pp == 1):
@@ -319,9 +321,9 @@ def preflight(cfg: Config, world_size: int) -> ParallelDims:
     args = model_args(cfg.model)
     dims.check_model(args, cfg.training.seq_len)
     check_pipeline(cfg, dims, micro_batches_per_rank(cfg.training, dims.dp))
-    if cfg.training.loss_chunk and (dims.tp > 1 or dims.pp > 1):
-        raise ConfigError("training.loss_chunk with parallel.tp > 1 or pp > 1 is not available yet (the "
-                          "vocab-parallel / last-stage variants): set training.loss_chunk=0")
+    if cfg.training.loss_chunk and dims.pp > 1:
+        raise ConfigError("training.loss_chunk with parallel.pp > 1 is not available (the pipeline "
+                          "schedule computes the loss on the last stage's logits): set training.loss_chunk=0")
     if dims.cp > 1 and cfg.data.document_mask:
         raise ConfigError("data.document_mask with parallel.cp > 1 is not available (the ring "
                           "attention is causal-only): set data.document_mask=false or cp=1")

@@ -18,7 +18,9 @@ query attends to all ``S`` keys (no causal discount).
 - Activation checkpointing: ``full`` re-runs each block's forward during backward (its matmuls and
   attention once more) -- except the MLP's down projection (w2, and the shared expert's), whose
   output only feeds the residual add: torch's non-reentrant checkpoint stops recomputing once every
-  tensor backward needs exists again. ``none`` adds nothing.
+  tensor backward needs exists again. ``layer`` does so for every n-th block; ``selective`` keeps
+  matmul and attention outputs and recomputes only elementwise ops (not counted); ``none`` adds
+  nothing. The chunked fused loss runs the output head's matmul once more in backward.
 
 The two are reported as ``mfu`` (PaLM) and ``exec_util`` (executed FLOPs / peak).
 """
@@ -117,27 +119,41 @@ def batch_pairs(batches: list, seq_len: int) -> int | torch.Tensor:
     return total
 
 
-def executed_flops(args: ModelArgs, tokens: int, pairs: int | torch.Tensor,
-                   recompute: str = "none") -> StepFlops:
+def executed_flops(args: ModelArgs, tokens: int, pairs: int | torch.Tensor, recompute: str = "none",
+                   every: int = 2, chunked_loss: bool = False) -> StepFlops:
     """FLOPs executed to train on ``tokens`` tokens whose attention computes ``pairs`` (query, key)
     pairs in all (per sequence, summed over sequences; see :func:`attention_pairs`).
 
-    ``recompute``: ``none`` or ``full`` (every block's forward runs again in backward)."""
+    ``recompute`` is the activation-checkpointing mode: ``none``; ``full`` (every block's forward
+    runs again in backward); ``layer`` (blocks ``0, every, 2*every, ...`` do); ``selective`` (matmul
+    and attention outputs are kept, only elementwise ops rerun: no matmul or attention FLOPs).
+    ``chunked_loss``: the fused chunked loss recomputes the output head's logits in backward."""
     fwd_matmul = 2.0 * matmul_params(args) * tokens
     fwd_attn = 4.0 * args.n_layers * args.n_heads * args.head_dim * pairs
     matmul = fwd_matmul * (1 + MATMUL_BACKWARD)
     attention = fwd_attn * (1 + ATTENTION_BACKWARD)
-    if recompute == "full":
-        head = args.vocab_size * args.dim  # the output head is not in a block
-        n_moe = sum(args.is_moe_layer(i) for i in range(args.n_layers))
-        # Down projections whose outputs are only added to the residual: not recomputed.
-        last = ((args.n_layers - n_moe) * args.ffn_hidden_dim
-                + n_moe * args.n_shared_experts * args.moe_hidden_dim) * args.dim
-        matmul += 2.0 * (matmul_params(args) - head - last) * tokens
-        attention += fwd_attn
-    elif recompute != "none":
+    if recompute not in ("none", "full", "layer", "selective"):
         raise ValueError(f"unknown recompute mode {recompute!r}")
+    if recompute in ("full", "layer"):
+        ids = [i for i in range(args.n_layers) if recompute == "full" or i % every == 0]
+        matmul += 2.0 * sum(_recomputed_block_params(args, i) for i in ids) * tokens
+        attention = attention + fwd_attn * len(ids) / args.n_layers
+    if chunked_loss:
+        matmul += 2.0 * args.vocab_size * args.dim * tokens
     return StepFlops(matmul, attention)
+
+
+def _recomputed_block_params(args: ModelArgs, layer: int) -> int:
+    """Matmul parameters per token of one checkpointed block's recompute: all of its forward but
+    the down projections whose outputs only feed the residual add (the dense MLP's w2, the shared
+    expert's), which torch's non-reentrant checkpoint stops before."""
+    d, hd = args.dim, args.head_dim
+    attn = d * args.n_heads * hd * 2 + d * args.n_kv_heads * hd * 2
+    if not args.is_moe_layer(layer):
+        return attn + 2 * d * args.ffn_hidden_dim  # w1, w3
+    routed = 3 * d * args.moe_hidden_dim * args.moe_top_k
+    shared = 2 * d * args.moe_hidden_dim * args.n_shared_experts
+    return attn + d * args.n_experts + routed + shared
 
 
 # ---------------------------------------------------------------------------------------------

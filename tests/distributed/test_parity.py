@@ -82,6 +82,9 @@ LAYOUTS = {
     "tp2_gathered_logits": ["--nproc=2", "--parallel.tp=2", "--parallel.loss_parallel=false"],
     # Fused chunked projection + loss (uneven chunks of 100 of the 256 tokens per micro-batch).
     "fsdp2_chunked_loss": ["--nproc=2", "--training.loss_chunk=100"],
+    # Vocab-parallel chunked loss (vocab 2048 split over tp) with sequence parallel and FSDP.
+    "fsdp2_tp2_chunked_loss": ["--nproc=4", "--parallel.dp_shard=2", "--parallel.tp=2",
+                               "--training.loss_chunk=100"],
     # Activation checkpointing recomputes exactly (fp32, deterministic): the same run.
     "fsdp2_ac_selective": ["--nproc=2", "--activation_checkpoint.mode=selective"],
     "tp2_ac_full": ["--nproc=2", "--parallel.tp=2", "--activation_checkpoint.mode=full"],

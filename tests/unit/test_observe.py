@@ -137,30 +137,36 @@ def test_executed_flops_terms():
     assert matmul_params(moe) - matmul_params(top1) == (moe.n_layers - moe.n_dense_layers) * expert
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_executed_flops_with_full_recompute_match_the_flop_counter(kind: str):
-    """Every block under torch.utils.checkpoint: FlopCounterMode sees one more forward of each block
-    in backward (less the down projection, which checkpoint's early stop skips), exactly the
-    analytic ``recompute="full"`` count; dense and MoE."""
+@pytest.mark.parametrize(("kind", "mode", "chunk"), [("dense", "full", 0), ("moe", "full", 0),
+                                                     ("dense", "layer", 0), ("moe", "layer", 16),
+                                                     ("dense", "selective", 16)])
+def test_executed_flops_with_recompute_match_the_flop_counter(kind: str, mode: str, chunk: int):
+    """Blocks under our activation checkpointing: FlopCounterMode sees one more forward of each
+    checkpointed block in backward (less the down projection, which checkpoint's early stop skips;
+    none under the selective policy), and the chunked loss one more head matmul: exactly the
+    analytic count; dense and MoE."""
     import dataclasses
-    from functools import partial
 
-    from torch.utils.checkpoint import checkpoint
     from torch.utils.flop_counter import FlopCounterMode
 
+    from shardwise.config import ActivationCheckpointConfig
     from shardwise.models import init_weights
     from shardwise.observe.flops import executed_flops, flop_counter_formulas
+    from shardwise.parallel.ac import apply_ac
 
     base = PRESETS["moe-debug"] if kind == "moe" else PRESETS["debug"]
     args = dataclasses.replace(base, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=256,
                                multiple_of=16, moe_hidden_dim=32, n_experts=4 if kind == "moe" else 0)
     model = build_model(args, device="cpu")
     init_weights(model, 0)
-    for block in model.layers.values():
-        block.forward = partial(checkpoint, block.forward, use_reentrant=False)
+    apply_ac(model, ActivationCheckpointConfig(mode=mode, every=2))
+    model.loss_chunk = chunk
     b, s = 2, 32
+    tokens, labels = torch.randint(0, 256, (b, s)), torch.randint(0, 256, (b, s))
     with FlopCounterMode(display=False, custom_mapping=flop_counter_formulas()) as counter:
-        logits = model(torch.randint(0, 256, (b, s)))
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.randint(0, 256, (b * s,))).backward()
-    want = executed_flops(args, b * s, pairs=b * s * s, recompute="full")
+        if chunk:
+            model(tokens, labels=labels).backward()
+        else:
+            torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), labels.flatten()).backward()
+    want = executed_flops(args, b * s, pairs=b * s * s, recompute=mode, every=2, chunked_loss=chunk > 0)
     assert counter.get_total_flops() == pytest.approx(want.total, rel=1e-9)
