@@ -1,14 +1,18 @@
-"""Peak memory and step time of one training step, side by side: plain logits + cross-entropy vs
-the chunked fused projection + loss (``training.loss_chunk``), at vocabularies of 32k and 128k.
+"""Peak memory and step time of one training step, side by side, one fresh process per row:
 
-Each configuration runs in a fresh process (so the peak is its own): build a small Llama body,
-run warm-up steps and timed steps of forward + backward + AdamW, and report the process's peak
-memory -- the CUDA allocator's peak on GPUs, the RSS high-water mark on CPU -- and the median step
-time. The model body is kept small so that the output projection and its logits dominate, as they
-do for small models with large vocabularies.
+- ``loss``: plain logits + cross-entropy vs the chunked fused projection + loss
+  (``training.loss_chunk``) at vocabularies of 32k and 128k (a small body, so the head dominates);
+- ``optimizer``: AdamW with fp32 vs bf16 moments (``optimizer.state_dtype``): state bytes per
+  parameter, counted from the tensors;
+- ``ac``: activation checkpointing none / selective / layer / full (``activation_checkpoint.mode``);
+- ``compile``: blocks eager vs ``torch.compile`` (``compile.enabled``).
 
-    python bench/memory.py                      # CPU, fp32, 4 x 1024 tokens per step
-    python bench/memory.py --device cuda --dtype bf16 --batch 8 --seq 4096
+Peak memory is the CUDA allocator's peak on GPUs; on CPU it is the process RSS high-water mark, and
+for eager rows also torch's MemTracker peak of live tensor bytes (exact, no allocator or library
+noise; it cannot see inside compiled kernels). Step time is the median after warm-up.
+
+    python bench/memory.py                       # every suite, CPU, fp32
+    python bench/memory.py --suite ac --device cuda --dtype bf16 --batch 8 --seq 4096
 """
 
 from __future__ import annotations
@@ -23,29 +27,36 @@ import time
 VOCABS = (32000, 128256)
 
 
-def child(vocab: int, chunk: int, a: argparse.Namespace) -> dict:
+def child(row: dict, a: argparse.Namespace) -> dict:
+    """One configuration: ``row`` has vocab, dim, layers, chunk, state_dtype, ac, compile."""
     import dataclasses
 
     import torch
 
+    from shardwise.config import ActivationCheckpointConfig, CompileConfig, OptimizerConfig
     from shardwise.models import PRESETS, build_model, init_weights
     from shardwise.observe.memory import peak_memory_gib
+    from shardwise.optim.adamw import build_optimizer, state_bytes_per_param
+    from shardwise.parallel.ac import apply_ac
+    from shardwise.parallel.compile import apply_compile
 
     device = torch.device(a.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
-    args = dataclasses.replace(PRESETS["debug"], vocab_size=vocab, dim=a.dim, n_layers=a.layers,
-                               max_seq_len=a.seq)
+    args = dataclasses.replace(PRESETS["debug"], vocab_size=row["vocab"], dim=row["dim"],
+                               n_layers=row["layers"], n_heads=row["dim"] // 64,
+                               n_kv_heads=row["dim"] // 64, max_seq_len=a.seq)
     model = build_model(args, device=device).to(dtype)
     init_weights(model, 0)
-    model.loss_chunk = chunk
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model.loss_chunk = row["chunk"]
+    apply_ac(model, ActivationCheckpointConfig(mode=row["ac"]))
+    apply_compile(model, CompileConfig(enabled=row["compile"]))
+    opt = build_optimizer(model, OptimizerConfig(lr=1e-4, state_dtype=row["state_dtype"]), a.device)
     g = torch.Generator(device=device).manual_seed(0)
-    tokens = torch.randint(0, vocab, (a.batch, a.seq), generator=g, device=device)
-    labels = torch.randint(0, vocab, (a.batch, a.seq), generator=g, device=device)
-    times = []
-    for i in range(a.warmup + a.steps):
-        t = time.perf_counter()
-        if chunk:
+    tokens = torch.randint(0, row["vocab"], (a.batch, a.seq), generator=g, device=device)
+    labels = torch.randint(0, row["vocab"], (a.batch, a.seq), generator=g, device=device)
+
+    def step() -> None:
+        if row["chunk"]:
             loss = model(tokens, labels=labels) / labels.numel()
         else:
             logits = model(tokens)
@@ -55,46 +66,94 @@ def child(vocab: int, chunk: int, a: argparse.Namespace) -> dict:
         opt.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
+
+    times = []
+    for i in range(a.warmup + a.steps):
+        t = time.perf_counter()
+        step()
         if i >= a.warmup:
             times.append(time.perf_counter() - t)
-    return {"peak_gib": peak_memory_gib(device), "step_s": statistics.median(times)}
+    out = {"peak_gib": peak_memory_gib(device), "step_s": statistics.median(times),
+           "state_bytes_per_param": state_bytes_per_param(opt), "tensor_peak_gib": None}
+    if device.type == "cpu" and not row["compile"]:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        tracker = MemTracker()
+        tracker.track_external(model, opt)
+        with tracker:
+            step()
+        (peak,) = tracker.get_tracker_snapshot("peak").values()
+        out["tensor_peak_gib"] = peak["Total"] / 2**30
+    return out
+
+
+def rows(suite: str, a: argparse.Namespace) -> list[tuple[str, dict]]:
+    """(label, configuration) of each row of a suite."""
+    base = {"vocab": 32000, "dim": a.dim, "layers": a.layers, "chunk": 0, "state_dtype": "fp32",
+            "ac": "none", "compile": False}
+    if suite == "loss":
+        return [(f"vocab {v:,}, " + (f"chunked ({c} tokens)" if c else "plain logits + F.cross_entropy"),
+                 {**base, "vocab": v, "dim": 256, "layers": 2, "chunk": c})
+                for v in VOCABS for c in (0, a.chunk)]
+    body = {**base, "vocab": 8192, "chunk": a.chunk}  # a deeper body so the blocks dominate
+    if suite == "optimizer":
+        return [(f"AdamW {d} moments", {**body, "state_dtype": d}) for d in ("fp32", "bf16")]
+    if suite == "ac":
+        return [(f"activation_checkpoint.mode={m}", {**body, "ac": m})
+                for m in ("none", "selective", "layer", "full")]
+    return [(f"compile.enabled={c}", {**body, "compile": c}) for c in (False, True)]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--suite", default="all", choices=["all", "loss", "optimizer", "ac", "compile"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--dim", type=int, default=512, help="body width of the optimizer/ac/compile suites")
+    p.add_argument("--layers", type=int, default=8, help="blocks of the optimizer/ac/compile suites")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--chunk", type=int, default=512, help="training.loss_chunk of the chunked runs")
-    p.add_argument("--child", nargs=2, type=int, help=argparse.SUPPRESS)
+    p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        print(json.dumps(child(*a.child, a)))
+        print(json.dumps(child(json.loads(a.child), a)))
         return
-    tokens = a.batch * a.seq
-    print(f"{a.device}, {a.dtype}, body dim {a.dim} x {a.layers} layers, {a.batch} x {a.seq} = {tokens} "
-          "tokens per step\n")
-    print("| vocab | loss | peak memory (GiB) | step time (s) | fp32 logits alone (GiB) |")
-    print("|---|---|---|---|---|")
-    results = {}
-    for vocab, chunk in [(v, c) for v in VOCABS for c in (0, a.chunk)]:
-        argv = [sys.executable, __file__, "--child", str(vocab), str(chunk)] + sys.argv[1:]
-        out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
-        r = results[vocab, chunk] = json.loads(out.strip().splitlines()[-1])
-        what = f"chunked ({chunk} tokens)" if chunk else "plain logits + F.cross_entropy"
-        print(f"| {vocab:,} | {what} | {r['peak_gib']:.2f} | {r['step_s']:.2f} | "
-              f"{tokens * vocab * 4 / 2**30:.2f} |", flush=True)
-    print()
-    for vocab in VOCABS:
-        plain, chunked = results[vocab, 0], results[vocab, a.chunk]
-        print(f"vocab {vocab:,}: peak {chunked['peak_gib'] / plain['peak_gib']:.2f}x of plain "
-              f"(saves {plain['peak_gib'] - chunked['peak_gib']:.2f} GiB), step time "
-              f"{chunked['step_s'] / plain['step_s']:.2f}x")
+    print(f"{a.device}, {a.dtype}, {a.batch} x {a.seq} = {a.batch * a.seq} tokens per step, median of "
+          f"{a.steps} steps after {a.warmup} warm-up\n")
+    suites = ["loss", "optimizer", "ac", "compile"] if a.suite == "all" else [a.suite]
+    args = [x for x in sys.argv[1:] if not x.startswith("--suite")]
+    for suite in suites:
+        table = rows(suite, a)
+        r0 = table[0][1]
+        print(f"### {suite}: body dim {r0['dim']} x {r0['layers']} blocks, vocab {r0['vocab']:,}\n")
+        print("| configuration | peak RSS (GiB) | tensor peak (GiB) | step time (s) | "
+              "optimizer bytes/param |")
+        print("|---|---|---|---|---|")
+        results = []
+        for label, row in table:
+            argv = [sys.executable, __file__, "--child", json.dumps(row), *args]
+            out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+            r = json.loads(out.strip().splitlines()[-1])
+            results.append(r)
+            tensor = f"{r['tensor_peak_gib']:.3f}" if r["tensor_peak_gib"] is not None else "n/a"
+            print(f"| {label} | {r['peak_gib']:.2f} | {tensor} | {r['step_s']:.2f} | "
+                  f"{r['state_bytes_per_param']:.1f} |", flush=True)
+        print()
+        if suite == "loss":
+            for i, vocab in enumerate(VOCABS):
+                plain, chunked = results[2 * i], results[2 * i + 1]
+                print(f"vocab {vocab:,}: peak {chunked['peak_gib'] / plain['peak_gib']:.2f}x of plain, "
+                      f"step time {chunked['step_s'] / plain['step_s']:.2f}x")
+        else:
+            ref = results[0]
+            key = "tensor_peak_gib" if all(r["tensor_peak_gib"] for r in results) else "peak_gib"
+            for (label, _), r in zip(table[1:], results[1:], strict=True):
+                print(f"{label}: {key} {r[key] / ref[key]:.2f}x, step time "
+                      f"{r['step_s'] / ref['step_s']:.2f}x of {table[0][0]}")
+        print()
 
 
 if __name__ == "__main__":

@@ -90,6 +90,9 @@ def train(cfg: Config) -> None:
     for moe in moe_layers(model):  # the balance loss is a mean over the step's sequences
         moe.sequences_per_step = cfg.training.global_batch
     shard = batch_sharder(dims, cfg.parallel.cp_load_balance)
+    # The plain loss (fp32 upcast, log-softmax, gather) compiles into fused kernels; loss-parallel
+    # DTensor logits and the chunked loss stay eager.
+    loss_fn = torch.compile(token_loss_sum) if cfg.compile.enabled else token_loss_sum
     optimizer = build_optimizer(model, cfg.optimizer, env.device.type)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     start = resume(cfg, run_dir, model, optimizer, scheduler, loader)
@@ -117,7 +120,8 @@ def train(cfg: Config) -> None:
             with trace_step(cfg.debug.comm and first, dims.mesh, dims.flat_meshes,
                             run_dir / "comm.json", env.rank, track_modules=dims.pp == 1):
                 result = train_step(model, optimizer, scheduler, shard(batches), dims,
-                                    cfg.training.max_grad_norm, pipe, measure_memory=first)
+                                    cfg.training.max_grad_norm, pipe, measure_memory=first,
+                                    loss_fn=loss_fn)
             if first:
                 report_memory(result.pop("memory"), run_dir, env, logger)
             throughput.add(tokens_per_step, flops)
@@ -148,10 +152,12 @@ def train(cfg: Config) -> None:
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                scheduler: torch.optim.lr_scheduler.LRScheduler, batches: list[Batch],
                dims: ParallelDims, max_grad_norm: float, pipe: Pipe | None = None,
-               measure_memory: bool = False) -> dict[str, Any]:
+               measure_memory: bool = False,
+               loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> dict[str, Any]:
     """One optimizer step over this rank's micro-batches: global mean ``loss``, ``grad_norm``,
     ``lr`` used, for MoE models ``expert_load`` (busiest expert over the mean, worst layer), and
-    with ``measure_memory`` this rank's ``memory`` breakdown in bytes.
+    with ``measure_memory`` this rank's ``memory`` breakdown in bytes. ``loss_fn`` sums the token
+    losses of plain logits (default :func:`token_loss_sum`; its compiled form with compile.enabled).
 
     With pipeline parallel the schedule runs the micro-batches through the stages."""
     dp_cp = dims.submesh("dp_cp").get_group()
@@ -170,7 +176,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         for batch, tracker in zip(batches, saved, strict=True):
             with tracker:
-                loss_sum += forward_backward(model, batch, n_valid)
+                loss_sum += forward_backward(model, batch, n_valid, loss_fn or token_loss_sum)
     stages = dims.submesh("pp").get_group() if dims.pp > 1 else None
     grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm, stages)
     lr = optimizer.param_groups[0]["lr"]
@@ -203,7 +209,9 @@ def report_memory(memory: dict[str, int], run_dir: Path, env: DistEnv, logger: M
                        "activations = saved for backward):\n" + "\n".join(rows))
 
 
-def forward_backward(model: nn.Module, batch: Batch, n_valid_global: torch.Tensor) -> torch.Tensor:
+def forward_backward(model: nn.Module, batch: Batch, n_valid_global: torch.Tensor,
+                     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+                     ) -> torch.Tensor:
     """Forward + backward of one micro-batch; returns its summed token loss (detached)."""
     if model.loss_chunk:  # fused chunked projection + loss: no logits
         loss_sum = model(batch.inputs, batch.doc_ids, labels=batch.labels, ignore_index=IGNORE_INDEX)
@@ -211,7 +219,8 @@ def forward_backward(model: nn.Module, batch: Batch, n_valid_global: torch.Tenso
         return loss_sum.detach()
     logits = model(batch.inputs, batch.doc_ids)  # (B, S, V); vocab-sharded DTensor under loss parallel
     with loss_context(logits):  # the backward of a loss-parallel cross-entropy needs it too
-        loss_sum = token_loss_sum(logits, batch.labels)
+        fn = token_loss_sum if loss_fn is None or isinstance(logits, DTensor) else loss_fn
+        loss_sum = fn(logits, batch.labels)
         (loss_sum / n_valid_global).backward()
     return full_value(loss_sum.detach())
 
