@@ -178,10 +178,12 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Causal mask that also blocks attention across documents: (B, S) ids -> (B, 1, S, S) bool."""
+def document_mask(doc_ids: torch.Tensor, causal: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal mask that also blocks attention across documents: (B, S) ids -> (B, 1, S, S) bool.
+    ``causal`` (S, S) is the lower-triangular mask, if the caller keeps one."""
     s = doc_ids.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()
+    if causal is None:
+        causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()
     return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal).unsqueeze(1)
 
 
@@ -202,6 +204,7 @@ class Transformer(nn.Module):
         # sequence; init_weights then keeps only those rows of the RoPE table.
         self.rope_positions: torch.Tensor | None = None
         self.loss_chunk = 4096  # tokens per chunk of the fused output projection + loss
+        self._causal_cache: dict[tuple, torch.Tensor] = {}
 
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, labels: torch.Tensor | None = None,
@@ -216,7 +219,7 @@ class Transformer(nn.Module):
         A pipeline stage without the embedding takes hidden states (B, S, dim) instead of tokens,
         and one without the head returns hidden states."""
         freqs = self.freqs_cis[positions] if positions is not None else self.freqs_cis
-        mask = document_mask(doc_ids) if doc_ids is not None else None
+        mask = document_mask(doc_ids, self._causal_mask(doc_ids)) if doc_ids is not None else None
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, S, dim)
         for layer in self.layers.values():
             h = layer(h, freqs, mask)
@@ -230,6 +233,14 @@ class Transformer(nn.Module):
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)
         return self.output(h)  # (B, S, vocab); through the module so tensor parallel's hooks apply
+
+    def _causal_mask(self, doc_ids: torch.Tensor) -> torch.Tensor:
+        """The (S, S) lower-triangular mask, built once per length and device (not every step)."""
+        key = (doc_ids.shape[1], doc_ids.device)
+        if key not in self._causal_cache:
+            s = key[0]
+            self._causal_cache[key] = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()
+        return self._causal_cache[key]
 
 
 # ---------------------------------------------------------------------------------------------
