@@ -19,7 +19,7 @@ run: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 # Everything, including the extended layout matrix (about 10 more minutes on 2 cores).
 test-all: $(VENV)/.installed

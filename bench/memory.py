@@ -9,7 +9,8 @@
 
 Peak memory is the CUDA allocator's peak on GPUs; on CPU it is the process RSS high-water mark, and
 for eager rows also torch's MemTracker peak of live tensor bytes (exact, no allocator or library
-noise; it cannot see inside compiled kernels). Step time is the median after warm-up.
+noise; it cannot see inside compiled kernels). Step time is the median wall time after warm-up;
+CPU time is the process's CPU seconds per step (median), steadier than wall time on a shared host.
 
     python bench/memory.py                       # every suite, CPU, fp32
     python bench/memory.py --suite ac --device cuda --dtype bf16 --batch 8 --seq 4096
@@ -45,8 +46,10 @@ def child(row: dict, a: argparse.Namespace) -> dict:
     args = dataclasses.replace(PRESETS["debug"], vocab_size=row["vocab"], dim=row["dim"],
                                n_layers=row["layers"], n_heads=row["dim"] // 64,
                                n_kv_heads=row["dim"] // 64, max_seq_len=a.seq)
-    model = build_model(args, device=device).to(dtype)
-    init_weights(model, 0)
+    model = build_model(args, device=device)
+    if dtype != torch.float32:
+        model.to(dtype)
+    init_weights(model, 0)  # (after the cast: it rebuilds the complex RoPE table)
     model.loss_chunk = row["chunk"]
     apply_ac(model, ActivationCheckpointConfig(mode=row["ac"]))
     apply_compile(model, CompileConfig(enabled=row["compile"]))
@@ -67,13 +70,15 @@ def child(row: dict, a: argparse.Namespace) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    times = []
+    times, cpu_times = [], []
     for i in range(a.warmup + a.steps):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         step()
         if i >= a.warmup:
             times.append(time.perf_counter() - t)
+            cpu_times.append(time.process_time() - c)
     out = {"peak_gib": peak_memory_gib(device), "step_s": statistics.median(times),
+           "cpu_s": statistics.median(cpu_times), "all_steps_s": times,
            "state_bytes_per_param": state_bytes_per_param(opt), "tensor_peak_gib": None}
     if device.type == "cpu" and not row["compile"]:
         from torch.distributed._tools.mem_tracker import MemTracker
@@ -124,14 +129,14 @@ def main() -> None:
     print(f"{a.device}, {a.dtype}, {a.batch} x {a.seq} = {a.batch * a.seq} tokens per step, median of "
           f"{a.steps} steps after {a.warmup} warm-up\n")
     suites = ["loss", "optimizer", "ac", "compile"] if a.suite == "all" else [a.suite]
-    args = [x for x in sys.argv[1:] if not x.startswith("--suite")]
+    args = [f"--{k}={getattr(a, k)}" for k in ("device", "dtype", "batch", "seq", "steps", "warmup")]
     for suite in suites:
         table = rows(suite, a)
         r0 = table[0][1]
         print(f"### {suite}: body dim {r0['dim']} x {r0['layers']} blocks, vocab {r0['vocab']:,}\n")
-        print("| configuration | peak RSS (GiB) | tensor peak (GiB) | step time (s) | "
+        print("| configuration | peak RSS (GiB) | tensor peak (GiB) | step time (s) | CPU time (s) | "
               "optimizer bytes/param |")
-        print("|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|")
         results = []
         for label, row in table:
             argv = [sys.executable, __file__, "--child", json.dumps(row), *args]
@@ -139,7 +144,7 @@ def main() -> None:
             r = json.loads(out.strip().splitlines()[-1])
             results.append(r)
             tensor = f"{r['tensor_peak_gib']:.3f}" if r["tensor_peak_gib"] is not None else "n/a"
-            print(f"| {label} | {r['peak_gib']:.2f} | {tensor} | {r['step_s']:.2f} | "
+            print(f"| {label} | {r['peak_gib']:.2f} | {tensor} | {r['step_s']:.2f} | {r['cpu_s']:.2f} | "
                   f"{r['state_bytes_per_param']:.1f} |", flush=True)
         print()
         if suite == "loss":
@@ -152,7 +157,8 @@ def main() -> None:
             key = "tensor_peak_gib" if all(r["tensor_peak_gib"] for r in results) else "peak_gib"
             for (label, _), r in zip(table[1:], results[1:], strict=True):
                 print(f"{label}: {key} {r[key] / ref[key]:.2f}x, step time "
-                      f"{r['step_s'] / ref['step_s']:.2f}x of {table[0][0]}")
+                      f"{r['step_s'] / ref['step_s']:.2f}x, CPU time {r['cpu_s'] / ref['cpu_s']:.2f}x "
+                      f"of {table[0][0]}")
         print()
 
 

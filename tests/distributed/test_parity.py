@@ -29,11 +29,13 @@ pytestmark = pytest.mark.dist
 LOSS_RTOL = 1e-5
 PARAM_RTOL = 1e-4
 
-# The extended matrix: further combinations of parallelisms each of which CI already covers. They
-# run with `make test-all` (CI's 30-minute budget on a 2-core machine does not fit them all).
+# The extended matrix: further combinations whose parts CI already covers (each parallelism, and
+# each memory switch in some multi-rank layout). They run with `make test-all` (CI's 30-minute
+# budget on a 2-core machine does not fit them all).
 SLOW = {"fsdp4", "hsdp2_tp2", "cp2_no_load_balance_alltoall", "cp4", "hsdp2_cp2", "moe_fsdp2",
         "moe_fsdp4_ep2", "moe_tp2", "moe_ep4_tp2", "moe_hsdp2_ep2", "pp2_interleaved",
-        "pp2_interleaved_tp2", "pp2_zbv", "pp2_dualpipev", "fsdp2_tp2_ac_layer"}
+        "pp2_interleaved_tp2", "pp2_zbv", "pp2_dualpipev", "fsdp2_ac_selective", "tp2_ac_full",
+        "fsdp2_chunked_loss", "cp2_ac_selective"}
 
 
 def layouts(table: dict[str, list[str]], slow: set[str] = SLOW) -> list:
@@ -105,6 +107,7 @@ UNMASKED_LAYOUTS = {
     "fsdp2_cp2": ["--nproc=4", "--parallel.dp_shard=2", "--parallel.cp=2"],
     "hsdp2_cp2": ["--nproc=4", "--parallel.dp_replicate=2", "--parallel.cp=2"],
     "cp2_tp2": ["--nproc=4", "--parallel.cp=2", "--parallel.tp=2"],
+    "cp2_ac_selective": ["--nproc=2", "--parallel.cp=2", "--activation_checkpoint.mode=selective"],
     "pp2_cp2": ["--nproc=4", "--parallel.pp=2", "--parallel.cp=2", "--training.micro_batch=4"],
     "pp2_fsdp2_tp2": ["--nproc=8", "--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.tp=2",
                       "--training.micro_batch=2"],
