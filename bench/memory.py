@@ -9,8 +9,10 @@
 
 Peak memory is the CUDA allocator's peak on GPUs; on CPU it is the process RSS high-water mark, and
 for eager rows also torch's MemTracker peak of live tensor bytes (exact, no allocator or library
-noise; it cannot see inside compiled kernels). Step time is the median wall time after warm-up;
-CPU time is the process's CPU seconds per step (median), steadier than wall time on a shared host.
+noise; it cannot see inside compiled kernels). For the optimizer, ac and compile suites the step
+times come from one more process that builds every row's model and interleaves their steps (A B C
+A B C ...), so a slow spell of a shared host hits all rows alike: median wall time and median CPU
+seconds per step. The loss suite times each row in its own process.
 
     python bench/memory.py                       # every suite, CPU, fp32
     python bench/memory.py --suite ac --device cuda --dtype bf16 --batch 8 --seq 4096
@@ -28,16 +30,16 @@ import time
 VOCABS = (32000, 128256)
 
 
-def child(row: dict, a: argparse.Namespace) -> dict:
-    """One configuration: ``row`` has vocab, dim, layers, chunk, state_dtype, ac, compile."""
+def build(row: dict, a: argparse.Namespace) -> tuple:
+    """(step function, model, optimizer) for one configuration: ``row`` has vocab, dim, layers,
+    chunk, state_dtype, ac, compile."""
     import dataclasses
 
     import torch
 
     from shardwise.config import ActivationCheckpointConfig, CompileConfig, OptimizerConfig
     from shardwise.models import PRESETS, build_model, init_weights
-    from shardwise.observe.memory import peak_memory_gib
-    from shardwise.optim.adamw import build_optimizer, state_bytes_per_param
+    from shardwise.optim.adamw import build_optimizer
     from shardwise.parallel.ac import apply_ac
     from shardwise.parallel.compile import apply_compile
 
@@ -69,18 +71,26 @@ def child(row: dict, a: argparse.Namespace) -> dict:
         opt.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
+    return step, model, opt
 
-    times, cpu_times = [], []
+
+def child(row: dict, a: argparse.Namespace) -> dict:
+    """Memory of one configuration, alone in this process (and its own step times)."""
+    import torch
+
+    from shardwise.observe.memory import peak_memory_gib
+    from shardwise.optim.adamw import state_bytes_per_param
+
+    step, model, opt = build(row, a)
+    times = []
     for i in range(a.warmup + a.steps):
-        t, c = time.perf_counter(), time.process_time()
+        t = time.perf_counter()
         step()
         if i >= a.warmup:
             times.append(time.perf_counter() - t)
-            cpu_times.append(time.process_time() - c)
-    out = {"peak_gib": peak_memory_gib(device), "step_s": statistics.median(times),
-           "cpu_s": statistics.median(cpu_times), "all_steps_s": times,
+    out = {"peak_gib": peak_memory_gib(torch.device(a.device)), "step_s": statistics.median(times),
            "state_bytes_per_param": state_bytes_per_param(opt), "tensor_peak_gib": None}
-    if device.type == "cpu" and not row["compile"]:
+    if a.device == "cpu" and not row["compile"]:
         from torch.distributed._tools.mem_tracker import MemTracker
 
         tracker = MemTracker()
@@ -90,6 +100,25 @@ def child(row: dict, a: argparse.Namespace) -> dict:
         (peak,) = tracker.get_tracker_snapshot("peak").values()
         out["tensor_peak_gib"] = peak["Total"] / 2**30
     return out
+
+
+def time_child(table: list[dict], a: argparse.Namespace) -> list[dict]:
+    """Step times of several configurations in one process, their steps interleaved (A B C A B C
+    ...), so a slow spell of a shared host hits them all alike."""
+    built = [build(row, a)[0] for row in table]
+    for step in built:
+        for _ in range(a.warmup):
+            step()
+    wall: list[list[float]] = [[] for _ in built]
+    cpu: list[list[float]] = [[] for _ in built]
+    for _ in range(a.steps):
+        for i, step in enumerate(built):
+            t, c = time.perf_counter(), time.process_time()
+            step()
+            wall[i].append(time.perf_counter() - t)
+            cpu[i].append(time.process_time() - c)
+    return [{"step_s": statistics.median(w), "cpu_s": statistics.median(c)}
+            for w, c in zip(wall, cpu, strict=True)]
 
 
 def rows(suite: str, a: argparse.Namespace) -> list[tuple[str, dict]]:
@@ -122,9 +151,13 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--chunk", type=int, default=512, help="training.loss_chunk of the chunked runs")
     p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--time-child", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
         print(json.dumps(child(json.loads(a.child), a)))
+        return
+    if a.time_child:
+        print(json.dumps(time_child(json.loads(a.time_child), a)))
         return
     print(f"{a.device}, {a.dtype}, {a.batch} x {a.seq} = {a.batch * a.seq} tokens per step, median of "
           f"{a.steps} steps after {a.warmup} warm-up\n")
@@ -138,13 +171,19 @@ def main() -> None:
               "optimizer bytes/param |")
         print("|---|---|---|---|---|---|")
         results = []
-        for label, row in table:
+        for _, row in table:
             argv = [sys.executable, __file__, "--child", json.dumps(row), *args]
             out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
-            r = json.loads(out.strip().splitlines()[-1])
-            results.append(r)
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        if suite != "loss":  # times from one process, steps interleaved (memory stays per process)
+            argv = [sys.executable, __file__, "--time-child", json.dumps([r for _, r in table]), *args]
+            out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+            for r, t in zip(results, json.loads(out.strip().splitlines()[-1]), strict=True):
+                r.update(t)
+        for (label, _), r in zip(table, results, strict=True):
             tensor = f"{r['tensor_peak_gib']:.3f}" if r["tensor_peak_gib"] is not None else "n/a"
-            print(f"| {label} | {r['peak_gib']:.2f} | {tensor} | {r['step_s']:.2f} | {r['cpu_s']:.2f} | "
+            cpu = f"{r['cpu_s']:.2f}" if "cpu_s" in r else "-"
+            print(f"| {label} | {r['peak_gib']:.2f} | {tensor} | {r['step_s']:.2f} | {cpu} | "
                   f"{r['state_bytes_per_param']:.1f} |", flush=True)
         print()
         if suite == "loss":
