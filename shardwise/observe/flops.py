@@ -42,8 +42,8 @@ ATTENTION_BACKWARD = 2.5
 def num_params(args: ModelArgs, include_embedding: bool = True, active: bool = False) -> int:
     """Parameters of the model; ``active``: of an MoE model, those one token uses (its top-k
     routed experts, not all of them)."""
-    d, L, hd = args.dim, args.n_layers, args.head_dim
-    attn = d * args.n_heads * hd * 2 + d * args.n_kv_heads * hd * 2  # wq, wo, wk, wv
+    d, L = args.dim, args.n_layers
+    attn = _attention_params(args)
     dense_mlp = 3 * d * args.ffn_hidden_dim
     n_moe = sum(args.is_moe_layer(i) for i in range(L))
     experts = args.moe_top_k if active else args.n_experts
@@ -53,6 +53,11 @@ def num_params(args: ModelArgs, include_embedding: bool = True, active: bool = F
     emb = args.vocab_size * d
     head = 0 if args.tie_embeddings else emb
     return total + head + (emb if include_embedding else 0)
+
+
+def _attention_params(args: ModelArgs) -> int:
+    """wq, wo (query heads) and wk, wv (key/value heads) of one block."""
+    return args.dim * args.head_dim * (2 * args.n_heads + 2 * args.n_kv_heads)
 
 
 def matmul_params(args: ModelArgs) -> int:
@@ -147,8 +152,7 @@ def _recomputed_block_params(args: ModelArgs, layer: int) -> int:
     """Matmul parameters per token of one checkpointed block's recompute: all of its forward but
     the down projections whose outputs only feed the residual add (the dense MLP's w2, the shared
     expert's), which torch's non-reentrant checkpoint stops before."""
-    d, hd = args.dim, args.head_dim
-    attn = d * args.n_heads * hd * 2 + d * args.n_kv_heads * hd * 2
+    d, attn = args.dim, _attention_params(args)
     if not args.is_moe_layer(layer):
         return attn + 2 * d * args.ffn_hidden_dim  # w1, w3
     routed = 3 * d * args.moe_hidden_dim * args.moe_top_k
