@@ -178,12 +178,16 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def causal_mask(s: int, device: torch.device) -> torch.Tensor:
+    """(S, S) bool, True on and below the diagonal."""
+    return torch.ones(s, s, dtype=torch.bool, device=device).tril()
+
+
 def document_mask(doc_ids: torch.Tensor, causal: torch.Tensor | None = None) -> torch.Tensor:
     """Causal mask that also blocks attention across documents: (B, S) ids -> (B, 1, S, S) bool.
-    ``causal`` (S, S) is the lower-triangular mask, if the caller keeps one."""
-    s = doc_ids.shape[1]
+    ``causal`` is :func:`causal_mask` for S, if the caller keeps one."""
     if causal is None:
-        causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()
+        causal = causal_mask(doc_ids.shape[1], doc_ids.device)
     return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal).unsqueeze(1)
 
 
@@ -238,8 +242,7 @@ class Transformer(nn.Module):
         """The (S, S) lower-triangular mask, built once per length and device (not every step)."""
         key = (doc_ids.shape[1], doc_ids.device)
         if key not in self._causal_cache:
-            s = key[0]
-            self._causal_cache[key] = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()
+            self._causal_cache[key] = causal_mask(*key)
         return self._causal_cache[key]
 
 

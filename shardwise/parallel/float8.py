@@ -80,7 +80,7 @@ def float8_groups(model: nn.Module, cfg: Float8Config, tp: int) -> list[str]:
             if not all(isinstance(m, nn.Linear) for m in linears.values()):
                 continue  # a MoE block's feed_forward, or a group already converted
             # An MoE block is not split by TP (it runs on the sequence shard): full dims.
-            split = tp if group == "attention" or group == "feed_forward" else 1
+            split = tp if group in ("attention", "feed_forward") else 1
             dims = []
             for n, m in linears.items():
                 out_f, in_f = m.out_features, m.in_features
