@@ -1,41 +1,178 @@
-"""Checkpoints with ``torch.distributed.checkpoint`` (DCP): every rank writes its own shards.
+"""Checkpoints that never lose work, on ``torch.distributed.checkpoint`` (DCP).
 
-Layout: ``<run.dir>/checkpoints/step-<N>/`` holds the DCP files (model, optimizer, LR scheduler,
-data position, step) plus ``rng-rank<R>.pt`` (each rank's RNG state). A save is written into
-``step-<N>.tmp`` and renamed to ``step-<N>`` by rank 0 only after every rank has finished, so a
-directory named ``step-<N>`` is always complete; leftovers of an interrupted save are ignored.
+Layout: ``<run.dir>/checkpoints/step-<N>/`` holds the DCP files (every rank writes its own shards
+of model, optimizer, LR scheduler, data position and step), ``rng-rank<R>.pt`` (each rank's RNG
+state) and ``manifest.json`` (step, layout, model shape, and every file's size and SHA-256).
+
+Atomic commit: a save is written into ``step-<N>.tmp``; once every rank's files are on disk and
+fsynced, rank 0 writes the manifest into it and renames the directory to ``step-<N>``. A rename
+is atomic, so a ``step-<N>`` directory is complete whatever moment a crash or ``kill -9`` hits;
+leftover ``.tmp`` directories (and ``.deleting`` ones from retention) are skipped with a warning
+and swept at the next save. Loading checks the manifest first: sizes always, checksums with
+``checkpoint.verify_checksums`` (each rank hashes its share of the files).
+
+Async save (``checkpoint.async_mode = thread | process``): the state is copied to host memory
+before :meth:`Checkpointer.save` returns (so later steps cannot change what is saved), then
+written and committed in the background on a dedicated gloo process group -- sharing the training
+group with a background thread would interleave its collectives with training's.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
+import os
+import random
 import re
 import shutil
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from shardwise.config import ConfigError
+from shardwise.config import CheckpointConfig, ConfigError
 from shardwise.data.dataset import PackedLoader
 
+MANIFEST = "manifest.json"
+FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_CHUNK = 8 << 20
 
 
-def list_checkpoints(folder: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints under ``folder`` as (step, path), oldest first."""
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be written or loaded; the message names the file and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding and checking checkpoints (no process group needed)
+
+
+def list_checkpoints(folder: Path, warn: bool = False) -> list[tuple[int, Path]]:
+    """Committed checkpoints under ``folder`` as (step, path), oldest first. With ``warn``, print
+    one line for each leftover of an interrupted save or deletion (they are never loaded)."""
     if not folder.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir()
-             if (m := _STEP_DIR.match(p.name)) and (p / ".metadata").is_file()]
+    found = []
+    for p in folder.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and (p / MANIFEST).is_file():
+            found.append((int(m.group(1)), p))
+        elif warn and p.is_dir():
+            print(f"warning: skipping '{p}': not a complete checkpoint (an interrupted save or "
+                  "deletion; it is removed at the next save)", file=sys.stderr, flush=True)
     return sorted(found)
 
 
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The parsed manifest of checkpoint ``path``; a one-line error if it is missing or unreadable."""
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint '{path}' does not exist: point checkpoint.path at a "
+                              "step-<N> directory")
+    file = path / MANIFEST
+    if not file.is_file():
+        raise CheckpointError(f"checkpoint '{path}' is incomplete (no {MANIFEST}: its save never "
+                              "finished): point checkpoint.path at a complete step-<N> directory")
+    try:
+        manifest = json.loads(file.read_text())
+        if manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+            raise ValueError(f"format {manifest.get('format')!r}")
+    except (ValueError, AttributeError) as e:
+        raise CheckpointError(f"checkpoint '{path}' has an unreadable {MANIFEST} ({e}): it was "
+                              "damaged; load an earlier step-<N>") from None
+    return manifest
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_files(path: Path, manifest: dict[str, Any], names: list[str] | None = None,
+                checksums: bool = True) -> str | None:
+    """The first problem with the files ``names`` (default all) of checkpoint ``path``, or None."""
+    files = manifest["files"]
+    for name in files if names is None else names:
+        want, f = files[name], path / name
+        if not f.is_file():
+            return f"checkpoint '{path}' is missing {name}: it was damaged; load an earlier step-<N>"
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            return (f"checkpoint '{path}' is truncated or altered: {name} has {size} bytes, the "
+                    f"manifest says {want['bytes']}; load an earlier step-<N>")
+        if checksums and sha256(f) != want["sha256"]:
+            return (f"checkpoint '{path}' is corrupt: {name} does not match its SHA-256 in "
+                    f"{MANIFEST}; load an earlier step-<N>")
+    return None
+
+
+def verify(path: Path, checksums: bool = True) -> dict[str, Any]:
+    """Check every file of ``path`` against its manifest in this process; return the manifest."""
+    manifest = read_manifest(path)
+    if problem := check_files(path, manifest, checksums=checksums):
+        raise CheckpointError(problem)
+    return manifest
+
+
+def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Global shape of every model tensor in checkpoint ``path`` (from DCP's metadata file)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    return {k.removeprefix("model."): tuple(v.size) for k, v in meta.state_dict_metadata.items()
+            if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+
+
+def check_compatible(path: Path, model: nn.Module) -> None:
+    """One-line error naming the first parameter whose name or shape differs between checkpoint
+    ``path`` and ``model`` (the full model, e.g. on meta) -- before DCP meets it mid-load."""
+    saved = saved_shapes(path)
+    ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    for name, shape in ours.items():
+        if name not in saved:
+            raise CheckpointError(f"checkpoint '{path}' has no parameter '{name}' (it was saved from a "
+                                  "different model): use the model config it was saved with")
+        if saved[name] != shape:
+            raise CheckpointError(f"checkpoint '{path}': parameter '{name}' has shape {saved[name]} "
+                                  f"there but {shape} in this model: use the model config it was saved "
+                                  "with")
+    if extra := sorted(set(saved) - set(ours)):
+        raise CheckpointError(f"checkpoint '{path}' has parameter '{extra[0]}' that this model lacks "
+                              f"({len(extra)} in all; saved from a different model): use the model config "
+                              "it was saved with")
+
+
+def model_only(path: Path) -> bool:
+    """True for a weights-only checkpoint (e.g. ``shardwise convert --from-hf``): no optimizer."""
+    return read_manifest(path).get("contents", ["model"]) == ["model"]
+
+
+# ---------------------------------------------------------------------------------------------
+# What is saved
+
+
 def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    """Every RNG a step can draw from: torch CPU and accelerator, Python's and NumPy's."""
+    state: dict[str, Any] = {"cpu": torch.get_rng_state(), "python": random.getstate(),
+                             "numpy": np.random.get_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -43,6 +180,9 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["cpu"])
+    if "python" in state:
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
@@ -58,32 +198,242 @@ def _app_state(model: nn.Module, optimizer: torch.optim.Optimizer,
             "dataloader": loader.state_dict(), "train": {"step": step}}
 
 
-def save(folder: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-         scheduler: torch.optim.lr_scheduler.LRScheduler, loader: PackedLoader) -> Path:
-    """Write ``folder/step-<step>``; collective over all ranks."""
-    final, staging = folder / f"step-{step}", folder / f"step-{step}.tmp"
-    rank = dist.get_rank()
-    if rank == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-    dist.barrier()
-    dcp.save(_app_state(model, optimizer, scheduler, loader, step), checkpoint_id=str(staging))
-    torch.save(rng_state(), staging / f"rng-rank{rank}.pt")
-    dist.barrier()  # every rank's files are on disk before the directory becomes visible
-    if rank == 0:
-        if final.exists():
-            shutil.rmtree(final)
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _file_record(path: Path) -> dict[str, Any]:
+    """Size and SHA-256 of ``path``, after forcing it to stable storage."""
+    with path.open("rb") as f:
+        os.fsync(f.fileno())
+    return {"bytes": path.stat().st_size, "sha256": sha256(path)}
+
+
+def _remove(path: Path) -> None:
+    """Delete a directory so that no half-deleted ``step-<N>`` is ever visible: rename, then delete."""
+    doomed = path.with_name(path.name + ".deleting")
+    shutil.rmtree(doomed, ignore_errors=True)
+    path.rename(doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _reason(e: BaseException) -> str:
+    """The OS-level cause inside a (possibly DCP-wrapped) save failure, as one short phrase."""
+    seen: list[BaseException] = [e]
+    while seen:
+        cur = seen.pop()
+        if isinstance(cur, OSError) and cur.errno is not None:
+            return f"{os.strerror(cur.errno)}" + (f" ({cur.filename})" if cur.filename else "")
+        failures = getattr(cur, "failures", None)  # DCP's CheckpointException: rank -> exception
+        if isinstance(failures, dict):
+            seen.extend(v for v in failures.values() if isinstance(v, BaseException))
+        seen.extend(x for x in (cur.__cause__, cur.__context__) if x is not None)
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving
+
+
+class Checkpointer:
+    """Saves (sync or async) and commits checkpoints under ``folder``; collective over all ranks.
+
+    ``info`` (layout, model config) goes into each manifest. Creating one creates its gloo process
+    group, so every rank must create it at the same point."""
+
+    def __init__(self, folder: Path, cfg: CheckpointConfig, info: dict[str, Any]) -> None:
+        self.folder, self.cfg, self.info = folder, cfg, info
+        self.group = dist.new_group(backend="gloo")
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self._executor = ThreadPoolExecutor(1, "shardwise-ckpt") if cfg.async_mode != "none" else None
+        self._pending: Future | None = None
+        self._local_error: str | None = None
+        self.blocked_s = 0.0  # how long the last save() held up training
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+             scheduler: torch.optim.lr_scheduler.LRScheduler, loader: PackedLoader,
+             block: bool = False) -> Path:
+        """Save step ``step``; with async_mode, return once the state is copied (``block``: wait for
+        the commit too). Returns the directory the checkpoint has (or will have) once committed."""
+        t0 = time.perf_counter()
+        self.wait()  # one save in flight at a time: its collectives own the group
+        staging = self.folder / f"step-{step}.tmp"
+        status = [None]
+        if self.rank == 0:
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                for p in self.folder.iterdir():  # leftovers of interrupted saves/deletions
+                    if p.name.endswith((".tmp", ".deleting")):
+                        shutil.rmtree(p, ignore_errors=True)
+                staging.mkdir()
+            except OSError as e:
+                status[0] = self._failed(step, e)
+        dist.broadcast_object_list(status, src=0, group=self.group)
+        if status[0]:
+            raise CheckpointError(status[0])
+        state = _app_state(model, optimizer, scheduler, loader, step)
+        try:
+            torch.save(rng_state(), staging / f"rng-rank{self.rank}.pt")
+        except OSError as e:  # reported after the write: every rank must reach the same collectives
+            self._local_error = self._failed(step, e)
+        if self._executor is None or block:
+            self._write_and_commit(step, staging, lambda: dcp.save(
+                state, checkpoint_id=str(staging), process_group=self.group))
+        else:
+            kind = AsyncCheckpointerType.PROCESS if self.cfg.async_mode == "process" else \
+                AsyncCheckpointerType.THREAD
+            try:  # returns once the state is copied to host memory
+                upload = dcp.async_save(state, checkpoint_id=str(staging), process_group=self.group,
+                                        async_checkpointer_type=kind)
+            except Exception as e:  # noqa: BLE001 - reported as one line
+                raise CheckpointError(self._failed(step, e)) from None
+            self._pending = self._executor.submit(self._write_and_commit, step, staging, upload.result)
+        self.blocked_s = time.perf_counter() - t0
+        return self.folder / f"step-{step}"
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; re-raise its failure."""
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        pending.result()
+
+    def close(self) -> None:
+        """Finish the save in flight, then release the background worker (collective)."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+
+    def _failed(self, step: int, e: BaseException) -> str:
+        latest = list_checkpoints(self.folder)
+        kept = f"the last checkpoint {latest[-1][1].name} is intact" if latest else "no earlier checkpoint"
+        hint = ("free disk space, lower checkpoint.keep_latest_k, or set run.dir elsewhere"
+                if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+                else "check that run.dir is writable and has space")
+        return f"could not save checkpoint step-{step} in '{self.folder}': {_reason(e)}: {hint} ({kept})"
+
+    def _write_and_commit(self, step: int, staging: Path, write: Any) -> None:
+        """Run ``write`` (DCP save, or wait for the async one), then commit: fsync and hash every
+        file (each rank its share), rank 0 writes the manifest and renames staging -> step-<N>."""
+        status: list[str | None] = [None]
+        try:
+            write()
+        except Exception as e:  # noqa: BLE001 - DCP raises on every rank when any rank failed
+            status[0] = self._failed(step, e)
+        status[0] = status[0] or self._local_error
+        self._local_error = None
+        # Everyone agrees on success before anything becomes visible.
+        flags = [None] * self.world
+        dist.all_gather_object(flags, status[0], group=self.group)
+        if errors := [f for f in flags if f]:
+            if self.rank == 0:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise CheckpointError(errors[0])
+        names = sorted(p.name for p in staging.iterdir()) if self.rank == 0 else None
+        box = [names]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        mine: dict[str, Any] = {}
+        try:
+            mine = {n: _file_record(staging / n) for n in box[0][self.rank::self.world]}
+        except OSError as e:
+            mine = {"_error": self._failed(step, e)}
+        records: list[Any] = [None] * self.world
+        dist.all_gather_object(records, mine, group=self.group)
+        if self.rank == 0:
+            status[0] = next((r["_error"] for r in records if "_error" in r), None)
+            if status[0] is None:
+                try:
+                    self._publish(step, staging, {k: v for r in records for k, v in r.items()})
+                except OSError as e:
+                    status[0] = self._failed(step, e)
+            if status[0]:
+                shutil.rmtree(staging, ignore_errors=True)
+        dist.broadcast_object_list(status, src=0, group=self.group)
+        if status[0]:
+            raise CheckpointError(status[0])
+
+    def _publish(self, step: int, staging: Path, files: dict[str, Any]) -> None:
+        """Rank 0: manifest in, rename into place, then retention."""
+        manifest = {"format": FORMAT, "step": step, "world_size": self.world, "created": time.time(),
+                    "torch": torch.__version__, "contents": ["model", "optimizer", "lr_scheduler",
+                                                             "dataloader", "train"],
+                    **self.info, "files": files}
+        tmp = staging / (MANIFEST + ".part")
+        with tmp.open("w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.rename(staging / MANIFEST)
+        _fsync_dir(staging)
+        final = self.folder / f"step-{step}"
+        if final.exists():  # the same step saved again (e.g. a resumed run's final save)
+            _remove(final)
         staging.rename(final)
-    dist.barrier()
-    return final
+        _fsync_dir(self.folder)
+        if self.cfg.keep_latest_k > 0:
+            for _, old in list_checkpoints(self.folder)[:-self.cfg.keep_latest_k]:
+                try:
+                    _remove(old)
+                except OSError as e:  # the new checkpoint is committed; an old one lingering is harmless
+                    print(f"warning: could not delete old checkpoint '{old}': {e}", file=sys.stderr)
+
+
+def save_model_only(path: Path, state: dict[str, torch.Tensor], info: dict[str, Any]) -> None:
+    """Write a weights-only checkpoint from one process (``shardwise convert --from-hf``), committed
+    the same way: staging directory, manifest with checksums, rename."""
+    staging = path.with_name(path.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    dcp.save({"model": state}, checkpoint_id=str(staging), no_dist=True)
+    files = {p.name: _file_record(p) for p in sorted(staging.iterdir())}
+    manifest = {"format": FORMAT, "step": 0, "world_size": 1, "created": time.time(),
+                "torch": torch.__version__, "contents": ["model"], **info, "files": files}
+    (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    _fsync_dir(staging)
+    if path.exists():
+        _remove(path)
+    staging.rename(path)
+
+
+def load_model_only(path: Path, model: nn.Module) -> None:
+    """Load just the weights of checkpoint ``path`` into a plain (unparallelized) ``model``."""
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    model.load_state_dict(state["model"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def verify_distributed(path: Path, checksums: bool) -> dict[str, Any]:
+    """Every rank checks its share of ``path``'s files; all raise the same error on any problem."""
+    manifest = read_manifest(path)
+    names = sorted(manifest["files"])[dist.get_rank()::dist.get_world_size()]
+    problems: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, check_files(path, manifest, names, checksums))
+    if bad := [p for p in problems if p]:
+        raise CheckpointError(bad[0])
+    return manifest
 
 
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-         scheduler: torch.optim.lr_scheduler.LambdaLR, loader: PackedLoader) -> int:
-    """Restore everything saved by :func:`save` in place; returns the checkpoint's step."""
-    if not (path / ".metadata").is_file():
-        raise ConfigError(f"checkpoint '{path}' is not a complete checkpoint (no .metadata): point "
-                          "checkpoint.path at a step-<N> directory")
+         scheduler: torch.optim.lr_scheduler.LambdaLR, loader: PackedLoader,
+         checksums: bool = True) -> int:
+    """Restore everything saved by :meth:`Checkpointer.save` in place; returns the checkpoint's
+    step. A weights-only checkpoint restores the model and returns 0 (fresh optimizer and data)."""
+    manifest = verify_distributed(path, checksums)
+    if manifest.get("contents") == ["model"]:
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=str(path))
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
+        return 0
     state = _app_state(model, optimizer, scheduler, loader, step=0)
     dcp.load(state, checkpoint_id=str(path))
     # Hyperparameters come from this run's config, state from the checkpoint: the optimizer state
@@ -103,6 +453,8 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     scheduler._last_lr = lrs
     loader.load_state_dict(state["dataloader"])
     rng_file = path / f"rng-rank{dist.get_rank()}.pt"
-    if rng_file.is_file():  # absent when resuming on more ranks than saved
+    # Same world size: each rank continues its own random streams. Resharded: there is no
+    # one-to-one map of ranks, so every rank keeps the seeded state (documented).
+    if manifest.get("world_size") == dist.get_world_size() and rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=False))
     return int(state["train"]["step"])

@@ -75,17 +75,44 @@ def _strip_launcher_flags(argv: list[str]) -> list[str]:
     return out
 
 
-def launch(argv: list[str], nproc: int, max_restarts: int) -> int:
+SHUTDOWN_TIMEOUT_S = 300
+
+
+def stopped_cleanly(run_dir: str) -> bool:
+    """After a forwarded stop signal: is the newest committed checkpoint at the last logged step?"""
+    import json
+    from pathlib import Path
+
+    from shardwise.checkpoint import list_checkpoints
+
+    found, log = list_checkpoints(Path(run_dir) / "checkpoints"), Path(run_dir) / "metrics.jsonl"
+    if not found or not log.is_file() or not (lines := log.read_text().splitlines()):
+        return False
+    return found[-1][0] == json.loads(lines[-1])["step"]
+
+
+def launch(argv: list[str], nproc: int, max_restarts: int, run_dir: str) -> int:
     """Run ``shardwise <argv>`` on ``nproc`` local ranks with torch's elastic launcher."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     # One thread per core share; set before the ranks start (torchrun would force 1 and warn).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # On SIGTERM/SIGINT the agent forwards the signal and waits this long for the ranks to finish
+    # their step and save before it kills them.
     largs = parse_args(["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-                        "--module", "shardwise", *argv])
+                        f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}", "--module", "shardwise", *argv])
     try:
         run(largs)
+    except SignalException as e:
+        if stopped_cleanly(run_dir):
+            print(f"shardwise: stopped by {e.sigval.name} with a checkpoint of the last step",
+                  file=sys.stderr)
+            return 0
+        print(f"shardwise: stopped by {e.sigval.name} before the ranks could save (see above)",
+              file=sys.stderr)
+        return 1
     except ChildFailedError as e:
         failures = e.failures
         first = min(failures)
@@ -120,7 +147,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
         from shardwise.data.tokenizer import load_tokenizer
 
         load_corpus(cfg.data, load_tokenizer(cfg.data.tokenizer))  # tokenize once, ranks read cache
-        return launch(_strip_launcher_flags(argv), nproc, args.max_restarts)
+        return launch(_strip_launcher_flags(argv), nproc, args.max_restarts, cfg.run.dir)
     train(cfg)
     return 0
 
@@ -182,6 +209,38 @@ def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _convert_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("convert", help="HF safetensors <-> shardwise checkpoint", allow_abbrev=False,
+                       description="Export a checkpoint to a Hugging Face Llama folder (config.json + "
+                                   "safetensors), or import one as a weights-only checkpoint to start "
+                                   "training from with --checkpoint.path. Import takes the model config "
+                                   "(--config and --model.* overrides) and checks the HF config against it.")
+    way = p.add_mutually_exclusive_group(required=True)
+    way.add_argument("--to-hf", metavar="CHECKPOINT", help="a step-<N> checkpoint directory to export")
+    way.add_argument("--from-hf", metavar="HF_DIR", help="an HF Llama folder to import")
+    p.add_argument("--out", required=True, help="output folder (HF folder, or the new checkpoint)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="export dtype")
+    p.add_argument("--config", help="TOML preset giving the model (import only)")
+
+
+def cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
+    from pathlib import Path
+
+    from shardwise import convert
+
+    if args.to_hf:
+        if overrides or args.config:
+            raise ConfigError("convert --to-hf reads the model config from the checkpoint's manifest: "
+                              "drop --config and overrides")
+        files = convert.export_hf(Path(args.to_hf), Path(args.out), args.dtype)
+        print(f"exported {args.to_hf} -> {args.out} ({len(files)} safetensors file(s), {args.dtype})")
+        return 0
+    cfg = load_config(args.config, overrides)
+    out = convert.import_hf(Path(args.from_hf), Path(args.out), cfg.model)
+    print(f"imported {args.from_hf} -> {out}: train from it with --checkpoint.path={out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="shardwise", allow_abbrev=False,
@@ -190,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     _train_parser(sub)
     _verify_parser(sub)
     _report_parser(sub)
+    _convert_parser(sub)
     args, rest = parser.parse_known_args(argv)
     try:
         if args.command == "train":
@@ -198,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_verify(args, rest)
         if args.command == "report":
             return cmd_report(args, rest)
+        if args.command == "convert":
+            return cmd_convert(args, rest)
     except ConfigError as e:
         rank = os.environ.get("RANK")
         prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""

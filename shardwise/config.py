@@ -126,6 +126,9 @@ class TrainingConfig:
     loss_chunk: int = 0
     """Fused output projection + cross-entropy over chunks of this many tokens, so the (tokens,
     vocab) logits never exist; 0 = plain logits then cross-entropy."""
+    nonfinite: str = "stop"
+    """A NaN/inf gradient norm: stop (exit non-zero before the optimizer step; the last checkpoint stays
+    the last good state) or skip (drop that step's update, count it in metrics as skipped_steps)."""
 
 
 @dataclass
@@ -237,6 +240,13 @@ class CheckpointConfig:
     """Load this checkpoint directory instead of the latest one in run.dir."""
     save_initial: bool = False
     """Save the initialized state as step-0 before training (a seed checkpoint for other layouts)."""
+    keep_latest_k: int = 0
+    """Keep only the newest K committed checkpoints (older ones are deleted after each save); 0 = all."""
+    async_mode: str = "none"
+    """none (training waits for the write), thread or process (training continues once the state is
+    copied to host memory; the write and commit run in the background on their own process group)."""
+    verify_checksums: bool = True
+    """Check every file's SHA-256 against the manifest before loading (sizes are always checked)."""
 
 
 @dataclass
@@ -291,6 +301,13 @@ class DebugConfig:
     """Use deterministic kernels (torch.use_deterministic_algorithms) for bit-reproducible runs."""
     comm: bool = False
     """Print (and write comm.json) every collective of the first step: module, mesh dim, calls, bytes."""
+    nan_step: int = 0
+    """Fault injection: make step N's loss NaN on every rank (tests training.nonfinite); 0 = off."""
+    fail_step: int = 0
+    """Fault injection: kill rank debug.fail_rank with SIGKILL at step N of the first attempt (tests
+    --max-restarts recovery); 0 = off."""
+    fail_rank: int = 0
+    """The rank debug.fail_step kills."""
 
 
 @dataclass

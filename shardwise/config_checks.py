@@ -24,6 +24,8 @@ _CHOICES = {
     "activation_checkpoint.mode": ("none", "full", "selective", "layer"),
     "model.moe_score": ("softmax", "sigmoid"),
     "model.moe_balance": ("aux_loss", "bias", "none"),
+    "checkpoint.async_mode": ("none", "thread", "process"),
+    "training.nonfinite": ("stop", "skip"),
 }
 
 _POSITIVE = ("training.steps", "training.seq_len", "training.global_batch", "metrics.log_interval",
@@ -32,7 +34,8 @@ _POSITIVE = ("training.steps", "training.seq_len", "training.global_batch", "met
              "profile.every", "profile.active", "activation_checkpoint.every", "float8.min_dim")
 _NON_NEGATIVE = ("training.loss_chunk", "training.micro_batch", "training.max_grad_norm", "optimizer.lr",
                  "optimizer.weight_decay", "lr_scheduler.warmup_steps", "checkpoint.interval",
-                 "eval.interval", "metrics.peak_tflops", "optimizer.eps")
+                 "eval.interval", "metrics.peak_tflops", "optimizer.eps",
+                 "checkpoint.keep_latest_k", "debug.nan_step", "debug.fail_step", "debug.fail_rank")
 
 
 def _get(cfg: Config, key: str) -> Any:

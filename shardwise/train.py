@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,7 @@ from shardwise.parallel.pipeline import (
     stages_per_rank,
 )
 from shardwise.parallel.tensor import full_value
+from shardwise.resilience import NonFiniteError, StopRequest, maybe_fail, nonfinite_message, restart_count
 
 
 def train(cfg: Config) -> None:
@@ -95,9 +97,11 @@ def train(cfg: Config) -> None:
     loss_fn = torch.compile(token_loss_sum) if cfg.compile.enabled else token_loss_sum
     optimizer = build_optimizer(model, cfg.optimizer, env.device.type)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
+    ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", cfg.checkpoint, manifest_info(cfg, dims))
+    stop = StopRequest()  # SIGTERM/SIGINT: finish the step, save, exit 0
     start = resume(cfg, run_dir, model, optimizer, scheduler, loader)
     if cfg.checkpoint.save_initial and start == 0:
-        checkpoint.save(run_dir / "checkpoints", 0, model, optimizer, scheduler, loader)
+        ckpt.save(0, model, optimizer, scheduler, loader)
 
     throughput = Throughput(flops_per_token(args, cfg.training.seq_len),
                             shared_peak(env.device, cfg), env.world_size)
@@ -108,9 +112,11 @@ def train(cfg: Config) -> None:
     tokens_per_step = cfg.training.global_batch * cfg.training.seq_len
     sharing = env.world_size // dims.dp  # ranks (pp x cp x tp) that split one data-parallel share
     ac = cfg.activation_checkpoint
+    skipped = 0  # steps whose update was dropped for a non-finite gradient norm
     profiler = StepProfiler(cfg.profile, run_dir, env.rank, env.device, start + 1)
     with profiler:
         for step in range(start + 1, cfg.training.steps + 1):
+            maybe_fail(cfg.debug, step, env.rank)
             batches = loader.next_step()
             # This data-parallel share's executed FLOPs, exact for its masks, per device of the share.
             flops = executed_flops(args, sum(b.inputs.numel() for b in batches),
@@ -121,31 +127,49 @@ def train(cfg: Config) -> None:
                             run_dir / "comm.json", env.rank, track_modules=dims.pp == 1):
                 result = train_step(model, optimizer, scheduler, shard(batches), dims,
                                     cfg.training.max_grad_norm, pipe, measure_memory=first,
-                                    loss_fn=loss_fn)
+                                    loss_fn=loss_fn, inject_nan=step == cfg.debug.nan_step)
+            if not result.pop("finite"):  # the update was not applied
+                if cfg.training.nonfinite == "stop":
+                    ckpt.close()  # an async save in flight still commits: the last good state
+                    latest = checkpoint.list_checkpoints(run_dir / "checkpoints")
+                    raise NonFiniteError(nonfinite_message(step, float(result["grad_norm"]),
+                                                           float(result["loss"]),
+                                                           str(latest[-1][1]) if latest else None))
+                skipped += 1
+                logger.message(f"step {step}: non-finite gradient norm, update skipped ({skipped} so far)")
             if first:
                 report_memory(result.pop("memory"), run_dir, env, logger)
             throughput.add(tokens_per_step, flops)
             last = step == cfg.training.steps
+            stopping = stop.agreed()  # every rank stops after the same step
             do_eval = cfg.eval.interval > 0 and (step % cfg.eval.interval == 0 or last)
             do_save = (cfg.checkpoint.interval > 0 and step % cfg.checkpoint.interval == 0) or (
-                cfg.checkpoint.final and last)
-            if do_eval or step % cfg.metrics.log_interval == 0 or last:
+                cfg.checkpoint.final and last) or stopping
+            if do_eval or step % cfg.metrics.log_interval == 0 or last or stopping:
                 metrics = {k: float(v) for k, v in result.items()}  # float() of a tensor syncs
                 metrics.update(**throughput.window(), memory_gib=peak_memory_gib(env.device),
                                memory_current_gib=current_memory_gib(env.device))
                 metrics.update(per_rank({k: metrics[k] for k in ("step_time_s", "memory_gib")},
                                         env.device))
+                if cfg.training.nonfinite == "skip":
+                    metrics["skipped_steps"] = skipped
                 if do_eval:
                     metrics.update(evaluate(model, val_stream, cfg, dims, env.device, pipe, shard))
                 logger.log(step, metrics)
             if do_save:
-                path = checkpoint.save(run_dir / "checkpoints", step, model, optimizer, scheduler,
-                                       loader)
-                logger.message(f"saved checkpoint {path}")
+                path = ckpt.save(step, model, optimizer, scheduler, loader, block=stopping)
+                how = "saved" if cfg.checkpoint.async_mode == "none" or stopping else "saving"
+                logger.message(f"{how} checkpoint {path} (training blocked {ckpt.blocked_s:.2f} s)")
             if do_eval or do_save:
                 throughput.reset()  # evaluation and saving are not training throughput
             logger.advance()
             profiler.step()
+            if stopping:
+                logger.message(f"received {stop.received}: stopped after step {step} with its "
+                               "checkpoint saved; continue with --checkpoint.resume true")
+                break
+    ckpt.close()
+    stop.restore()
     finish(cfg, run_dir, logger, env.rank)
 
 
@@ -153,11 +177,14 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                scheduler: torch.optim.lr_scheduler.LRScheduler, batches: list[Batch],
                dims: ParallelDims, max_grad_norm: float, pipe: Pipe | None = None,
                measure_memory: bool = False,
-               loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> dict[str, Any]:
+               loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+               inject_nan: bool = False) -> dict[str, Any]:
     """One optimizer step over this rank's micro-batches: global mean ``loss``, ``grad_norm``,
-    ``lr`` used, for MoE models ``expert_load`` (busiest expert over the mean, worst layer), and
-    with ``measure_memory`` this rank's ``memory`` breakdown in bytes. ``loss_fn`` sums the token
-    losses of plain logits (default :func:`token_loss_sum`; its compiled form with compile.enabled).
+    ``lr`` used, ``finite`` (False: the gradient norm was NaN/inf and the update was not applied),
+    for MoE models ``expert_load`` (busiest expert over the mean, worst layer), and with
+    ``measure_memory`` this rank's ``memory`` breakdown in bytes. ``loss_fn`` sums the token losses
+    of plain logits (default :func:`token_loss_sum`; its compiled form with compile.enabled).
+    ``inject_nan`` (fault injection) makes this step's loss NaN.
 
     With pipeline parallel the schedule runs the micro-batches through the stages."""
     dp_cp = dims.submesh("dp_cp").get_group()
@@ -165,6 +192,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     n_valid = torch.tensor(sum(b.n_valid for b in batches), dtype=torch.int64, device=device)
     dist.all_reduce(n_valid, group=dp_cp)  # all-reduce over dp x cp: the global valid-token count
     n_valid = n_valid.clamp(min=1)
+    if inject_nan:
+        n_valid = n_valid * float("nan")
     # Activations: what autograd saves for backward -- per micro-batch (freed by its backward), or
     # everything a pipeline step holds in flight.
     saved = [SavedActivations() if measure_memory else contextlib.nullcontext()
@@ -180,14 +209,18 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     stages = dims.submesh("pp").get_group() if dims.pp > 1 else None
     grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm, stages)
     lr = optimizer.param_groups[0]["lr"]
-    optimizer.step()
-    scheduler.step()
+    # One host sync per step; the norm is already reduced over every rank, so all agree.
+    finite = bool(torch.isfinite(grad_norm))
+    if finite:
+        optimizer.step()
+    scheduler.step()  # a skipped update still uses up its step of the LR schedule
     if getattr(model, "float8_all_gather", False):  # next step's float8 weight scales, one all-reduce
         precompute_scales(model)
     memory = state_bytes(model, optimizer) if measure_memory else None  # before grads are freed
     optimizer.zero_grad(set_to_none=True)
     dist.all_reduce(loss_sum, group=dp_cp)
-    result: dict[str, Any] = {"loss": loss_sum / n_valid, "grad_norm": grad_norm, "lr": lr}
+    result: dict[str, Any] = {"loss": loss_sum / n_valid, "grad_norm": grad_norm, "lr": lr,
+                              "finite": finite}
     if memory is not None:
         result["memory"] = {**memory, "activations": max(t.bytes for t in saved)}
     if model.args.n_experts:
@@ -350,13 +383,30 @@ def preflight(cfg: Config, world_size: int) -> ParallelDims:
     probe = run_dir if run_dir.exists() else next(p for p in run_dir.absolute().parents if p.exists())
     if not os.access(probe, os.W_OK):
         raise ConfigError(f"run.dir '{run_dir}' is not writable: choose another --run.dir")
-    if cfg.checkpoint.path and not Path(cfg.checkpoint.path).is_dir():
-        raise ConfigError(f"checkpoint.path '{cfg.checkpoint.path}' does not exist")
-    if (checkpoint.list_checkpoints(run_dir / "checkpoints") and not cfg.checkpoint.resume
-            and not cfg.run.overwrite and not cfg.checkpoint.path):
+    check_checkpoint(cfg, run_dir, args)
+    return dims
+
+
+def check_checkpoint(cfg: Config, run_dir: Path, args: ModelArgs) -> None:
+    """The checkpoint this run would load: complete, files of the recorded sizes, and saved from a
+    model of this shape (each parameter's name and shape). Checksums are checked at load time,
+    split over the ranks."""
+    found = checkpoint.list_checkpoints(run_dir / "checkpoints")
+    resuming = cfg.checkpoint.resume or restart_count() > 0
+    if found and not resuming and not cfg.run.overwrite and not cfg.checkpoint.path:
         raise ConfigError(f"run.dir '{run_dir}' already has checkpoints: pass --checkpoint.resume "
                           "true to continue, --run.overwrite true to start over, or another --run.dir")
-    return dims
+    if cfg.checkpoint.path:
+        path = Path(cfg.checkpoint.path)
+        if not path.is_dir():
+            raise ConfigError(f"checkpoint.path '{path}' does not exist: point it at a step-<N> directory")
+        if problem := checkpoint.check_files(path, checkpoint.read_manifest(path), checksums=False):
+            raise checkpoint.CheckpointError(problem)
+    elif resuming and found:
+        path = found[-1][1]
+    else:
+        return
+    checkpoint.check_compatible(path, build_model(args))
 
 
 def check_pipeline(cfg: Config, dims: ParallelDims, n_microbatches: int) -> None:
@@ -398,7 +448,7 @@ def set_determinism(deterministic: bool, seed: int) -> None:
 def prepare_run_dir(cfg: Config, rank: int) -> Path:
     run_dir = Path(cfg.run.dir)
     if rank == 0:
-        if cfg.run.overwrite and not cfg.checkpoint.resume:
+        if cfg.run.overwrite and not cfg.checkpoint.resume and restart_count() == 0:
             for stale in ("checkpoints", "tb", "metrics.jsonl", "loss.png"):
                 p = run_dir / stale
                 shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
@@ -428,17 +478,37 @@ def build_data(cfg: Config, dims: ParallelDims, device: torch.device,
 
 def resume(cfg: Config, run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
            scheduler: torch.optim.lr_scheduler.LRScheduler, loader: PackedLoader) -> int:
-    """Load checkpoint.path, or the latest checkpoint in run.dir when resuming; return its step."""
+    """Load checkpoint.path, or when resuming (checkpoint.resume, or a restart after a failure)
+    the newest checkpoint in run.dir that verifies -- a damaged one is skipped with a warning.
+    Returns the step to continue after (0: start fresh)."""
+    rank0 = dist.get_rank() == 0
     if cfg.checkpoint.path:
-        path = Path(cfg.checkpoint.path)
-    elif cfg.checkpoint.resume and (found := checkpoint.list_checkpoints(run_dir / "checkpoints")):
-        path = found[-1][1]
+        candidates, explicit = [Path(cfg.checkpoint.path)], True
+    elif cfg.checkpoint.resume or restart_count() > 0:
+        found = checkpoint.list_checkpoints(run_dir / "checkpoints", warn=rank0)
+        candidates, explicit = [p for _, p in reversed(found)], False
     else:
         return 0
-    step = checkpoint.load(path, model, optimizer, scheduler, loader)
-    if dist.get_rank() == 0:
-        print(f"resumed from {path} at step {step}", flush=True)
-    return step
+    for path in candidates:
+        try:  # verification happens before anything is loaded, so falling back is safe
+            step = checkpoint.load(path, model, optimizer, scheduler, loader,
+                                   cfg.checkpoint.verify_checksums)
+        except checkpoint.CheckpointError as e:
+            if explicit:
+                raise
+            if rank0:
+                print(f"warning: skipping {e}", file=sys.stderr, flush=True)
+            continue
+        if rank0:
+            print(f"resumed from {path} at step {step}", flush=True)
+        return step
+    return 0
+
+
+def manifest_info(cfg: Config, dims: ParallelDims) -> dict[str, Any]:
+    """What a checkpoint's manifest records about the run that wrote it."""
+    layout = {k: getattr(dims, k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")}
+    return {"layout": layout, "model": dataclasses.asdict(cfg.model)}
 
 
 def shared_peak(device: torch.device, cfg: Config) -> float:

@@ -6,9 +6,11 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,3 +48,17 @@ def metrics(run_dir: Path) -> list[dict]:
 def data_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
     """One token cache for the whole session: the corpus is tokenized once."""
     return str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A one-rank gloo process group (FSDP and DCP need one)."""
+    if dist.is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'pg')}", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()

@@ -4,12 +4,9 @@ converted, numerics against the high-precision model, and 16-byte aligned precom
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -77,20 +74,6 @@ def test_close_to_high_precision_forward_and_backward(dtype: torch.dtype):
         assert err < 0.15, name
         if ".wq." in name or ".w1." in name:
             assert err > 1e-3, name  # float8 rounding is visible
-
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    """A one-rank gloo process group (FSDP needs one)."""
-    if dist.is_initialized():
-        yield
-        return
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'pg')}", rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
 
 
 def test_precomputed_scales_are_16_byte_aligned(one_rank_group: None):

@@ -1,0 +1,70 @@
+"""Stopping and failing well: graceful SIGTERM/SIGINT, restarts after a rank dies, non-finite steps.
+
+- :class:`StopRequest`: a signal handler only sets a flag; at the end of each step every rank
+  learns (one tiny all-reduce on its own gloo group) whether *any* rank was signalled, so all of
+  them finish the same step, save, and exit together -- a signal reaching one rank a step later
+  than another (as under a launcher forwarding it) cannot split the job.
+- :func:`restart_count`: under torch's elastic agent (``torchrun --max-restarts`` or ``shardwise
+  train --max-restarts``) a restarted attempt resumes from the latest checkpoint.
+- :class:`NonFiniteError`: a NaN/inf gradient norm with ``training.nonfinite = stop``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+
+from shardwise.config import ConfigError, DebugConfig
+
+
+class NonFiniteError(ConfigError):
+    """Training stopped on a NaN/inf gradient norm (one line, like a config error)."""
+
+
+def restart_count() -> int:
+    """How many times the elastic agent has restarted this job (0 on the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+class StopRequest:
+    """Turns SIGTERM/SIGINT into a request that every rank agrees on at a step boundary."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self.group = dist.new_group(backend="gloo")  # CPU flag, apart from training's collectives
+        self._previous = {s: signal.signal(s, self._handler) for s in self.SIGNALS}
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signal.Signals(signum).name
+
+    def agreed(self) -> bool:
+        """True on every rank once any rank has been signalled (collective)."""
+        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if flag.item() and self.received is None:
+            self.received = "a signal on another rank"
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+def maybe_fail(debug: DebugConfig, step: int, rank: int) -> None:
+    """Fault injection for the restart test: SIGKILL this rank at ``debug.fail_step`` (first
+    attempt only, so the restarted job runs through)."""
+    if debug.fail_step == step and debug.fail_rank == rank and restart_count() == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def nonfinite_message(step: int, grad_norm: float, loss: float, last_checkpoint: str | None) -> str:
+    kept = (f"the last checkpoint {last_checkpoint} holds the last good state (resume from it with "
+            "--checkpoint.resume true)" if last_checkpoint else "no checkpoint was saved yet")
+    return (f"step {step}: non-finite gradient norm {grad_norm} (loss {loss}); stopped before the "
+            f"optimizer step, {kept}: lower optimizer.lr or check the data, or set training.nonfinite=skip")

@@ -1,0 +1,171 @@
+"""Checkpoint commit protocol, verification, retention and async saves, on one gloo rank."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardwise import checkpoint
+from shardwise.checkpoint import CheckpointError, Checkpointer
+from shardwise.config import CheckpointConfig
+from shardwise.models import ModelArgs, build_model, init_weights
+
+ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=32)
+
+
+class Position:
+    """Stands in for the data loader: the checkpoint only needs its state dict."""
+
+    def __init__(self) -> None:
+        self.state = {"epoch": 0, "position": 0, "num_sequences": 10}
+
+    def state_dict(self) -> dict[str, int]:
+        return dict(self.state)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.state = dict(state)
+
+
+def trainer(seed: int = 0):
+    model = build_model(ARGS, device="cpu")
+    init_weights(model, seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return model, opt, sched, Position()
+
+
+def step(model, opt, sched, loader) -> None:
+    tokens = torch.randint(0, ARGS.vocab_size, (2, 8))
+    model(tokens).float().square().mean().backward()
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+    loader.state["position"] += 1
+
+
+def params(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def saver(tmp_path: Path, **kw) -> Checkpointer:
+    return Checkpointer(tmp_path / "ckpt", CheckpointConfig(**kw), {"model": {"name": "tiny"}})
+
+
+def test_save_commits_a_manifest_of_every_file(tmp_path: Path, one_rank_group: None):
+    model, opt, sched, loader = trainer()
+    ck = saver(tmp_path)
+    path = ck.save(3, model, opt, sched, loader)
+    ck.close()
+    manifest = json.loads((path / checkpoint.MANIFEST).read_text())
+    on_disk = {p.name for p in path.iterdir()} - {checkpoint.MANIFEST}
+    assert set(manifest["files"]) == on_disk and ".metadata" in on_disk and "rng-rank0.pt" in on_disk
+    for name, rec in manifest["files"].items():
+        assert rec["bytes"] == (path / name).stat().st_size
+        assert rec["sha256"] == checkpoint.sha256(path / name)
+    assert manifest["step"] == 3 and manifest["world_size"] == 1 and manifest["model"] == {"name": "tiny"}
+    assert checkpoint.list_checkpoints(tmp_path / "ckpt") == [(3, path)]
+    assert not list((tmp_path / "ckpt").glob("*.tmp"))
+
+
+def test_load_restores_model_optimizer_schedule_data_and_rng(tmp_path: Path, one_rank_group: None):
+    model, opt, sched, loader = trainer()
+    step(model, opt, sched, loader)
+    ck = saver(tmp_path)
+    torch.manual_seed(123)
+    path = ck.save(1, model, opt, sched, loader)
+    ck.close()
+    want_params, want_state = params(model), copy.deepcopy(opt.state_dict())
+    want_next = torch.rand(3)  # what the RNG draws after the save
+    step(model, opt, sched, loader)  # move everything on
+    other, opt2, sched2, loader2 = trainer(seed=5)
+    assert checkpoint.load(path, other, opt2, sched2, loader2) == 1
+    for k, v in params(other).items():
+        assert torch.equal(v, want_params[k]), k
+    for pid, st in want_state["state"].items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt2.state_dict()["state"][pid][key], st[key]), (pid, key)
+    assert sched2.last_epoch == 1 and loader2.state["position"] == 1
+    assert torch.equal(torch.rand(3), want_next)
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_async_save_is_unaffected_by_later_steps(tmp_path: Path, one_rank_group: None, mode: str):
+    model, opt, sched, loader = trainer()
+    ck = saver(tmp_path, async_mode=mode)
+    snapshot = params(model)
+    path = ck.save(7, model, opt, sched, loader)  # returns once the state is copied
+    for _ in range(3):  # training goes on, in place, while the write runs
+        step(model, opt, sched, loader)
+    ck.wait()
+    assert checkpoint.list_checkpoints(tmp_path / "ckpt") == [(7, path)]
+    restored, *_ = trainer(seed=9)
+    checkpoint.load_model_only(path, restored)
+    changed = params(model)
+    for k, v in params(restored).items():
+        assert torch.equal(v, snapshot[k]), k
+    assert any(not torch.equal(changed[k], snapshot[k]) for k in snapshot)
+    ck.close()
+
+
+def test_keep_latest_k_and_leftovers_are_swept(tmp_path: Path, one_rank_group: None, capsys):
+    model, opt, sched, loader = trainer()
+    folder = tmp_path / "ckpt"
+    (folder / "step-99.tmp").mkdir(parents=True)  # an interrupted save
+    (folder / "step-98").mkdir()  # a directory without a manifest (never committed)
+    assert checkpoint.list_checkpoints(folder, warn=True) == []
+    assert capsys.readouterr().err.count("not a complete checkpoint") == 2
+    ck = saver(tmp_path, keep_latest_k=2)
+    for s in (1, 2, 3, 4):
+        ck.save(s, model, opt, sched, loader)
+    ck.close()
+    assert [s for s, _ in checkpoint.list_checkpoints(folder)] == [3, 4]
+    assert not (folder / "step-99.tmp").exists() and not list(folder.glob("*.deleting"))
+
+
+def test_verify_catches_truncation_tampering_and_missing_manifest(tmp_path: Path, one_rank_group: None):
+    model, opt, sched, loader = trainer()
+    ck = saver(tmp_path)
+    path = ck.save(1, model, opt, sched, loader)
+    ck.close()
+    checkpoint.verify(path)
+    shard = next(path.glob("*.distcp"))
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-10])
+    with pytest.raises(CheckpointError, match=f"truncated or altered: {shard.name} has"):
+        checkpoint.verify(path)
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(flipped))  # same size: only the checksum can tell
+    checkpoint.verify(path, checksums=False)
+    with pytest.raises(CheckpointError, match=f"corrupt: {shard.name} does not match its SHA-256"):
+        checkpoint.verify(path)
+    (path / checkpoint.MANIFEST).write_text("{not json")
+    with pytest.raises(CheckpointError, match="unreadable manifest.json"):
+        checkpoint.verify(path)
+    os.remove(path / checkpoint.MANIFEST)
+    with pytest.raises(CheckpointError, match="is incomplete"):
+        checkpoint.verify(path)
+
+
+def test_shape_mismatch_names_the_parameter_and_both_shapes(tmp_path: Path, one_rank_group: None):
+    model, opt, sched, loader = trainer()
+    ck = saver(tmp_path)
+    path = ck.save(1, model, opt, sched, loader)
+    ck.close()
+    checkpoint.check_compatible(path, build_model(ARGS))
+    wider = build_model(dataclasses.replace(ARGS, dim=64, n_heads=8, n_kv_heads=4))
+    with pytest.raises(CheckpointError, match=r"'tok_embeddings.weight' has shape \(64, 32\) there but "
+                                              r"\(64, 64\) in this model"):
+        checkpoint.check_compatible(path, wider)
+    deeper = build_model(dataclasses.replace(ARGS, n_layers=3))
+    with pytest.raises(CheckpointError, match="has no parameter 'layers.2.attention_norm.weight'"):
+        checkpoint.check_compatible(path, deeper)
+    with pytest.raises(CheckpointError, match="has parameter 'layers.1.attention.wk.weight' that this "
+                                              "model lacks"):
+        checkpoint.check_compatible(path, build_model(dataclasses.replace(ARGS, n_layers=1)))
