@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -381,8 +382,15 @@ def preflight(cfg: Config, world_size: int) -> ParallelDims:
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run.dir '{run_dir}' exists and is not a directory")
     probe = run_dir if run_dir.exists() else next(p for p in run_dir.absolute().parents if p.exists())
-    if not os.access(probe, os.W_OK):
-        raise ConfigError(f"run.dir '{run_dir}' is not writable: choose another --run.dir")
+    if not probe.is_dir():
+        raise ConfigError(f"run.dir '{run_dir}' cannot be created: '{probe}' is a file; choose another "
+                          "--run.dir")
+    try:  # a real write: permission bits say nothing to root, nor about read-only mounts
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        raise ConfigError(f"run.dir '{run_dir}' is not writable ({e.strerror}): choose another "
+                          "--run.dir") from None
     check_checkpoint(cfg, run_dir, args)
     return dims
 

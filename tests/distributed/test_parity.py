@@ -252,3 +252,7 @@ def test_resume_continues_the_same_run(tmp_path: Path, data_cache: str, nproc: i
     assert [r["step"] for r in got] == list(range(5, 11))
     for a, b in zip(want[4:], got, strict=True):
         assert (a["loss"], a["grad_norm"], a["lr"]) == (b["loss"], b["grad_norm"], b["lr"]), a["step"]
+    p_full, p_part = (checkpoint_params(d / "checkpoints" / "step-10") for d in (full, part))
+    assert p_full.keys() == p_part.keys()
+    for k in p_full:  # the final parameters too, bit for bit
+        assert torch.equal(p_full[k], p_part[k]), k

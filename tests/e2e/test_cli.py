@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import tomllib
+import torch.distributed as dist
 
+from shardwise.cli import main
 from shardwise.config import load_config
 from shardwise.models import PRESETS
 from shardwise.observe.flops import attention_pairs, executed_flops, flops_per_token
@@ -93,13 +96,112 @@ def test_help_config_lists_every_key():
     (["--data.path=/nonexistent/corpus.jsonl"], "data.path '/nonexistent/corpus.jsonl' does not exist"),
     (["--data.tokenizer=byte", "--model.vocab_size=100"], "the tokenizer has 258 tokens"),
     (["--checkpoint.path=/nonexistent/step-3"], "checkpoint.path '/nonexistent/step-3' does not exist"),
+    (["--config=/nonexistent.toml"], "config file '/nonexistent.toml' does not exist"),
+    (["--foo.bar=1"], "unknown config key 'foo.bar'"),
+    (["--training.steps"], "override '--training.steps' has no value"),
+    (["--training.seq_len=4096"], "training.seq_len=4096 exceeds model.max_seq_len"),
+    (["--optimizer.lr=-1"], "optimizer.lr must be >= 0"),
+    (["--checkpoint.keep_latest_k=-1"], "checkpoint.keep_latest_k must be >= 0"),
+    (["--checkpoint.async_mode=fork"], "checkpoint.async_mode must be one of none, thread, process"),
+    (["--training.nonfinite=ignore"], "training.nonfinite must be one of stop, skip"),
+    (["--nproc=0"], "--nproc must be >= 1"),
 ])
-def test_bad_input_exits_2_with_one_line(args: list[str], fragment: str, tmp_path: Path):
-    proc = run_cli(["train", *TINY_ARGS, f"--run.dir={tmp_path / 'r'}", *args], check=False, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+def test_bad_input_exits_2_with_one_line(args: list[str], fragment: str, tmp_path: Path, capsys):
+    # In-process: these are all refused before any process group or file exists (the cases below
+    # and test_bad_files_exit_2_with_one_line go through a real subprocess).
+    code = main(["train", *TINY_ARGS, f"--run.dir={tmp_path / 'r'}", *args])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("shardwise: error:") and fragment in lines[0], lines
     assert not (tmp_path / "r").exists()  # rejected before any work or process group
+    assert not dist.is_initialized()
+
+
+def test_bad_input_subprocess_exit_code(tmp_path: Path):
+    proc = run_cli(["train", *TINY_ARGS, f"--run.dir={tmp_path / 'r'}", "--nproc=3",
+                    "--parallel.dp_shard=2"], check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "!= world size 3" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory: pytest.TempPathFactory, data_cache: str) -> Path:
+    """A finished 2-step run with its final checkpoint (step-2)."""
+    run_dir = tmp_path_factory.mktemp("saved")
+    run_cli(["train", *TINY_ARGS, f"--data.cache_dir={data_cache}", f"--run.dir={run_dir}",
+             "--training.steps=2", "--lr_scheduler.warmup_steps=1", "--checkpoint.final=true"])
+    return run_dir
+
+
+def _truncate(ckpt: Path) -> None:
+    shard = next(ckpt.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-100])
+
+
+def _flip_byte(ckpt: Path) -> None:
+    shard = next(ckpt.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 0x55
+    shard.write_bytes(bytes(data))
+
+
+def _bad_vocab_tokenizer(tmp: Path) -> str:
+    """A tokenizer whose ids reach past the model's vocabulary (id 5000 > vocab 2048)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "</s>": 1, "the": 5000}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["</s>"])
+    path = tmp / "tok.json"
+    tok.save(str(path))
+    return str(path)
+
+
+# Each: how to damage a copy of a good checkpoint (or write bad data), the args, the message.
+# "early" errors come before any process group or file is made; "late" ones need the ranks (a
+# checksum over the files, tokens counted while the data is read) and come before the first step.
+BAD_FILES = {
+    "ckpt_no_manifest": (lambda c, t: (c / "manifest.json").unlink(), "ckpt",
+                         "is incomplete (no manifest.json", "early"),
+    "ckpt_truncated": (lambda c, t: _truncate(c), "ckpt", "is truncated or altered", "early"),
+    "ckpt_other_shape": (lambda c, t: None, "ckpt --model.dim=128 --model.n_heads=8",
+                         "parameter 'tok_embeddings.weight' has shape (2048, 64) there but (2048, 128) "
+                         "in this model", "early"),
+    "ckpt_bad_manifest": (lambda c, t: (c / "manifest.json").write_text("{"), "ckpt",
+                          "unreadable manifest.json", "early"),
+    "run_dir_under_a_file": (lambda c, t: (t / "file").write_text("x"), "--run.dir={t}/file/run",
+                             "cannot be created", "early"),
+    "empty_data_file": (lambda c, t: (t / "empty.txt").write_text(""), "--data.path={t}/empty.txt",
+                        "is empty", "early"),
+    "ckpt_tampered": (lambda c, t: _flip_byte(c), "ckpt", "does not match its SHA-256", "late"),
+    "corrupt_jsonl": (lambda c, t: (t / "bad.jsonl").write_text('{"text": "a"}\n{"text": \n'),
+                      "--data.path={t}/bad.jsonl", "could not be read as json", "late"),
+    "token_beyond_vocab": (lambda c, t: None, "--data.tokenizer={tok}",
+                           "token id 5000 is beyond model.vocab_size=2048", "late"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_bad_files_exit_2_with_one_line(case: str, saved_run: Path, tmp_path: Path, data_cache: str):
+    damage, args, fragment, when = BAD_FILES[case]
+    ckpt = tmp_path / "step-2"
+    shutil.copytree(saved_run / "checkpoints" / "step-2", ckpt)
+    damage(ckpt, tmp_path)
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    extra = (args.replace("ckpt", f"--checkpoint.path={ckpt}", 1) if args.startswith("ckpt")
+             else args.format(t=tmp_path, tok=_bad_vocab_tokenizer(tmp_path) if "{tok}" in args else ""))
+    run_dir = tmp_path / "r"
+    proc = run_cli(["train", *TINY_ARGS, f"--run.dir={run_dir}", f"--data.cache_dir={data_cache}",
+                    *extra.split()], check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("warning:")]
+    assert len(lines) == 1 and lines[0].startswith("shardwise: error:") and fragment in lines[0], lines
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before  # the checkpoint is untouched
+    if when == "early":
+        assert not run_dir.exists()
+    else:
+        assert not (run_dir / "metrics.jsonl").exists() or not metrics(run_dir)  # no step ran
 
 
 def test_refuses_to_overwrite_checkpoints(tmp_path: Path, data_cache: str):

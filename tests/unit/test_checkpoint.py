@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shardwise import checkpoint
-from shardwise.checkpoint import CheckpointError, Checkpointer
+from shardwise.checkpoint import Checkpointer, CheckpointError
 from shardwise.config import CheckpointConfig
 from shardwise.models import ModelArgs, build_model, init_weights
 

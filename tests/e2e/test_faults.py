@@ -1,0 +1,177 @@
+"""Stopping and failing well, through the real CLI: SIGTERM, kill -9 during saves, a rank killed
+under --max-restarts, NaN policy, disk full on save."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardwise import checkpoint
+from shardwise.config import load_config
+from shardwise.models import build_model, model_args
+from shardwise.verify import checkpoint_params
+from tests.conftest import ROOT, TINY_ARGS, metrics, run_cli
+
+
+def start(args: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("WORLD_SIZE", None)
+    return subprocess.Popen([sys.executable, "-m", "shardwise", "train", *TINY_ARGS, *args], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(cond, proc: subprocess.Popen, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"exited {proc.returncode} early:\n{out[-2000:]}\n{err[-3000:]}")
+        if time.monotonic() > end:
+            proc.kill()
+            raise AssertionError("timed out")
+        time.sleep(0.05)
+
+
+def logged_steps(run_dir: Path) -> int:
+    log = run_dir / "metrics.jsonl"
+    return len(log.read_text().splitlines()) if log.is_file() else 0
+
+
+def loadable(path: Path) -> None:
+    """Full check of a checkpoint from outside any job: manifest, checksums, shapes, then a load."""
+    manifest = checkpoint.verify(path)
+    cfg = load_config(None, [f"--model.{k}={v}" for k, v in manifest["model"].items()])
+    model = build_model(model_args(cfg.model))
+    checkpoint.check_compatible(path, model)
+    model.to_empty(device="cpu")
+    checkpoint.load_model_only(path, model)
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path: Path, data_cache: str, nproc: int):
+    run_dir = tmp_path / "r"
+    common = [f"--data.cache_dir={data_cache}", f"--run.dir={run_dir}", "--checkpoint.final=true",
+              *([f"--nproc={nproc}"] if nproc > 1 else [])]
+    proc = start([*common, "--training.steps=100000"])
+    wait_for(lambda: logged_steps(run_dir) >= 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert "received SIGTERM: stopped after step" in out
+    last = metrics(run_dir)[-1]["step"]
+    found = checkpoint.list_checkpoints(run_dir / "checkpoints")
+    assert [s for s, _ in found] == [last]
+    checkpoint.verify(found[-1][1])
+    run_cli(["train", *TINY_ARGS, *common, "--checkpoint.resume=true", f"--training.steps={last + 2}"])
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, last + 3))
+
+
+def test_kill_9_never_leaves_an_unloadable_latest_checkpoint(tmp_path: Path, data_cache: str):
+    """20 runs killed with SIGKILL at random moments while saving every step (two lanes at once,
+    sync and async saves); each next run resumes the same run dir from what the kill left."""
+    rng = random.Random(0)
+    lanes = {mode: tmp_path / mode for mode in ("none", "thread")}
+    torn = 0  # kills that landed mid-save (a leftover staging/deleting directory)
+    for _trial in range(10):
+        procs = {}
+        for mode, run_dir in lanes.items():
+            before = {s for s, _ in checkpoint.list_checkpoints(run_dir / "checkpoints")}
+            procs[mode] = (start([f"--data.cache_dir={data_cache}", f"--run.dir={run_dir}",
+                                  "--training.steps=100000", "--checkpoint.interval=1",
+                                  "--checkpoint.keep_latest_k=2", f"--checkpoint.async_mode={mode}",
+                                  "--checkpoint.resume=true"]), before)
+        for mode, (proc, before) in procs.items():
+            folder = lanes[mode] / "checkpoints"
+            wait_for(lambda f=folder, b=before: {s for s, _ in checkpoint.list_checkpoints(f)} - b, proc)
+            time.sleep(rng.uniform(0.0, 0.6))
+            proc.send_signal(signal.SIGKILL)
+            proc.communicate()
+            torn += any(p.name.endswith((".tmp", ".deleting")) for p in folder.iterdir())
+            found = checkpoint.list_checkpoints(folder)
+            assert found, f"{mode}: no committed checkpoint"
+            loadable(found[-1][1])
+    print(f"{torn} of 20 kills left a partial save or deletion behind")
+
+
+def test_rank_killed_mid_run_restarts_and_matches_the_uninterrupted_run(tmp_path: Path, data_cache: str):
+    common = ["--nproc=2", f"--data.cache_dir={data_cache}", "--checkpoint.interval=3",
+              "--checkpoint.final=true"]
+    full = tmp_path / "full"
+    run_cli(["train", *TINY_ARGS, *common, f"--run.dir={full}"])
+    hit = tmp_path / "hit"
+    proc = run_cli(["train", *TINY_ARGS, *common, f"--run.dir={hit}", "--max-restarts=1",
+                    "--debug.fail_step=5", "--debug.fail_rank=1"])
+    assert "resumed from" in proc.stdout and "step-3 at step 3" in proc.stdout
+    want, got = metrics(full), metrics(hit)
+    assert [r["step"] for r in got] == list(range(1, 11))  # steps 4-5 re-run once, nothing lost
+    assert [(r["loss"], r["grad_norm"]) for r in got] == [(r["loss"], r["grad_norm"]) for r in want]
+    a, b = (checkpoint_params(d / "checkpoints" / "step-10") for d in (full, hit))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_nonfinite_skip_drops_the_update(tmp_path: Path, data_cache: str):
+    run_dir = tmp_path / "skip"
+    proc = run_cli(["train", *TINY_ARGS, f"--data.cache_dir={data_cache}", f"--run.dir={run_dir}",
+                    "--debug.nan_step=3", "--training.nonfinite=skip", "--checkpoint.interval=1",
+                    "--training.steps=4"])
+    assert "step 3: non-finite gradient norm, update skipped (1 so far)" in proc.stdout
+    rows = metrics(run_dir)
+    assert [r["skipped_steps"] for r in rows] == [0, 0, 1, 1]
+    assert rows[2]["loss"] != rows[2]["loss"] and rows[3]["loss"] == rows[3]["loss"]  # NaN, then fine
+    p2, p3, p4 = (checkpoint_params(run_dir / "checkpoints" / f"step-{s}") for s in (2, 3, 4))
+    assert all(torch.equal(p2[k], p3[k]) for k in p2)  # step 3 changed nothing
+    assert any(not torch.equal(p3[k], p4[k]) for k in p3)
+
+
+def test_nonfinite_stop_keeps_the_last_good_checkpoint(tmp_path: Path, data_cache: str):
+    run_dir = tmp_path / "stop"
+    proc = run_cli(["train", *TINY_ARGS, f"--data.cache_dir={data_cache}", f"--run.dir={run_dir}",
+                    "--debug.nan_step=5", "--checkpoint.interval=2", "--checkpoint.final=true"], check=False)
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "step 5: non-finite gradient norm nan" in lines[0], lines
+    assert "step-4 holds the last good state" in lines[0]
+    assert [s for s, _ in checkpoint.list_checkpoints(run_dir / "checkpoints")] == [2, 4]
+    checkpoint.verify(run_dir / "checkpoints" / "step-4")
+
+
+def _can_mount_tmpfs() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                            "mount -t tmpfs -o size=1m tmpfs /mnt"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs unshare + tmpfs mount to make a full disk")
+def test_disk_full_on_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path: Path, data_cache: str):
+    """run.dir on a 6 MiB tmpfs: the first checkpoint (~3.6 MiB) fits, the second cannot."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    args = ["train", *TINY_ARGS, f"--data.cache_dir={data_cache}", f"--run.dir={disk}/r",
+            "--checkpoint.interval=2"]
+    # The test copies the checkpoint out before the mount (private to the child) disappears.
+    script = (f"mount -t tmpfs -o size=6m tmpfs {disk} && {sys.executable} -m shardwise "
+              + " ".join(f"'{a}'" for a in args) + f"; rc=$?; cp -r {disk}/r {tmp_path}/copy; exit $rc")
+    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, lines
+    assert "could not save checkpoint step-4" in lines[0] and "No space left on device" in lines[0]
+    assert "the last checkpoint step-2 is intact" in lines[0]
+    copy = tmp_path / "copy" / "checkpoints"
+    assert [s for s, _ in checkpoint.list_checkpoints(copy)] == [2]
+    assert not list(copy.glob("*.tmp"))  # the failed save cleaned up after itself
+    loadable(copy / "step-2")
+    json.loads((copy / "step-2" / checkpoint.MANIFEST).read_text())
