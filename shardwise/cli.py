@@ -99,6 +99,10 @@ def launch(argv: list[str], nproc: int, max_restarts: int, run_dir: str) -> int:
 
     # One thread per core share; set before the ranks start (torchrun would force 1 and warn).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    if max_restarts:
+        # Restarted ranks sharing the launcher's rendezvous store read the dead attempt's gloo
+        # addresses and cannot connect (pytorch/pytorch#135712); a store per attempt avoids it.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # On SIGTERM/SIGINT the agent forwards the signal and waits this long for the ranks to finish
     # their step and save before it kills them.
     largs = parse_args(["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
