@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -124,6 +125,14 @@ def check_files(path: Path, manifest: dict[str, Any], names: list[str] | None = 
     return None
 
 
+def looks_intact(path: Path) -> bool:
+    """Manifest readable and every file of its recorded size (no hashing)."""
+    try:
+        return check_files(path, read_manifest(path), checksums=False) is None
+    except CheckpointError:
+        return False
+
+
 def verify(path: Path, checksums: bool = True) -> dict[str, Any]:
     """Check every file of ``path`` against its manifest in this process; return the manifest."""
     manifest = read_manifest(path)
@@ -136,7 +145,11 @@ def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Global shape of every model tensor in checkpoint ``path`` (from DCP's metadata file)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    try:
+        meta = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing
+        raise CheckpointError(f"checkpoint '{path}' has an unreadable .metadata ({type(e).__name__}): it "
+                              "was damaged; load an earlier step-<N>") from None
     return {k.removeprefix("model."): tuple(v.size) for k, v in meta.state_dict_metadata.items()
             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
 
@@ -221,18 +234,30 @@ def _remove(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def _reason(e: BaseException) -> str:
-    """The OS-level cause inside a (possibly DCP-wrapped) save failure, as one short phrase."""
-    seen: list[BaseException] = [e]
-    while seen:
-        cur = seen.pop()
-        if isinstance(cur, OSError) and cur.errno is not None:
-            return f"{os.strerror(cur.errno)}" + (f" ({cur.filename})" if cur.filename else "")
+def _causes(e: BaseException) -> list[BaseException]:
+    """``e`` and everything inside it: causes, contexts, and DCP's per-rank failures."""
+    out, todo = [], [e]
+    while todo:
+        cur = todo.pop()
+        out.append(cur)
         failures = getattr(cur, "failures", None)  # DCP's CheckpointException: rank -> exception
         if isinstance(failures, dict):
-            seen.extend(v for v in failures.values() if isinstance(v, BaseException))
-        seen.extend(x for x in (cur.__cause__, cur.__context__) if x is not None)
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            todo.extend(v for v in failures.values() if isinstance(v, BaseException))
+        todo.extend(x for x in (cur.__cause__, cur.__context__) if x is not None)
+    return out
+
+
+def _errno(e: BaseException) -> int | None:
+    return next((c.errno for c in _causes(e) if isinstance(c, OSError) and c.errno is not None), None)
+
+
+def _reason(e: BaseException) -> str:
+    """The OS-level cause inside a (possibly DCP-wrapped) save failure, as one short phrase."""
+    for c in _causes(e):
+        if isinstance(c, OSError) and c.errno is not None:
+            return f"{os.strerror(c.errno)}" + (f" ({c.filename})" if c.filename else "")
+    inner = _causes(e)[-1]
+    return f"{type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,7 +314,7 @@ class Checkpointer:
             try:  # returns once the state is copied to host memory
                 upload = dcp.async_save(state, checkpoint_id=str(staging), process_group=self.group,
                                         async_checkpointer_type=kind)
-            except Exception as e:  # noqa: BLE001 - reported as one line
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported as one line
                 raise CheckpointError(self._failed(step, e)) from None
             self._pending = self._executor.submit(self._write_and_commit, step, staging, upload.result)
         self.blocked_s = time.perf_counter() - t0
@@ -313,10 +338,17 @@ class Checkpointer:
     def _failed(self, step: int, e: BaseException) -> str:
         latest = list_checkpoints(self.folder)
         kept = f"the last checkpoint {latest[-1][1].name} is intact" if latest else "no earlier checkpoint"
-        hint = ("free disk space, lower checkpoint.keep_latest_k, or set run.dir elsewhere"
-                if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+        reason, full = _reason(e), _errno(e) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+        if _errno(e) is None:
+            # torch's zip writer reports a short write as "unexpected pos ..." without the errno;
+            # a filesystem with less room than the last checkpoint took is the likely cause.
+            free = shutil.disk_usage(self.folder).free
+            need = sum(f.stat().st_size for f in latest[-1][1].iterdir()) if latest else 64 << 20
+            if free < need:
+                reason, full = f"No space left on device ({free / 2**20:.1f} MiB free)", True
+        hint = ("free disk space, lower checkpoint.keep_latest_k, or set run.dir elsewhere" if full
                 else "check that run.dir is writable and has space")
-        return f"could not save checkpoint step-{step} in '{self.folder}': {_reason(e)}: {hint} ({kept})"
+        return f"could not save checkpoint step-{step} in '{self.folder}': {reason}: {hint} ({kept})"
 
     def _write_and_commit(self, step: int, staging: Path, write: Any) -> None:
         """Run ``write`` (DCP save, or wait for the async one), then commit: fsync and hash every
@@ -324,7 +356,8 @@ class Checkpointer:
         status: list[str | None] = [None]
         try:
             write()
-        except Exception as e:  # noqa: BLE001 - DCP raises on every rank when any rank failed
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises on every rank when
+            # any rank failed (its CheckpointException derives from BaseException)
             status[0] = self._failed(step, e)
         status[0] = status[0] or self._local_error
         self._local_error = None

@@ -95,7 +95,7 @@ def launch(argv: list[str], nproc: int, max_restarts: int, run_dir: str) -> int:
     """Run ``shardwise <argv>`` on ``nproc`` local ranks with torch's elastic launcher."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.run import get_args_parser, parse_args, run
 
     # One thread per core share; set before the ranks start (torchrun would force 1 and warn).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -105,8 +105,10 @@ def launch(argv: list[str], nproc: int, max_restarts: int, run_dir: str) -> int:
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # On SIGTERM/SIGINT the agent forwards the signal and waits this long for the ranks to finish
     # their step and save before it kills them.
+    grace = ([f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}"]
+             if any("--shutdown-timeout" in a.option_strings for a in get_args_parser()._actions) else [])
     largs = parse_args(["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-                        f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}", "--module", "shardwise", *argv])
+                        *grace, "--module", "shardwise", *argv])
     try:
         run(largs)
     except SignalException as e:

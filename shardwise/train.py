@@ -410,10 +410,12 @@ def check_checkpoint(cfg: Config, run_dir: Path, args: ModelArgs) -> None:
             raise ConfigError(f"checkpoint.path '{path}' does not exist: point it at a step-<N> directory")
         if problem := checkpoint.check_files(path, checkpoint.read_manifest(path), checksums=False):
             raise checkpoint.CheckpointError(problem)
-    elif resuming and found:
-        path = found[-1][1]
-    else:
-        return
+    else:  # resuming: the newest checkpoint whose files have their recorded sizes (resume() skips
+        # the damaged ones with a warning)
+        intact = [p for _, p in reversed(found) if resuming and checkpoint.looks_intact(p)]
+        if not intact:
+            return
+        path = intact[0]
     checkpoint.check_compatible(path, build_model(args))
 
 

@@ -62,12 +62,18 @@ def read_documents(cfg: DataConfig) -> list[str]:
     builder, files = data_files(cfg.path)
     kwargs = {"sample_by": cfg.txt_sample_by} if builder == "text" else {}
     datasets.disable_progress_bars()
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # it logs each parse failure, then raises
     try:
         ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
                                    **kwargs)
-    except Exception as e:  # datasets wraps parse errors in many types; report the first line
+    except Exception as e:  # datasets wraps the parser's error (e.g. "JSON parse error ... in row 1")
+        inner = e.__cause__ or e.__context__ or e if type(e).__name__ == "DatasetGenerationError" else e
+        why = str(inner).splitlines()[0] if str(inner) else type(inner).__name__
         raise ConfigError(f"data.path '{cfg.path or SHIPPED_CORPUS}' could not be read as {builder}: "
-                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+                          f"{why}") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
     field = "text" if builder == "text" else cfg.text_field
     if field not in ds.column_names:
         raise ConfigError(f"data.text_field '{field}' is not a column of {cfg.path}; columns: "

@@ -51,7 +51,9 @@ def per_rank(values: dict[str, float], device: torch.device) -> dict[str, Any]:
     plus the straggler report -- slowest rank's step time over the median rank's."""
     local = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
     gathered = torch.empty(dist.get_world_size() * local.numel(), dtype=torch.float64, device=device)
-    dist.all_gather_into_tensor(gathered, local)
+    # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
+    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    gather(gathered, local)
     table = gathered.view(-1, local.numel()).cpu()  # (ranks, figures)
     out: dict[str, Any] = {f"{k}_per_rank": table[:, i].tolist() for i, k in enumerate(values)}
     if "step_time_s" in values:
