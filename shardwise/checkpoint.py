@@ -267,12 +267,14 @@ def _reason(e: BaseException) -> str:
 class Checkpointer:
     """Saves (sync or async) and commits checkpoints under ``folder``; collective over all ranks.
 
-    ``info`` (layout, model config) goes into each manifest. Creating one creates its gloo process
-    group, so every rank must create it at the same point."""
+    ``info`` (layout, model config) goes into each manifest. ``group``: a gloo group over every rank
+    used by nothing else (created here when not given; every rank must then create it at the same
+    point)."""
 
-    def __init__(self, folder: Path, cfg: CheckpointConfig, info: dict[str, Any]) -> None:
+    def __init__(self, folder: Path, cfg: CheckpointConfig, info: dict[str, Any],
+                 group: dist.ProcessGroup | None = None) -> None:
         self.folder, self.cfg, self.info = folder, cfg, info
-        self.group = dist.new_group(backend="gloo")
+        self.group = group if group is not None else dist.new_group(backend="gloo")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._executor = ThreadPoolExecutor(1, "shardwise-ckpt") if cfg.async_mode != "none" else None
         self._pending: Future | None = None

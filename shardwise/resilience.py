@@ -35,9 +35,9 @@ class StopRequest:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self) -> None:
+    def __init__(self, group: dist.ProcessGroup) -> None:
         self.received: str | None = None
-        self.group = dist.new_group(backend="gloo")  # CPU flag, apart from training's collectives
+        self.group = group  # a gloo group of every rank: a CPU flag, apart from training's collectives
         self._previous = {s: signal.signal(s, self._handler) for s in self.SIGNALS}
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:

@@ -77,6 +77,9 @@ def train(cfg: Config) -> None:
     """Train ``cfg`` on this process's rank (1 rank, or one of N under torchrun / --nproc)."""
     env = init_distributed(cfg.run.device, cfg.parallel.backend)
     dims = preflight(cfg, env.world_size)
+    # Host-side gloo groups for the checkpointer and the stop flag, made before the mesh: world-wide
+    # groups must be created in the same order on every rank, which lazily built mesh groups break.
+    ckpt_group, stop_group = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
     dims.build_mesh(env.device.type, cfg.parallel.backend_override)
     set_determinism(cfg.debug.deterministic, cfg.training.seed)
     run_dir = prepare_run_dir(cfg, env.rank)
@@ -98,8 +101,9 @@ def train(cfg: Config) -> None:
     loss_fn = torch.compile(token_loss_sum) if cfg.compile.enabled else token_loss_sum
     optimizer = build_optimizer(model, cfg.optimizer, env.device.type)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
-    ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", cfg.checkpoint, manifest_info(cfg, dims))
-    stop = StopRequest()  # SIGTERM/SIGINT: finish the step, save, exit 0
+    ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", cfg.checkpoint, manifest_info(cfg, dims),
+                                   ckpt_group)
+    stop = StopRequest(stop_group)  # SIGTERM/SIGINT: finish the step, save, exit 0
     start = resume(cfg, run_dir, model, optimizer, scheduler, loader)
     if cfg.checkpoint.save_initial and start == 0:
         ckpt.save(0, model, optimizer, scheduler, loader)
