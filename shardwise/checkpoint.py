@@ -305,7 +305,8 @@ class Checkpointer:
         state = _app_state(model, optimizer, scheduler, loader, step)
         try:
             torch.save(rng_state(), staging / f"rng-rank{self.rank}.pt")
-        except OSError as e:  # reported after the write: every rank must reach the same collectives
+        except (OSError, RuntimeError) as e:  # torch.save: RuntimeError on a short write. Reported
+            # after the DCP write, since every rank must reach the same collectives
             self._local_error = self._failed(step, e)
         if self._executor is None or block:
             self._write_and_commit(step, staging, lambda: dcp.save(

@@ -24,7 +24,7 @@ CASES = {
     "ep2_to_ep1": (["--nproc=2", "--parallel.ep=2"], ["--nproc=2"], MOE),
     "tp2_to_1rank": (["--nproc=2", "--parallel.tp=2"], [], []),
 }
-SLOW = {"fsdp4_to_fsdp2", "ep2_to_ep1", "tp2_to_1rank"}
+SLOW = {"fsdp4_to_fsdp2", "ep2_to_ep1", "tp2_to_1rank", "pp2_to_pp1"}
 
 
 def _layouts():
