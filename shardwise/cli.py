@@ -145,7 +145,8 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
     nproc = args.nproc if args.nproc is not None else (world or 1)
     if nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {nproc}")
-    from shardwise.train import preflight, train
+    from shardwise.preflight import preflight
+    from shardwise.train import train
 
     preflight(cfg, nproc)  # all config errors surface here, before any process group exists
     if world is None and nproc > 1:

@@ -127,8 +127,8 @@ class TrainingConfig:
     """Fused output projection + cross-entropy over chunks of this many tokens, so the (tokens,
     vocab) logits never exist; 0 = plain logits then cross-entropy."""
     nonfinite: str = "stop"
-    """A NaN/inf gradient norm: stop (exit non-zero before the optimizer step; the last checkpoint stays
-    the last good state) or skip (drop that step's update, count it in metrics as skipped_steps)."""
+    """NaN/inf gradient norm: stop (exit 2 before the update; the last checkpoint stays the last good
+    state) or skip (drop that update; metrics count skipped_steps)."""
 
 
 @dataclass
@@ -304,8 +304,7 @@ class DebugConfig:
     nan_step: int = 0
     """Fault injection: make step N's loss NaN on every rank (tests training.nonfinite); 0 = off."""
     fail_step: int = 0
-    """Fault injection: kill rank debug.fail_rank with SIGKILL at step N of the first attempt (tests
-    --max-restarts recovery); 0 = off."""
+    """Fault injection: SIGKILL rank debug.fail_rank at step N of the first attempt; 0 = off."""
     fail_rank: int = 0
     """The rank debug.fail_step kills."""
 
