@@ -306,7 +306,7 @@ class DebugConfig:
     fail_step: int = 0
     """Fault injection: SIGKILL rank debug.fail_rank at step N of the first attempt; 0 = off."""
     fail_rank: int = 0
-    """The rank debug.fail_step kills."""
+    """The rank that debug.fail_step kills."""
 
 
 @dataclass
