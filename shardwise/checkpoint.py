@@ -175,7 +175,11 @@ def check_compatible(path: Path, model: nn.Module) -> None:
 
 def model_only(path: Path) -> bool:
     """True for a weights-only checkpoint (e.g. ``shardwise convert --from-hf``): no optimizer."""
-    return read_manifest(path).get("contents", ["model"]) == ["model"]
+    return _weights_only(read_manifest(path))
+
+
+def _weights_only(manifest: dict[str, Any]) -> bool:
+    return manifest.get("contents") == ["model"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,22 +400,9 @@ class Checkpointer:
 
     def _publish(self, step: int, staging: Path, files: dict[str, Any]) -> None:
         """Rank 0: manifest in, rename into place, then retention."""
-        manifest = {"format": FORMAT, "step": step, "world_size": self.world, "created": time.time(),
-                    "torch": torch.__version__, "contents": ["model", "optimizer", "lr_scheduler",
-                                                             "dataloader", "train"],
-                    **self.info, "files": files}
-        tmp = staging / (MANIFEST + ".part")
-        with tmp.open("w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.rename(staging / MANIFEST)
-        _fsync_dir(staging)
-        final = self.folder / f"step-{step}"
-        if final.exists():  # the same step saved again (e.g. a resumed run's final save)
-            _remove(final)
-        staging.rename(final)
-        _fsync_dir(self.folder)
+        _commit(staging, self.folder / f"step-{step}", {
+            "step": step, "world_size": self.world, **self.info, "files": files,
+            "contents": ["model", "optimizer", "lr_scheduler", "dataloader", "train"]})
         if self.cfg.keep_latest_k > 0:
             for _, old in list_checkpoints(self.folder)[:-self.cfg.keep_latest_k]:
                 try:
@@ -428,13 +419,24 @@ def save_model_only(path: Path, state: dict[str, torch.Tensor], info: dict[str, 
     staging.mkdir(parents=True)
     dcp.save({"model": state}, checkpoint_id=str(staging), no_dist=True)
     files = {p.name: _file_record(p) for p in sorted(staging.iterdir())}
-    manifest = {"format": FORMAT, "step": 0, "world_size": 1, "created": time.time(),
-                "torch": torch.__version__, "contents": ["model"], **info, "files": files}
-    (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    _commit(staging, path, {"step": 0, "world_size": 1, "contents": ["model"], **info, "files": files})
+
+
+def _commit(staging: Path, final: Path, fields: dict[str, Any]) -> None:
+    """Write the manifest into ``staging`` (temporary name, fsync, rename), then make ``staging``
+    the complete checkpoint ``final`` with one rename (an older ``final`` is removed first)."""
+    manifest = {"format": FORMAT, "created": time.time(), "torch": torch.__version__, **fields}
+    tmp = staging / (MANIFEST + ".part")
+    with tmp.open("w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.rename(staging / MANIFEST)
     _fsync_dir(staging)
-    if path.exists():
-        _remove(path)
-    staging.rename(path)
+    if final.exists():  # the same step saved again (e.g. a resumed run's final save)
+        _remove(final)
+    staging.rename(final)
+    _fsync_dir(final.parent)
 
 
 def load_model_only(path: Path, model: nn.Module) -> None:
@@ -465,7 +467,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     """Restore everything saved by :meth:`Checkpointer.save` in place; returns the checkpoint's
     step. A weights-only checkpoint restores the model and returns 0 (fresh optimizer and data)."""
     manifest = verify_distributed(path, checksums)
-    if manifest.get("contents") == ["model"]:
+    if _weights_only(manifest):
         state = {"model": get_model_state_dict(model)}
         dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))

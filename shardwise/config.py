@@ -243,8 +243,7 @@ class CheckpointConfig:
     keep_latest_k: int = 0
     """Keep only the newest K committed checkpoints (older ones are deleted after each save); 0 = all."""
     async_mode: str = "none"
-    """none (training waits for the write), thread or process (training continues once the state is
-    copied to host memory; the write and commit run in the background on their own process group)."""
+    """none (training waits), thread or process (training goes on once the state is in host memory)."""
     verify_checksums: bool = True
     """Check every file's SHA-256 against the manifest before loading (sizes are always checked)."""
 

@@ -60,31 +60,25 @@ def hf_names(args: ModelArgs) -> dict[str, str]:
     return names
 
 
+def _rope_rows(name: str, w: torch.Tensor, args: ModelArgs, permute: Any) -> torch.Tensor:
+    """``permute`` (either direction) applied to the q/k projections, other weights unchanged."""
+    if name.endswith("wq.weight"):
+        return permute(w, args.n_heads)
+    if name.endswith("wk.weight"):
+        return permute(w, args.n_kv_heads)
+    return w
+
+
 def to_hf_state(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    out = {}
-    for ours, hf in hf_names(args).items():
-        w = state[ours]
-        if ours.endswith("wq.weight"):
-            w = to_rotate_half(w, args.n_heads)
-        elif ours.endswith("wk.weight"):
-            w = to_rotate_half(w, args.n_kv_heads)
-        out[hf] = w
-    return out
+    return {hf: _rope_rows(ours, state[ours], args, to_rotate_half) for ours, hf in hf_names(args).items()}
 
 
 def from_hf_state(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    out = {}
-    for ours, hf in hf_names(args).items():
-        if hf not in state:
-            raise ConfigError(f"the HF checkpoint has no tensor '{hf}' (needed for our '{ours}'): is it a "
-                              "Llama checkpoint of this model config?")
-        w = state[hf]
-        if ours.endswith("wq.weight"):
-            w = from_rotate_half(w, args.n_heads)
-        elif ours.endswith("wk.weight"):
-            w = from_rotate_half(w, args.n_kv_heads)
-        out[ours] = w
-    return out
+    names = hf_names(args)
+    if missing := next((hf for hf in names.values() if hf not in state), None):
+        raise ConfigError(f"the HF checkpoint has no tensor '{missing}': is it a Llama checkpoint of "
+                          "this model config?")
+    return {ours: _rope_rows(ours, state[hf], args, from_rotate_half) for ours, hf in names.items()}
 
 
 def hf_config(args: ModelArgs, dtype: str) -> dict[str, Any]:
