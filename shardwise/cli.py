@@ -248,6 +248,121 @@ def cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _estimate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("estimate", help="per-rank memory, communication and step time of a layout",
+                       allow_abbrev=False,
+                       description="Predict, without the cluster, what one layout costs per rank: "
+                                   "parameters, gradients and optimizer states (exact: the real model "
+                                   "built and parallelized on torch's fake process group), activations "
+                                   "and the step's peak memory, every collective with its bytes, and "
+                                   "the step time on a hardware profile. Overrides --section.key=value "
+                                   "apply as in train.")
+    p.add_argument("--config", help="TOML preset, e.g. configs/debug.toml")
+    p.add_argument("--world", type=int, required=True, help="number of ranks (devices)")
+    p.add_argument("--hardware", default="h100",
+                   help="h100, h200, a100, b200, mi300x, local (after `shardwise calibrate`) or a .toml")
+    p.add_argument("--json", default="", help="also write the estimate as JSON to this file")
+
+
+def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
+    from shardwise.plan.estimate import estimate, estimate_json, format_estimate
+    from shardwise.plan.hardware import load_hardware
+    from shardwise.preflight import check_layout
+
+    if args.world < 1:
+        raise ConfigError(f"--world must be >= 1, got {args.world}")
+    cfg = load_config(args.config, overrides)
+    check_layout(cfg, args.world)  # the trainer's own refusals, one line each
+    hw = load_hardware(args.hardware, cfg.data.cache_dir)
+    est = estimate(cfg, args.world, hw)
+    print(format_estimate(est))
+    if args.json:
+        estimate_json(est, args.json)
+    return 0
+
+
+def _plan_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="rank the layouts of a model on a cluster", allow_abbrev=False,
+                       description="Enumerate layouts (pp, dp_replicate, dp_shard, cp, tp, ep, pipeline "
+                                   "schedule, micro-batch, activation checkpointing), drop those the "
+                                   "trainer would refuse or that do not fit in memory, rank the rest by "
+                                   "predicted tokens/s per device, print the best and write the first "
+                                   "as a ready-to-run config. Overrides --section.key=value (e.g. "
+                                   "--float8.enabled true) apply to every candidate.")
+    p.add_argument("--config", help="TOML giving everything but the layout (default: built-in defaults)")
+    p.add_argument("--model", default="", help="model preset (overrides the config's model.name)")
+    p.add_argument("--gpus", type=int, required=True, help="number of devices")
+    p.add_argument("--hardware", default="h100", help="hardware profile (see estimate)")
+    p.add_argument("--seq", type=int, default=0, help="sequence length (default: the config's)")
+    p.add_argument("--global-batch-tokens", default="",
+                   help="tokens per optimizer step, e.g. 4M (default: the config's global_batch x seq)")
+    p.add_argument("--top", type=int, default=5, help="layouts to show (each estimated exactly)")
+    p.add_argument("--ac", default="none,selective,full", help="activation-checkpointing modes to try")
+    p.add_argument("--schedules", default="1f1b,interleaved1f1b,zbv", help="pipeline schedules to try")
+    p.add_argument("--memory-fraction", type=float, default=0.9,
+                   help="usable fraction of device memory (allocator fragmentation, CUDA context)")
+    p.add_argument("--out", default="plan.toml", help="where the best layout's config is written ('' = not)")
+
+
+def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    import time
+
+    from shardwise.config_checks import _CHOICES
+    from shardwise.plan.hardware import load_hardware
+    from shardwise.plan.search import format_plan, layout_toml, parse_tokens, plan, plan_config
+
+    if args.gpus < 1:
+        raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
+    if not 0 < args.memory_fraction <= 1:
+        raise ConfigError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
+    ac = tuple(filter(None, args.ac.split(",")))
+    schedules = tuple(filter(None, args.schedules.split(",")))
+    for name, values, key in (("--ac", ac, "activation_checkpoint.mode"),
+                              ("--schedules", schedules, "parallel.pp_schedule")):
+        if bad := [v for v in values if v not in _CHOICES[key]]:
+            raise ConfigError(f"{name}: unknown {', '.join(bad)}; choose from {', '.join(_CHOICES[key])}")
+    model = [f"--model.name={args.model}"] if args.model else []
+    cfg = load_config(args.config, model + overrides)
+    seq = args.seq or cfg.training.seq_len
+    tokens = (parse_tokens(args.global_batch_tokens) if args.global_batch_tokens
+              else cfg.training.global_batch * cfg.training.seq_len)
+    cfg = plan_config(cfg, seq, tokens)
+    hw = load_hardware(args.hardware, cfg.data.cache_dir)
+    start = time.perf_counter()
+    result = plan(cfg, args.gpus, hw, args.top, args.memory_fraction, ac, schedules)
+    print(format_plan(result, cfg, args.gpus, hw))
+    print(f"({time.perf_counter() - start:.1f} s)")
+    if not result.top:
+        print("no layout fits: add devices, shorten the sequence or shrink the batch", file=sys.stderr)
+        return 1
+    if args.out:
+        from pathlib import Path
+
+        Path(args.out).write_text(layout_toml(result.top[0]))
+        print(f"best layout written to {args.out}: shardwise train --config {args.out} "
+              f"(on {args.gpus} ranks)")
+    return 0
+
+
+def _calibrate_parser(sub: argparse._SubParsersAction) -> None:
+    sub.add_parser("calibrate", help="measure this machine for --hardware local", allow_abbrev=False,
+                   description="Measure GEMM and attention throughput per dtype and thread count, "
+                               "memory bandwidth, gloo collective bandwidth and latency among local "
+                               "processes, and the host overhead of a step; save them as the 'local' "
+                               "hardware profile (about two minutes).")
+
+
+def cmd_calibrate(extra: list[str]) -> int:
+    from shardwise.plan.calibrate import calibrate
+    from shardwise.plan.hardware import local_path
+
+    cfg = load_config(None, extra)
+    print("calibrating this machine ...", flush=True)
+    calibrate(cfg.data.cache_dir)
+    print(f"saved {local_path(cfg.data.cache_dir)}: use --hardware local")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="shardwise", allow_abbrev=False,
@@ -257,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     _verify_parser(sub)
     _report_parser(sub)
     _convert_parser(sub)
+    _estimate_parser(sub)
+    _plan_parser(sub)
+    _calibrate_parser(sub)
     args, rest = parser.parse_known_args(argv)
     try:
         if args.command == "train":
@@ -267,6 +385,12 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_report(args, rest)
         if args.command == "convert":
             return cmd_convert(args, rest)
+        if args.command == "estimate":
+            return cmd_estimate(args, rest)
+        if args.command == "plan":
+            return cmd_plan(args, rest)
+        if args.command == "calibrate":
+            return cmd_calibrate(rest)
     except ConfigError as e:
         rank = os.environ.get("RANK")
         prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""

@@ -299,7 +299,14 @@ class DebugConfig:
     deterministic: bool = False
     """Use deterministic kernels (torch.use_deterministic_algorithms) for bit-reproducible runs."""
     comm: bool = False
-    """Print (and write comm.json) every collective of the first step: module, mesh dim, calls, bytes."""
+    """Print (and write comm.json) every collective of step debug.trace_step: module, mesh dim, calls,
+    bytes."""
+    memory: bool = False
+    """Record the live-tensor peak of step debug.trace_step on every rank (torch's MemTracker: the
+    bytes the allocator would hold, by category) into memory_peak.json."""
+    trace_step: int = 1
+    """The step debug.comm and debug.memory record; 2 or later sees the steady state (optimizer
+    states allocated, pipeline shapes inferred)."""
     nan_step: int = 0
     """Fault injection: make step N's loss NaN on every rank (tests training.nonfinite); 0 = off."""
     fail_step: int = 0

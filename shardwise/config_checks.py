@@ -31,7 +31,8 @@ _CHOICES = {
 _POSITIVE = ("training.steps", "training.seq_len", "training.global_batch", "metrics.log_interval",
              "eval.steps", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
              "model.vocab_size", "model.multiple_of", "model.max_seq_len", "profile.start",
-             "profile.every", "profile.active", "activation_checkpoint.every", "float8.min_dim")
+             "profile.every", "profile.active", "activation_checkpoint.every", "float8.min_dim",
+             "debug.trace_step")
 _NON_NEGATIVE = ("training.loss_chunk", "training.micro_batch", "training.max_grad_norm", "optimizer.lr",
                  "optimizer.weight_decay", "lr_scheduler.warmup_steps", "checkpoint.interval",
                  "eval.interval", "metrics.peak_tflops", "optimizer.eps",
@@ -74,6 +75,9 @@ def validate(cfg: Config) -> None:
     if cfg.profile.warmup < 0 or cfg.profile.warmup + cfg.profile.active > cfg.profile.every:
         raise ConfigError(f"profile.warmup={cfg.profile.warmup} + profile.active={cfg.profile.active} must "
                           f"fit in profile.every={cfg.profile.every} steps (warmup >= 0)")
+    if (cfg.debug.comm or cfg.debug.memory) and cfg.debug.trace_step > cfg.training.steps:
+        raise ConfigError(f"debug.trace_step={cfg.debug.trace_step} exceeds training.steps="
+                          f"{cfg.training.steps}: nothing would be recorded")
     if cfg.lr_scheduler.warmup_steps > cfg.training.steps:
         raise ConfigError(f"lr_scheduler.warmup_steps={cfg.lr_scheduler.warmup_steps} exceeds "
                           f"training.steps={cfg.training.steps}")

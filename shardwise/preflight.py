@@ -34,11 +34,11 @@ def micro_batch_size(t: TrainingConfig, dp: int) -> int:
     return mb
 
 
-def preflight(cfg: Config, world_size: int) -> ParallelDims:
-    """Every check that needs no process group: layout, batch split, data, tokenizer, run dir."""
+def check_layout(cfg: Config, world_size: int) -> ParallelDims:
+    """The layout checks: degrees against the world, the model, the batch split and the pipeline
+    schedule, and the features a layout cannot combine with (the planner filters with this too)."""
     dims = ParallelDims.from_config(cfg.parallel, world_size)
-    args = model_args(cfg.model)
-    dims.check_model(args, cfg.training.seq_len)
+    dims.check_model(model_args(cfg.model), cfg.training.seq_len)
     check_pipeline(cfg, dims, micro_batches_per_rank(cfg.training, dims.dp))
     if cfg.training.loss_chunk and dims.pp > 1:
         raise ConfigError("training.loss_chunk with parallel.pp > 1 is not available (the pipeline "
@@ -46,6 +46,13 @@ def preflight(cfg: Config, world_size: int) -> ParallelDims:
     if dims.cp > 1 and cfg.data.document_mask:
         raise ConfigError("data.document_mask with parallel.cp > 1 is not available (the ring "
                           "attention is causal-only): set data.document_mask=false or cp=1")
+    return dims
+
+
+def preflight(cfg: Config, world_size: int) -> ParallelDims:
+    """Every check that needs no process group: layout, batch split, data, tokenizer, run dir."""
+    dims = check_layout(cfg, world_size)
+    args = model_args(cfg.model)
     data_files(cfg.data.path)
     if cfg.metrics.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("metrics.wandb=true needs the wandb package: pip install wandb (or "

@@ -46,6 +46,7 @@ from shardwise.observe.memory import (
     current_memory_gib,
     peak_memory_gib,
     state_bytes,
+    track_peak,
 )
 from shardwise.observe.metrics import MetricsLogger, Throughput, per_rank
 from shardwise.observe.peak import peak_tflops
@@ -123,9 +124,11 @@ def train(cfg: Config) -> None:
             flops = executed_flops(args, sum(b.inputs.numel() for b in batches),
                                    batch_pairs(batches, cfg.training.seq_len), ac.mode, ac.every,
                                    cfg.training.loss_chunk > 0).total / sharing
-            first = step == start + 1
-            with trace_step(cfg.debug.comm and first, dims.mesh, dims.flat_meshes,
-                            run_dir / "comm.json", env.rank, track_modules=dims.pp == 1):
+            first, traced = step == start + 1, step == max(cfg.debug.trace_step, start + 1)
+            with trace_step(cfg.debug.comm and traced, dims.mesh, dims.flat_meshes,
+                            run_dir / "comm.json", env.rank, track_modules=dims.pp == 1), \
+                    track_peak(cfg.debug.memory and traced, model, optimizer,
+                               run_dir / "memory_peak.json", env.device):
                 result = train_step(model, optimizer, scheduler, shard(batches), dims,
                                     cfg.training.max_grad_norm, pipe, measure_memory=first,
                                     loss_fn=loss_fn, inject_nan=step == cfg.debug.nan_step)

@@ -58,6 +58,19 @@ class CommTracker(CommDebugMode):
         super().__init__()
         self.group_names, self.track_modules = group_names or {}, track_modules
         self.records: dict[tuple[str, str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+        # torch's module tracker adds a post-forward hook at every forward of a module without
+        # removing the previous one, so a module's second forward in one step (gradient
+        # accumulation) pops its parent twice and fails. Drop the old hook first.
+        tracker = self.advanced_module_tracker
+        pre_hook = tracker._fw_pre_hook
+
+        def fw_pre_hook(mod: torch.nn.Module, inputs: Any) -> None:
+            if not tracker.is_bw:
+                old = tracker.register_forward_hook_handles.pop(tracker._get_mod_name(mod), None)
+                if old is not None:
+                    old.remove()
+            pre_hook(mod, inputs)
+        tracker._fw_pre_hook = fw_pre_hook
 
     def __enter__(self) -> CommTracker:
         if self.track_modules:

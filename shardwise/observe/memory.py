@@ -1,16 +1,23 @@
 """Per-rank memory: the CUDA allocator's peak on GPUs, the process RSS high-water mark on CPU;
-and a breakdown at the first step -- parameters, gradients and optimizer states counted from the
-tensors, activations as the bytes autograd saves for backward."""
+a breakdown at the first step -- parameters, gradients and optimizer states counted from the
+tensors, activations as the bytes autograd saves for backward; and on request (``debug.memory``)
+the live-tensor peak of one step, by category, from torch's MemTracker."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import resource
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from shardwise.observe.metrics import per_rank
 
 GiB = 1024**3
 
@@ -82,3 +89,45 @@ class SavedActivations:
 
     def __exit__(self, *exc: object) -> None:
         self._hooks.__exit__(*exc)
+
+
+@contextlib.contextmanager
+def track_peak(enabled: bool, model: nn.Module, optimizer: torch.optim.Optimizer, out: Path,
+               device: torch.device) -> Iterator[None]:
+    """Record the peak of live tensor bytes inside the block on every rank with torch's
+    ``MemTracker`` (what a caching allocator would have to hold, without its rounding or cache;
+    parameters, gradients, optimizer states, activations and temporaries told apart). Rank 0 writes
+    every rank's peak and its breakdown to ``out`` (every rank must enter)."""
+    if not enabled:
+        yield
+        return
+    tracker = _StepMemTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        yield
+    snapshot = tracker.get_tracker_snapshot("peak")
+    per_device = next((v for d, v in snapshot.items() if torch.device(d).type == device.type), {})
+    breakdown = {str(k).rsplit(".", 1)[-1].lower(): v / GiB for k, v in per_device.items()}
+    table = per_rank(breakdown, device)
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(table, indent=1))
+
+
+def _step_mem_tracker_class() -> type:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class StepMemTracker(MemTracker):
+        """MemTracker over a whole step: a module may run forward once per micro-batch (gradient
+        accumulation, pipeline schedules). Its per-module statistics restart at each forward; the
+        step's peak, which is all this is read for, is kept across them."""
+
+        def _pre_fw_hook(self, module: nn.Module, inputs: object) -> None:
+            if module in self.memory_tracking and not self._mod_tracker.is_bw:
+                del self.memory_tracking[module]
+            super()._pre_fw_hook(module, inputs)
+
+    return StepMemTracker
+
+
+def _StepMemTracker():  # noqa: N802 -- torch's tools are imported only when tracing is on
+    return _step_mem_tracker_class()()

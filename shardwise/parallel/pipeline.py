@@ -29,6 +29,8 @@ count.
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -182,6 +184,10 @@ class Pipe:
             self.schedule = SCHEDULES[schedule](self.stages, n_microbatches, loss_fn=self.loss,
                                                 scale_grads=False)
         self.is_first, self.is_last = 0 in ids, n_stages - 1 in ids
+        # By default the last stage keeps every micro-batch's output (the logits) to return them
+        # merged; the losses are all the trainer reads, so it asks for none of that memory.
+        takes = inspect.signature(self.schedule.step).parameters
+        self.step_kwargs = {"return_outputs": False} if "return_outputs" in takes else {}
 
     def _run(self, fn: Callable, batches: list, n_valid: torch.Tensor | float) -> torch.Tensor:
         self.loss.n_valid = n_valid
@@ -200,7 +206,7 @@ class Pipe:
 
     def forward_backward(self, batches: list, n_valid: torch.Tensor) -> torch.Tensor:
         """Forward + backward of all micro-batches; the summed token loss (every stage gets it)."""
-        return self._run(self.schedule.step, batches, n_valid)
+        return self._run(functools.partial(self.schedule.step, **self.step_kwargs), batches, n_valid)
 
     @torch.no_grad()
     def loss_sum(self, batches: list) -> torch.Tensor:

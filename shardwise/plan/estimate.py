@@ -1,0 +1,140 @@
+"""``shardwise estimate``: per-rank memory, communication and step time of one concrete layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwise.config import Config
+from shardwise.models import model_args
+from shardwise.observe.flops import flops_per_token, num_params
+from shardwise.plan.comm import Collective, step_collectives
+from shardwise.plan.cost import StepTime, collective_time, step_time
+from shardwise.plan.hardware import Hardware
+from shardwise.plan.layout import Layout
+from shardwise.plan.memory import RankMemory, step_memory
+from shardwise.plan.states import RankStates, built_states, shape_states
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Estimate:
+    cfg: Config
+    layout: Layout
+    hardware: Hardware
+    states: tuple[RankStates, ...]
+    memory: tuple[RankMemory, ...]
+    collectives: tuple[tuple[Collective, ...], ...]
+    """Per pipeline rank."""
+    time: StepTime
+
+    @property
+    def peak(self) -> int:
+        """The largest predicted peak over the ranks."""
+        return max(m.peak for m in self.memory)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.hardware.memory_gib * GiB
+
+    @property
+    def tokens_per_s_per_device(self) -> float:
+        return self.time.tokens_per_s / self.layout.world
+
+    @property
+    def mfu(self) -> float:
+        """PaLM-convention MFU against the hardware's peak for the run's dtype (0 on ``local``)."""
+        peak = self.hardware.peak_tflops.get(self.cfg.training.mixed_precision, 0.0)
+        if not peak:
+            return 0.0
+        per_token = flops_per_token(model_args(self.cfg.model), self.cfg.training.seq_len)
+        return self.tokens_per_s_per_device * per_token / (peak * 1e12)
+
+
+def estimate(cfg: Config, world: int, hw: Hardware, exact: bool = True,
+             shapes: dict | None = None) -> Estimate:
+    """Estimate ``cfg`` on ``world`` ranks of ``hw``. ``exact``: states from the real model built
+    on the fake process group (else from shapes, for searching many layouts)."""
+    layout = Layout.from_config(cfg, world)
+    states = built_states(cfg, world) if exact else shape_states(cfg, layout, shapes)
+    memory = tuple(step_memory(cfg, layout, st) for st in states)
+    colls = tuple(tuple(step_collectives(cfg, layout, st)) for st in states)
+    return Estimate(cfg, layout, hw, tuple(states), memory, colls, step_time(cfg, layout, states, hw))
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.3f}"
+
+
+def format_estimate(est: Estimate) -> str:
+    """The estimate as a few plain-text tables."""
+    cfg, lay, hw = est.cfg, est.layout, est.hardware
+    args = model_args(cfg.model)
+    t = cfg.training
+    lines = [f"model {cfg.model.name} ({num_params(args) / 1e9:.3g}B params), {t.global_batch} x {t.seq_len} "
+             f"tokens/step, {t.mixed_precision}, optimizer states {cfg.optimizer.state_dtype}",
+             f"layout {lay} on {lay.world} ranks ({lay.micro_batches(t.global_batch)} micro-batch(es) per "
+             f"rank), hardware {hw.name}: {hw.description}", ""]
+    heads = [f"pp rank {m.pp_rank}" for m in est.memory]
+    rows = [("parameters (fp32 shards)", [m.params for m in est.memory]),
+            ("gradients", [m.grads for m in est.memory]),
+            ("optimizer states", [m.optimizer for m in est.memory])]
+    parts = sorted({k for m in est.memory for k in m.peak_parts} - {"params", "optimizer"})
+    rows += [(f"at peak: {k}", [m.peak_parts.get(k, 0) for m in est.memory]) for k in parts]
+    rows.append(("peak", [m.peak for m in est.memory]))
+    width = max(len(r[0]) for r in rows) + 2
+    lines.append(f"memory per rank, GiB (capacity {hw.memory_gib:g})")
+    lines.append(" " * width + "".join(f"{h:>14}" for h in heads))
+    for label, values in rows:
+        lines.append(f"{label:<{width}}" + "".join(f"{_gib(v):>14}" for v in values))
+    lines.append(f"{'peak happens at':<{width}}" + "".join(f"  {m.peak_at}" for m in est.memory))
+    lines += ["", "communication per step, pp rank 0 (buffer bytes as --debug.comm counts them)",
+              "| mesh dim | collective | phase | calls | MiB | ms | what |", "|---|---|---|---|---|---|---|"]
+    for (group, kind, phase, what), (calls, nbytes, secs) in comm_table(est).items():
+        lines.append(f"| {group} | {kind} | {phase} | {calls} | {nbytes / 2**20:.3f} | {1e3 * secs:.2f} | "
+                     f"{what} |")
+    st = est.time
+    lines += ["", "step time, seconds"]
+    for r in st.ranks:
+        comp = ", ".join(f"{k} {v:.3f}" for k, v in r.compute.items() if v)
+        comm = sum(r.comm.values())
+        lines.append(f"  pp rank {r.pp_rank}: compute {sum(r.compute.values()):.3f} ({comp}); "
+                     f"communication {comm:.3f}, exposed {r.exposed_comm:.3f}")
+    if lay.pp > 1:
+        lines.append(f"  pipeline bubble {st.bubble:.3f}")
+    mfu = f", MFU {100 * est.mfu:.1f}%" if est.mfu else ""
+    lines.append(f"  step {st.step:.3f} s -> {st.tokens_per_s:,.0f} tokens/s, "
+                 f"{est.tokens_per_s_per_device:,.0f} per device{mfu}")
+    if not est.fits:
+        lines.append(f"  does not fit: peak {_gib(est.peak)} GiB > {hw.memory_gib:g} GiB")
+    return "\n".join(lines)
+
+
+def comm_table(est: Estimate, pp_rank: int = 0) -> dict[tuple[str, str, str, str], list]:
+    """(mesh dim, collective, phase, what) -> [calls, bytes, seconds] of one pipeline rank, the
+    per-unit FSDP rows summed."""
+    out: dict[tuple[str, str, str, str], list] = {}
+    for c in est.collectives[pp_rank]:
+        row = out.setdefault((c.group, c.kind, c.phase, c.what), [0, 0, 0.0])
+        row[0] += c.calls
+        row[1] += c.total
+        row[2] += collective_time(c, est.layout, est.hardware, pp_rank)
+    return out
+
+
+def estimate_json(est: Estimate, path: str) -> None:
+    """The estimate as JSON (bytes and seconds), for scripts."""
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    data = {
+        "layout": dataclasses.asdict(est.layout), "world": est.layout.world, "hardware": est.hardware.name,
+        "memory": [dataclasses.asdict(m) for m in est.memory],
+        "comm": [{"mesh_dim": g, "collective": k, "phase": p, "what": w, "calls": n, "bytes": b,
+                  "seconds": t} for (g, k, p, w), (n, b, t) in comm_table(est).items()],
+        "time": {"step_s": est.time.step, "bubble_s": est.time.bubble, "tokens_per_s": est.time.tokens_per_s,
+                 "tokens_per_s_per_device": est.tokens_per_s_per_device, "mfu": est.mfu,
+                 "ranks": [dataclasses.asdict(r) for r in est.time.ranks]},
+    }
+    Path(path).write_text(json.dumps(data, indent=1))

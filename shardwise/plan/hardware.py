@@ -1,0 +1,177 @@
+"""Hardware profiles: what one device computes, holds and moves, and how devices are connected.
+
+Profiles are TOML files (``shardwise/plan/hardware/<name>.toml``, vendors' data sheets with the
+sources named in each file) for H100 SXM, H200, A100-80GB, B200 and MI300X. ``local`` -- this
+machine -- is measured by ``shardwise calibrate`` (GEMM and attention throughput per dtype, memory
+bandwidth, gloo collective bandwidth and latency, per-step host overhead) and cached under
+``data.cache_dir``.
+
+Peaks are data-sheet figures; ``efficiency`` holds the fraction of each peak that training-sized
+work reaches (matmuls, attention, memory-bound elementwise work, collective bus bandwidth). They are
+inputs of the step-time model, stated in the file, never fitted to the runs the model is checked
+against (docs/planning.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+import tomllib
+
+from shardwise.config import ConfigError
+
+PROFILE_DIR = Path(__file__).with_name("hardware")
+LOCAL_FILE = "hardware_local.toml"
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    description: str
+    memory_gib: float
+    """Device memory capacity."""
+    memory_bw_gbs: float
+    """Device memory bandwidth, GB/s."""
+    gpus_per_node: int
+    intra_node_bw_gbs: float
+    """Per-device collective bandwidth inside a node (one direction), GB/s."""
+    intra_node_latency_us: float
+    inter_node_bw_gbs: float
+    """Per-device network bandwidth between nodes (one direction), GB/s."""
+    inter_node_latency_us: float
+    comm_overlap: bool
+    """Whether collectives run concurrently with compute (GPU streams: yes; CPU gloo: no)."""
+    peak_tflops: dict[str, float] = field(default_factory=dict)
+    efficiency: dict[str, float] = field(default_factory=dict)
+    # local (measured) only:
+    cores: int = 0
+    """CPU cores shared by the local ranks (0 on GPUs: one device per rank)."""
+    thread_tflops: dict[str, float] = field(default_factory=dict)
+    """Measured TFLOP/s: ``"bf16@2:1024"`` (GEMM, dtype @ threads : width) and
+    ``"attention_bf16@2:64"`` (attention, dtype @ threads : head dim)."""
+    memory_bw_per_thread_gbs: dict[str, float] = field(default_factory=dict)
+    """Measured elementwise memory bandwidth per thread count."""
+    overhead_ms: dict[str, float] = field(default_factory=dict)
+    """Measured host time: ``per_block`` (one block's forward + backward + its optimizer share) and
+    ``per_step``."""
+    collective_bw_gbs: dict[str, float] = field(default_factory=dict)
+    """Measured gloo bus bandwidth per number of processes (``"4"`` -> GB/s)."""
+
+    def _threads(self, ranks: int) -> tuple[int, float]:
+        """(threads each local rank runs, its share of a core when ranks outnumber cores)."""
+        n = max(1, ranks)
+        return max(1, self.cores // n), min(1.0, self.cores / n)
+
+    def _measured(self, prefix: str, ranks: int, size: int) -> float:
+        threads, share = self._threads(ranks)
+        table = {int(k.rsplit(":", 1)[1]): v for k, v in self.thread_tflops.items()
+                 if k.startswith(f"{prefix}@{threads}:")}
+        if not table:
+            raise ConfigError(f"hardware '{self.name}' has no measured '{prefix}' rate for {threads} "
+                              "thread(s): run `shardwise calibrate` again")
+        return share * _interpolate(table, size)
+
+    def matmul_tflops(self, dtype: str, width: int, ranks: int = 1) -> float:
+        """Sustained TFLOP/s of one rank's GEMMs whose smaller weight dim is ``width``."""
+        if self.cores:
+            return self._measured(dtype, ranks, width)
+        return self._peak(dtype) * self.efficiency["matmul"]
+
+    def attention_tflops(self, dtype: str, head_dim: int, ranks: int = 1) -> float:
+        """Sustained TFLOP/s of one rank's causal attention (forward + backward)."""
+        if self.cores:
+            return self._measured(f"attention_{dtype}", ranks, head_dim)
+        return self._peak(dtype) * self.efficiency["attention"]
+
+    def memory_bw(self, ranks: int = 1) -> float:
+        """Bytes/s one rank's elementwise (memory-bound) work moves."""
+        if self.cores:
+            threads, share = self._threads(ranks)
+            return self.memory_bw_per_thread_gbs[str(threads)] * 1e9 * share
+        return self.memory_bw_gbs * 1e9 * self.efficiency["memory"]
+
+    def _peak(self, dtype: str) -> float:
+        peak = self.peak_tflops.get(dtype, 0.0)
+        if peak <= 0:
+            raise ConfigError(f"hardware '{self.name}' has no {dtype} peak (float8 on A100?): choose "
+                              "other hardware or turn the feature off")
+        return peak
+
+    def link(self, span_ranks: int) -> tuple[float, float]:
+        """(bus bandwidth bytes/s, per-hop latency s) for a group whose members span
+        ``span_ranks`` consecutive ranks: inside one node, or across nodes (each device's NIC)."""
+        if self.collective_bw_gbs:  # local: measured per number of processes
+            sizes = sorted(int(k) for k in self.collective_bw_gbs)
+            n = min(sizes, key=lambda k: abs(k - span_ranks))
+            return self.collective_bw_gbs[str(n)] * 1e9, self.intra_node_latency_us * 1e-6
+        eff = self.efficiency.get("comm", 1.0)
+        if span_ranks <= self.gpus_per_node:
+            return self.intra_node_bw_gbs * 1e9 * eff, self.intra_node_latency_us * 1e-6
+        return self.inter_node_bw_gbs * 1e9 * eff, self.inter_node_latency_us * 1e-6
+
+
+def _interpolate(table: dict[int, float], x: float) -> float:
+    """Log-linear interpolation of measured rates by size, clamped at the measured ends."""
+    xs = sorted(table)
+    if x <= xs[0]:
+        return table[xs[0]]
+    if x >= xs[-1]:
+        return table[xs[-1]]
+    for lo, hi in zip(xs, xs[1:], strict=False):
+        if lo <= x <= hi:
+            f = (math.log(x) - math.log(lo)) / (math.log(hi) - math.log(lo))
+            return table[lo] + f * (table[hi] - table[lo])
+    return table[xs[-1]]
+
+
+def available() -> list[str]:
+    """Names of the shipped profiles, plus ``local``."""
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.toml")) + ["local"]
+
+
+def local_path(cache_dir: str = "~/.cache/shardwise") -> Path:
+    return Path(cache_dir).expanduser() / LOCAL_FILE
+
+
+def load_hardware(name: str, cache_dir: str = "~/.cache/shardwise") -> Hardware:
+    """A shipped profile by name, ``local`` (from ``shardwise calibrate``), or a TOML file path."""
+    if name == "local":
+        path = local_path(cache_dir)
+        if not path.is_file():
+            raise ConfigError(f"no calibration of this machine at {path}: run `shardwise calibrate` first "
+                              "(about a minute)")
+    elif name.endswith(".toml"):
+        path = Path(name)
+        if not path.is_file():
+            raise ConfigError(f"hardware file '{name}' does not exist")
+    else:
+        path = PROFILE_DIR / f"{name}.toml"
+        if not path.is_file():
+            raise ConfigError(f"unknown hardware '{name}'; choose one of {', '.join(available())} or "
+                              "pass a .toml profile")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"hardware profile {path} is not valid TOML: {e}") from None
+    known = {f.name for f in dataclasses.fields(Hardware)}
+    if unknown := set(data) - known:
+        raise ConfigError(f"hardware profile {path}: unknown key(s) {', '.join(sorted(unknown))}")
+    try:
+        return Hardware(**data)
+    except TypeError as e:
+        raise ConfigError(f"hardware profile {path}: {e}") from None
+
+
+def save_hardware(hw: Hardware, path: Path) -> None:
+    """Write a profile atomically (a temporary file, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    data: dict[str, Any] = {k: v for k, v in dataclasses.asdict(hw).items() if v not in ({}, None)}
+    tmp.write_text(tomli_w.dumps(data))
+    os.replace(tmp, path)

@@ -1,0 +1,177 @@
+"""``shardwise plan``: enumerate layouts -> drop the infeasible -> cost -> choose.
+
+The candidates are :class:`~shardwise.plan.layout.Layout` values over pp, dp_replicate, dp_shard, cp,
+tp, ep, the pipeline schedule, the micro-batch and the activation-checkpointing mode. A layout is
+dropped, with its reason counted, when the trainer would refuse it (degrees that do not divide the
+model, the batch or the sequence; ``ParallelDims`` and the preflight checks decide, the same code
+``shardwise train`` runs) or when its predicted peak memory exceeds the device's capacity. The rest
+are costed on shapes (:func:`~shardwise.plan.states.shape_states`, milliseconds each, pipeline ranks
+first and last only) and ranked by predicted tokens/s per device; the top ones are then estimated
+exactly (the real model on the fake process group, every pipeline rank).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass
+
+from shardwise.config import Config, ConfigError
+from shardwise.models import model_args
+from shardwise.plan.cost import step_time
+from shardwise.plan.estimate import Estimate, GiB, estimate
+from shardwise.plan.hardware import Hardware
+from shardwise.plan.layout import Layout
+from shardwise.plan.memory import step_memory
+from shardwise.plan.states import _param_shapes, shape_states
+
+AC_MODES = ("none", "selective", "full")
+SCHEDULES = ("1f1b", "interleaved1f1b", "zbv")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    peak: int
+    tokens_per_s_per_device: float
+
+    def __str__(self) -> str:
+        return (f"{self.layout}: {self.tokens_per_s_per_device:,.0f} tok/s/device, "
+                f"peak {self.peak / GiB:.1f} GiB")
+
+
+@dataclass
+class PlanResult:
+    ranked: list[Candidate]
+    dropped: Counter
+    """Reason -> how many layouts it removed."""
+    considered: int
+    top: list[Estimate]
+    """Exact estimates of the best few."""
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(cfg: Config, gpus: int, hw: Hardware, ac_modes: tuple[str, ...] = AC_MODES,
+                      schedules: tuple[str, ...] = SCHEDULES, max_micro_batch: int = 8) -> list[Layout]:
+    """Every layout of ``gpus`` ranks worth costing: tp and cp inside a node, any pp, dp split into
+    replicas x shards, expert parallel for MoE models, micro-batches up to ``max_micro_batch``."""
+    args = model_args(cfg.model)
+    node = hw.gpus_per_node if not hw.cores else gpus
+    out = []
+    for tp, cp in itertools.product(divisors(node), repeat=2):
+        if tp * cp > node or gpus % (tp * cp):
+            continue
+        for pp in divisors(gpus // (tp * cp)):
+            if pp > args.n_layers:
+                continue
+            dp = gpus // (tp * cp * pp)
+            for dp_replicate in divisors(dp):
+                dp_shard = dp // dp_replicate
+                for ep in (divisors(dp_shard * cp * tp) if args.n_experts else [1]):
+                    for sched in (schedules if pp > 1 else ("1f1b",)):
+                        for mb in (b for b in divisors(max_micro_batch) if b <= max_micro_batch):
+                            for ac in ac_modes:
+                                out.append(Layout(pp, dp_replicate, dp_shard, cp, tp, ep, sched, 2, mb, ac))
+    return out
+
+
+def check_layout(cfg: Config, layout: Layout) -> str:
+    """'' if the trainer accepts ``layout`` for ``cfg``, else its one-line refusal."""
+    from shardwise.preflight import check_layout as trainer_checks
+
+    try:
+        trainer_checks(layout.apply(cfg), layout.world)
+    except ConfigError as e:
+        return str(e)
+    return ""
+
+
+def _reason(message: str) -> str:
+    """A short bucket for a refusal message (the config key it names)."""
+    words = [w for w in message.replace("=", " ").split() if "." in w and w[0].isalpha()]
+    return f"not accepted: {words[0]}" if words else "not accepted"
+
+
+def plan(cfg: Config, gpus: int, hw: Hardware, top: int = 5, memory_fraction: float = 0.9,
+         ac_modes: tuple[str, ...] = AC_MODES, schedules: tuple[str, ...] = SCHEDULES,
+         exact_top: bool = True) -> PlanResult:
+    """Rank the layouts of ``cfg``'s model and batch on ``gpus`` devices of ``hw``."""
+    capacity = hw.memory_gib * GiB * memory_fraction
+    shapes = _param_shapes(model_args(cfg.model))
+    dropped: Counter = Counter()
+    ranked: list[Candidate] = []
+    layouts = enumerate_layouts(cfg, gpus, hw, ac_modes, schedules)
+    states_cache: dict[tuple, list] = {}
+    for layout in layouts:
+        if reason := check_layout(cfg, layout):
+            dropped[_reason(reason)] += 1
+            continue
+        c = layout.apply(cfg)
+        key = (layout.pp, layout.pp_schedule, layout.tp, layout.cp, layout.dp_shard, layout.dp_replicate,
+               layout.ep)
+        if key not in states_cache:
+            states = shape_states(c, layout, shapes)
+            # Pipeline ranks in between hold fewer micro-batches than the first and no head: the
+            # first and last bound the peak and the time during the search.
+            states_cache[key] = states if len(states) <= 2 else [states[0], states[-1]]
+        states = states_cache[key]
+        peak = max(step_memory(c, layout, st).peak for st in states)
+        if peak > capacity:
+            dropped["memory over capacity"] += 1
+            continue
+        t = step_time(c, layout, states, hw)
+        ranked.append(Candidate(layout, peak, t.tokens_per_s / gpus))
+    ranked.sort(key=lambda x: -x.tokens_per_s_per_device)
+    exact = [estimate(x.layout.apply(cfg), gpus, hw, exact=exact_top, shapes=shapes) for x in ranked[:top]]
+    return PlanResult(ranked, dropped, len(layouts), exact)
+
+
+def parse_tokens(text: str) -> int:
+    """'4M' -> 4194304, '512K' -> 524288, '1000000' -> 1000000 (binary multiples, as batch sizes
+    are quoted)."""
+    t = text.strip().upper()
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(t[-1:], 1)
+    try:
+        return int(float(t[:-1] if scale > 1 else t) * scale)
+    except ValueError:
+        raise ConfigError(f"--global-batch-tokens '{text}': expected a number like 4M or 524288") from None
+
+
+def plan_config(base: Config, seq: int, global_batch_tokens: int) -> Config:
+    """``base`` with the sequence length and the global batch (in sequences) of the plan."""
+    if global_batch_tokens % seq:
+        raise ConfigError(f"--global-batch-tokens {global_batch_tokens} is not a multiple of --seq {seq}")
+    cfg = base
+    cfg.training.seq_len = seq
+    cfg.training.global_batch = global_batch_tokens // seq
+    cfg.model.max_seq_len = max(cfg.model.max_seq_len, seq)
+    return cfg
+
+
+def format_plan(result: PlanResult, cfg: Config, gpus: int, hw: Hardware) -> str:
+    lines = [f"{result.considered} layouts of {cfg.model.name} on {gpus} x {hw.name}: "
+             f"{len(result.ranked)} feasible"]
+    for reason, n in result.dropped.most_common():
+        lines.append(f"  dropped {n}: {reason}")
+    lines += ["", "| # | layout | tok/s/device | MFU | peak GiB | step s | compute s | exposed comm s "
+                  "| bubble s |", "|---|---|---|---|---|---|---|---|---|"]
+    for i, est in enumerate(result.top, 1):
+        t = est.time
+        compute = max(sum(r.compute.values()) for r in t.ranks)
+        comm = max(r.exposed_comm for r in t.ranks)
+        mfu = f"{100 * est.mfu:.1f}%" if est.mfu else "-"
+        lines.append(f"| {i} | {est.layout} | {est.tokens_per_s_per_device:,.0f} | {mfu} | "
+                     f"{est.peak / GiB:.1f} | {t.step:.3f} | {compute:.3f} | {comm:.3f} | {t.bubble:.3f} |")
+    return "\n".join(lines)
+
+
+def layout_toml(est: Estimate) -> str:
+    """The chosen layout as a ready-to-run config, with the prediction in a header comment."""
+    head = (f"# shardwise plan: {est.layout} on {est.layout.world} x {est.hardware.name}\n"
+            f"# predicted {est.tokens_per_s_per_device:,.0f} tokens/s per device, step "
+            f"{est.time.step:.3f} s, peak memory {est.peak / GiB:.1f} GiB per device\n"
+            f"# run: torchrun --nnodes N --nproc-per-node G -m shardwise train --config <this file>\n")
+    return head + est.cfg.to_toml()

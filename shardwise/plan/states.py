@@ -1,0 +1,283 @@
+"""What each rank holds between steps -- parameters, gradients, optimizer states -- and the FSDP
+units it gathers and reduces, for any layout and world size, without the cluster.
+
+Two ways, tested equal (tests/unit/test_plan_states.py):
+
+- :func:`built_states` builds the real model on the meta device and parallelizes it with the
+  trainer's own ``parallelize()`` over torch's ``fake`` process-group backend (one process stands
+  in for every rank: collectives are no-ops, meshes and DTensor shardings are real). The local
+  shard shapes and FSDP's parameter groups are then read off the modules, so what is counted is
+  what ``shardwise train`` would allocate. ``shardwise estimate`` uses it.
+- :func:`shape_states` applies the same sharding rules to the parameter shapes (tensor parallel's
+  plan, expert parallel, FSDP's dim-0 chunks with padding): milliseconds per layout, which is what
+  lets ``shardwise plan`` cost thousands of layouts.
+
+Byte counts are of the local shards, as :func:`shardwise.observe.memory.state_bytes` measures them
+during training. Ranks differ (uneven chunks, pipeline stages holding the embedding or the head):
+each pipeline rank is reported at data/tensor coordinate 0, which holds the largest chunk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from shardwise.config import Config, ConfigError
+from shardwise.models import ModelArgs, build_model, model_args
+from shardwise.parallel.pipeline import rank_stages, stage_layers
+from shardwise.plan.layout import Layout
+
+BYTES = {"bf16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class FsdpUnit:
+    """One ``fully_shard`` parameter group: gathered and reduced as one collective."""
+
+    name: str
+    numel: int
+    """Unsharded elements, padded to a multiple of ``shard`` along dim 0 (the all-gather output)."""
+    shard: int
+    """Ranks the parameters are sharded over."""
+    group: str
+    """Mesh dim of the shard group: dp_shard_cp (blocks, root), moe (router and shared expert of
+    an MoE block: dp_shard x cp x tp) or efsdp (experts under expert parallel)."""
+    replicate: int
+    """HSDP replicas: the sharded gradient is all-reduced over dp_replicate."""
+    reshard: bool
+    """Freed after forward and gathered again for backward."""
+    layer: int | None
+    """The block it belongs to; None for the root (embedding, final norm, output head)."""
+
+
+@dataclass(frozen=True)
+class RankStates:
+    pp_rank: int
+    params: int
+    """Bytes of fp32 parameter shards."""
+    grads: int
+    optimizer: int
+    units: tuple[FsdpUnit, ...]
+    layers: tuple[int, ...]
+    """Blocks this rank runs, in order."""
+    has_embedding: bool
+    has_head: bool
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def optimizer_bytes_per_element(cfg: Config) -> int:
+    """AdamW's two moments (exp_avg, exp_avg_sq) per parameter element."""
+    return 2 * BYTES[cfg.optimizer.state_dtype]
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact: the real model on the fake backend
+
+
+@contextlib.contextmanager
+def fake_world(world: int, rank: int) -> Iterator[None]:
+    """torch's ``fake`` process group of ``world`` ranks, as ``rank``: meshes and DTensors are real,
+    collectives do nothing."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise ConfigError("the estimator builds the model on its own fake process group: run it in a "
+                          "process without one (shardwise estimate, not inside training)")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def build_rank(cfg: Config, world: int, rank: int) -> tuple[nn.Module, object]:
+    """This rank's model (its pipeline stages), parallelized on meta as the trainer does it; call
+    inside :func:`fake_world`. Returns (model, ParallelDims)."""
+    import warnings
+
+    from shardwise.parallel.dims import ParallelDims
+    from shardwise.parallel.parallelize import parallelize
+    from shardwise.train import build_stage
+
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    dims.build_mesh("cpu")
+    model = build_stage(model_args(cfg.model), dims, cfg.parallel)
+    with warnings.catch_warnings():
+        # A pipeline stage without the head has no 'output' for the TP plan to resolve.
+        warnings.filterwarnings("ignore", message="Parallelize plan key")
+        parallelize(model, dims, cfg)
+    return model, dims
+
+
+def built_states(cfg: Config, world: int) -> list[RankStates]:
+    """Per pipeline rank, the states and FSDP units of the real parallelized model."""
+    layout = Layout.from_config(cfg, world)
+    out = []
+    for s in range(layout.pp):
+        rank = s * (world // layout.pp)  # pipeline coordinate s, every other coordinate 0
+        with fake_world(world, rank):
+            model, _ = build_rank(cfg, world, rank)
+            out.append(_read_states(model, cfg, s))
+    return out
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    return (p.to_local() if isinstance(p, DTensor) else p).numel()
+
+
+def _read_states(model: nn.Module, cfg: Config, pp_rank: int) -> RankStates:
+    from torch.distributed.fsdp import FSDPModule
+
+    numel = sum(_local_numel(p) for p in model.parameters())
+    units = []
+    views = getattr(model, "stage_views", None) or []
+    for name, m in [*model.named_modules(), *((f"(stage {i})", v) for i, v in enumerate(views))]:
+        if not isinstance(m, FSDPModule):
+            continue
+        group = m._get_fsdp_state()._fsdp_param_group
+        if group is None:
+            continue
+        info = group.mesh_info
+        shard = info.shard_mesh_size
+        padded = sum(fp.padded_sharded_param_size.numel() for fp in group.fsdp_params) * shard
+        mesh_name = info.mesh.mesh_dim_names[-1] if info.mesh.mesh_dim_names else ""
+        kind = {"efsdp": "efsdp", "dp_shard_cp_tp": "moe"}.get(mesh_name, "dp_shard_cp")
+        parts = name.split(".")
+        layer = int(parts[1]) if len(parts) > 1 and parts[0] == "layers" else None
+        units.append(FsdpUnit(name if layer is not None else "(root)", padded, shard, kind,
+                              getattr(info, "replicate_mesh_size", 1),
+                              group.post_forward_mesh_info is not None, layer))
+    layers = tuple(int(k) for k in model.layers)
+    return RankStates(pp_rank, 4 * numel, 4 * numel, optimizer_bytes_per_element(cfg) * numel,
+                      tuple(units), layers, model.tok_embeddings is not None,
+                      getattr(model, "norm", None) is not None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fast: the same rules on shapes
+
+# Dim each tensor-parallel plan entry shards (shardwise/parallel/tensor.py): column-parallel
+# linears and the vocab-parallel embedding/head split dim 0, row-parallel linears dim 1. Norms are
+# replicated; an MoE block's feed-forward is not split over tp.
+_TP_DIM = {"wq": 0, "wk": 0, "wv": 0, "wo": 1, "w1": 0, "w3": 0, "w2": 1}
+
+
+def _chunk(n: int, k: int) -> int:
+    """Rank 0's share of ``n`` split in ``k`` chunks the way torch.chunk does (the largest)."""
+    return -(-n // k)
+
+
+def _param_shapes(args: ModelArgs) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """Parameter (name, shape) of one block of each kind and of the root modules, from the model
+    itself on meta (a one-block model per kind, so nothing is duplicated here)."""
+    import dataclasses
+
+    out: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    dense = build_model(dataclasses.replace(args, n_layers=1, n_experts=0))
+    out["dense"] = [(n, tuple(p.shape)) for n, p in dense.layers["0"].named_parameters()]
+    if args.n_experts:
+        moe = build_model(dataclasses.replace(args, n_layers=1, n_dense_layers=0))
+        out["moe"] = [(n, tuple(p.shape)) for n, p in moe.layers["0"].named_parameters()]
+    out["embedding"] = [("tok_embeddings.weight", tuple(dense.tok_embeddings.weight.shape))]
+    out["head"] = [("norm.weight", tuple(dense.norm.weight.shape))]
+    if dense.output is not None:
+        out["head"].append(("output.weight", tuple(dense.output.weight.shape)))
+    return out
+
+
+def _local_shape(name: str, shape: tuple[int, ...], layout: Layout, moe_ffn: bool) -> tuple[int, ...]:
+    """Shape after tensor and expert parallel (rank 0's chunk), before FSDP."""
+    shape = list(shape)
+    leaf = name.rsplit(".", 2)
+    if moe_ffn:
+        if ".experts." in f".{name}" and layout.ep > 1:
+            shape[0] = _chunk(shape[0], layout.ep)
+    elif layout.tp > 1:
+        if name in ("tok_embeddings.weight", "output.weight"):
+            shape[0] = _chunk(shape[0], layout.tp)
+        elif len(leaf) == 3 and leaf[2] == "weight" and leaf[1] in _TP_DIM:
+            d = _TP_DIM[leaf[1]]
+            shape[d] = _chunk(shape[d], layout.tp)
+    return tuple(shape)
+
+
+def _shard_numel(params: list[tuple[str, tuple[int, ...]]], layout: Layout, shard: int,
+                 moe_ffn: bool) -> tuple[int, int]:
+    """(rank 0's local elements, padded unsharded elements) of parameters FSDP shards together."""
+    local = padded = 0
+    for name, shape in params:
+        dims = _local_shape(name, shape, layout, moe_ffn)
+        rest = math.prod(dims[1:])
+        local += _chunk(dims[0], shard) * rest
+        padded += _chunk(dims[0], shard) * shard * rest
+    return local, padded
+
+
+def shape_states(cfg: Config, layout: Layout, shapes: dict | None = None) -> list[RankStates]:
+    """Per pipeline rank, the states and FSDP units :func:`built_states` would find, from shapes.
+    ``shapes``: :func:`_param_shapes` of the model, when the caller costs many layouts."""
+    args = model_args(cfg.model)
+    shapes = shapes or _param_shapes(args)
+    n_stages = layout.pp * layout.stages_per_rank
+    per_stage = stage_layers(args.n_layers, n_stages)
+    out = []
+    for s in range(layout.pp):
+        stages = (rank_stages(s, layout.pp, layout.pp_schedule, layout.pp_stages_per_rank)
+                  if layout.pp > 1 else [0])
+        layers = sorted(i for st in stages for i in per_stage[st])
+        out.append(_rank_states(cfg, layout, args, shapes, s, layers, 0 in stages,
+                                n_stages - 1 in stages))
+    return out
+
+
+def _rank_states(cfg: Config, layout: Layout, args: ModelArgs, shapes: dict, pp_rank: int,
+                 layers: list[int], has_emb: bool, has_head: bool) -> RankStates:
+    """One pipeline rank: FSDP units in the order ``apply_fsdp`` makes them (per block: experts,
+    MoE feed-forward, block; then the root or each stage view's root)."""
+    moe_shard = layout.dp_shard * layout.cp * layout.tp
+    fsdp = layout.dp_shard * layout.cp
+    mode = cfg.parallel.reshard_after_forward
+    numel, units = 0, []
+
+    def unit(name: str, params: list[tuple[str, tuple[int, ...]]], shard: int, group: str,
+             reshard: bool, layer: int | None, moe_ffn: bool = False) -> None:
+        nonlocal numel
+        local, padded = _shard_numel(params, layout, shard, moe_ffn)
+        numel += local
+        if params:
+            units.append(FsdpUnit(name, padded, shard, group, layout.dp_replicate, reshard, layer))
+
+    for i in layers:
+        # apply_fsdp: the last block of the rank stays gathered for backward; pipeline ranks keep all
+        reshard = mode == "always" or (mode == "default" and i != layers[-1] and layout.pp == 1)
+        kind = "moe" if args.is_moe_layer(i) else "dense"
+        block = [(n, sh) for n, sh in shapes[kind] if not n.startswith("feed_forward.")]
+        ffn = [(n, sh) for n, sh in shapes[kind] if n.startswith("feed_forward.")]
+        if kind == "moe":
+            experts = [(n, sh) for n, sh in ffn if n.startswith("feed_forward.experts.")]
+            rest = [(n, sh) for n, sh in ffn if not n.startswith("feed_forward.experts.")]
+            if layout.ep > 1:
+                unit(f"layers.{i}.feed_forward.experts", experts, moe_shard // layout.ep, "efsdp",
+                     reshard, i, moe_ffn=True)
+                experts = []
+            unit(f"layers.{i}.feed_forward", rest + experts, moe_shard, "moe", reshard, i, moe_ffn=True)
+        else:
+            block += ffn
+        unit(f"layers.{i}", block, fsdp, "dp_shard_cp", reshard, i)
+    roots = [(shapes["embedding"] if has_emb else []) + (shapes["head"] if has_head else [])]
+    if layout.stages_per_rank > 1:  # each stage view is a root of its own
+        roots = [r for r, keep in ((shapes["embedding"], has_emb), (shapes["head"], has_head)) if keep]
+    for params in roots:
+        unit("(root)", params, fsdp, "dp_shard_cp", mode == "always", None)
+    return RankStates(pp_rank, 4 * numel, 4 * numel, optimizer_bytes_per_element(cfg) * numel,
+                      tuple(units), tuple(layers), has_emb, has_head)
