@@ -271,7 +271,8 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if args.world < 1:
         raise ConfigError(f"--world must be >= 1, got {args.world}")
-    cfg = load_config(args.config, overrides)
+    # training.mixed_precision=auto resolves for the planned device, not for this machine.
+    cfg = load_config(args.config, overrides, device="cpu" if args.hardware == "local" else "cuda")
     check_layout(cfg, args.world)  # the trainer's own refusals, one line each
     hw = load_hardware(args.hardware, cfg.data.cache_dir)
     est = estimate(cfg, args.world, hw)
@@ -322,7 +323,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         if bad := [v for v in values if v not in _CHOICES[key]]:
             raise ConfigError(f"{name}: unknown {', '.join(bad)}; choose from {', '.join(_CHOICES[key])}")
     model = [f"--model.name={args.model}"] if args.model else []
-    cfg = load_config(args.config, model + overrides)
+    cfg = load_config(args.config, model + overrides, device="cpu" if args.hardware == "local" else "cuda")
     seq = args.seq or cfg.training.seq_len
     tokens = (parse_tokens(args.global_batch_tokens) if args.global_batch_tokens
               else cfg.training.global_batch * cfg.training.seq_len)

@@ -11,7 +11,7 @@ from shardwise.config import Config, ConfigError, _coerce
 _CHOICES = {
     "run.device": ("auto", "cpu", "cuda"),
     "data.txt_sample_by": ("paragraph", "line", "document"),
-    "training.mixed_precision": ("bf16", "fp32"),
+    "training.mixed_precision": ("bf16", "fp32", "auto"),
     "optimizer.implementation": ("auto", "fused", "foreach", "for-loop"),
     "lr_scheduler.decay": ("cosine", "linear", "wsd", "constant"),
     "parallel.backend": ("auto", "gloo", "nccl"),

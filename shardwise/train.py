@@ -125,10 +125,11 @@ def train(cfg: Config) -> None:
                                    batch_pairs(batches, cfg.training.seq_len), ac.mode, ac.every,
                                    cfg.training.loss_chunk > 0).total / sharing
             first, traced = step == start + 1, step == max(cfg.debug.trace_step, start + 1)
-            with trace_step(cfg.debug.comm and traced, dims.mesh, dims.flat_meshes,
-                            run_dir / "comm.json", env.rank, track_modules=dims.pp == 1), \
-                    track_peak(cfg.debug.memory and traced, model, optimizer,
-                               run_dir / "memory_peak.json", env.device):
+            # (the peak tracker outside: its all-gather of every rank's peak is not the step's)
+            with track_peak(cfg.debug.memory and traced, model, optimizer, run_dir / "memory_peak.json",
+                            env.device), \
+                    trace_step(cfg.debug.comm and traced, dims.mesh, dims.flat_meshes, run_dir / "comm.json",
+                               env.rank, track_modules=dims.pp == 1):
                 result = train_step(model, optimizer, scheduler, shard(batches), dims,
                                     cfg.training.max_grad_norm, pipe, measure_memory=first,
                                     loss_fn=loss_fn, inject_nan=step == cfg.debug.nan_step)

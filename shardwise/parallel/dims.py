@@ -14,6 +14,7 @@ views are built once:
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -197,6 +198,29 @@ def launched_world_size() -> int | None:
     """WORLD_SIZE set by torchrun / the elastic launcher, or None when run as a plain process."""
     ws = os.environ.get("WORLD_SIZE")
     return int(ws) if ws else None
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (x86 AMX or AVX512-BF16, Arm BF16); without it
+    oneDNN emulates bf16 GEMMs far slower than fp32 ones."""
+    import platform
+    import subprocess
+
+    if sys.platform == "darwin":
+        out = subprocess.run(["sysctl", "-n", "hw.optional.arm.FEAT_BF16"], capture_output=True,
+                             text=True, check=False).stdout.strip()
+        return out == "1"
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags.update(line.split(":", 1)[1].split())
+    if platform.machine() in ("aarch64", "arm64"):
+        return "bf16" in flags
+    return bool(flags & {"amx_bf16", "avx512_bf16"})
 
 
 def device_type(requested: str) -> str:

@@ -2,16 +2,19 @@
 
 What the step-time model needs, each measured the way training uses it:
 
-- **GEMM throughput** per dtype (bf16, fp32) and thread count, for ``tokens x K @ K x N`` products
-  with ``K = N`` from 128 to 4096 (small widths run far below the large-GEMM peak on CPUs);
+- **GEMM throughput** per dtype (bf16, fp32) and thread count: a linear layer's forward and
+  backward for in/out widths 128 to 2048 (small widths run far below the large-GEMM
+  peak on CPUs; CPUs without native bf16 run bf16 GEMMs far slower than fp32);
 - **attention throughput** (causal SDPA, forward + backward, FLOPs as ``executed_flops`` counts
   them) per dtype, thread count and head width;
-- **memory bandwidth** of an elementwise op (what norms, RoPE, SwiGLU, casts and the optimizer
-  are bound by), per thread count;
+- **memory bandwidth** of eager elementwise ops writing new outputs (what norms, RoPE, SwiGLU,
+  casts, FSDP's copies and the optimizer are bound by), per thread count, for outputs below and
+  above the allocator's mmap threshold (fresh pages are faulted in: several times slower);
 - **gloo collectives** among 2, 4 and 8 local processes: bus bandwidth of all-gather /
   reduce-scatter / all-reduce on MiB-sized buffers and the latency of a tiny all-reduce;
 - **host overhead**: the Python/dispatcher time of a training step per transformer block and per
-  step, from a model too small for its kernels to matter, through FSDP as the trainer runs it.
+  step, from a model too small for its kernels to matter, through FSDP as the trainer runs it;
+  and what tensor parallel (DTensor dispatch, redistributions) adds per block, on 2 processes.
 
 Thread counts are those the trainer gives N local ranks (``cores // N``, at least 1). The result is
 written to ``<data.cache_dir>/hardware_local.toml`` and read as ``--hardware local``.
@@ -19,6 +22,7 @@ written to ``<data.cache_dir>/hardware_local.toml`` and read as ``--hardware loc
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 import tempfile
@@ -31,13 +35,13 @@ import torch.nn.functional as F
 
 from shardwise.plan.hardware import Hardware, local_path, save_hardware
 
-GEMM_SIZES = (128, 256, 512, 1024, 2048, 4096)
+GEMM_SIZES = (128, 256, 512, 1024, 2048)
 HEAD_DIMS = (16, 32, 64, 128)
 WORLDS = (2, 4, 8)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def _time(fn: Callable[[], object], seconds: float, min_runs: int = 3) -> float:
+def _time(fn: Callable[[], object], seconds: float, min_runs: int = 2) -> float:
     """Median seconds per call of ``fn`` over about ``seconds`` (one warm-up call first)."""
     fn()
     times: list[float] = []
@@ -49,19 +53,33 @@ def _time(fn: Callable[[], object], seconds: float, min_runs: int = 3) -> float:
     return statistics.median(times)
 
 
-def gemm_tflops(dtype: torch.dtype, width: int, tokens: int = 2048, seconds: float = 0.3) -> float:
-    a = torch.randn(tokens, width).to(dtype)
-    b = torch.randn(width, width).to(dtype)
-    return 2 * tokens * width * width / _time(lambda: a @ b, seconds) / 1e12
+def gemm_tflops(dtype: torch.dtype, k: int, n: int, seconds: float = 0.2) -> float:
+    """A linear layer's forward and backward (``F.linear`` as the model calls it: the output, the
+    input gradient and the weight gradient) with ``k`` inputs and ``n`` outputs, 6 * T * k * n
+    FLOPs. The token count T is sized from a first small call so that one call takes about 0.1 s
+    (CPUs without native bf16 run bf16 GEMMs 30-100x slower than fp32)."""
+    w = torch.randn(n, k).to(dtype).requires_grad_()
+
+    def rate(tokens: int, secs: float) -> float:
+        x = torch.randn(tokens, k).to(dtype).requires_grad_()
+        grad = torch.randn(tokens, n).to(dtype)
+
+        def step() -> None:
+            F.linear(x, w).backward(grad)
+            x.grad = w.grad = None
+        return 6 * tokens * k * n / _time(step, secs) / 1e12
+    probe = rate(64, 0.0)
+    tokens = int(min(2048, max(64, 0.1 * probe * 1e12 / (6 * k * n))))
+    return rate(tokens, seconds)
 
 
-def attention_tflops(dtype: torch.dtype, head_dim: int, seconds: float = 0.5) -> float:
+def attention_tflops(dtype: torch.dtype, head_dim: int, seconds: float = 0.2) -> float:
     """Causal SDPA forward + backward; FLOPs counted like ``executed_flops``: 4 * H * D per
     (query, key) pair forward, 2.5x that backward, S(S+1)/2 pairs."""
-    b, s = 2, 1024
-    heads = max(1, 512 // head_dim)
-    q, k, v = (torch.randn(b, heads, s, head_dim, dtype=dtype, requires_grad=True) for _ in range(3))
-    grad = torch.randn(b, heads, s, head_dim, dtype=dtype)
+    b, s = 2, 512
+    heads = max(1, 256 // head_dim)
+    q, k, v = (torch.randn(b, heads, s, head_dim).to(dtype).requires_grad_() for _ in range(3))
+    grad = torch.randn(b, heads, s, head_dim).to(dtype)
 
     def step() -> None:
         F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
@@ -69,16 +87,27 @@ def attention_tflops(dtype: torch.dtype, head_dim: int, seconds: float = 0.5) ->
     return flops / _time(step, seconds) / 1e12
 
 
-def memory_gbs(seconds: float = 0.3) -> float:
-    """Bytes moved per second by an out-of-place add of 64 MiB fp32 tensors (two reads, a write)."""
-    n = 16 * 2**20
-    a, b, c = torch.randn(n), torch.randn(n), torch.empty(n)
-    return 3 * 4 * n / _time(lambda: torch.add(a, b, out=c), seconds) / 1e9
+def memory_gbs(large: bool = False, seconds: float = 0.3) -> float:
+    """Bytes per second an eager elementwise op moves: out-of-place adds (two reads, one write into
+    a new tensor, as every op of a training step allocates its output). Small: 8 MiB tensors
+    cycling through a 400 MiB working set (out of cache, outputs reused from the allocator's
+    heap); ``large``: 64 and 128 MiB ones, whose outputs are fresh memory the OS page-faults in on
+    first touch, which on CPUs costs far more than the copy itself."""
+    sizes = [2**24, 2**25] if large else [2**21] * 25  # fp32 elements
+    pairs = [(torch.randn(n), torch.randn(n)) for n in sizes]
+
+    def step() -> None:
+        for a, b in pairs:
+            torch.add(a, b)
+    return 3 * 4 * sum(sizes) / _time(step, seconds) / 1e9
 
 
-def _tiny_step(layers: int) -> Callable[[], None]:
+def _tiny_step(layers: int, layout: tuple[str, ...] = ()) -> Callable[[], None]:
     """A training step (forward, backward, clipping, AdamW) of a dim-32 model with ``layers``
-    blocks through the trainer's own FSDP and loss, on the current one-rank process group."""
+    blocks through the trainer's own parallelization and loss, on the current process group
+    (``layout``: parallel overrides such as ``--parallel.tp=2``)."""
+    import torch.distributed as dist
+
     from shardwise.config import load_config
     from shardwise.data.dataset import Batch
     from shardwise.models import build_model, init_weights, model_args
@@ -90,8 +119,8 @@ def _tiny_step(layers: int) -> Callable[[], None]:
 
     cfg = load_config(None, ["--model.dim=32", f"--model.n_layers={layers}", "--model.n_heads=2",
                              "--model.n_kv_heads=2", "--model.vocab_size=64", "--model.multiple_of=32",
-                             "--training.seq_len=8"])
-    dims = ParallelDims.from_config(cfg.parallel, 1)
+                             "--training.seq_len=8", *layout])
+    dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size())
     dims.build_mesh("cpu")
     model = build_model(model_args(cfg.model))
     parallelize(model, dims, cfg)
@@ -106,6 +135,7 @@ def _tiny_step(layers: int) -> Callable[[], None]:
         clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        dist.barrier()
     return step
 
 
@@ -135,26 +165,45 @@ def _collective_worker(rank: int, world: int, init: str, out: str) -> None:
     shard = torch.randn(size // world)
     results = {}
 
-    def timed(fn: Callable[[], object]) -> float:
-        dist.barrier()
-        return _time(fn, 0.5, min_runs=3)
+    def timed(fn: Callable[[], object], runs: int = 5) -> float:
+        """Median of a fixed number of calls: every rank must issue the same collectives (a loop
+        until a time is up would let ranks disagree on the count and hang)."""
+        fn()
+        times = []
+        for _ in range(runs):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
 
+    # torch 2.13 renames these (the old names warn); 2.11 has only the old ones
     gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
     t_ag = timed(lambda: gather(x, shard))
-    t_rs = timed(lambda: dist.reduce_scatter_tensor(shard, x))
+    t_rs = timed(lambda: scatter(shard, x))
     t_ar = timed(lambda: dist.all_reduce(x))
     tiny = torch.zeros(2)
     t_lat = timed(lambda: dist.all_reduce(tiny))
     ring = (world - 1) / world * x.numel() * 4
     results = {"all_gather": ring / t_ag, "reduce_scatter": ring / t_rs, "all_reduce": 2 * ring / t_ar,
                "latency_s": t_lat / (2 * (world - 1))}
+    if world == 2:
+        # Host time tensor parallel adds per block (DTensor dispatch, redistributions) over the
+        # same blocks under FSDP: tiny models of 1 and 5 blocks, so kernels play no part.
+        per_block = {}
+        for name, layout in (("fsdp", ("--parallel.dp_shard=2",)), ("tp", ("--parallel.tp=2",))):
+            one, five = (timed(_tiny_step(n, layout), runs=15) for n in (1, 5))
+            per_block[name] = (five - one) / 4
+        results["tp_block_s"] = max(0.0, per_block["tp"] - per_block["fsdp"])
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
 
 
-def collective_bandwidth(world: int) -> tuple[float, float]:
-    """(bus bandwidth GB/s, per-hop latency s) of gloo among ``world`` local processes."""
+def collective_bandwidth(world: int) -> dict[str, float]:
+    """Gloo among ``world`` local processes: bus bandwidth (GB/s), per-hop latency (s), and with 2
+    processes the host time tensor parallel adds per block (s)."""
     import json
 
     import torch.multiprocessing as mp
@@ -164,8 +213,8 @@ def collective_bandwidth(world: int) -> tuple[float, float]:
         mp.start_processes(_collective_worker, args=(world, f"file://{Path(d) / 'pg'}", out), nprocs=world,
                            start_method="spawn")
         r = json.loads(Path(out).read_text())
-    bw = statistics.median([r["all_gather"], r["reduce_scatter"], r["all_reduce"]]) / 1e9
-    return bw, r["latency_s"]
+    r["bw_gbs"] = statistics.median([r["all_gather"], r["reduce_scatter"], r["all_reduce"]]) / 1e9
+    return r
 
 
 def calibrate(cache_dir: str = "~/.cache/shardwise", log: Callable[[str], None] = print) -> Hardware:
@@ -173,39 +222,52 @@ def calibrate(cache_dir: str = "~/.cache/shardwise", log: Callable[[str], None] 
     cores = os.cpu_count() or 1
     threads = sorted({1, cores})
     rates: dict[str, float] = {}
-    bandwidth: dict[int, float] = {}
+    bandwidth: dict[str, float] = {}
     old_threads = torch.get_num_threads()
     try:
         for th in threads:
             torch.set_num_threads(th)
             for name, dtype in DTYPES.items():
-                for w in GEMM_SIZES:
-                    rates[f"{name}@{th}:{w}"] = gemm_tflops(dtype, w)
+                # fp32: every (in, out) pair of widths; bf16 (slow without native support on
+                # many CPUs) square weights only
+                pairs = itertools.product(GEMM_SIZES, repeat=2) if name == "fp32" else \
+                    ((w, w) for w in GEMM_SIZES)
+                for k, n in pairs:
+                    rates[f"{name}@{th}:{k}x{n}"] = gemm_tflops(dtype, k, n)
                 for hd in HEAD_DIMS:
                     rates[f"attention_{name}@{th}:{hd}"] = attention_tflops(dtype, hd)
-            bandwidth[th] = memory_gbs()
-            log(f"  {th} thread(s): bf16 GEMM {rates[f'bf16@{th}:{GEMM_SIZES[-1]}']:.3f} TFLOP/s at width "
-                f"{GEMM_SIZES[-1]}, attention {rates[f'attention_bf16@{th}:64']:.3f} at head dim 64, "
-                f"memory {bandwidth[th]:.1f} GB/s")
+            bandwidth[str(th)] = memory_gbs()
+            bandwidth[f"large@{th}"] = memory_gbs(large=True)
+            w = GEMM_SIZES[-2]
+            log(f"  {th} thread(s): GEMM at width {w}: fp32 {rates[f'fp32@{th}:{w}x{w}']:.3f} TFLOP/s, bf16 "
+                f"{rates[f'bf16@{th}:{w}x{w}']:.3f}; attention at head dim 64: fp32 "
+                f"{rates[f'attention_fp32@{th}:64']:.3f}, bf16 {rates[f'attention_bf16@{th}:64']:.3f}; "
+                f"memory {bandwidth[str(th)]:.1f} GB/s ({bandwidth[f'large@{th}']:.1f} for outputs over "
+                "16 MiB)")
         torch.set_num_threads(1 if cores == 1 else cores)
         per_block, per_step = host_overhead_ms()
         log(f"  host overhead: {per_block:.2f} ms per block, {per_step:.2f} ms per step")
     finally:
         torch.set_num_threads(old_threads)
-    coll, latency = {}, []
+    coll, latency, per_tp_block = {}, [], 0.0
     for w in WORLDS:
-        bw, lat = collective_bandwidth(w)
-        coll[str(w)] = bw
-        latency.append(lat)
-        log(f"  gloo, {w} processes: {bw:.2f} GB/s bus bandwidth, {1e6 * lat:.0f} us per hop")
+        r = collective_bandwidth(w)
+        coll[str(w)] = r["bw_gbs"]
+        latency.append(r["latency_s"])
+        log(f"  gloo, {w} processes: {r['bw_gbs']:.2f} GB/s bus bandwidth, {1e6 * r['latency_s']:.0f} us per "
+            "hop" + (f"; tensor parallel adds {1e3 * r['tp_block_s']:.1f} ms host time per block"
+                     if "tp_block_s" in r else ""))
+        if "tp_block_s" in r:
+            per_tp_block = 1e3 * r["tp_block_s"]
     hw = Hardware(
         name="local", description=f"this machine: {cores} CPU cores, measured by shardwise calibrate",
-        memory_gib=_ram_gib(), memory_bw_gbs=bandwidth[max(threads)], gpus_per_node=cores,
+        memory_gib=_ram_gib(), memory_bw_gbs=bandwidth[str(max(threads))], gpus_per_node=cores,
         intra_node_bw_gbs=max(coll.values()), intra_node_latency_us=1e6 * statistics.median(latency),
         inter_node_bw_gbs=max(coll.values()), inter_node_latency_us=1e6 * statistics.median(latency),
         comm_overlap=False, peak_tflops={}, efficiency={"memory": 1.0}, cores=cores,
-        thread_tflops=rates, overhead_ms={"per_block": per_block, "per_step": per_step},
-        collective_bw_gbs=coll, memory_bw_per_thread_gbs={str(k): v for k, v in bandwidth.items()})
+        thread_tflops=rates, overhead_ms={"per_block": per_block, "per_step": per_step,
+                                          "per_tp_block": per_tp_block},
+        collective_bw_gbs=coll, memory_bw_per_thread_gbs=bandwidth)
     save_hardware(hw, local_path(cache_dir))
     return hw
 

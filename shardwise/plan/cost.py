@@ -8,7 +8,9 @@
 - causal attention at the attention rate (measured per head width on ``local``);
 - memory-bound work -- norms, RoPE, SwiGLU's elementwise half, residual adds, casts, the loss's
   softmax, FSDP's copy-in/out and the optimizer -- as bytes read and written over the memory
-  bandwidth (backward moves about twice the forward's bytes);
+  bandwidth (backward moves about twice the forward's bytes); on ``local`` the bandwidth measured
+  for outputs above the allocator's large-allocation threshold is far lower (each such output is
+  page-faulted in afresh), and each term uses the one its tensor size falls under;
 - on ``local`` the host overhead measured per block and per step (Python, dispatcher, hooks); on
   GPUs it is assumed hidden behind the kernels.
 
@@ -68,11 +70,13 @@ class StepTime:
     extra: dict[str, float] = field(default_factory=dict)
 
 
-def _gemms(s: Shape, cfg: Config, layer: int) -> list[tuple[float, int, bool]]:
-    """(forward FLOPs, width, float8) of each GEMM of one block for one micro-batch on this rank.
-    Width is the smaller weight dim, which sets a GEMM's efficiency on CPUs; float8: the linear is
-    one ``float8.enabled`` converts (attention, dense and shared-expert MLPs; not the router or the
-    grouped experts; local dims multiples of 16 and at least ``float8.min_dim``)."""
+def _gemms(s: Shape, cfg: Config, layer: int) -> list[tuple[float, int, int, bool, bool]]:
+    """(forward FLOPs, in width, out width, float8, recomputed) of each GEMM of one block for one
+    micro-batch on this rank. The widths set a GEMM's efficiency on CPUs; float8: the linear is one
+    ``float8.enabled`` converts (attention, dense and shared-expert MLPs; not the router or the
+    grouped experts; local dims multiples of 16 and at least ``float8.min_dim``); recomputed: full
+    checkpointing runs it again in backward (all but the down projections whose output only feeds
+    the residual add, as ``executed_flops`` counts)."""
     a = s.args
     t, tn, d = s.tokens, s.norm_tokens, a.dim
     q, kv = a.n_heads * a.head_dim // s.tp, a.n_kv_heads * a.head_dim // s.tp
@@ -80,17 +84,19 @@ def _gemms(s: Shape, cfg: Config, layer: int) -> list[tuple[float, int, bool]]:
     def fp8(*dims: int) -> bool:
         return cfg.float8.enabled and all(x % 16 == 0 and x >= cfg.float8.min_dim for x in dims)
     attn8 = fp8(d, q, kv)
-    out = [(2 * t * d * q, min(d, q), attn8), (2 * 2 * t * d * kv, min(d, kv), attn8),
-           (2 * t * q * d, min(d, q), attn8)]
+    out = [(2 * t * d * q, d, q, attn8, True), (2 * 2 * t * d * kv, d, kv, attn8, True),
+           (2 * t * q * d, q, d, attn8, True)]
     if a.is_moe_layer(layer):
         h, slots = a.moe_hidden_dim, tn * a.moe_top_k
-        out += [(2 * tn * d * a.n_experts, a.n_experts, False), (3 * 2 * slots * d * h, min(d, h), False)]
+        out += [(2 * tn * d * a.n_experts, d, a.n_experts, False, True),
+                (2 * 2 * slots * d * h, d, h, False, True), (2 * slots * d * h, h, d, False, True)]
         if a.n_shared_experts:
             hs = a.n_shared_experts * h
-            out.append((3 * 2 * tn * d * hs, min(d, hs), fp8(d, hs)))
+            out += [(2 * 2 * tn * d * hs, d, hs, fp8(d, hs), True),
+                    (2 * tn * d * hs, hs, d, fp8(d, hs), False)]
     else:
         f = a.ffn_hidden_dim // s.tp
-        out.append((3 * 2 * t * d * f, min(d, f), fp8(d, f)))
+        out += [(2 * 2 * t * d * f, d, f, fp8(d, f), True), (2 * t * d * f, f, d, fp8(d, f), False)]
     return out
 
 
@@ -102,9 +108,9 @@ def _float8_cast_bytes(s: Shape, cfg: Config, layer: int, gemms: list) -> float:
     t, d = s.tokens, a.dim
     q, kv = a.n_heads * a.head_dim // s.tp, a.n_kv_heads * a.head_dim // s.tp
     n = 0.0
-    if gemms[0][2]:  # attention: wq, wk, wv read the input, wo the attention output
+    if gemms[0][3]:  # attention: wq, wk, wv read the input, wo the attention output
         n += t * (3 * d + q) + t * (q + 2 * kv + d)
-    if not a.is_moe_layer(layer) and gemms[-1][2]:
+    if not a.is_moe_layer(layer) and gemms[-1][3]:  # w1, w3 read the input, w2 the product
         f = a.ffn_hidden_dim // s.tp
         n += t * (2 * d + f) + t * (2 * f + d)
     return 2 * n * (2 * s.e + 1)
@@ -115,22 +121,26 @@ def _recomputed(cfg: Config, layer: int) -> bool:
     return ac.mode == "full" or (ac.mode == "layer" and layer % ac.every == 0)
 
 
-def _elementwise_bytes(s: Shape, cfg: Config, layer: int) -> float:
-    """Bytes read + written by one block's memory-bound forward ops for one micro-batch."""
+def _elementwise_bytes(s: Shape, cfg: Config, layer: int) -> list[tuple[float, int]]:
+    """(bytes read + written, size of the tensors involved) of one block's memory-bound forward ops
+    for one micro-batch: the size decides how fast a CPU allocator serves their outputs."""
     a, e = s.args, s.e
     t, tn, d = s.tokens, s.norm_tokens, a.dim
     qk = (a.n_heads + a.n_kv_heads) * a.head_dim // s.tp
-    n = 2 * tn * d * (24 + 2 * e)  # two RMSNorms in fp32 (upcast, square-mean, scale, weight, cast)
-    n += t * qk * (16 + 2 * e)  # RoPE on q and k (upcast, complex multiply, cast)
-    n += 2 * tn * d * 3 * e  # residual adds
+    out = [(2 * tn * d * (24 + 2 * e), 4 * tn * d),  # two RMSNorms in fp32 (upcast, square-mean,
+           (t * qk * (16 + 2 * e), 4 * t * qk),  # scale, weight, cast); RoPE on q and k
+           (2 * tn * d * 3 * e, e * tn * d)]  # residual adds
     if a.is_moe_layer(layer):
         slots = tn * a.moe_top_k
-        n += slots * d * 6 * e + slots * a.moe_hidden_dim * 5 * e  # gather, weight, scatter; SwiGLU
+        out += [(slots * d * 6 * e, e * slots * d),  # gather, weight, scatter of the routed tokens
+                (slots * a.moe_hidden_dim * 5 * e, e * slots * a.moe_hidden_dim)]  # SwiGLU
         if a.n_shared_experts:
-            n += tn * a.n_shared_experts * a.moe_hidden_dim * 5 * e
+            hs = a.n_shared_experts * a.moe_hidden_dim
+            out.append((tn * hs * 5 * e, e * tn * hs))
     else:
-        n += t * (a.ffn_hidden_dim // s.tp) * 5 * e  # SiLU and the product
-    return n
+        f = a.ffn_hidden_dim // s.tp
+        out.append((t * f * 5 * e, e * t * f))  # SiLU and the product
+    return out
 
 
 def rank_time(cfg: Config, layout: Layout, st: RankStates, hw: Hardware,
@@ -140,44 +150,55 @@ def rank_time(cfg: Config, layout: Layout, st: RankStates, hw: Hardware,
     a, dtype = s.args, cfg.training.mixed_precision
     m = layout.micro_batches(cfg.training.global_batch)
     ranks_here = layout.world  # local ranks share the machine; GPUs ignore it
-    mm = attn = mem = 0.0
+    mm = attn = mem = 0.0  # seconds
     flops = 0.0
+
+    def traffic(nbytes: float, tensor: float) -> float:
+        return nbytes / hw.memory_bw(ranks_here, tensor)
     pairs = s.mb * attention_pairs(cfg.training.seq_len) / layout.cp  # load-balanced over cp
     for i in st.layers:
         again = _recomputed(cfg, i)
-        for fwd, width, fp8 in _gemms(s, cfg, i):
-            work = fwd * (1 + MATMUL_BACKWARD + (1 if again else 0))
+        for fwd, k, n, fp8, recomputed in _gemms(s, cfg, i):
+            work = fwd * (1 + MATMUL_BACKWARD + (1 if again and recomputed else 0))
             flops += work
-            mm += work / (hw.matmul_tflops("fp8" if fp8 else dtype, width, ranks_here) * 1e12)
-        mem += _float8_cast_bytes(s, cfg, i, _gemms(s, cfg, i))
+            mm += work / (hw.matmul_tflops("fp8" if fp8 else dtype, k, n, ranks_here) * 1e12)
+        mem += traffic(_float8_cast_bytes(s, cfg, i, _gemms(s, cfg, i)), s.tokens * a.dim)
         fwd = 4 * (a.n_heads // s.tp) * a.head_dim * pairs
         work = fwd * (1 + ATTENTION_BACKWARD + (1 if again else 0))
         flops += work
         attn += work / (hw.attention_tflops(dtype, a.head_dim, ranks_here) * 1e12)
-        mem += _elementwise_bytes(s, cfg, i) * (3 + (1 if again or cfg.activation_checkpoint.mode ==
-                                                     "selective" else 0))
+        passes = 3 + (1 if again or cfg.activation_checkpoint.mode == "selective" else 0)
+        mem += sum(traffic(passes * n, size) for n, size in _elementwise_bytes(s, cfg, i))
     vocab = a.vocab_size // s.tp
     if st.has_head:
         fwd = 2 * s.tokens * a.dim * vocab
         work = fwd * (1 + MATMUL_BACKWARD + (1 if cfg.training.loss_chunk else 0))
         flops += work
-        mm += work / (hw.matmul_tflops(dtype, min(a.dim, vocab), ranks_here) * 1e12)
-        mem += 3 * s.tokens * vocab * (s.e + 16)  # upcast, log-softmax (two passes), its backward
+        mm += work / (hw.matmul_tflops(dtype, a.dim, vocab, ranks_here) * 1e12)
+        # upcast, log-softmax (two passes), its backward
+        mem += traffic(3 * s.tokens * vocab * (s.e + 16), 4 * s.tokens * vocab)
     mm, attn, mem = m * mm, m * attn, m * mem
     flops *= m
     e = s.e
-    for u in st.units:  # FSDP copy-out of each gather and the gradient cast before its reduction
-        gathers = m * (2 if u.reshard else 1)
-        mem += gathers * 2 * e * u.numel + m * (e + 4) * u.numel
+    red = BYTES[cfg.parallel.fsdp_reduce_dtype] if e == 2 else 4
+    reductions = 1 if layout.pp > 1 else m
+    for u in st.units:
+        # FSDP: each gather's copy-out into the parameters; each reduction packs the gradients
+        # into one reduce-dtype buffer, divides it, and copies the result into the shards
+        gathers = 1 if layout.pp > 1 else m * (2 if u.reshard else 1)
+        mem += traffic(gathers * 2 * e * u.numel + reductions * (e + 5 * red) * u.numel, red * u.numel)
     state_b = BYTES[cfg.optimizer.state_dtype]
     numel = st.params / 4
-    optimizer = numel * (4 * 4 + 4 * state_b + 12) / hw.memory_bw(ranks_here)  # AdamW + clipping
+    optimizer = numel * (4 * 4 + 4 * state_b + 12) / hw.memory_bw(ranks_here)  # AdamW + clipping, in place
     host = 0.0
-    if hw.overhead_ms:
-        host = 1e-3 * (hw.overhead_ms["per_block"] * len(st.layers) * m + hw.overhead_ms["per_step"])
+    if hw.overhead_ms:  # host time (local CPU): per block and step, more per block under TP;
+        # ranks beyond the cores share them
+        per_block = hw.overhead_ms["per_block"] + (hw.overhead_ms.get("per_tp_block", 0.0) if s.tp > 1 else 0)
+        host = 1e-3 * (per_block * len(st.layers) * m + hw.overhead_ms["per_step"])
+        host *= max(1.0, ranks_here / hw.cores)
     if cfg.compile.enabled:  # fused elementwise kernels: about half the memory passes of eager
         mem *= COMPILE_MEMORY_FACTOR
-    compute = {"matmul": mm, "attention": attn, "memory-bound": mem / hw.memory_bw(ranks_here),
+    compute = {"matmul": mm, "attention": attn, "memory-bound": mem,
                "optimizer": optimizer, "host": host}
     colls = step_collectives(cfg, layout, st) if colls is None else colls
     times = [collective_time(c, layout, hw, st.pp_rank) for c in colls]

@@ -53,10 +53,15 @@ class Hardware:
     cores: int = 0
     """CPU cores shared by the local ranks (0 on GPUs: one device per rank)."""
     thread_tflops: dict[str, float] = field(default_factory=dict)
-    """Measured TFLOP/s: ``"bf16@2:1024"`` (GEMM, dtype @ threads : width) and
-    ``"attention_bf16@2:64"`` (attention, dtype @ threads : head dim)."""
+    """Measured TFLOP/s: ``"fp32@2:256x1024"`` (a linear layer's forward + backward, dtype @ threads
+    : in x out width) and ``"attention_fp32@2:64"`` (attention, dtype @ threads : head dim)."""
     memory_bw_per_thread_gbs: dict[str, float] = field(default_factory=dict)
-    """Measured elementwise memory bandwidth per thread count."""
+    """Measured elementwise memory bandwidth per thread count (``"2"``), and for outputs larger
+    than ``large_tensor_bytes`` (``"large@2"``)."""
+    large_tensor_bytes: int = 16 * 2**20
+    """Above this, a CPU allocator hands a training step's outputs fresh pages (glibc maps large
+    blocks with mmap and returns them on free; its adaptive threshold sat below this in the steps
+    measured, see docs/planning.md)."""
     overhead_ms: dict[str, float] = field(default_factory=dict)
     """Measured host time: ``per_block`` (one block's forward + backward + its optimizer share) and
     ``per_step``."""
@@ -77,11 +82,26 @@ class Hardware:
                               "thread(s): run `shardwise calibrate` again")
         return share * _interpolate(table, size)
 
-    def matmul_tflops(self, dtype: str, width: int, ranks: int = 1) -> float:
-        """Sustained TFLOP/s of one rank's GEMMs whose smaller weight dim is ``width``."""
-        if self.cores:
-            return self._measured(dtype, ranks, width)
-        return self._peak(dtype) * self.efficiency["matmul"]
+    def matmul_tflops(self, dtype: str, k: int, n: int | None = None, ranks: int = 1) -> float:
+        """Sustained TFLOP/s of one rank's linear layer with ``k`` inputs and ``n`` outputs
+        (forward and backward). On ``local``: interpolated from the measured grid of widths."""
+        n = k if n is None else n
+        if not self.cores:
+            return self._peak(dtype) * self.efficiency["matmul"]
+        threads, share = self._threads(ranks)
+        grid = {}
+        for key, v in self.thread_tflops.items():
+            if key.startswith(f"{dtype}@{threads}:"):
+                a, _, b = key.rsplit(":", 1)[1].partition("x")
+                grid[(int(a), int(b))] = v
+        if not grid:
+            raise ConfigError(f"hardware '{self.name}' has no measured {dtype} GEMM rate for {threads} "
+                              "thread(s): run `shardwise calibrate` again")
+        ks = sorted({a for a, _ in grid})
+        if len(grid) == len(ks):  # square weights only: by the smaller width
+            return share * _interpolate({a: grid[(a, b)] for a, b in grid}, min(k, n))
+        rows = {a: _interpolate({b: grid[(a, b)] for aa, b in grid if aa == a}, n) for a in ks}
+        return share * _interpolate(rows, k)
 
     def attention_tflops(self, dtype: str, head_dim: int, ranks: int = 1) -> float:
         """Sustained TFLOP/s of one rank's causal attention (forward + backward)."""
@@ -89,11 +109,16 @@ class Hardware:
             return self._measured(f"attention_{dtype}", ranks, head_dim)
         return self._peak(dtype) * self.efficiency["attention"]
 
-    def memory_bw(self, ranks: int = 1) -> float:
-        """Bytes/s one rank's elementwise (memory-bound) work moves."""
+    def memory_bw(self, ranks: int = 1, tensor_bytes: float = 0) -> float:
+        """Bytes/s one rank's elementwise (memory-bound) work moves on tensors of ``tensor_bytes``.
+        On ``local``, outputs above ``large_tensor_bytes`` come from fresh memory that the OS
+        page-faults in (glibc serves them by mmap and returns them on free), at the measured
+        ``large`` rate."""
         if self.cores:
             threads, share = self._threads(ranks)
-            return self.memory_bw_per_thread_gbs[str(threads)] * 1e9 * share
+            large = tensor_bytes > self.large_tensor_bytes and self.memory_bw_per_thread_gbs.get(
+                f"large@{threads}")
+            return (large or self.memory_bw_per_thread_gbs[str(threads)]) * 1e9 * share
         return self.memory_bw_gbs * 1e9 * self.efficiency["memory"]
 
     def _peak(self, dtype: str) -> float:

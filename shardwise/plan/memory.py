@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from shardwise.config import Config
 from shardwise.models import ModelArgs, model_args
+from shardwise.parallel.pipeline import stage_layers
 from shardwise.plan.layout import Layout
 from shardwise.plan.states import BYTES, RankStates
 
@@ -89,6 +90,12 @@ def attention(s: Shape) -> int:
     return out
 
 
+def mask_saved(s: Shape, cfg: Config) -> int:
+    """With document masking, attention converts the (B, 1, S, S) boolean mask to the compute dtype
+    and saves that copy, in every block."""
+    return s.e * s.mb * s.seq * s.seq if cfg.data.document_mask else 0
+
+
 def moe_ffn(s: Shape, cfg: Config) -> int:
     """MoE feed-forward on this rank's (sequence-shard) tokens, after the norm."""
     a = s.args
@@ -109,7 +116,7 @@ def moe_ffn(s: Shape, cfg: Config) -> int:
 def block_saved(s: Shape, cfg: Config, layer: int) -> int:
     """Bytes a block saves for backward in one micro-batch without checkpointing."""
     a = s.args
-    n = 2 * _norm(s, s.norm_tokens) + attention(s)
+    n = 2 * _norm(s, s.norm_tokens) + attention(s) + mask_saved(s, cfg)
     if a.is_moe_layer(layer):
         return n + moe_ffn(s, cfg)
     return n + s.e * s.tokens * a.dim + dense_ffn(s, s.tokens, a.ffn_hidden_dim // s.tp)
@@ -122,7 +129,7 @@ def block_selective(s: Shape, cfg: Config, layer: int) -> int:
     hq, hkv, dh = a.n_heads // s.tp, a.n_kv_heads // s.tp, a.head_dim
     n = e * tn * a.dim  # the block input
     n += e * t * dh * (hq + 2 * hkv) + e * t * a.dim  # q, k, v and output projections
-    n += e * t * hq * dh + 4 * s.mb * hq * s.seq  # attention output and log-sum-exp
+    n += e * t * hq * dh + 4 * s.mb * hq * s.seq + mask_saved(s, cfg)  # attention out, lse, mask
     if s.tp > 1:
         n += e * t * a.dim + e * tn * a.dim  # attention: input all-gather, output reduce-scatter
     if a.is_moe_layer(layer):
@@ -135,6 +142,19 @@ def block_selective(s: Shape, cfg: Config, layer: int) -> int:
     if s.tp > 1:
         n += e * t * a.dim + e * tn * a.dim
     return n
+
+
+def backward_temporaries(s: Shape, layer: int) -> int:
+    """Gradient temporaries alive inside one block's backward: at the MLP, the gradients of its
+    hidden product, of both branches and of the SiLU input (four hidden-sized tensors); at
+    attention, those of q, k, v and the output -- whichever is larger."""
+    a = s.args
+    if a.is_moe_layer(layer):
+        mlp = 4 * s.e * s.norm_tokens * a.moe_top_k * a.moe_hidden_dim
+    else:
+        mlp = 4 * s.e * s.tokens * (a.ffn_hidden_dim // s.tp)
+    attn = s.e * s.tokens * a.head_dim * (2 * a.n_heads + 2 * a.n_kv_heads) // s.tp
+    return max(mlp, attn)
 
 
 def block_activations(s: Shape, cfg: Config, layer: int) -> int:
@@ -159,7 +179,7 @@ def rope_table(s: Shape, cfg: Config) -> int:
 def head_saved(s: Shape, cfg: Config) -> int:
     """Final norm, output projection input and the loss's saved tensors."""
     a, t = s.args, s.tokens
-    n = _norm(s, s.norm_tokens) + 8 * t  # + labels (int64)
+    n = _norm(s, s.norm_tokens) + 8 * t + 8  # + labels and the global valid-token count (int64)
     if cfg.training.loss_chunk:
         return n + s.e * t * a.dim  # the chunked loss keeps the hidden states, not the logits
     vocab = a.vocab_size // s.tp if s.tp > 1 and cfg.parallel.loss_parallel else a.vocab_size
@@ -236,10 +256,29 @@ class Timeline:
     peak_parts: dict[str, int] = field(default_factory=dict)
 
     def add(self, part: str, nbytes: int, where: str) -> None:
-        self.live += nbytes
-        self.parts[part] = self.parts.get(part, 0) + nbytes
-        if self.live > self.peak:
-            self.peak, self.where, self.peak_parts = self.live, where, dict(self.parts)
+        self.run([(part, nbytes)], 1, where)
+
+    def run(self, events: list[tuple[str, int]], times: int, where: str) -> None:
+        """Apply ``events`` (part, bytes) ``times`` times over, e.g. one block's for a run of
+        identical blocks: the peak of the repetition is in its first pass if a pass frees more
+        than it allocates, else in its last, so one pass over the events finds it."""
+        if times <= 0 or not events:
+            return
+        total, parts, best, best_parts = 0, {}, None, {}
+        for part, n in events:
+            total += n
+            parts[part] = parts.get(part, 0) + n
+            if best is None or total > best:
+                best, best_parts = total, dict(parts)
+        j = times - 1 if total > 0 else 0
+        if self.live + j * total + best > self.peak:
+            self.peak, self.where = self.live + j * total + best, where
+            keys = set(self.parts) | set(parts)
+            self.peak_parts = {k: self.parts.get(k, 0) + j * parts.get(k, 0) + best_parts.get(k, 0)
+                               for k in keys}
+        self.live += times * total
+        for k, v in parts.items():
+            self.parts[k] = self.parts.get(k, 0) + times * v
 
 
 @dataclass(frozen=True)
@@ -257,133 +296,241 @@ class RankMemory:
     peak_parts: dict[str, int]
 
 
+def _runs(layers: list[int], signature: dict[int, tuple]) -> list[list[int]]:
+    """Consecutive layers grouped into runs of identical signature."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and signature[runs[-1][-1]] == signature[i]:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
 def step_memory(cfg: Config, layout: Layout, st: RankStates) -> RankMemory:
     """Simulate one steady-state step of the rank with states ``st``; its peak and breakdown."""
     s = shape_of(cfg, layout)
     e, red = s.e, BYTES[cfg.parallel.fsdp_reduce_dtype] if s.e == 2 else 4
     m = layout.micro_batches(cfg.training.global_batch)
-    acts = activations(cfg, layout, st.layers, st.has_embedding, st.has_head)
-    per_block = {i: block_activations(s, cfg, i) for i in st.layers}
-    full_block = {i: block_saved(s, cfg, i) for i in st.layers}
-    units = {u.layer: [] for u in st.units}
+    kinds = {}  # the formulas depend on the block's kind and checkpointing only
+    per_block, full_block = {}, {}
+    for i in st.layers:
+        key = (s.args.is_moe_layer(i), _ac_kind(cfg, i))
+        if key not in kinds:
+            kinds[key] = (block_activations(s, cfg, i), block_saved(s, cfg, i))
+        per_block[i], full_block[i] = kinds[key]
+    acts = {"blocks": sum(per_block.values()) + (rope_table(s, cfg) if st.layers else 0),
+            "embedding": embedding_saved(s) if st.has_embedding else 0,
+            "head": head_saved(s, cfg) if st.has_head else 0}
+    units: dict[int | None, list] = {}
     for u in st.units:
-        units[u.layer].append(u)
+        units.setdefault(u.layer, []).append(u)
     tl = Timeline()
     tl.add("params", st.params, "start")
     tl.add("optimizer", st.optimizer, "start")
     tl.add("buffers", rope_table(s, cfg), "start")
 
     def gather(us: list, where: str) -> None:
-        for u in us:
-            tl.add("unsharded params", e * u.numel, where)
-            tl.add("fsdp buffers", e * u.numel, where)  # gather output while it is copied out
-            tl.add("fsdp buffers", -e * u.numel, where)
+        tl.run(_gather_events(us, e), 1, where)
 
-    def reduce(us: list, where: str, first: bool) -> None:
-        for u in us:
-            tl.add("unsharded grads", e * u.numel, where)
-            tl.add("fsdp buffers", red * u.numel, where)  # reduce-scatter input
-            tl.add("unsharded grads", -e * u.numel, where)
-            if first:  # the sharded gradient is allocated by the first reduction
-                tl.add("grads", 4 * u.numel // u.shard, where)
-            tl.add("fsdp buffers", -red * u.numel, where)
-
-    order = list(st.layers)
     if layout.pp > 1:
         _pipeline_timeline(tl, cfg, layout, st, s, m, per_block, full_block, acts, gather)
     else:
+        order = list(st.layers)
+        sig = {i: (per_block[i], full_block[i], tuple((u.numel, u.reshard) for u in units.get(i, [])))
+               for i in order}
+        ends = acts["embedding"]  # (the RoPE table attention saves is the model's buffer)
         # Micro-batches after the second repeat it exactly (gradients exist from the first on).
         for mb in range(min(m, 2)):
             first = mb == 0
             tag = f" (micro-batch {mb + 1}/{m})" if m > 1 else ""
             gather(units.get(None, []), "forward root" + tag)
-            tl.add("activations", acts["embedding"] + (rope_table(s, cfg) if order else 0), "forward" + tag)
-            for i in order:
-                gather(units.get(i, []), f"forward layers.{i}" + tag)
-                tl.add("activations", per_block[i], f"forward layers.{i}" + tag)
-                for u in units.get(i, []):
-                    if u.reshard:
-                        tl.add("unsharded params", -e * u.numel, f"forward layers.{i}" + tag)
+            tl.add("activations", ends, "forward" + tag)
+            for run in _runs(order, sig):
+                us = units.get(run[0], [])
+                events = _gather_events(us, e) + [("activations", per_block[run[0]])]
+                events += [("unsharded params", -e * u.numel) for u in us if u.reshard]
+                tl.run(events, len(run), f"forward {_span(run)}" + tag)
             tl.add("activations", acts["head"], "loss" + tag)
             tl.add("loss", loss_temporaries(s, cfg), "loss backward" + tag)
             tl.add("loss", -loss_temporaries(s, cfg), "loss backward" + tag)
             tl.add("activations", -acts["head"], "loss backward" + tag)
-            for i in reversed(order):
-                where = f"backward layers.{i}" + tag
-                gather([u for u in units.get(i, []) if u.reshard], where)
-                if per_block[i] != full_block[i]:  # checkpointed: the forward runs again first
-                    tl.add("recompute", full_block[i] - per_block[i], where + " (recompute)")
-                reduce(units.get(i, []), where, first)
-                if per_block[i] != full_block[i]:
-                    tl.add("recompute", -(full_block[i] - per_block[i]), where)
-                tl.add("activations", -per_block[i], where)
-                for u in units.get(i, []):
-                    tl.add("unsharded params", -e * u.numel, where)
-            tl.add("activations", -(acts["embedding"] + (rope_table(s, cfg) if order else 0)),
-                   "backward root" + tag)
-            reduce(units.get(None, []), "backward root" + tag, first)
-            for u in units.get(None, []):
-                tl.add("unsharded params", -e * u.numel, "backward root" + tag)
+            for run in _runs(list(reversed(order)), sig):
+                i, us = run[0], units.get(run[0], [])
+                recompute = full_block[i] - per_block[i]  # checkpointed: the forward runs again
+                temps = backward_temporaries(s, i)
+                events = _gather_events([u for u in us if u.reshard], e) + [("recompute", recompute)]
+                # the weight gradients appear while the block's gradient temporaries are alive
+                events += [("unsharded grads", e * u.numel) for u in us]
+                events += [("backward temporaries", temps), ("backward temporaries", -temps)]
+                events += _reduce_events(us, e, red, first) + [("recompute", -recompute),
+                                                               ("activations", -per_block[i])]
+                events += [("unsharded params", -e * u.numel) for u in us]
+                tl.run(events, len(run), f"backward {_span(run)}" + tag)
+            tl.add("activations", -ends, "backward root" + tag)
+            root = units.get(None, [])
+            tl.run([("unsharded grads", e * u.numel) for u in root] + _reduce_events(root, e, red, first)
+                   + [("unsharded params", -e * u.numel) for u in root], 1, "backward root" + tag)
     saved = tl.peak_parts.get("activations", 0)
     return RankMemory(st.pp_rank, st.params, st.grads, st.optimizer, saved, tl.peak, tl.where,
                       tl.peak_parts)
 
 
-def pipeline_actions(layout: Layout, micro_batches: int, pp_rank: int) -> list[str]:
-    """The order of this rank's forward (F) and backward (B) passes over its chunks in a step, up to
-    the point after which memory only repeats or falls: all forwards then the first backward
-    (GPipe), or warm-up forwards then two rounds of one backward and one forward (1F1B; the
-    interleaved and V schedules are treated alike at chunk granularity, with their warm-up depth
-    from :func:`in_flight`). Every later round holds what the second does."""
-    v = layout.stages_per_rank
-    n = micro_batches * v
-    if layout.pp_schedule == "gpipe":
-        return ["F"] * n + ["B"]
-    warmup = min(n, max(1, round(in_flight(layout, micro_batches, pp_rank) * v)))
-    return ["F"] * warmup + ["B", "F"] * min(n - warmup, 2) + ["B"]
+def _ac_kind(cfg: Config, layer: int) -> str:
+    ac = cfg.activation_checkpoint
+    if ac.mode == "layer":
+        return "full" if layer % ac.every == 0 else "none"
+    return ac.mode
+
+
+def _span(run: list[int]) -> str:
+    return f"layers.{run[0]}" if len(run) == 1 else f"layers.{run[0]}..{run[-1]}"
+
+
+def _gather_events(units: list, e: int) -> list[tuple[str, int]]:
+    """An FSDP all-gather: the unsharded parameters, and the gather output while it is copied out."""
+    out = []
+    for u in units:
+        out += [("unsharded params", e * u.numel), ("fsdp buffers", e * u.numel),
+                ("fsdp buffers", -e * u.numel)]
+    return out
+
+
+def _reduce_events(units: list, e: int, red: int, first: bool) -> list[tuple[str, int]]:
+    """A reduce-scatter of the unsharded gradients (already counted): its reduce-dtype input buffer,
+    and on the first micro-batch the sharded gradient it allocates."""
+    out = []
+    for u in units:
+        out += [("fsdp buffers", red * u.numel), ("unsharded grads", -e * u.numel)]
+        if first:
+            out.append(("grads", 4 * u.numel // u.shard))
+        out.append(("fsdp buffers", -red * u.numel))
+    return out
+
+
+def schedule_actions(layout: Layout, micro_batches: int, pp_rank: int) -> list[tuple[str, int]]:
+    """This rank's passes in the step's order as (kind, stage): F forward, B full backward, or the
+    zero-bubble split I (input gradients) + W (weight gradients).
+
+    GPipe runs every forward then every backward; 1F1B ``pp - rank`` forwards, then one backward and
+    one forward alternating (Narayanan et al., 2021). The multi-stage schedules (interleaved 1F1B,
+    ZB-V, DualPipeV) take torch's own per-rank order (its schedule classes compute it from the
+    sizes alone); if a torch version lays that out differently, an interleaved 1F1B order with the
+    warm-up depth of :func:`in_flight` stands in."""
+    m, p = micro_batches, layout.pp
+    if layout.pp_schedule in ("gpipe", "1f1b"):
+        warmup = m if layout.pp_schedule == "gpipe" else min(m, p - pp_rank)
+        order = [("F", pp_rank)] * warmup
+        for _ in range(m - warmup):
+            order += [("B", pp_rank), ("F", pp_rank)]
+        return order + [("B", pp_rank)] * warmup
+    try:
+        return _torch_order(layout, m, pp_rank)
+    except (AttributeError, TypeError, ValueError, ImportError):
+        v = layout.stages_per_rank
+        stages = [pp_rank + i * p for i in range(v)]
+        warmup = min(m * v, max(1, round(in_flight(layout, m, pp_rank) * v)))
+        fwd = [("F", stages[(i // p) % v]) for i in range(m * v)]
+        bwd = [("B", stages[v - 1 - (i // p) % v]) for i in range(m * v)]
+        order = fwd[:warmup]
+        for i in range(m * v - warmup):
+            order += [bwd[i], fwd[warmup + i]]
+        return order + bwd[m * v - warmup:]
+
+
+def _torch_order(layout: Layout, m: int, pp_rank: int) -> list[tuple[str, int]]:
+    """torch's action list for this rank of a multi-stage schedule, without building stages."""
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    cls = {"interleaved1f1b": schedules.ScheduleInterleaved1F1B, "zbv": schedules.ScheduleZBVZeroBubble,
+           "dualpipev": schedules.ScheduleDualPipeV}[layout.pp_schedule]
+    p, v = layout.pp, layout.stages_per_rank
+    sched = cls.__new__(cls)
+    sched.pp_group_size, sched.n_local_stages, sched.rank, sched._n_microbatches = p, v, pp_rank, m
+    sched.num_stages = sched._num_stages = p * v
+    sched.number_of_rounds = max(1, m // p)
+    sched.microbatches_per_round = m // sched.number_of_rounds
+    style = "loop" if layout.pp_schedule == "interleaved1f1b" else "v"
+    sched.stage_index_to_group_rank = generate_stage_to_rank_mapping(p, p * v, style)
+    out = []
+    for action in sched._calculate_single_rank_operations(pp_rank):
+        if action is None:
+            continue
+        for a in action.sub_actions or (action,):
+            kind = a.computation_type.value
+            if kind in ("F", "B", "I", "W"):
+                out.append((kind, a.stage_index))
+    return out
+
+
+def weight_inputs(s: Shape, layer: int) -> int:
+    """What a block keeps between its input-gradient and weight-gradient passes (zero-bubble
+    schedules): the inputs of its linear layers."""
+    a = s.args
+    n = 2 * s.e * s.tokens * a.dim + s.e * s.tokens * a.n_heads * a.head_dim // s.tp
+    if a.is_moe_layer(layer):
+        return n + s.e * s.norm_tokens * a.moe_top_k * a.moe_hidden_dim
+    return n + s.e * s.tokens * a.ffn_hidden_dim // s.tp
 
 
 def _pipeline_timeline(tl: Timeline, cfg: Config, layout: Layout, st: RankStates, s: Shape, m: int,
                        per_block: dict[int, int], full_block: dict[int, int], acts: dict[str, int],
                        gather) -> None:  # noqa: ANN001
-    """A pipeline rank's step: its units stay gathered, each forward adds one chunk's activations,
-    each backward frees them block by block (the first allocating the gradients, which accumulate
-    unsharded in the reduce dtype until the one reduce-scatter at the end: torch's schedules sync
-    gradients on the last micro-batch only)."""
+    """A pipeline rank's step: its units stay gathered; each forward adds its stage's activations
+    for one micro-batch, each backward frees them (block by block the first time, which also
+    allocates the stage's gradients: they accumulate unsharded in the reduce dtype until the one
+    reduce-scatter at the end, torch's schedules syncing gradients on the last micro-batch only)."""
     red = BYTES[cfg.parallel.fsdp_reduce_dtype] if s.e == 2 else 4
-    v = layout.stages_per_rank
     units = list(st.units)
     gather(units, "forward")
-    blocks = list(st.layers)
-    chunks = [blocks[i::v] for i in range(v)] if v > 1 else [blocks]
-    ends = int((acts["embedding"] + acts["head"] + rope_table(s, cfg)) / v)
-    forwards = backwards = 0
-    for act in pipeline_actions(layout, m, st.pp_rank):
-        if act == "F":
-            chunk = chunks[forwards % v]
-            tl.add("activations", ends + sum(per_block[i] for i in chunk), f"forward (chunk {forwards + 1})")
-            forwards += 1
-            continue
-        chunk = chunks[backwards % v]
-        where = f"backward (chunk {backwards + 1})"
-        if st.has_head:
-            tl.add("loss", loss_temporaries(s, cfg), where)
-            tl.add("loss", -loss_temporaries(s, cfg), where)
-        for i in reversed(chunk):
-            if backwards < v:  # the first backward of each chunk allocates its gradients
-                for u in units:
-                    if u.layer == i:
-                        tl.add("unsharded grads", red * u.numel, where)
-            tl.add("recompute", full_block[i] - per_block[i], where)
-            tl.add("recompute", per_block[i] - full_block[i], where)
-            tl.add("activations", -per_block[i], where)
-        if backwards == 0:
-            for u in units:
-                if u.layer is None:
-                    tl.add("unsharded grads", red * u.numel, where)
-        tl.add("activations", -ends, where)
-        backwards += 1
-    # (the rest of the schedule holds less; at its end the gradients are reduce-scattered)
+    grads: dict[int | None, int] = {}
     for u in units:
-        tl.add("grads", 4 * u.numel // u.shard, "gradient reduction")
-        tl.add("unsharded grads", -red * u.numel, "gradient reduction")
+        grads[u.layer] = grads.get(u.layer, 0) + red * u.numel
+    n_stages = layout.pp * layout.stages_per_rank
+    per_stage = stage_layers(s.args.n_layers, n_stages)
+    loss = loss_temporaries(s, cfg) if st.has_head else 0
+    stage_acts, keep = {}, {}
+    for stage in {x for _, x in schedule_actions(layout, m, st.pp_rank)}:
+        ends = (acts["embedding"] if stage == 0 else 0) + (acts["head"] if stage == n_stages - 1 else 0)
+        stage_acts[stage] = ends + sum(per_block[i] for i in per_stage[stage])
+        keep[stage] = sum(weight_inputs(s, i) for i in per_stage[stage])
+    done: set[int | None] = set()  # stages whose gradients exist (None: the root's)
+
+    def root_grads(stage: int, where: str) -> None:
+        """Mark the stage's gradients allocated; the embedding / head ones with the first of them."""
+        done.add(stage)
+        if None not in done and stage in (0, n_stages - 1):
+            tl.add("unsharded grads", grads.get(None, 0), where)
+            done.add(None)
+
+    for n, (kind, stage) in enumerate(schedule_actions(layout, m, st.pp_rank)):
+        where = f"{'forward' if kind == 'F' else 'backward'} (stage {stage}, pass {n + 1})"
+        if kind == "F":
+            tl.add("activations", stage_acts[stage], where)
+            continue
+        if kind in ("B", "I") and stage == n_stages - 1:
+            tl.run([("loss", loss), ("loss", -loss)], 1, where)
+        if kind == "W":  # weight gradients: the kept linear inputs go, the gradients may appear
+            events = [] if stage in done else [("unsharded grads", grads.get(i, 0)) for i in per_stage[stage]]
+            tl.run(events + [("activations", -keep[stage])], 1, where)
+            root_grads(stage, where)
+            continue
+        layers = per_stage[stage]
+        sig = {i: (per_block[i], full_block[i], grads.get(i, 0)) for i in layers}
+        for run in _runs(list(reversed(layers)), sig):
+            i = run[0]
+            recompute, temps = full_block[i] - per_block[i], backward_temporaries(s, i)
+            events = [("unsharded grads", grads.get(i, 0))] if kind == "B" and stage not in done else []
+            events += [("recompute", recompute), ("backward temporaries", temps),
+                       ("backward temporaries", -temps), ("recompute", -recompute),
+                       ("activations", -per_block[i])]
+            tl.run(events, len(run), where)
+        ends = stage_acts[stage] - sum(per_block[i] for i in layers)
+        tl.add("activations", -ends + (keep[stage] if kind == "I" else 0), where)
+        if kind == "B":
+            root_grads(stage, where)
+    # at the end of the schedule the gradients are reduce-scattered
+    for u in units:
+        tl.run([("grads", 4 * u.numel // u.shard), ("unsharded grads", -red * u.numel)], 1,
+               "gradient reduction")

@@ -249,10 +249,15 @@ def _rank_states(cfg: Config, layout: Layout, args: ModelArgs, shapes: dict, pp_
     mode = cfg.parallel.reshard_after_forward
     numel, units = 0, []
 
+    sizes: dict[tuple, tuple[int, int]] = {}  # blocks of a kind shard alike
+
     def unit(name: str, params: list[tuple[str, tuple[int, ...]]], shard: int, group: str,
              reshard: bool, layer: int | None, moe_ffn: bool = False) -> None:
         nonlocal numel
-        local, padded = _shard_numel(params, layout, shard, moe_ffn)
+        key = (tuple(params), shard, moe_ffn)
+        if key not in sizes:
+            sizes[key] = _shard_numel(params, layout, shard, moe_ffn)
+        local, padded = sizes[key]
         numel += local
         if params:
             units.append(FsdpUnit(name, padded, shard, group, layout.dp_replicate, reshard, layer))

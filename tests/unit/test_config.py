@@ -50,7 +50,7 @@ def test_cli_overrides_beat_the_file(tmp_path: Path):
     (["--trainer.steps=3"], "unknown config key 'trainer.steps'"),
     (["--training.steps=three"], "config key 'training.steps' expects int, got 'three'"),
     (["--debug.deterministic=maybe"], "config key 'debug.deterministic' expects bool"),
-    (["--training.mixed_precision=fp16"], "training.mixed_precision must be one of bf16, fp32"),
+    (["--training.mixed_precision=fp16"], "training.mixed_precision must be one of bf16, fp32, auto"),
     (["--training.steps=0"], "training.steps must be > 0"),
     (["--training.seq_len=4096"], "training.seq_len=4096 exceeds model.max_seq_len=2048"),
     (["--model.n_kv_heads=3"], "model.n_kv_heads=3 must divide model.n_heads=16"),
@@ -101,3 +101,18 @@ def test_every_field_is_documented():
         missing = [x.name for x in dataclasses.fields(section) if not docs.get(x.name)]
         assert not missing, f"[{f.name}] fields without a docstring: {missing}"
     assert "--training.global_batch" in help_text()
+
+
+def test_auto_precision_resolves_per_device(monkeypatch: pytest.MonkeyPatch):
+    """auto is bf16 on GPUs and on CPUs that multiply bf16 natively, fp32 on other CPUs; the loaded
+    config names the dtype, so a saved run resumes with the same one on any machine."""
+    import shardwise.parallel.dims as dims
+
+    def mp(args: list[str], device: str | None = None) -> str:
+        return load_config(None, args, device=device).training.mixed_precision
+
+    assert mp(["--training.mixed_precision=auto"], device="cuda") == "bf16"
+    for native, want in ((True, "bf16"), (False, "fp32")):
+        monkeypatch.setattr(dims, "cpu_has_native_bf16", lambda native=native: native)
+        assert mp(["--training.mixed_precision=auto", "--run.device=cpu"]) == want
+    assert mp(["--training.mixed_precision=bf16", "--run.device=cpu"]) == "bf16"

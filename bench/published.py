@@ -1,0 +1,96 @@
+"""Predict torchtitan's published Llama 3.1 H100 runs (ANCHORS.md) and run ``plan`` on the same
+setups: memory per GPU and tokens/s per GPU next to the published figures.
+
+Source of the published rows: torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Grand
+Teton hosts: 8 x H100 96 GB HBM2e at 500 W per host, NVLink inside, 400 Gb/s RDMA per GPU; the
+``h100-gt`` profile). Each row is the same model, world, sequence length, global and local batch,
+activation checkpointing, torch.compile and float8 setting as published; async TP (rows marked) is
+not something shardwise does, so those rows are predicted without it.
+
+    python bench/published.py                 # the table for docs/planning.md
+    python bench/published.py --plan          # also: does plan find a layout predicted to beat it?
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# (label, model, world, global batch, degrees, micro-batch, ac, compile, float8, schedule,
+#  published tok/s/GPU, published GiB)
+ROWS = [
+    ("8B FSDP8", "8b", 8, 16, dict(dp_shard=8), 2, "selective", False, False, "1f1b", 5762, 82.4),
+    ("8B FSDP8 +compile", "8b", 8, 16, dict(dp_shard=8), 2, "selective", True, False, "1f1b", 6667, 77.0),
+    ("8B FSDP8 +compile +float8", "8b", 8, 16, dict(dp_shard=8), 2, "selective", True, True, "1f1b", 8532,
+     76.8),
+    ("8B FSDP128", "8b", 128, 256, dict(dp_shard=128), 2, "selective", False, False, "1f1b", 5605, 67.0),
+    ("8B FSDP128 +compile +float8", "8b", 128, 256, dict(dp_shard=128), 2, "selective", True, True, "1f1b",
+     8380, 61.8),
+    ("70B FSDP32 TP8 +compile +float8", "70b", 256, 512, dict(dp_shard=32, tp=8), 16, "full", True, True,
+     "1f1b", 829, 71.9),
+    ("405B FSDP8 TP8 PP8 1F1B (+async TP)", "405b", 512, 256, dict(dp_shard=8, tp=8, pp=8), 1, "full", True,
+     True, "1f1b", 100, 82.5),
+    ("405B FSDP8 TP8 PP8 interleaved 1F1B (+async TP)", "405b", 512, 256, dict(dp_shard=8, tp=8, pp=8), 1,
+     "full", True, True, "interleaved1f1b", 128, 72.7),
+]
+
+
+def config(model: str, world: int, batch: int, degrees: dict, mb: int, ac: str, compile_: bool, fp8: bool,
+           schedule: str):
+    from shardwise.config import load_config
+
+    over = [f"--model.name={model}", "--training.seq_len=8192", f"--training.global_batch={batch}",
+            f"--training.micro_batch={mb}", f"--activation_checkpoint.mode={ac}",
+            f"--compile.enabled={compile_}", f"--float8.enabled={fp8}", f"--parallel.pp_schedule={schedule}",
+            "--parallel.dp_shard=1", *(f"--parallel.{k}={v}" for k, v in degrees.items())]
+    return load_config(None, over)
+
+
+def main() -> None:
+    from shardwise.plan.estimate import GiB, estimate
+    from shardwise.plan.hardware import load_hardware
+    from shardwise.plan.search import plan
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hardware", default="h100-gt")
+    p.add_argument("--plan", action="store_true")
+    a = p.parse_args()
+    hw = load_hardware(a.hardware)
+    print("| run | published tok/s/GPU | predicted | error | published GiB | predicted peak GiB | error | "
+          "predicted MFU |")
+    print("|---|---|---|---|---|---|---|---|")
+    plans = []
+    for label, model, world, batch, degrees, mb, ac, comp, fp8, sched, tps, gib in ROWS:
+        cfg = config(model, world, batch, degrees, mb, ac, comp, fp8, sched)
+        est = estimate(cfg, world, hw)
+        print(f"| {label} | {tps:,} | {est.tokens_per_s_per_device:,.0f} | "
+              f"{est.tokens_per_s_per_device / tps - 1:+.0%} | {gib} | {est.peak / GiB:.1f} | "
+              f"{est.peak / GiB / gib - 1:+.0%} | {100 * est.mfu:.1f}% |", flush=True)
+        plans.append((label, cfg, world, est))
+    if not a.plan:
+        return
+    print("\n| setup | published layout, predicted | plan's best layout | predicted tok/s/GPU | "
+          "peak GiB | gain | plan time |")
+    print("|---|---|---|---|---|---|---|")
+    seen = set()
+    for label, cfg, world, est in plans:
+        key = (cfg.model.name, world, cfg.compile.enabled, cfg.float8.enabled)
+        if key in seen:
+            continue
+        seen.add(key)
+        t0 = time.perf_counter()
+        result = plan(cfg, world, hw, top=1)
+        dt = time.perf_counter() - t0
+        best = result.top[0]
+        print(f"| {label} | {est.layout}: {est.tokens_per_s_per_device:,.0f} | {best.layout} | "
+              f"{best.tokens_per_s_per_device:,.0f} | {best.peak / GiB:.1f} | "
+              f"{best.tokens_per_s_per_device / est.tokens_per_s_per_device - 1:+.0%} | {dt:.1f} s |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+"""The planner against the real thing, in one process: states from shapes equal the real model
+parallelized on torch's fake process group; activations per op equal the tensors autograd saves;
+the step-memory timeline is within 3% of torch's MemTracker peak; per-rank FLOPs add up to the
+executed FLOPs; plan returns layouts the trainer accepts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardwise.config import ConfigError, load_config
+from shardwise.data.dataset import Batch
+from shardwise.models import build_model, init_weights, model_args
+from shardwise.observe.flops import attention_pairs, executed_flops
+from shardwise.observe.memory import SavedActivations
+from shardwise.optim.adamw import build_optimizer
+from shardwise.parallel.dims import ParallelDims
+from shardwise.parallel.parallelize import parallelize
+from shardwise.plan.comm import group_members
+from shardwise.plan.cost import rank_time
+from shardwise.plan.hardware import available, load_hardware
+from shardwise.plan.layout import Layout
+from shardwise.plan.memory import activations, in_flight, schedule_actions, step_memory
+from shardwise.plan.search import parse_tokens, plan, plan_config
+from shardwise.plan.states import built_states, shape_states
+from shardwise.train import forward_backward
+from tests.conftest import ROOT
+
+DEBUG, MOE = str(ROOT / "configs" / "debug.toml"), str(ROOT / "configs" / "moe-debug.toml")
+
+# (config, world, overrides): every parallelism, uneven FSDP chunks, every pipeline placement.
+LAYOUTS = [
+    (DEBUG, 1, []),
+    (DEBUG, 3, ["--parallel.dp_shard=3", "--training.global_batch=6", "--model.vocab_size=2050"]),
+    (DEBUG, 8, ["--parallel.dp_shard=2", "--parallel.tp=2", "--parallel.dp_replicate=2"]),
+    (DEBUG, 8, ["--parallel.dp_shard=2", "--parallel.cp=2", "--parallel.tp=2"]),
+    (DEBUG, 4, ["--parallel.pp=2", "--parallel.dp_shard=2", "--training.micro_batch=2"]),
+    (DEBUG, 2, ["--parallel.pp=2", "--parallel.pp_schedule=zbv", "--training.micro_batch=1"]),
+    (DEBUG, 2, ["--parallel.pp=2", "--parallel.pp_schedule=interleaved1f1b",
+                "--parallel.pp_stages_per_rank=3", "--training.micro_batch=1"]),
+    (DEBUG, 4, ["--parallel.dp_shard=4", "--parallel.reshard_after_forward=never",
+                "--optimizer.state_dtype=bf16"]),
+    (MOE, 4, ["--parallel.dp_shard=4", "--parallel.ep=2"]),
+    (MOE, 8, ["--parallel.dp_shard=2", "--parallel.tp=2", "--parallel.ep=4", "--parallel.dp_replicate=2"]),
+    (DEBUG, 256, ["--model.name=70b", "--parallel.dp_shard=32", "--parallel.tp=8", "--training.seq_len=8192",
+                  "--training.global_batch=512", "--training.micro_batch=1"]),
+]
+
+
+@pytest.mark.parametrize("path,world,overrides", LAYOUTS)
+def test_shape_states_equal_the_built_model(path: str, world: int, overrides: list[str]):
+    """Per pipeline rank: parameter, gradient and optimizer bytes, and every FSDP unit (padded size,
+    shard group, replicas, reshard) -- from shapes exactly as from the real parallelized model."""
+    cfg = load_config(path, overrides)
+    built = built_states(cfg, world)
+    shaped = shape_states(cfg, Layout.from_config(cfg, world))
+    assert len(built) == len(shaped) == Layout.from_config(cfg, world).pp
+    for b, s in zip(built, shaped, strict=True):
+        assert (b.params, b.grads, b.optimizer) == (s.params, s.grads, s.optimizer)
+        assert (b.layers, b.has_embedding, b.has_head) == (s.layers, s.has_embedding, s.has_head)
+        assert sorted(b.units, key=str) == sorted(s.units, key=str)
+        assert b.params > 0
+
+
+def test_states_count_local_shards():
+    """FSDP over 4 ranks: each rank holds a quarter of every parameter (dims divide evenly here)."""
+    cfg = load_config(DEBUG, ["--parallel.dp_shard=4"])
+    full = sum(p.numel() for p in build_model(model_args(cfg.model)).parameters())
+    st = built_states(cfg, 4)[0]
+    assert st.params == st.grads == 4 * full // 4
+    assert st.optimizer == 8 * full // 4  # two fp32 moments
+
+
+@pytest.fixture
+def one_rank():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{d}/pg", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def _trainer_model(cfg):
+    """The model exactly as the trainer builds it on one rank."""
+    dims = ParallelDims.from_config(cfg.parallel, 1)
+    dims.build_mesh("cpu")
+    model = build_model(model_args(cfg.model))
+    parallelize(model, dims, cfg)
+    model.to_empty(device="cpu")
+    init_weights(model, 0)
+    model.loss_chunk = cfg.training.loss_chunk
+    return model
+
+
+def _batch(cfg, n: int) -> Batch:
+    g = torch.Generator().manual_seed(0)
+    v, s = cfg.model.vocab_size, cfg.training.seq_len
+    tokens, labels = (torch.randint(0, v, (n, s), generator=g) for _ in range(2))
+    doc_ids = (torch.arange(s) >= s // 3).long().expand(n, s) if cfg.data.document_mask else None
+    return Batch(tokens, labels, doc_ids, n * s)
+
+
+SMALL = ["--training.global_batch=2", "--training.seq_len=256"]
+
+
+@pytest.mark.parametrize("path,overrides", [
+    (DEBUG, []),
+    (DEBUG, ["--training.mixed_precision=fp32"]),
+    (DEBUG, ["--model.n_kv_heads=4"]),
+    (DEBUG, ["--training.loss_chunk=128"]),
+    (DEBUG, ["--activation_checkpoint.mode=full"]),
+    (DEBUG, ["--activation_checkpoint.mode=layer", "--activation_checkpoint.every=3"]),
+    (DEBUG, ["--data.document_mask=true", "--training.mixed_precision=fp32"]),
+    (MOE, []),
+    (MOE, ["--model.moe_hidden_dim=128", "--model.n_shared_experts=2", "--model.moe_score=sigmoid"]),
+    (MOE, ["--model.moe_balance=bias", "--model.moe_route_norm=false"]),
+])
+def test_activations_equal_saved_tensors(one_rank, path: str, overrides: list[str]):
+    """The per-op formulas give exactly the bytes autograd saves for backward (unique storages)."""
+    cfg = load_config(path, SMALL + overrides)
+    model = _trainer_model(cfg)
+    with SavedActivations() as saved:
+        forward_backward(model, _batch(cfg, 2), torch.tensor(512))
+    layout = Layout.from_config(cfg, 1)
+    st = shape_states(cfg, layout)[0]
+    predicted = sum(activations(cfg, layout, st.layers, st.has_embedding, st.has_head).values())
+    assert predicted == saved.bytes
+
+
+@pytest.mark.parametrize("overrides", [[], ["--activation_checkpoint.mode=full"],
+                                       ["--activation_checkpoint.mode=selective"],
+                                       ["--training.loss_chunk=128"], ["--training.micro_batch=1"]])
+def test_peak_matches_memtracker(one_rank, overrides: list[str]):
+    """The timeline's peak of a steady-state step (optimizer states allocated) is within 3% (6% for
+    full checkpointing) of torch's MemTracker peak of live tensors for the same step."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from shardwise.observe.memory import _StepMemTracker
+
+    cfg = load_config(DEBUG, SMALL + overrides)
+    model = _trainer_model(cfg)
+    opt = build_optimizer(model, cfg.optimizer, "cpu")
+    mb = cfg.training.micro_batch or 2
+    batch = _batch(cfg, 2)
+
+    def step() -> None:
+        for i in range(0, 2, mb):
+            part = Batch(batch.inputs[i:i + mb], batch.labels[i:i + mb], None, mb * 256)
+            forward_backward(model, part, torch.tensor(512))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    step()
+    tracker = _StepMemTracker() if mb < 2 else MemTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        step()
+    measured = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    layout = Layout.from_config(cfg, 1)
+    predicted = step_memory(cfg, layout, shape_states(cfg, layout)[0]).peak
+    # Full checkpointing's peak sits inside a recomputed block's backward, whose gradient
+    # temporaries are modelled per sub-layer only: looser there (the issue asks for 10%).
+    tol = 0.06 if "full" in " ".join(overrides) else 0.03
+    assert abs(predicted / measured - 1) < tol, (predicted, measured)
+
+
+def test_rank_flops_add_up_to_executed_flops():
+    """Split over tp x pp, the ranks' FLOPs sum to the step's executed FLOPs (flops.py), with
+    recompute and the chunked loss."""
+    hw = load_hardware("h100")
+    for extra in ([], ["--activation_checkpoint.mode=full", "--training.loss_chunk=256"]):
+        cfg = load_config(DEBUG, ["--parallel.tp=2", "--parallel.pp=2", "--training.micro_batch=2", *extra])
+        if cfg.training.loss_chunk:
+            cfg.parallel.pp = 1
+            cfg.parallel.dp_shard = 2
+        layout = Layout.from_config(cfg, 4)
+        ranks = [rank_time(cfg, layout, st, hw) for st in shape_states(cfg, layout)]
+        t = cfg.training
+        tokens_per_share = t.global_batch * t.seq_len // layout.dp
+        step = executed_flops(model_args(cfg.model), tokens_per_share,
+                              t.global_batch // layout.dp * attention_pairs(t.seq_len),
+                              cfg.activation_checkpoint.mode, chunked_loss=t.loss_chunk > 0).total
+        assert sum(r.flops for r in ranks) * layout.tp * layout.cp == pytest.approx(step, rel=1e-9)
+
+
+def test_pipeline_in_flight():
+    """1F1B holds pp - rank micro-batches (Narayanan et al.), GPipe all of them."""
+    one = Layout(pp=4, pp_schedule="1f1b", micro_batch=1)
+    assert [in_flight(one, 8, r) for r in range(4)] == [4, 3, 2, 1]
+    assert in_flight(dataclasses.replace(one, pp_schedule="gpipe"), 8, 0) == 8
+    assert [k for k, _ in schedule_actions(one, 8, 0)[:5]] == ["F", "F", "F", "F", "B"]
+    assert [k for k, _ in schedule_actions(one, 8, 3)[:3]] == ["F", "B", "F"]
+    # torch's own orders for the multi-stage schedules: every pass of every local stage once
+    for sched, stages in (("interleaved1f1b", {0, 4}), ("zbv", {0, 7}), ("dualpipev", {0, 7})):
+        order = schedule_actions(dataclasses.replace(one, pp_schedule=sched), 8, 0)
+        assert {x for _, x in order} == stages
+        assert sum(k == "F" for k, _ in order) == 16
+        assert sum(k in ("B", "I") for k, _ in order) == 16
+
+
+def test_group_members():
+    """Rank layout pp, dp_replicate, dp_shard, cp, tp (outermost first); ep innermost of
+    dp_shard x cp x tp."""
+    lay = Layout(pp=2, dp_replicate=2, dp_shard=2, cp=1, tp=2, ep=2)
+    assert group_members(lay, "tp") == {0, 1}
+    assert group_members(lay, "dp_shard") == {0, 2}
+    assert group_members(lay, "dp_replicate") == {0, 4}
+    assert group_members(lay, "dp_cp_tp") == {0, 1, 2, 3, 4, 5, 6, 7}
+    assert group_members(lay, "pp") == {0, 8}
+    assert group_members(lay, "ep") == {0, 1} and group_members(lay, "efsdp") == {0, 2}
+    assert group_members(lay, "tp", pp_rank=1) == {8, 9}
+
+
+def test_layout_round_trip():
+    cfg = load_config(DEBUG, ["--parallel.tp=2", "--parallel.pp=2", "--training.micro_batch=2",
+                              "--activation_checkpoint.mode=selective"])
+    lay = Layout.from_config(cfg, 8)
+    assert (lay.dp_shard, lay.world, lay.micro_batches(cfg.training.global_batch)) == (2, 8, 2)
+    assert Layout.from_config(lay.apply(load_config(DEBUG)), 8) == lay
+    assert str(lay) == "pp2 dp_shard2 tp2 1f1b mb2 ac=selective"
+    assert len({lay, Layout.from_config(cfg, 8)}) == 1
+
+
+def test_hardware_profiles_load():
+    for name in available():
+        if name == "local":
+            continue
+        hw = load_hardware(name)
+        assert hw.peak_tflops["bf16"] > 0 and hw.memory_gib > 0 and hw.gpus_per_node == 8, name
+        assert hw.link(8)[0] > hw.link(16)[0]  # NVLink / fabric inside a node beats the network
+    with pytest.raises(ConfigError, match="unknown hardware 'h1000'"):
+        load_hardware("h1000")
+    with pytest.raises(ConfigError, match="shardwise calibrate"):
+        load_hardware("local", cache_dir="/nonexistent")
+    with pytest.raises(ConfigError, match="no fp8 peak"):
+        load_hardware("a100").matmul_tflops("fp8", 4096)
+
+
+def test_plan_returns_layouts_the_trainer_accepts():
+    """8B on 8 H100: the ranked layouts pass the trainer's own layout checks, fit, are sorted, and
+    the top ones are estimated exactly."""
+    from shardwise.preflight import check_layout
+
+    cfg = plan_config(load_config(None, ["--model.name=8b"]), 8192, parse_tokens("128K"))
+    assert cfg.training.global_batch == 16
+    hw = load_hardware("h100")
+    result = plan(cfg, 8, hw, top=2, schedules=("1f1b",))
+    assert result.ranked and result.dropped["memory over capacity"] > 0
+    speeds = [c.tokens_per_s_per_device for c in result.ranked]
+    assert speeds == sorted(speeds, reverse=True)
+    for c in result.ranked[:20]:
+        check_layout(c.layout.apply(cfg), 8)
+        assert c.peak <= 0.9 * hw.memory_gib * 2**30
+    assert [e.layout for e in result.top] == [c.layout for c in result.ranked[:2]]
+    assert result.top[0].peak == result.ranked[0].peak  # exact states agree with the shape path
+
+
+def test_parse_tokens():
+    assert parse_tokens("4M") == 4 * 2**20 and parse_tokens("512k") == 2**19 and parse_tokens("1000") == 1000
+    with pytest.raises(ConfigError, match="global-batch-tokens"):
+        parse_tokens("lots")
