@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from shardwise.config import CompileConfig
 
@@ -25,3 +26,15 @@ def apply_compile(model: nn.Module, cfg: CompileConfig) -> None:
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     for block in model.layers.values():  # type: ignore[union-attr]
         block.compile()
+    embed = getattr(model, "tok_embeddings", None)
+    if embed is not None:
+        embed.register_forward_hook(_resolve_async_output)
+
+
+def _resolve_async_output(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    """Under sequence parallel the embedding (eager) returns its reduce-scatter still in flight, an
+    ``AsyncCollectiveTensor``. torch 2.13's AOTAutograd unwraps such a graph input to its grad-less
+    inner tensor, so the first compiled block returned no input gradient and the embedding silently
+    stopped learning (found by the compile x TP parity test; pytorch/pytorch#191113). A copy through
+    the wrapper waits for the collective and keeps the autograd edge; it is (B, S/tp, dim), once."""
+    return out.clone() if isinstance(out, AsyncCollectiveTensor) else out

@@ -73,10 +73,13 @@ def test_bf16_states_fsdp2_matches_single_rank_and_resumes_exactly(tmp_path: Pat
     assert [(r["loss"], r["grad_norm"]) for r in want] == [(r["loss"], r["grad_norm"]) for r in got]
 
 
-@pytest.mark.slow  # (extended set: make test-all; CI runs the 1-process compile test in tests/unit)
-@pytest.mark.parametrize("layout", [["--nproc=2"], ["--nproc=2", "--parallel.tp=2"]], ids=["fsdp2", "tp2"])
+@pytest.mark.parametrize("layout", [
+    pytest.param(["--nproc=2"], marks=pytest.mark.slow),  # (extended set: make test-all)
+    ["--nproc=2", "--parallel.tp=2"]], ids=["fsdp2", "tp2"])
 def test_compile_with_checkpointing_matches_single_rank(layout: list[str], tmp_path: Path, data_cache: str):
-    """Compiled, selectively checkpointed blocks under FSDP (and TP) against the eager 1-rank run."""
+    """Compiled, selectively checkpointed blocks under FSDP (and TP) against the eager 1-rank run.
+    Under TP the embedding's in-flight reduce-scatter enters the first compiled block: torch 2.13
+    dropped the gradient back to the embedding there (see shardwise/parallel/compile.py)."""
     ref = train(tmp_path, "ref", data_cache)
     close_runs(ref, train(tmp_path, "compiled", data_cache, *layout, "--compile.enabled=true",
                           "--activation_checkpoint.mode=selective"), 1e-4, f"compile {layout}")
