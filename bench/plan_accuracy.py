@@ -12,7 +12,7 @@ Measured, per run (the trainer's own instruments):
 Predicted: ``shardwise.plan.estimate`` on ``--hardware`` (``local`` after ``shardwise calibrate``),
 with states from the real model on the fake process group.
 
-    python bench/plan_accuracy.py                       # the default layouts, ~30 min on 2 cores
+    python bench/plan_accuracy.py --calibrate           # calibrate, then the default layouts (~35 min)
     python bench/plan_accuracy.py --layouts debug:tp=2 125m:dp_shard=2 --steps 8
 """
 
@@ -111,7 +111,12 @@ def main() -> None:
     p.add_argument("--trace-step", type=int, default=2)
     p.add_argument("--hardware", default="local")
     p.add_argument("--json", default="", help="also write the rows here")
+    p.add_argument("--calibrate", action="store_true",
+                   help="run `shardwise calibrate` first: a shared or throttled machine's speed drifts "
+                        "by tens of percent over hours, so the profile should be as fresh as the runs")
     a = p.parse_args()
+    if a.calibrate:
+        subprocess.run([sys.executable, "-m", "shardwise", "calibrate"], cwd=ROOT, check=True)
     print("| preset | layout | ranks | states | comm MiB/step (pred/meas) | peak MiB pred / meas (err) | "
           "step s pred / meas (err) |")
     print("|---|---|---|---|---|---|---|")

@@ -23,7 +23,8 @@ from shardwise.plan.comm import group_members
 from shardwise.plan.cost import rank_time
 from shardwise.plan.hardware import available, load_hardware
 from shardwise.plan.layout import Layout
-from shardwise.plan.memory import activations, in_flight, schedule_actions, step_memory
+from shardwise.plan.memory import activations, step_memory
+from shardwise.plan.schedule import in_flight, schedule_actions
 from shardwise.plan.search import parse_tokens, plan, plan_config
 from shardwise.plan.states import built_states, shape_states
 from shardwise.train import forward_backward
