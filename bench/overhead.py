@@ -59,12 +59,10 @@ def main() -> None:
 
     from shardwise.config import load_config
     from shardwise.data.dataset import Batch
-    from shardwise.models import build_model, init_weights, model_args
     from shardwise.optim.adamw import build_optimizer
     from shardwise.optim.lr import build_lr_scheduler
     from shardwise.parallel.dims import ParallelDims
-    from shardwise.parallel.parallelize import parallelize
-    from shardwise.train import train_step
+    from shardwise.train import build_rank_model, train_step
 
     torch.set_num_threads(1)  # kernels are tiny; one thread avoids pool wake-ups in the figure
     d = tempfile.mkdtemp()
@@ -74,11 +72,7 @@ def main() -> None:
                                              "--training.global_batch=1", "--training.mixed_precision=fp32"])
     dims = ParallelDims.from_config(cfg.parallel, 1)
     dims.build_mesh("cpu")
-    model = build_model(model_args(cfg.model))
-    parallelize(model, dims, cfg)
-    model.to_empty(device="cpu")
-    init_weights(model, 0)
-    model.loss_chunk = 0
+    model = build_rank_model(cfg, dims, "cpu")
     opt = build_optimizer(model, cfg.optimizer, "cpu")
     sched = build_lr_scheduler(opt, cfg.lr_scheduler, 10_000)
     tokens = torch.randint(0, 2000, (1, 16))

@@ -473,10 +473,8 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 device: str | None = None) -> Config:
-    """Defaults <- TOML file <- CLI overrides, then model preset resolution and validation.
-
-    ``device`` ("cpu" / "cuda") is what ``auto`` settings resolve for; None = this machine's device
-    per ``run.device`` (the planner passes the device of the hardware it plans for)."""
+    """Defaults <- TOML file <- CLI overrides, then preset, checks, and ``auto`` resolved for
+    ``device`` ("cpu" / "cuda"; None = this machine's per ``run.device``, the planner passes its own)."""
     cfg = Config()
     if path is not None:
         p = Path(path)
@@ -494,35 +492,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 _apply(cfg, f"{section}.{name}", value, from_cli=False, where=f" in {p}")
     for key, value in parse_overrides(overrides or []):
         _apply(cfg, key, value, from_cli=True, where=" on the command line")
+    from shardwise.config_checks import resolve_model, resolve_precision, validate  # (imports this one)
     resolve_model(cfg)
-    from shardwise.config_checks import validate  # it imports this module
-
     validate(cfg)
     resolve_precision(cfg, device)
     return cfg
-
-
-def resolve_precision(cfg: Config, device: str | None = None) -> None:
-    """Turn ``training.mixed_precision = "auto"`` into bf16 or fp32 for ``device`` (None = local).
-
-    Every rank of a job decides alike: from CPU feature flags, not from a timing."""
-    if cfg.training.mixed_precision != "auto":
-        return
-    from shardwise.parallel.dims import cpu_has_native_bf16, device_type
-
-    device = device or device_type(cfg.run.device)
-    fast = device != "cpu" or cpu_has_native_bf16()
-    cfg.training.mixed_precision = "bf16" if fast else "fp32"
-
-
-def resolve_model(cfg: Config) -> None:
-    """Fill every unset model field from the named preset, so the saved config is complete."""
-    from shardwise.models.presets import PRESETS
-
-    if cfg.model.name not in PRESETS:
-        raise ConfigError(f"model.name '{cfg.model.name}' is not a preset; choose one of "
-                          f"{', '.join(PRESETS)}")
-    preset = PRESETS[cfg.model.name]
-    for f in dataclasses.fields(ModelConfig):
-        if f.name != "name" and getattr(cfg.model, f.name) is None:
-            setattr(cfg.model, f.name, getattr(preset, f.name))

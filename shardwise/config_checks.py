@@ -1,12 +1,14 @@
-"""Value checks of a loaded :class:`~shardwise.config.Config`: choices, signs, ranges and the
-relations between fields that need no process group. Each failure is one line naming the field and
-the fix."""
+"""What happens to a :class:`~shardwise.config.Config` once it is read: the model preset fills the
+unset model fields, values are checked (choices, signs, ranges and the relations between fields
+that need no process group; each failure is one line naming the field and the fix), and ``auto``
+settings are resolved for the device."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from shardwise.config import Config, ConfigError, _coerce
+from shardwise.config import Config, ConfigError, ModelConfig, _coerce
 
 _CHOICES = {
     "run.device": ("auto", "cpu", "cuda"),
@@ -109,3 +111,29 @@ def parse_backend_spec(dim: str, spec: str) -> tuple[str, dict[str, Any]]:
         parsed[key] = _coerce(f"parallel.backend_override {dim} {key}", BACKEND_OPTIONS[name][key],
                               value, from_cli=True)
     return name, parsed
+
+
+def resolve_precision(cfg: Config, device: str | None = None) -> None:
+    """Turn ``training.mixed_precision = "auto"`` into bf16 or fp32 for ``device`` (None = local).
+
+    Every rank of a job decides alike: from CPU feature flags, not from a timing."""
+    if cfg.training.mixed_precision != "auto":
+        return
+    from shardwise.parallel.dims import cpu_has_native_bf16, device_type
+
+    device = device or device_type(cfg.run.device)
+    fast = device != "cpu" or cpu_has_native_bf16()
+    cfg.training.mixed_precision = "bf16" if fast else "fp32"
+
+
+def resolve_model(cfg: Config) -> None:
+    """Fill every unset model field from the named preset, so the saved config is complete."""
+    from shardwise.models.presets import PRESETS
+
+    if cfg.model.name not in PRESETS:
+        raise ConfigError(f"model.name '{cfg.model.name}' is not a preset; choose one of "
+                          f"{', '.join(PRESETS)}")
+    preset = PRESETS[cfg.model.name]
+    for f in dataclasses.fields(ModelConfig):
+        if f.name != "name" and getattr(cfg.model, f.name) is None:
+            setattr(cfg.model, f.name, getattr(preset, f.name))

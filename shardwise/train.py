@@ -83,12 +83,7 @@ def train(cfg: Config) -> None:
     args = model_args(cfg.model)
 
     loader, val_stream = build_data(cfg, dims, env.device, args.vocab_size)
-    # 1) meta (this rank's pipeline stage) -> 2) parallelize -> 3) materialize -> 4) init.
-    model = build_stage(args, dims, cfg.parallel)
-    parallelize(model, dims, cfg)
-    model.to_empty(device=env.device)
-    init_weights(model, cfg.training.seed)
-    model.loss_chunk = cfg.training.loss_chunk
+    model = build_rank_model(cfg, dims, env.device)
     pipe = build_pipe(model, dims, cfg, env.device)
     for moe in moe_layers(model):  # the balance loss is a mean over the step's sequences
         moe.sequences_per_step = cfg.training.global_batch
@@ -307,6 +302,17 @@ def evaluate(model: nn.Module, val: TokenStream, cfg: Config, dims: ParallelDims
 
 # ---------------------------------------------------------------------------------------------
 # Setup helpers
+
+
+def build_rank_model(cfg: Config, dims: ParallelDims, device: torch.device | str) -> nn.Module:
+    """This rank's model, ready to train: 1) on meta (this rank's pipeline stages) -> 2) parallelized
+    -> 3) materialized on ``device`` -> 4) initialized from the run seed. ``dims`` has its mesh."""
+    model = build_stage(model_args(cfg.model), dims, cfg.parallel)
+    parallelize(model, dims, cfg)
+    model.to_empty(device=device)
+    init_weights(model, cfg.training.seed)
+    model.loss_chunk = cfg.training.loss_chunk
+    return model
 
 
 def build_stage(args: ModelArgs, dims: ParallelDims, pc: ParallelConfig) -> nn.Module:

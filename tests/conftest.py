@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -50,9 +52,9 @@ def data_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(tmp_path_factory.mktemp("cache"))
 
 
-@pytest.fixture(scope="module")
-def one_rank_group():
-    """A one-rank gloo process group (FSDP and DCP need one)."""
+@contextlib.contextmanager
+def one_rank_pg() -> Iterator[None]:
+    """A one-rank gloo process group for the block (the one already there, if any)."""
     if dist.is_initialized():
         yield
         return
@@ -62,3 +64,10 @@ def one_rank_group():
             yield
         finally:
             dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A one-rank gloo process group (FSDP and DCP need one), for the whole module."""
+    with one_rank_pg():
+        yield

@@ -110,22 +110,17 @@ def _tiny_step(layers: int, layout: tuple[str, ...] = ()) -> Callable[[], None]:
 
     from shardwise.config import load_config
     from shardwise.data.dataset import Batch
-    from shardwise.models import build_model, init_weights, model_args
     from shardwise.optim.adamw import build_optimizer
     from shardwise.optim.clip import clip_grad_norm_
     from shardwise.parallel.dims import ParallelDims
-    from shardwise.parallel.parallelize import parallelize
-    from shardwise.train import forward_backward
+    from shardwise.train import build_rank_model, forward_backward
 
     cfg = load_config(None, ["--model.dim=32", f"--model.n_layers={layers}", "--model.n_heads=2",
                              "--model.n_kv_heads=2", "--model.vocab_size=64", "--model.multiple_of=32",
                              "--training.seq_len=8", *layout])
     dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size())
     dims.build_mesh("cpu")
-    model = build_model(model_args(cfg.model))
-    parallelize(model, dims, cfg)
-    model.to_empty(device="cpu")
-    init_weights(model, 0)
+    model = build_rank_model(cfg, dims, "cpu")
     opt = build_optimizer(model, cfg.optimizer, "cpu")
     tokens = torch.randint(0, 64, (1, 8))
     batch, n_valid = Batch(tokens, tokens, None, 8), torch.tensor(8)

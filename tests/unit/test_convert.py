@@ -18,7 +18,8 @@ MODEL = ModelConfig(name="debug", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, v
 
 
 def saved_model(tmp_path: Path, cfg: ModelConfig = MODEL, seed: int = 1) -> tuple[Path, torch.nn.Module]:
-    from shardwise.config import Config, resolve_model
+    from shardwise.config import Config
+    from shardwise.config_checks import resolve_model
 
     full = Config(model=dataclasses.replace(cfg))
     resolve_model(full)

@@ -9,16 +9,14 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from shardwise.config import ConfigError, load_config
 from shardwise.data.dataset import Batch
-from shardwise.models import build_model, init_weights, model_args
+from shardwise.models import build_model, model_args
 from shardwise.observe.flops import attention_pairs, executed_flops
 from shardwise.observe.memory import SavedActivations
 from shardwise.optim.adamw import build_optimizer
 from shardwise.parallel.dims import ParallelDims
-from shardwise.parallel.parallelize import parallelize
 from shardwise.plan.comm import group_members
 from shardwise.plan.cost import rank_time
 from shardwise.plan.hardware import available, load_hardware
@@ -27,8 +25,8 @@ from shardwise.plan.memory import activations, step_memory
 from shardwise.plan.schedule import in_flight, schedule_actions
 from shardwise.plan.search import parse_tokens, plan, plan_config
 from shardwise.plan.states import built_states, shape_states
-from shardwise.train import forward_backward
-from tests.conftest import ROOT
+from shardwise.train import build_rank_model, forward_backward
+from tests.conftest import ROOT, one_rank_pg
 
 DEBUG, MOE = str(ROOT / "configs" / "debug.toml"), str(ROOT / "configs" / "moe-debug.toml")
 
@@ -77,26 +75,16 @@ def test_states_count_local_shards():
 
 @pytest.fixture
 def one_rank():
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("gloo", init_method=f"file://{d}/pg", rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
+    """Per test, not per module: plan() refuses to run beside a live process group."""
+    with one_rank_pg():
+        yield
 
 
 def _trainer_model(cfg):
     """The model exactly as the trainer builds it on one rank."""
     dims = ParallelDims.from_config(cfg.parallel, 1)
     dims.build_mesh("cpu")
-    model = build_model(model_args(cfg.model))
-    parallelize(model, dims, cfg)
-    model.to_empty(device="cpu")
-    init_weights(model, 0)
-    model.loss_chunk = cfg.training.loss_chunk
-    return model
+    return build_rank_model(cfg, dims, "cpu")
 
 
 def _batch(cfg, n: int) -> Batch:
