@@ -19,10 +19,13 @@ group with a background thread would interleave its collectives with training's.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
+import io
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -38,6 +41,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -53,11 +57,118 @@ from shardwise.data.dataset import PackedLoader
 MANIFEST = "manifest.json"
 FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_ASIDE = re.compile(r"\.(damaged|superseded)-\d{8}-\d{6}x*$")  # see set_aside()
 _CHUNK = 8 << 20
 
 
 class CheckpointError(ConfigError):
-    """A checkpoint that cannot be written or loaded; the message names the file and the fix."""
+    """A checkpoint that cannot be written or loaded; the message names the file and the fix,
+    ``reason`` says what is wrong in a few words (for a list of several checkpoints)."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading without running code. A checkpoint may come from someone else; unpickling can run any
+# code it names. DCP itself reads its .metadata with plain pickle and non-tensor items (scheduler,
+# data position, optimizer hyperparameters) with torch.load(weights_only=False): both go through
+# the two classes below instead, which accept only what a DCP checkpoint holds.
+
+# What a DCP .metadata file refers to (checked on torch 2.11-2.13): its dataclasses, torch.Size,
+# dtypes, layouts and the path type of the writer.
+_DCP_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "ChunkStorageMetadata", "MetadataIndex",
+                                              "_MEM_FORMAT_ENCODING", "BytesStorageMetadata",
+                                              "StorageMeta", "TensorProperties", "TensorStorageMetadata"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _DCP_GLOBALS.get(module, ()) or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def _refused(path: Path, what: str, e: BaseException) -> CheckpointError:
+    return CheckpointError(f"checkpoint '{path}': {what} holds something other than tensors and plain "
+                           f"values ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__}); "
+                           "refused, since loading it could run code: use a checkpoint you trust",
+                           f"has an unsafe {what}")
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader, with ``.metadata`` unpickled against :data:`_DCP_GLOBALS` only."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        file = Path(self.path) / ".metadata"
+        try:
+            with file.open("rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except pickle.UnpicklingError as e:
+            raise _refused(Path(self.path), ".metadata", e) from None
+        except Exception as e:  # noqa: BLE001 - a truncated or garbled file: one line
+            raise CheckpointError(f"checkpoint '{self.path}' has an unreadable .metadata "
+                                  f"({type(e).__name__}): it was damaged; load an earlier step-<N>",
+                                  "has an unreadable .metadata") from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return metadata
+
+
+class SafePlanner(DefaultLoadPlanner):
+    """DCP's load planner, with non-tensor items read by ``torch.load(weights_only=True)``."""
+
+    def __init__(self, path: Path, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.path = path
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise _refused(self.path, f"item '{read_item.dest_index.fqn}'", e) from None
+        # Hand DCP the checked value the way it expects it: serialized (only plain values now).
+        safe = io.BytesIO()
+        torch.save(obj, safe)
+        safe.seek(0)
+        super().load_bytes(read_item, safe)
+
+
+def _dcp_load(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
+    """``dcp.load`` through :class:`SafeReader` and :class:`SafePlanner`; a refusal comes out as
+    the one-line :class:`CheckpointError`, not wrapped in DCP's per-rank report."""
+    SafeReader(str(path)).read_metadata()  # a refusal here as itself (DCP would turn it into text)
+    try:
+        dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner(path), no_dist=no_dist)
+    except (Exception, CheckpointException) as e:
+        ours = next((c for c in _causes(e) if isinstance(c, CheckpointError)), None)
+        if ours is None:
+            raise
+        raise ours from None
+
+
+def read_model_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every model tensor of checkpoint ``path`` as a plain full tensor, in one process."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = SafeReader(str(path)).read_metadata()
+    state = {k.removeprefix("model."): torch.empty(v.size, dtype=v.properties.dtype)
+             for k, v in meta.state_dict_metadata.items()
+             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    _dcp_load({"model": state}, path, no_dist=True)
+    return state
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,9 +186,22 @@ def list_checkpoints(folder: Path, warn: bool = False) -> list[tuple[int, Path]]
         if m and (p / MANIFEST).is_file():
             found.append((int(m.group(1)), p))
         elif warn and p.is_dir():
-            print(f"warning: skipping '{p}': not a complete checkpoint (an interrupted save or "
-                  "deletion; it is removed at the next save)", file=sys.stderr, flush=True)
+            why = ("kept aside, never loaded or deleted by shardwise: delete it when you no longer need it"
+                   if _ASIDE.search(p.name) else
+                   "not a complete checkpoint (an interrupted save or deletion; it is removed at the "
+                   "next save)")
+            print(f"warning: skipping '{p}': {why}", file=sys.stderr, flush=True)
     return sorted(found)
+
+
+def set_aside(path: Path, why: str) -> Path:
+    """Rename checkpoint ``path`` to ``<name>.<why>-<time>``: out of the way of the run (never loaded,
+    never swept), and nothing deleted. Returns the new path."""
+    aside = path.with_name(f"{path.name}.{why}-{time.strftime('%Y%m%d-%H%M%S')}")
+    while aside.exists():
+        aside = aside.with_name(aside.name + "x")
+    path.rename(aside)
+    return aside
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
@@ -88,14 +212,15 @@ def read_manifest(path: Path) -> dict[str, Any]:
     file = path / MANIFEST
     if not file.is_file():
         raise CheckpointError(f"checkpoint '{path}' is incomplete (no {MANIFEST}: its save never "
-                              "finished): point checkpoint.path at a complete step-<N> directory")
+                              "finished): point checkpoint.path at a complete step-<N> directory",
+                              f"is incomplete (no {MANIFEST})")
     try:
         manifest = json.loads(file.read_text())
         if manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
             raise ValueError(f"format {manifest.get('format')!r}")
     except (ValueError, AttributeError) as e:
         raise CheckpointError(f"checkpoint '{path}' has an unreadable {MANIFEST} ({e}): it was "
-                              "damaged; load an earlier step-<N>") from None
+                              "damaged; load an earlier step-<N>", f"has an unreadable {MANIFEST}") from None
     return manifest
 
 
@@ -109,20 +234,36 @@ def sha256(path: Path) -> str:
 
 def check_files(path: Path, manifest: dict[str, Any], names: list[str] | None = None,
                 checksums: bool = True) -> str | None:
-    """The first problem with the files ``names`` (default all) of checkpoint ``path``, or None."""
+    """The first problem with the files ``names`` (default all) of checkpoint ``path`` as a one-line
+    message, or None."""
+    why = file_problem(path, manifest, names, checksums)
+    return f"checkpoint '{path}' {why}: it was damaged; load an earlier step-<N>" if why else None
+
+
+def file_problem(path: Path, manifest: dict[str, Any], names: list[str] | None = None,
+                 checksums: bool = True) -> str | None:
+    """What is wrong with the files ``names`` (default all) of ``path``, in a few words, or None."""
     files = manifest["files"]
     for name in files if names is None else names:
         want, f = files[name], path / name
         if not f.is_file():
-            return f"checkpoint '{path}' is missing {name}: it was damaged; load an earlier step-<N>"
+            return f"is missing {name}"
         size = f.stat().st_size
         if size != want["bytes"]:
-            return (f"checkpoint '{path}' is truncated or altered: {name} has {size} bytes, the "
-                    f"manifest says {want['bytes']}; load an earlier step-<N>")
+            return f"is truncated or altered: {name} has {size} bytes, the manifest says {want['bytes']}"
         if checksums and sha256(f) != want["sha256"]:
-            return (f"checkpoint '{path}' is corrupt: {name} does not match its SHA-256 in "
-                    f"{MANIFEST}; load an earlier step-<N>")
+            return f"is corrupt: {name} does not match its SHA-256 in {MANIFEST}"
     return None
+
+
+def problem(path: Path, checksums: bool = False) -> str:
+    """What keeps checkpoint ``path`` from loading, in a few words ('' if nothing; sizes only
+    unless ``checksums``)."""
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError as e:
+        return e.reason
+    return file_problem(path, manifest, checksums=checksums) or ""
 
 
 def looks_intact(path: Path) -> bool:
@@ -145,11 +286,7 @@ def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Global shape of every model tensor in checkpoint ``path`` (from DCP's metadata file)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    try:
-        meta = dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing
-        raise CheckpointError(f"checkpoint '{path}' has an unreadable .metadata ({type(e).__name__}): it "
-                              "was damaged; load an earlier step-<N>") from None
+    meta = SafeReader(str(path)).read_metadata()
     return {k.removeprefix("model."): tuple(v.size) for k, v in meta.state_dict_metadata.items()
             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
 
@@ -173,6 +310,33 @@ def check_compatible(path: Path, model: nn.Module) -> None:
                               "it was saved with")
 
 
+# Model-config fields that a checkpoint does not fix: the preset's label, the RoPE table's length
+# (positions below both lengths rotate alike) and training-only weights of the balance terms.
+# Every other field changes what the weights compute.
+TRAINING_ONLY_FIELDS = ("name", "max_seq_len", "moe_aux_coef", "moe_bias_rate")
+
+
+def check_same_function(path: Path, model_cfg: Any) -> None:
+    """One-line error naming the first model-config field whose value makes this model compute a
+    different function from the one checkpoint ``path`` was trained as (RoPE base and scaling,
+    norm epsilon, head size, MoE scoring and routing, ...), with both values. Shapes are checked
+    by :func:`check_compatible`; a manifest without a model config (an old one) is not checked."""
+    saved = read_manifest(path).get("model")
+    if not isinstance(saved, dict):
+        return
+    ours = dataclasses.asdict(model_cfg)
+    for name, value in ours.items():
+        if name in TRAINING_ONLY_FIELDS or name not in saved or saved[name] == value:
+            continue
+        if name == "moe_balance" and {saved[name], value} <= {"aux_loss", "none"}:
+            continue  # an auxiliary loss shapes training only; "bias" adds routing state
+        if isinstance(value, float) and isinstance(saved[name], (int, float)) and float(saved[name]) == value:
+            continue
+        raise CheckpointError(f"checkpoint '{path}' was trained with model.{name}={saved[name]!r}, this "
+                              f"run has model.{name}={value!r}: the weights would compute a different "
+                              f"function; pass --model.{name}={saved[name]} (or load another checkpoint)")
+
+
 def model_only(path: Path) -> bool:
     """True for a weights-only checkpoint (e.g. ``shardwise convert --from-hf``): no optimizer."""
     return _weights_only(read_manifest(path))
@@ -187,9 +351,16 @@ def _weights_only(manifest: dict[str, Any]) -> bool:
 
 
 def rng_state() -> dict[str, Any]:
-    """Every RNG a step can draw from: torch CPU and accelerator, Python's and NumPy's."""
-    state: dict[str, Any] = {"cpu": torch.get_rng_state(), "python": random.getstate(),
-                             "numpy": np.random.get_state()}
+    """Every RNG a step can draw from -- torch CPU and accelerator, Python's and NumPy's -- as
+    tensors and plain numbers, so that it loads with ``torch.load(weights_only=True)``."""
+    version, internal, gauss = random.getstate()
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "cpu": torch.get_rng_state(),
+        "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
+        "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -197,9 +368,11 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["cpu"])
-    if "python" in state:
-        random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss"]))
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
@@ -244,9 +417,12 @@ def _causes(e: BaseException) -> list[BaseException]:
     while todo:
         cur = todo.pop()
         out.append(cur)
-        failures = getattr(cur, "failures", None)  # DCP's CheckpointException: rank -> exception
-        if isinstance(failures, dict):
-            todo.extend(v for v in failures.values() if isinstance(v, BaseException))
+        failures = getattr(cur, "failures", None)  # DCP's CheckpointException: rank -> (exception,
+        if isinstance(failures, dict):  # traceback), or the exception itself in older versions
+            for v in failures.values():
+                v = v[0] if isinstance(v, tuple) and v else v
+                if isinstance(v, BaseException):
+                    todo.append(v)
         todo.extend(x for x in (cur.__cause__, cur.__context__) if x is not None)
     return out
 
@@ -403,12 +579,22 @@ class Checkpointer:
         _commit(staging, self.folder / f"step-{step}", {
             "step": step, "world_size": self.world, **self.info, "files": files,
             "contents": ["model", "optimizer", "lr_scheduler", "dataloader", "train"]})
-        if self.cfg.keep_latest_k > 0:
-            for _, old in list_checkpoints(self.folder)[:-self.cfg.keep_latest_k]:
-                try:
-                    _remove(old)
-                except OSError as e:  # the new checkpoint is committed; an old one lingering is harmless
-                    print(f"warning: could not delete old checkpoint '{old}': {e}", file=sys.stderr)
+        for old in retired(list_checkpoints(self.folder), step, self.cfg.keep_latest_k):
+            try:
+                _remove(old)
+            except OSError as e:  # the new checkpoint is committed; an old one lingering is harmless
+                print(f"warning: could not delete old checkpoint '{old}': {e}", file=sys.stderr)
+
+
+def retired(found: list[tuple[int, Path]], committed: int, keep: int) -> list[Path]:
+    """What ``keep_latest_k = keep`` deletes after step ``committed`` was saved: the checkpoints
+    older than it beyond the newest ``keep`` (it included). Never the one just committed, never a
+    newer one (the run directory's guard keeps those from existing; if one does, it is not this
+    run's to delete)."""
+    if keep <= 0:
+        return []
+    older = [p for s, p in found if s < committed]
+    return older[:max(0, len(older) - (keep - 1))]
 
 
 def save_model_only(path: Path, state: dict[str, torch.Tensor], info: dict[str, Any]) -> None:
@@ -433,8 +619,10 @@ def _commit(staging: Path, final: Path, fields: dict[str, Any]) -> None:
         os.fsync(f.fileno())
     tmp.rename(staging / MANIFEST)
     _fsync_dir(staging)
-    if final.exists():  # the same step saved again (e.g. a resumed run's final save)
-        _remove(final)
+    if final.exists():  # never replaced: the run directory's guard should have kept this from
+        # happening (a damaged checkpoint a resume skipped is set aside then); keep it regardless
+        kept = set_aside(final, "superseded")
+        print(f"warning: a checkpoint '{final}' already existed: kept as '{kept}'", file=sys.stderr)
     staging.rename(final)
     _fsync_dir(final.parent)
 
@@ -442,7 +630,7 @@ def _commit(staging: Path, final: Path, fields: dict[str, Any]) -> None:
 def load_model_only(path: Path, model: nn.Module) -> None:
     """Load just the weights of checkpoint ``path`` into a plain (unparallelized) ``model``."""
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    _dcp_load(state, path, no_dist=True)
     model.load_state_dict(state["model"])
 
 
@@ -455,9 +643,10 @@ def verify_distributed(path: Path, checksums: bool) -> dict[str, Any]:
     manifest = read_manifest(path)
     names = sorted(manifest["files"])[dist.get_rank()::dist.get_world_size()]
     problems: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, check_files(path, manifest, names, checksums))
+    dist.all_gather_object(problems, file_problem(path, manifest, names, checksums))
     if bad := [p for p in problems if p]:
-        raise CheckpointError(bad[0])
+        raise CheckpointError(f"checkpoint '{path}' {bad[0]}: it was damaged; load an earlier step-<N>",
+                              bad[0])
     return manifest
 
 
@@ -469,11 +658,11 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     manifest = verify_distributed(path, checksums)
     if _weights_only(manifest):
         state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=str(path))
+        _dcp_load(state, path)
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
         return 0
     state = _app_state(model, optimizer, scheduler, loader, step=0)
-    dcp.load(state, checkpoint_id=str(path))
+    _dcp_load(state, path)
     # Hyperparameters come from this run's config, state from the checkpoint: the optimizer state
     # dict would otherwise bring back the saved lr / betas / weight decay, and the scheduler its
     # base LRs, silently overriding what the user asked for.
@@ -494,5 +683,9 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     # Same world size: each rank continues its own random streams. Resharded: there is no
     # one-to-one map of ranks, so every rank keeps the seeded state (documented).
     if manifest.get("world_size") == dist.get_world_size() and rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        try:
+            saved_rng = torch.load(rng_file, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise _refused(path, rng_file.name, e) from None
+        set_rng_state(saved_rng)
     return int(state["train"]["step"])

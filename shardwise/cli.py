@@ -14,9 +14,11 @@ import inspect
 import os
 import sys
 import textwrap
+import traceback
 
 from shardwise import config
 from shardwise.config import ConfigError, load_config
+from shardwise.config_checks import LAUNCHED_RANK_ENV
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -91,14 +93,63 @@ def stopped_cleanly(run_dir: str) -> bool:
     return found[-1][0] == json.loads(lines[-1])["step"]
 
 
+# A rank launched by `shardwise train --nproc` writes its one-line error here instead of printing
+# it; the launcher reports the first failing rank's line once (and exits 2), not N copies of it
+# beside the secondary failures of the ranks that lost their peer.
+ERROR_DIR_ENV = LAUNCHED_RANK_ENV
+
+
+def rank_error(message: str, kind: str) -> bool:
+    """In a launched rank: record this rank's failure for the launcher. Returns whether it did."""
+    folder, rank = os.environ.get(ERROR_DIR_ENV), os.environ.get("RANK")
+    if not folder or rank is None:
+        return False
+    import json
+    import time
+
+    tmp = os.path.join(folder, f".rank{rank}.json")
+    with open(tmp, "w") as f:
+        json.dump({"rank": int(rank), "time": time.time(), "kind": kind, "message": message}, f)
+    os.replace(tmp, os.path.join(folder, f"rank{rank}.json"))
+    return True
+
+
+def peer_failed_first() -> bool:
+    """In a launched rank: has another rank already recorded a failure? (Then this rank's own error
+    is most likely the consequence: a collective whose peer is gone.)"""
+    folder, rank = os.environ.get(ERROR_DIR_ENV), os.environ.get("RANK")
+    return bool(folder and any(f != f"rank{rank}.json" and f.startswith("rank")
+                               for f in os.listdir(folder)))
+
+
+def first_failure(folder: str) -> dict | None:
+    import json
+
+    records = []
+    for name in os.listdir(folder):
+        if name.startswith("rank") and name.endswith(".json"):
+            with open(os.path.join(folder, name)) as f:
+                records.append(json.load(f))
+    return min(records, key=lambda r: (r["time"], r["rank"])) if records else None
+
+
+def local_threads(nproc: int) -> int:
+    """Threads per local rank: the cores this process may run on, shared out."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // nproc)
+
+
 def launch(argv: list[str], nproc: int, max_restarts: int, run_dir: str) -> int:
     """Run ``shardwise <argv>`` on ``nproc`` local ranks with torch's elastic launcher."""
+    import logging
+    import tempfile
+
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, parse_args, run
 
     # One thread per core share; set before the ranks start (torchrun would force 1 and warn).
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(local_threads(nproc)))
     if max_restarts:
         # Restarted ranks sharing the launcher's rendezvous store read the dead attempt's gloo
         # addresses and cannot connect (pytorch/pytorch#135712); a store per attempt avoids it.
@@ -107,29 +158,44 @@ def launch(argv: list[str], nproc: int, max_restarts: int, run_dir: str) -> int:
     # their step and save before it kills them.
     grace = ([f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}"]
              if any("--shutdown-timeout" in a.option_strings for a in get_args_parser()._actions) else [])
-    largs = parse_args(["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+    # Rendezvous on loopback only: the local ranks are the only ones that may join.
+    largs = parse_args(["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", "--nnodes=1",
+                        f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
                         *grace, "--module", "shardwise", *argv])
-    try:
-        run(largs)
-    except SignalException as e:
-        if stopped_cleanly(run_dir):
-            print(f"shardwise: stopped by {e.sigval.name} with a checkpoint of the last step",
+    # The agent logs each failure with its own traceback; this launcher reports them in one line.
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed")]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    with tempfile.TemporaryDirectory(prefix="shardwise-errors-") as errors:
+        os.environ[ERROR_DIR_ENV] = errors
+        try:
+            run(largs)
+        except SignalException as e:
+            if stopped_cleanly(run_dir):
+                print(f"shardwise: stopped by {e.sigval.name} with a checkpoint of the last step",
+                      file=sys.stderr)
+                return 0
+            print(f"shardwise: stopped by {e.sigval.name} before the ranks could save (see above)",
                   file=sys.stderr)
-            return 0
-        print(f"shardwise: stopped by {e.sigval.name} before the ranks could save (see above)",
-              file=sys.stderr)
-        return 1
-    except ChildFailedError as e:
-        failures = e.failures
-        first = min(failures)
-        print(f"shardwise: error: {len(failures)} of {nproc} ranks failed (first: rank {first}, exit "
-              f"code {failures[first].exitcode}); see the messages above", file=sys.stderr)
-        return 1
+            return 1
+        except ChildFailedError as e:
+            first = first_failure(errors)
+            if first is not None and first["kind"] == "config":
+                print(f"shardwise: error: {first['message']}", file=sys.stderr)
+                return 2
+            rank = first["rank"] if first is not None else min(e.failures)
+            print(f"shardwise: error: {len(e.failures)} of {nproc} ranks failed (first: rank {rank}); "
+                  "see its traceback above", file=sys.stderr)
+            return 1
+        finally:
+            os.environ.pop(ERROR_DIR_ENV, None)
     return 0
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
+    from pathlib import Path
+
     from shardwise.parallel.dims import launched_world_size
+    from shardwise.rundir import LOCK_ENV, RunLock, describe
 
     if args.help_config:
         print(help_text())
@@ -148,15 +214,28 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
     from shardwise.preflight import preflight
     from shardwise.train import train
 
-    preflight(cfg, nproc)  # all config errors surface here, before any process group exists
-    if world is None and nproc > 1:
+    dims = preflight(cfg, nproc)  # all config errors surface here, before any process group exists
+    if world is not None:  # a rank (of this launcher, torchrun or Slurm)
+        train(cfg, dims)
+        return 0
+    # This process holds run.dir for the whole run, its ranks and their restarts included.
+    lock = RunLock(Path(cfg.run.dir)).acquire()
+    if lock.took_over:
+        print(f"notice: took over run.dir from a run that is no longer running "
+              f"({describe(lock.took_over)})", flush=True)
+    os.environ[LOCK_ENV] = str(lock.path.absolute())
+    try:
+        if nproc == 1:
+            train(cfg, dims)
+            return 0
         from shardwise.data.dataset import load_corpus
         from shardwise.data.tokenizer import load_tokenizer
 
         load_corpus(cfg.data, load_tokenizer(cfg.data.tokenizer))  # tokenize once, ranks read cache
         return launch(_strip_launcher_flags(argv), nproc, args.max_restarts, cfg.run.dir)
-    train(cfg)
-    return 0
+    finally:
+        os.environ.pop(LOCK_ENV, None)
+        lock.release()
 
 
 def _verify_parser(sub: argparse._SubParsersAction) -> None:
@@ -296,7 +375,8 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hardware", default="h100", help="hardware profile (see estimate)")
     p.add_argument("--seq", type=int, default=0, help="sequence length (default: the config's)")
     p.add_argument("--global-batch-tokens", default="",
-                   help="tokens per optimizer step, e.g. 4M (default: the config's global_batch x seq)")
+                   help="tokens per optimizer step, e.g. 4M (default: one sequence of --seq tokens per "
+                        "device, and at least the config's training.global_batch sequences)")
     p.add_argument("--top", type=int, default=5, help="layouts to show (each estimated exactly)")
     p.add_argument("--ac", default="none,selective,full", help="activation-checkpointing modes to try")
     p.add_argument("--schedules", default="1f1b,interleaved1f1b,zbv", help="pipeline schedules to try")
@@ -326,7 +406,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_config(args.config, model + overrides, device="cpu" if args.hardware == "local" else "cuda")
     seq = args.seq or cfg.training.seq_len
     tokens = (parse_tokens(args.global_batch_tokens) if args.global_batch_tokens
-              else cfg.training.global_batch * cfg.training.seq_len)
+              else max(cfg.training.global_batch, args.gpus) * seq)
     cfg = plan_config(cfg, seq, tokens)
     hw = load_hardware(args.hardware, cfg.data.cache_dir)
     start = time.perf_counter()
@@ -339,6 +419,10 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.out:
         from pathlib import Path
 
+        from shardwise.rundir import keep_aside
+
+        if kept := keep_aside(Path(args.out)):
+            print(f"notice: the earlier {args.out} is kept as {kept}")
         Path(args.out).write_text(layout_toml(result.top[0]))
         print(f"best layout written to {args.out}: shardwise train --config {args.out} "
               f"(on {args.gpus} ranks)")
@@ -395,6 +479,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         rank = os.environ.get("RANK")
         prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
-        print(f"shardwise: error: {prefix}{e}", file=sys.stderr)
+        if not rank_error(f"{prefix}{e}", "config"):
+            print(f"shardwise: error: {prefix}{e}", file=sys.stderr)
         return 2
+    except Exception:
+        if peer_failed_first():  # lost a peer that already reported why: nothing more to say
+            return 1
+        rank_error(traceback.format_exc().strip().splitlines()[-1], "crash")
+        raise
     return 1

@@ -492,8 +492,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 _apply(cfg, f"{section}.{name}", value, from_cli=False, where=f" in {p}")
     for key, value in parse_overrides(overrides or []):
         _apply(cfg, key, value, from_cli=True, where=" on the command line")
-    from shardwise.config_checks import resolve_model, resolve_precision, validate  # (imports this one)
+    from shardwise.config_checks import (  # (imports this module)
+        clamp_warmup,
+        resolve_model,
+        resolve_precision,
+        validate,
+    )
     resolve_model(cfg)
     validate(cfg)
+    clamp_warmup(cfg)
     resolve_precision(cfg, device)
     return cfg

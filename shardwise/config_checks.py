@@ -6,6 +6,7 @@ settings are resolved for the device."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from shardwise.config import Config, ConfigError, ModelConfig, _coerce
@@ -80,9 +81,6 @@ def validate(cfg: Config) -> None:
     if (cfg.debug.comm or cfg.debug.memory) and cfg.debug.trace_step > cfg.training.steps:
         raise ConfigError(f"debug.trace_step={cfg.debug.trace_step} exceeds training.steps="
                           f"{cfg.training.steps}: nothing would be recorded")
-    if cfg.lr_scheduler.warmup_steps > cfg.training.steps:
-        raise ConfigError(f"lr_scheduler.warmup_steps={cfg.lr_scheduler.warmup_steps} exceeds "
-                          f"training.steps={cfg.training.steps}")
     for dim, spec in cfg.parallel.backend_override.items():
         if dim not in ("pp", "dp_replicate", "dp_shard", "cp", "tp"):
             raise ConfigError(f"parallel.backend_override names unknown mesh dim '{dim}'; use pp, "
@@ -111,6 +109,29 @@ def parse_backend_spec(dim: str, spec: str) -> tuple[str, dict[str, Any]]:
         parsed[key] = _coerce(f"parallel.backend_override {dim} {key}", BACKEND_OPTIONS[name][key],
                               value, from_cli=True)
     return name, parsed
+
+
+# Set by `shardwise train --nproc` for its ranks: the folder where a failing rank leaves its one-line
+# error for the launcher (shardwise/cli.py), which also marks a process as a launched rank.
+LAUNCHED_RANK_ENV = "SHARDWISE_ERROR_DIR"
+
+
+def notice(text: str) -> None:
+    """Tell the user about a value resolved for them, once per run: the process the user started
+    speaks (under torchrun, rank 0); ranks started by ``shardwise train --nproc`` stay quiet."""
+    if os.environ.get(LAUNCHED_RANK_ENV) or os.environ.get("RANK", "0") != "0":
+        return
+    print(f"notice: {text}", flush=True)
+
+
+def clamp_warmup(cfg: Config) -> None:
+    """A warmup longer than the run (a 5-step smoke run of a preset with 10 warmup steps) is
+    clamped to the run, with a notice, rather than refused."""
+    lr, steps = cfg.lr_scheduler, cfg.training.steps
+    if lr.warmup_steps > steps:
+        notice(f"lr_scheduler.warmup_steps={lr.warmup_steps} is longer than training.steps={steps}: "
+               f"warming up over all {steps} steps")
+        lr.warmup_steps = steps
 
 
 def resolve_precision(cfg: Config, device: str | None = None) -> None:

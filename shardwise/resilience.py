@@ -7,12 +7,16 @@
 - :func:`restart_count`: under torch's elastic agent (``torchrun --max-restarts`` or ``shardwise
   train --max-restarts``) a restarted attempt resumes from the latest checkpoint.
 - :class:`NonFiniteError`: a NaN/inf gradient norm with ``training.nonfinite = stop``.
+- :func:`exit_with_launcher`: a rank dies within a second of its launcher.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
+import threading
+import time
 from types import FrameType
 
 import torch
@@ -54,6 +58,31 @@ class StopRequest:
     def restore(self) -> None:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
+
+
+def exit_with_launcher(poll_s: float = 0.5) -> bool:
+    """Under torch's elastic agent (``torchrun``, ``shardwise train --nproc``): kill this rank, and
+    whatever it started, within ``poll_s`` of the agent's death. Returns whether it watches.
+
+    The agent starts each rank in a session of its own, so when the launcher is SIGKILLed (the OOM
+    killer, a job scheduler) nothing stops its ranks: they would go on training and writing
+    checkpoints into the run directory for minutes, beside any run resumed there. A daemon thread
+    notices the re-parenting (the parent pid changes) and SIGKILLs the rank's process group -- a
+    checkpoint in flight is never half-visible (atomic commit), and every other rank dies alike."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or (parent := os.getppid()) == 1:
+        return False
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        print(f"shardwise: [rank {os.environ.get('RANK', '?')}] the launcher (pid {parent}) is gone: "
+              "stopping this rank", file=sys.stderr, flush=True)
+        if os.getpgrp() == os.getpid():  # our own group (the agent's new session): children too
+            os.killpg(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="shardwise-launcher-watch", daemon=True).start()
+    return True
 
 
 def maybe_fail(debug: DebugConfig, step: int, rank: int) -> None:

@@ -12,9 +12,8 @@ import contextlib
 import dataclasses
 import json
 import os
-import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from shardwise import checkpoint
+from shardwise import checkpoint, rundir
 from shardwise.config import Config, ParallelConfig
 from shardwise.data.dataset import (
     IGNORE_INDEX,
@@ -66,20 +65,42 @@ from shardwise.parallel.pipeline import (
     split_stage,
 )
 from shardwise.parallel.tensor import full_value
-from shardwise.preflight import micro_batch_size, micro_batches_per_rank, preflight
-from shardwise.resilience import NonFiniteError, StopRequest, maybe_fail, nonfinite_message, restart_count
+from shardwise.preflight import (
+    load_candidates,
+    micro_batch_size,
+    micro_batches_per_rank,
+    no_good_checkpoint,
+    preflight,
+)
+from shardwise.resilience import (
+    NonFiniteError,
+    StopRequest,
+    exit_with_launcher,
+    maybe_fail,
+    nonfinite_message,
+    restart_count,
+)
 
 
-def train(cfg: Config) -> None:
-    """Train ``cfg`` on this process's rank (1 rank, or one of N under torchrun / --nproc)."""
+def train(cfg: Config, dims: ParallelDims | None = None) -> None:
+    """Train ``cfg`` on this process's rank (1 rank, or one of N under torchrun / --nproc).
+    ``dims``: the layout :func:`preflight` returned for this world (run here when not given)."""
+    exit_with_launcher()  # under torch's elastic agent a rank has a session of its own
     env = init_distributed(cfg.run.device, cfg.parallel.backend)
-    dims = preflight(cfg, env.world_size)
+    if dims is None or dims.world_size != env.world_size:
+        dims = preflight(cfg, env.world_size)
     # Host-side gloo groups for the checkpointer and the stop flag, made before the mesh: world-wide
     # groups must be created in the same order on every rank, which lazily built mesh groups break.
     ckpt_group, stop_group = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
     dims.build_mesh(env.device.type, cfg.parallel.backend_override)
     set_determinism(cfg.debug.deterministic, cfg.training.seed)
-    run_dir = prepare_run_dir(cfg, env.rank)
+    with hold_run_dir(cfg, env.rank) as run_dir:
+        run(cfg, env, dims, run_dir, ckpt_group, stop_group)
+
+
+def run(cfg: Config, env: DistEnv, dims: ParallelDims, run_dir: Path, ckpt_group: dist.ProcessGroup,
+        stop_group: dist.ProcessGroup) -> None:
+    """Build the rank's model, data, optimizer and checkpointer, then train ``cfg.training.steps``."""
     args = model_args(cfg.model)
 
     loader, val_stream = build_data(cfg, dims, env.device, args.vocab_size)
@@ -97,6 +118,8 @@ def train(cfg: Config) -> None:
                                    ckpt_group)
     stop = StopRequest(stop_group)  # SIGTERM/SIGINT: finish the step, save, exit 0
     start = resume(cfg, run_dir, model, optimizer, scheduler, loader)
+    if env.rank == 0:  # the run starts: its resolved config joins run.dir
+        rundir.write_config(run_dir, cfg.to_toml())
     if cfg.checkpoint.save_initial and start == 0:
         ckpt.save(0, model, optimizer, scheduler, loader)
 
@@ -106,6 +129,8 @@ def train(cfg: Config) -> None:
         print(describe(cfg, dims, args, start), flush=True)
     logger = MetricsLogger(run_dir, cfg.metrics, cfg.training.steps, start, enabled=env.rank == 0,
                            run_config=dataclasses.asdict(cfg))
+    if logger.notice:
+        logger.message(logger.notice)
     tokens_per_step = cfg.training.global_batch * cfg.training.seq_len
     sharing = env.world_size // dims.dp  # ranks (pp x cp x tp) that split one data-parallel share
     ac = cfg.activation_checkpoint
@@ -359,17 +384,29 @@ def set_determinism(deterministic: bool, seed: int) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def prepare_run_dir(cfg: Config, rank: int) -> Path:
-    run_dir = Path(cfg.run.dir)
-    if rank == 0:
-        if cfg.run.overwrite and not cfg.checkpoint.resume and restart_count() == 0:
-            for stale in ("checkpoints", "tb", "metrics.jsonl", "loss.png"):
-                p = run_dir / stale
-                shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(cfg.to_toml())
-    dist.barrier()
-    return run_dir
+@contextlib.contextmanager
+def hold_run_dir(cfg: Config, rank: int) -> Iterator[Path]:
+    """Rank 0 holds run.dir for the run (unless its launcher does) and applies run.overwrite --
+    never to the checkpoint this run loads."""
+    run_dir, lock = Path(cfg.run.dir), None
+    try:
+        if rank == 0:
+            if not rundir.held_by_launcher(run_dir):
+                lock = rundir.RunLock(run_dir).acquire()
+                if lock.took_over:
+                    print(f"notice: took over run.dir from a run that is no longer running "
+                          f"({rundir.describe(lock.took_over)})", flush=True)
+            if cfg.run.overwrite and restart_count() == 0:  # restarts resume what this run saved
+                keep = Path(cfg.checkpoint.path) if cfg.checkpoint.path else None
+                if removed := rundir.clear_outputs(run_dir, keep):
+                    kept = f"; kept {keep}, which this run loads" if keep and keep.exists() else ""
+                    print(f"run.overwrite: removed {', '.join(removed)} from {run_dir}{kept}", flush=True)
+            run_dir.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        yield run_dir
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def build_data(cfg: Config, dims: ParallelDims, device: torch.device,
@@ -392,17 +429,18 @@ def build_data(cfg: Config, dims: ParallelDims, device: torch.device,
 
 def resume(cfg: Config, run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
            scheduler: torch.optim.lr_scheduler.LRScheduler, loader: PackedLoader) -> int:
-    """Load checkpoint.path, or when resuming (checkpoint.resume, or a restart after a failure)
-    the newest checkpoint in run.dir that verifies -- a damaged one is skipped with a warning.
-    Returns the step to continue after (0: start fresh)."""
+    """Load checkpoint.path, or when resuming (checkpoint.resume, or a restart after a failure) the
+    newest checkpoint in run.dir that verifies; the damaged ones before it are set aside (renamed,
+    never deleted) with a warning. None verifying is an error. Returns the step to continue after
+    (0: start fresh)."""
     rank0 = dist.get_rank() == 0
-    if cfg.checkpoint.path:
-        candidates, explicit = [Path(cfg.checkpoint.path)], True
-    elif cfg.checkpoint.resume or restart_count() > 0:
-        found = checkpoint.list_checkpoints(run_dir / "checkpoints", warn=rank0)
-        candidates, explicit = [p for _, p in reversed(found)], False
-    else:
+    candidates, explicit = load_candidates(cfg, run_dir)
+    if not candidates:
+        if rank0 and cfg.checkpoint.resume:
+            print(f"checkpoint.resume: no checkpoint in '{run_dir / 'checkpoints'}' yet: starting at "
+                  "step 1", flush=True)
         return 0
+    damaged: dict[Path, str] = {}
     for path in candidates:
         try:  # verification happens before anything is loaded, so falling back is safe
             step = checkpoint.load(path, model, optimizer, scheduler, loader,
@@ -410,13 +448,16 @@ def resume(cfg: Config, run_dir: Path, model: nn.Module, optimizer: torch.optim.
         except checkpoint.CheckpointError as e:
             if explicit:
                 raise
-            if rank0:
-                print(f"warning: skipping {e}", file=sys.stderr, flush=True)
+            damaged[path] = e.reason
             continue
         if rank0:
+            for bad, why in damaged.items():
+                aside = checkpoint.set_aside(bad, "damaged")
+                print(f"warning: checkpoint '{bad}' {why}: set aside as '{aside.name}'; resumed from the "
+                      f"older {path.name}", file=sys.stderr, flush=True)
             print(f"resumed from {path} at step {step}", flush=True)
         return step
-    return 0
+    raise no_good_checkpoint(run_dir, damaged)
 
 
 def manifest_info(cfg: Config, dims: ParallelDims) -> dict[str, Any]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,11 +98,9 @@ def run_dirname(layout: str) -> str:
 
 def checkpoint_params(checkpoint: Path) -> dict[str, torch.Tensor]:
     """The model parameters of a DCP checkpoint, gathered into plain tensors (no process group)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from shardwise.checkpoint import read_model_tensors
 
-    with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(str(checkpoint), f"{tmp}/m.pt")
-        return torch.load(f"{tmp}/m.pt", weights_only=False)["model"]
+    return read_model_tensors(checkpoint)
 
 
 def update_error(p: dict[str, torch.Tensor], p_ref: dict[str, torch.Tensor],

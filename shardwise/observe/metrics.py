@@ -69,11 +69,10 @@ class MetricsLogger:
         self.enabled, self.cfg = enabled, cfg
         self.path = run_dir / "metrics.jsonl"
         self._tb = self._bar = self._wandb = None
+        self.notice = ""
         if not enabled:
             return
-        records = read_metrics(self.path) if start_step > 0 else []
-        # On resume, drop records past the checkpoint (a crashed run may have logged further).
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in records if r["step"] <= start_step))
+        self.notice = trim_metrics(self.path, start_step)
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -132,6 +131,37 @@ class MetricsLogger:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The logged records; a line that does not parse (a crash mid-write) is skipped."""
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
+
+
+def trim_metrics(path: Path, step: int) -> str:
+    """Before a run logs from ``step + 1``: keep ``path``'s records up to ``step`` (a resumed run
+    appends after them), drop the rest -- rows an interrupted run logged past the checkpoint it is
+    resumed from, or a line cut by a crash. The file is replaced atomically and only if something
+    is dropped; returns a notice saying what, or ''."""
+    if not path.is_file():
+        return ""
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            pass
+    if len(kept) == len(lines):
+        return ""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(ln + "\n" for ln in kept))
+    tmp.replace(path)
+    return (f"metrics.jsonl: dropped {len(lines) - len(kept)} record(s) logged after step {step} (by the "
+            f"interrupted run, past the checkpoint this run continues from); kept {len(kept)}")

@@ -142,8 +142,9 @@ def parse_tokens(text: str) -> int:
 
 def plan_config(base: Config, seq: int, global_batch_tokens: int) -> Config:
     """``base`` with the sequence length and the global batch (in sequences) of the plan."""
-    if global_batch_tokens % seq:
-        raise ConfigError(f"--global-batch-tokens {global_batch_tokens} is not a multiple of --seq {seq}")
+    if global_batch_tokens < seq or global_batch_tokens % seq:
+        raise ConfigError(f"--global-batch-tokens {global_batch_tokens} must be a multiple of --seq {seq} "
+                          "(whole sequences per step)")
     cfg = base
     cfg.training.seq_len = seq
     cfg.training.global_batch = global_batch_tokens // seq

@@ -74,8 +74,10 @@ def test_help_config_lists_every_key():
     (["--parallel.cp=2", "--nproc=2", "--data.document_mask=false", "--training.seq_len=66"],
      "divisible by 2*cp=4"),
     (["--parallel.pp=2", "--nproc=2"], "data.document_mask with parallel.pp > 1"),
-    (["--parallel.pp=2", "--nproc=2", "--data.document_mask=false"],
+    (["--parallel.pp=2", "--nproc=2", "--data.document_mask=false", "--training.micro_batch=8"],
      "1f1b needs at least pp=2 micro-batches"),
+    (["--parallel.pp=4", "--nproc=4", "--data.document_mask=false", "--model.n_layers=4",
+      "--training.global_batch=2"], "1f1b needs at least pp=4 micro-batches per step, got 2"),
     (["--parallel.pp=2", "--nproc=2", "--parallel.pp_schedule=dualpipev", "--data.document_mask=false",
       "--model.n_layers=4"], "pp_schedule=dualpipev needs at least 2*pp=4 micro-batches"),
     (["--parallel.pp=2", "--nproc=2", "--parallel.pp_schedule=zbv"],
@@ -209,7 +211,7 @@ def test_refuses_to_overwrite_checkpoints(tmp_path: Path, data_cache: str):
             "--checkpoint.final=true", f"--data.cache_dir={data_cache}"]
     run_cli(args)
     proc = run_cli(args, check=False)
-    assert proc.returncode == 2 and "already has checkpoints" in proc.stderr
+    assert proc.returncode == 2 and "already holds a run" in proc.stderr
     run_cli([*args, "--run.overwrite=true"])  # explicit consent starts over
     assert [r["step"] for r in metrics(tmp_path)] == [1, 2]
 

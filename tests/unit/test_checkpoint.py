@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -169,3 +170,118 @@ def test_shape_mismatch_names_the_parameter_and_both_shapes(tmp_path: Path, one_
     with pytest.raises(CheckpointError, match="has parameter 'layers.1.attention.wk.weight' that this "
                                               "model lacks"):
         checkpoint.check_compatible(path, build_model(dataclasses.replace(ARGS, n_layers=1)))
+
+
+def test_retention_never_deletes_the_new_checkpoint_or_a_newer_one(tmp_path: Path, one_rank_group: None):
+    """keep_latest_k counts back from the step just committed: when higher-numbered checkpoints are
+    there (an old run's), the new one survives and so do they."""
+    folder = tmp_path / "ckpt"
+    found = [(s, folder / f"step-{s}") for s in (1, 2, 10, 90, 100)]
+    assert checkpoint.retired(found, committed=10, keep=1) == [folder / "step-1", folder / "step-2"]
+    assert checkpoint.retired(found, committed=10, keep=2) == [folder / "step-1"]
+    assert checkpoint.retired(found, committed=1, keep=1) == []
+    assert checkpoint.retired(found, committed=10, keep=0) == []
+    model, opt, sched, loader = trainer()
+    old = saver(tmp_path)
+    for s in (90, 100):
+        old.save(s, model, opt, sched, loader)
+    old.close()
+    ck = saver(tmp_path, keep_latest_k=1)
+    for s in (1, 2):
+        ck.save(s, model, opt, sched, loader)
+    ck.close()
+    assert [s for s, _ in checkpoint.list_checkpoints(folder)] == [2, 90, 100]
+
+
+def test_a_second_save_of_a_step_keeps_the_first(tmp_path: Path, one_rank_group: None, capsys):
+    model, opt, sched, loader = trainer()
+    ck = saver(tmp_path)
+    first = ck.save(3, model, opt, sched, loader)
+    manifest = (first / checkpoint.MANIFEST).read_text()
+    ck.save(3, model, opt, sched, loader)
+    ck.close()
+    aside = [p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step-3.superseded-")]
+    assert len(aside) == 1 and (aside[0] / checkpoint.MANIFEST).read_text() == manifest
+    assert "already existed: kept as" in capsys.readouterr().err
+    assert checkpoint.list_checkpoints(tmp_path / "ckpt") == [(3, first)]
+    checkpoint.list_checkpoints(tmp_path / "ckpt", warn=True)
+    assert "kept aside, never loaded or deleted" in capsys.readouterr().err
+
+
+def test_rng_state_round_trips_as_plain_tensors(tmp_path: Path):
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(3), random.seed(4), np.random.seed(5)
+    state = checkpoint.rng_state()
+    torch.save(state, tmp_path / "rng.pt")
+    want = (torch.rand(3), random.random(), np.random.rand())
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)
+    checkpoint.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))  # no pickled objects
+    assert torch.equal(torch.rand(3), want[0]) and random.random() == want[1] and np.random.rand() == want[2]
+
+
+class _Payload:
+    """Unpickling this runs a command: what a malicious checkpoint would carry."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _rehash(path: Path) -> None:
+    manifest = json.loads((path / checkpoint.MANIFEST).read_text())
+    for name in manifest["files"]:
+        manifest["files"][name] = {"bytes": (path / name).stat().st_size, "sha256": checkpoint.sha256(path / name)}
+    (path / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("where", ["rng", "metadata"])
+def test_a_checkpoint_that_would_run_code_is_refused(where: str, tmp_path: Path, one_rank_group: None):
+    """A shared checkpoint whose RNG file or DCP .metadata carries a pickled object that runs a command
+    (checksums made to match) is refused with one line, and the command never runs."""
+    import pickle
+
+    model, opt, sched, loader = trainer()
+    ck = saver(tmp_path)
+    path = ck.save(1, model, opt, sched, loader)
+    ck.close()
+    marker = tmp_path / "pwned"
+    if where == "rng":
+        torch.save({"cpu": _Payload(marker)}, path / "rng-rank0.pt")
+    else:
+        (path / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    _rehash(path)
+    checkpoint.verify(path)  # the files are "intact": only what they hold is wrong
+    fresh = trainer(seed=1)
+    with pytest.raises(CheckpointError, match="refused, since loading it could run code") as e:
+        checkpoint.load(path, *fresh)
+    assert "\n" not in str(e.value)
+    assert not marker.exists()
+
+
+def test_changing_what_the_model_computes_is_refused(tmp_path: Path, one_rank_group: None):
+    """Shapes alone do not tell a checkpoint's function: RoPE base and scaling, norm epsilon, routing
+    do too. Each differing field is named with both values; training-only fields may differ."""
+    from shardwise.config import load_config
+
+    model, opt, sched, loader = trainer()
+    cfg = load_config(None, ["--model.name=moe-debug"])
+    ck = Checkpointer(tmp_path / "ckpt", CheckpointConfig(), {"model": dataclasses.asdict(cfg.model)})
+    path = ck.save(1, model, opt, sched, loader)
+    ck.close()
+    checkpoint.check_same_function(path, cfg.model)
+    for field, value in (("rope_theta", 20000.0), ("rope_scaling_factor", 8.0), ("norm_eps", 1e-3),
+                         ("head_size", 32), ("moe_score", "sigmoid"), ("moe_top_k", 1),
+                         ("moe_balance", "bias"), ("moe_route_scale", 2.0), ("moe_route_norm", False)):
+        other = load_config(None, ["--model.name=moe-debug", f"--model.{field}={value}"])
+        saved = re.escape(repr(getattr(cfg.model, field)))
+        with pytest.raises(CheckpointError, match=rf"model\.{field}={saved}, this run has "
+                                                  rf"model\.{field}={re.escape(repr(value))}"):
+            checkpoint.check_same_function(path, other.model)
+    for field, value in (("moe_aux_coef", 0.5), ("max_seq_len", 4096), ("moe_balance", "none")):
+        checkpoint.check_same_function(path, load_config(None, ["--model.name=moe-debug",
+                                                                f"--model.{field}={value}"]).model)

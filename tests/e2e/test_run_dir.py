@@ -1,0 +1,251 @@
+"""A run directory is never destroyed or silently replaced (through the real CLI).
+
+Every combination of overwrite, resume, checkpoint.path and retention that could lose work: each
+test fails on a shardwise that deletes, replaces or truncates what the user did not ask to lose.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shardwise import checkpoint
+from shardwise.rundir import LOCK_NAME, RUN_OUTPUTS, clear_outputs
+from tests.conftest import ROOT, TINY_ARGS, metrics, run_cli
+
+pytestmark = pytest.mark.e2e
+
+
+def train(run_dir: Path, cache: str, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
+    return run_cli(["train", *TINY_ARGS, f"--data.cache_dir={cache}", f"--run.dir={run_dir}", *extra],
+                   check=check)
+
+
+def snapshot(run_dir: Path) -> dict[str, bytes]:
+    """Every file under ``run_dir`` (the lock file aside) with its bytes."""
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
+            if p.is_file() and p.name != LOCK_NAME}
+
+
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("warning:")]
+    assert len(lines) == 1 and lines[0].startswith("shardwise: error:"), lines
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory, data_cache: str) -> Path:
+    """A finished 4-step run with checkpoints step-2 and step-4 (kept read-only: tests copy it)."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    train(run_dir, data_cache, "--training.steps=4", "--checkpoint.interval=2", "--checkpoint.final=true")
+    return run_dir
+
+
+def copy_of(finished: Path, tmp_path: Path) -> Path:
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished, run_dir)
+    return run_dir
+
+
+def test_overwrite_keeps_the_checkpoint_it_loads(finished: Path, tmp_path: Path, data_cache: str):
+    """`--run.overwrite true --checkpoint.path run.dir/checkpoints/step-2`: the old run's outputs go,
+    the checkpoint to load stays and is loaded (the run continues at step 3)."""
+    run_dir = copy_of(finished, tmp_path)
+    (run_dir / "notes.txt").write_text("mine")
+    step2 = run_dir / "checkpoints" / "step-2"
+    manifest = (step2 / checkpoint.MANIFEST).read_bytes()
+    proc = train(run_dir, data_cache, "--run.overwrite=true", f"--checkpoint.path={step2}",
+                 "--training.steps=3", "--checkpoint.final=true")
+    assert f"kept {step2}, which this run loads" in proc.stdout
+    assert [r["step"] for r in metrics(run_dir)] == [3]
+    assert [s for s, _ in checkpoint.list_checkpoints(run_dir / "checkpoints")] == [2, 3]
+    assert (step2 / checkpoint.MANIFEST).read_bytes() == manifest  # loaded, not rewritten
+    assert (run_dir / "notes.txt").read_text() == "mine"  # not a training output: kept
+
+
+def test_overwrite_removes_exactly_the_run_outputs(tmp_path: Path):
+    run_dir = tmp_path / "run"
+    for name in ("checkpoints/step-1", "tb", "traces", "wandb", "report", "mine"):
+        (run_dir / name).mkdir(parents=True)
+    for name in ("metrics.jsonl", "loss.png", "comm.json", "memory_peak.json", "memory_breakdown.json",
+                 "config.toml", "config.20260101-000000.toml", "notes.txt"):
+        (run_dir / name).write_text("x")
+    removed = clear_outputs(run_dir)
+    left = sorted(p.name for p in run_dir.iterdir())
+    assert left == ["config.toml", "mine", "notes.txt", "report"]
+    assert len(removed) == len(RUN_OUTPUTS)  # each output (config.*.toml matched one file)
+
+
+@pytest.mark.parametrize("args", [[], ["ckpt"]], ids=["plain", "with_checkpoint_path"])
+def test_a_fresh_run_never_lands_on_an_old_one(args: list[str], finished: Path, tmp_path: Path,
+                                               data_cache: str):
+    """With or without --checkpoint.path, a run directory that holds a run is refused, untouched."""
+    run_dir = copy_of(finished, tmp_path)
+    before = snapshot(run_dir)
+    extra = [f"--checkpoint.path={run_dir / 'checkpoints' / 'step-2'}"] if args else []
+    line = one_error_line(train(run_dir, data_cache, "--training.steps=6", *extra, check=False))
+    assert "already holds a run (checkpoints step-2, step-4 and metrics.jsonl with 4 logged step(s))" in line
+    assert "--checkpoint.resume true" in line and "--run.overwrite true" in line
+    assert snapshot(run_dir) == before
+
+
+def test_resume_and_overwrite_together_are_refused(finished: Path, tmp_path: Path, data_cache: str):
+    run_dir = copy_of(finished, tmp_path)
+    before = snapshot(run_dir)
+    line = one_error_line(train(run_dir, data_cache, "--checkpoint.resume=true", "--run.overwrite=true",
+                                check=False))
+    assert "contradict each other" in line
+    assert snapshot(run_dir) == before
+
+
+def test_resuming_an_older_checkpoint_here_is_refused(finished: Path, tmp_path: Path, data_cache: str):
+    """Resuming from step-2 in a run dir that has step-4 would write a second history over step-4."""
+    run_dir = copy_of(finished, tmp_path)
+    before = snapshot(run_dir)
+    line = one_error_line(train(run_dir, data_cache, "--checkpoint.resume=true", "--training.steps=6",
+                                f"--checkpoint.path={run_dir / 'checkpoints' / 'step-2'}", check=False))
+    assert "is step 2, but run.dir" in line and "has the later step-4" in line
+    assert snapshot(run_dir) == before
+
+
+def test_resume_appends_to_the_log_and_drops_only_rows_past_the_checkpoint(tmp_path: Path, data_cache: str):
+    """An interrupted run logged step 3 after its step-2 checkpoint: the resumed run keeps rows 1-2 as
+    they were, drops row 3 with a notice, and appends its own 3..5."""
+    run_dir = tmp_path / "run"
+    train(run_dir, data_cache, "--training.steps=3", "--checkpoint.interval=2", "--checkpoint.final=false")
+    rows = (run_dir / "metrics.jsonl").read_text().splitlines()
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 4, "loss": 1')  # a line cut by a crash
+    proc = train(run_dir, data_cache, "--training.steps=5", "--checkpoint.resume=true")
+    assert "metrics.jsonl: dropped 2 record(s) logged after step 2" in proc.stdout
+    now = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert now[:2] == rows[:2]
+    assert [json.loads(r)["step"] for r in now] == [1, 2, 3, 4, 5]
+
+
+def test_resume_with_no_checkpoint_starts_fresh_and_says_so(tmp_path: Path, data_cache: str):
+    run_dir = tmp_path / "run"
+    proc = train(run_dir, data_cache, "--training.steps=2", "--checkpoint.resume=true")
+    assert "checkpoint.resume: no checkpoint in" in proc.stdout and "starting at step 1" in proc.stdout
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2]
+
+
+def _tamper(ckpt: Path) -> None:
+    shard = next(ckpt.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x55  # same size: only the checksum sees it (at load time, in the ranks)
+    shard.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "tamper"])
+def test_resume_when_no_checkpoint_verifies_stops_with_one_line(damage: str, finished: Path, tmp_path: Path,
+                                                                data_cache: str):
+    """Truncated (seen by sizes, before any process group) or tampered (seen by checksums inside the
+    ranks): exit 2 naming each damaged checkpoint and the ways on; nothing in run.dir changes."""
+    run_dir = copy_of(finished, tmp_path)
+    for s in (2, 4):
+        ckpt = run_dir / "checkpoints" / f"step-{s}"
+        if damage == "tamper":
+            _tamper(ckpt)
+        else:
+            shard = next(ckpt.glob("*.distcp"))
+            shard.write_bytes(shard.read_bytes()[:-50])
+    before = snapshot(run_dir)
+    line = one_error_line(train(run_dir, data_cache, "--training.steps=6", "--checkpoint.resume=true",
+                                check=False))
+    assert "none of the 2 checkpoint(s)" in line and "step-4 is " in line and "step-2 is " in line
+    assert "--checkpoint.path" in line and "--run.overwrite true" in line
+    assert snapshot(run_dir) == before
+
+
+def test_resume_skips_a_damaged_checkpoint_and_sets_it_aside(finished: Path, tmp_path: Path, data_cache: str):
+    """The newest checkpoint fails its checksum: the run resumes from the one before, and the damaged
+    one is renamed (kept for inspection), not overwritten when the run saves that step again."""
+    run_dir = copy_of(finished, tmp_path)
+    _tamper(run_dir / "checkpoints" / "step-4")
+    damaged_bytes = snapshot(run_dir / "checkpoints" / "step-4")
+    proc = train(run_dir, data_cache, "--training.steps=4", "--checkpoint.resume=true",
+                 "--checkpoint.final=true")
+    assert "resumed from" in proc.stdout and "step-2 at step 2" in proc.stdout
+    assert "set aside as 'step-4.damaged-" in proc.stderr
+    (aside,) = (run_dir / "checkpoints").glob("step-4.damaged-*")
+    assert snapshot(aside) == damaged_bytes
+    checkpoint.verify(run_dir / "checkpoints" / "step-4")  # the new step-4
+
+
+def test_loading_a_checkpoint_of_another_function_is_refused(finished: Path, tmp_path: Path, data_cache: str):
+    run_dir = copy_of(finished, tmp_path)
+    before = snapshot(run_dir)
+    line = one_error_line(train(run_dir, data_cache, "--checkpoint.resume=true", "--training.steps=6",
+                                "--model.rope_theta=10000", check=False))
+    assert "model.rope_theta=500000.0, this run has model.rope_theta=10000.0" in line
+    assert snapshot(run_dir) == before
+
+
+def _launch(run_dir: Path, cache: str, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("WORLD_SIZE", None)
+    return subprocess.Popen([sys.executable, "-m", "shardwise", "train", *TINY_ARGS, f"--data.cache_dir={cache}",
+                             f"--run.dir={run_dir}", *extra], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
+def _ranks(run_dir: Path) -> list[int]:
+    """Live processes (other than launchers) whose command line names this run directory."""
+    out = subprocess.run(["pgrep", "-f", f"run.dir={run_dir}"], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_ranks_die_with_their_launcher_and_a_live_run_holds_its_directory(tmp_path: Path, data_cache: str):
+    """kill -9 of `shardwise train --nproc 2`: both ranks exit within seconds. While it ran, a second
+    run on the directory was refused naming the holder; after, the stale holder is taken over."""
+    run_dir = tmp_path / "run"
+    launcher = _launch(run_dir, data_cache, "--nproc=2", "--training.steps=100000", "--checkpoint.interval=5")
+    deadline = time.monotonic() + 120
+    while not ((run_dir / "metrics.jsonl").is_file() and len(metrics(run_dir)) >= 3):
+        assert launcher.poll() is None and time.monotonic() < deadline, "the run did not start"
+        time.sleep(0.2)
+    line = one_error_line(train(run_dir, data_cache, "--checkpoint.resume=true", check=False))
+    assert f"is in use by a live run (host {os.uname().nodename}, pid {launcher.pid}" in line
+    assert len(_ranks(run_dir)) == 3  # the launcher and its two ranks
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    killed = time.monotonic()
+    while _ranks(run_dir) and time.monotonic() - killed < 10:
+        time.sleep(0.1)
+    assert not _ranks(run_dir), "ranks outlived their launcher by 10 s"
+    steps = len(metrics(run_dir))
+    time.sleep(2)
+    assert len(metrics(run_dir)) == steps  # nobody writes any more
+    proc = train(run_dir, data_cache, "--checkpoint.resume=true", f"--training.steps={steps + 1}")
+    assert f"took over run.dir from a run that is no longer running (host {os.uname().nodename}, pid " \
+           f"{launcher.pid}" in proc.stdout
+    assert not (run_dir / LOCK_NAME).exists()  # released at the end
+
+
+@pytest.mark.parametrize("case", ["token_beyond_vocab", "tampered_checkpoint"])
+def test_an_error_inside_two_ranks_is_one_line_and_exit_2(case: str, finished: Path, tmp_path: Path,
+                                                          data_cache: str):
+    """Errors that only the ranks can see (reading the data, checksums split over the ranks) end the
+    launcher with exit 2 and the first failing rank's line -- no launcher traceback."""
+    if case == "token_beyond_vocab":
+        from tests.e2e.test_cli import _bad_vocab_tokenizer
+
+        extra, fragment = [f"--data.tokenizer={_bad_vocab_tokenizer(tmp_path)}"], "token id 5000 is beyond"
+        run_dir = tmp_path / "run"
+    else:
+        run_dir = copy_of(finished, tmp_path)
+        _tamper(run_dir / "checkpoints" / "step-4")
+        extra = [f"--checkpoint.path={run_dir / 'checkpoints' / 'step-4'}", "--checkpoint.resume=true"]
+        fragment = "does not match its SHA-256"
+    line = one_error_line(train(run_dir, data_cache, "--nproc=2", "--training.steps=6", *extra, check=False))
+    assert line.startswith(("shardwise: error: [rank 0] ", "shardwise: error: [rank 1] ")) and fragment in line
