@@ -36,7 +36,8 @@ def test_pipeline_on_two_ranks_picks_its_micro_batch(tmp_path: Path, data_cache:
 def test_verify_a_pipeline_layout(tmp_path: Path, data_cache: str):
     proc = run_cli(["verify", "--config", "configs/debug.toml", "--layouts", "pp=2", "--steps", "3",
                     f"--out={tmp_path}", f"--data.cache_dir={data_cache}"], timeout=900)
-    assert any(ln.startswith("| pp=2 | 2 |") and ln.rstrip().endswith("| PASS |") for ln in proc.stdout.splitlines())
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| pp=2 | 2 |")]
+    assert len(rows) == 1 and rows[0].rstrip().endswith("| PASS |")
 
 
 def test_plan_405b_at_sequence_8192(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys):

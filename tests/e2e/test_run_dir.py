@@ -194,9 +194,9 @@ def test_loading_a_checkpoint_of_another_function_is_refused(finished: Path, tmp
 def _launch(run_dir: Path, cache: str, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("WORLD_SIZE", None)
-    return subprocess.Popen([sys.executable, "-m", "shardwise", "train", *TINY_ARGS, f"--data.cache_dir={cache}",
-                             f"--run.dir={run_dir}", *extra], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    return subprocess.Popen([sys.executable, "-m", "shardwise", "train", *TINY_ARGS,
+                             f"--data.cache_dir={cache}", f"--run.dir={run_dir}", *extra], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _ranks(run_dir: Path) -> list[int]:
@@ -248,4 +248,5 @@ def test_an_error_inside_two_ranks_is_one_line_and_exit_2(case: str, finished: P
         extra = [f"--checkpoint.path={run_dir / 'checkpoints' / 'step-4'}", "--checkpoint.resume=true"]
         fragment = "does not match its SHA-256"
     line = one_error_line(train(run_dir, data_cache, "--nproc=2", "--training.steps=6", *extra, check=False))
-    assert line.startswith(("shardwise: error: [rank 0] ", "shardwise: error: [rank 1] ")) and fragment in line
+    assert line.startswith(("shardwise: error: [rank 0] ", "shardwise: error: [rank 1] "))
+    assert fragment in line

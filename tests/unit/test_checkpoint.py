@@ -235,7 +235,8 @@ class _Payload:
 def _rehash(path: Path) -> None:
     manifest = json.loads((path / checkpoint.MANIFEST).read_text())
     for name in manifest["files"]:
-        manifest["files"][name] = {"bytes": (path / name).stat().st_size, "sha256": checkpoint.sha256(path / name)}
+        manifest["files"][name] = {"bytes": (path / name).stat().st_size,
+                                   "sha256": checkpoint.sha256(path / name)}
     (path / checkpoint.MANIFEST).write_text(json.dumps(manifest))
 
 
