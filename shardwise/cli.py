@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import inspect
 import os
 import sys
 import textwrap
 import traceback
+from collections.abc import Iterator
+from typing import Any
 
 from shardwise import config
 from shardwise.config import ConfigError, load_config
@@ -139,10 +142,45 @@ def local_threads(nproc: int) -> int:
     return max(1, cores // nproc)
 
 
+@contextlib.contextmanager
+def loopback_stores() -> Iterator[None]:
+    """Inside: every TCPStore server this process starts listens on 127.0.0.1 only.
+
+    torch's TCPStore server binds every interface (``*:port``) whatever host it is given, so the
+    elastic agent's rendezvous would accept connections from the network. The local launcher's
+    ranks are all on this machine: the store gets a listening socket bound to loopback
+    (``master_listen_fd``) instead."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
+
+    base = dist.TCPStore
+
+    class LoopbackStore(base):  # type: ignore[misc,valid-type]
+        def __init__(self, host_name: str, port: int, **kwargs: Any) -> None:
+            if kwargs.get("is_master") and kwargs.get("master_listen_fd") is None:
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(("127.0.0.1", port))
+                sock.listen(4096)
+                port = sock.getsockname()[1]
+                kwargs["master_listen_fd"] = sock.detach()  # the store owns the socket now
+            super().__init__(host_name, port, **kwargs)
+
+    dist.TCPStore = c10d_rendezvous_backend.TCPStore = LoopbackStore
+    try:
+        yield
+    finally:
+        dist.TCPStore = c10d_rendezvous_backend.TCPStore = base
+
+
 def launch(argv: list[str], nproc: int, max_restarts: int, run_dir: str) -> int:
     """Run ``shardwise <argv>`` on ``nproc`` local ranks with torch's elastic launcher."""
     import logging
+    import socket
     import tempfile
+    import uuid
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -158,17 +196,21 @@ def launch(argv: list[str], nproc: int, max_restarts: int, run_dir: str) -> int:
     # their step and save before it kills them.
     grace = ([f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}"]
              if any("--shutdown-timeout" in a.option_strings for a in get_args_parser()._actions) else [])
-    # Rendezvous on loopback only: the local ranks are the only ones that may join.
-    largs = parse_args(["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", "--nnodes=1",
-                        f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-                        *grace, "--module", "shardwise", *argv])
+    # Everything on loopback: the rendezvous (see loopback_stores), the address the ranks meet at,
+    # and gloo's own connections between them. Only this machine's ranks can join.
+    if "lo" in {name for _, name in socket.if_nameindex()}:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    largs = parse_args(["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", f"--rdzv-id={uuid.uuid4()}",
+                        "--local-addr=127.0.0.1", "--nnodes=1", f"--nproc-per-node={nproc}",
+                        f"--max-restarts={max_restarts}", *grace, "--module", "shardwise", *argv])
     # The agent logs each failure with its own traceback; this launcher reports them in one line.
     for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed")]:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="shardwise-errors-") as errors:
         os.environ[ERROR_DIR_ENV] = errors
         try:
-            run(largs)
+            with loopback_stores():
+                run(largs)
         except SignalException as e:
             if stopped_cleanly(run_dir):
                 print(f"shardwise: stopped by {e.sigval.name} with a checkpoint of the last step",

@@ -250,3 +250,51 @@ def test_an_error_inside_two_ranks_is_one_line_and_exit_2(case: str, finished: P
     line = one_error_line(train(run_dir, data_cache, "--nproc=2", "--training.steps=6", *extra, check=False))
     assert line.startswith(("shardwise: error: [rank 0] ", "shardwise: error: [rank 1] "))
     assert fragment in line
+
+
+def _listening(pids: list[int]) -> list[str]:
+    """Local addresses ('127.0.0.1:port', '::', ...) of the TCP sockets these processes listen on,
+    read from /proc (no tool needed)."""
+    import ipaddress
+
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
+                continue
+            addr, port = cols[1].split(":")
+            raw = bytes.fromhex(addr)
+            # /proc prints each 32-bit word of the address little-endian
+            ip = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))
+            found.append(f"{ipaddress.ip_address(ip)}:{int(port, 16)}")
+    return found
+
+
+def test_the_local_launcher_listens_on_loopback_only(tmp_path: Path, data_cache: str):
+    """`--nproc 2`: the rendezvous store, the ranks' store and gloo all listen on 127.0.0.1 -- nothing
+    on the network can join the job (torch's TCPStore server alone would bind every interface)."""
+    run_dir = tmp_path / "run"
+    launcher = _launch(run_dir, data_cache, "--nproc=2", "--training.steps=100000")
+    try:
+        deadline = time.monotonic() + 120
+        while not ((run_dir / "metrics.jsonl").is_file() and len(metrics(run_dir)) >= 2):
+            assert launcher.poll() is None and time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.2)
+        pids = _ranks(run_dir)
+        assert len(pids) == 3 and launcher.pid in pids
+        addresses = _listening(pids)
+        assert addresses and all(a.startswith(("127.0.0.1:", "::1:")) for a in addresses), addresses
+        assert _listening([launcher.pid])  # the launcher's own rendezvous store is among them
+    finally:
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=120)
