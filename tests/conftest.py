@@ -29,6 +29,29 @@ TINY_ARGS = [
 ]
 
 
+# .ci/run sets this: there a missing test tool (transformers, wandb, chromium, unshare) is a failure;
+# elsewhere the test that needs it is skipped with its reason shown (pytest -rs).
+IN_CI = os.environ.get("SHARDWISE_CI") == "1"
+
+
+def need(what: str, present: bool) -> None:
+    """Fail under CI, skip visibly elsewhere, when ``what`` (a tool a test needs) is not ``present``."""
+    if present:
+        return
+    if IN_CI:
+        pytest.fail(f"{what} is missing: .ci/run must install it")
+    pytest.skip(f"{what} is not available on this machine")
+
+
+def require(module: str):  # noqa: ANN201 - the module
+    """Import a test dependency, under :func:`need`'s rule."""
+    import importlib
+    import importlib.util
+
+    need(f"python package {module}", importlib.util.find_spec(module) is not None)
+    return importlib.import_module(module)
+
+
 def run_cli(args: list[str], timeout: float = 300, launcher: list[str] | None = None,
             check: bool = True) -> subprocess.CompletedProcess:
     """``python -m shardwise <args>`` (or under ``launcher``, e.g. torchrun), from the repo root."""

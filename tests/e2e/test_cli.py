@@ -13,7 +13,7 @@ from shardwise.cli import main
 from shardwise.config import load_config
 from shardwise.models import PRESETS
 from shardwise.observe.flops import attention_pairs, executed_flops, flops_per_token
-from tests.conftest import ROOT, TINY_ARGS, metrics, run_cli
+from tests.conftest import ROOT, TINY_ARGS, metrics, require, run_cli
 
 pytestmark = pytest.mark.e2e
 REQUIRED = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "exec_util", "memory_gib",
@@ -218,7 +218,7 @@ def test_refuses_to_overwrite_checkpoints(tmp_path: Path, data_cache: str):
 
 def test_wandb_offline_run_is_written(tmp_path: Path, data_cache: str):
     """metrics.wandb logs the same scalars to an offline W&B run inside run.dir (no network)."""
-    pytest.importorskip("wandb")  # a dev dependency: present wherever `make test` runs
+    require("wandb")  # a dev dependency
     run_cli(["train", *TINY_ARGS, f"--data.cache_dir={data_cache}", f"--run.dir={tmp_path}",
              "--training.steps=3", "--lr_scheduler.warmup_steps=1", "--metrics.wandb=true"])
     runs = list((tmp_path / "wandb").glob("offline-run-*"))

@@ -12,6 +12,7 @@ import torch
 from shardwise import checkpoint, convert
 from shardwise.config import ConfigError, ModelConfig
 from shardwise.models import build_model, init_weights, model_args
+from tests.conftest import require
 
 MODEL = ModelConfig(name="debug", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256,
                     multiple_of=16, max_seq_len=64)
@@ -39,7 +40,7 @@ def test_rope_permutation_round_trips():
 
 @pytest.mark.parametrize("tie,scaling", [(False, 1.0), (True, 8.0)])
 def test_export_loads_in_transformers_with_equal_logits(tmp_path: Path, tie: bool, scaling: float):
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     cfg = dataclasses.replace(MODEL, tie_embeddings=tie, rope_scaling_factor=scaling)
     path, ours = saved_model(tmp_path, cfg)
     checkpoint.verify(path)

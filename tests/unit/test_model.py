@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from shardwise.models import PRESETS, ModelArgs, Transformer, build_model, init_weights
 from shardwise.models.llama import apply_rope, document_mask, rope_frequencies
 from shardwise.observe.flops import num_params
+from tests.conftest import require
 
 TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16,
                  max_seq_len=64)
@@ -116,7 +117,7 @@ def _hf_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("tie,scaling", [(False, 1.0), (True, 8.0)])
 def test_forward_matches_huggingface_llama(tie: bool, scaling: float):
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     args = dataclasses.replace(TINY, tie_embeddings=tie, rope_scaling_factor=scaling,
                                rope_original_max_seq_len=16, rope_theta=10000.0)
     ours = tiny_model(args, seed=3)

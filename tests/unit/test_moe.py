@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from shardwise.models import PRESETS, ModelArgs, build_model, init_weights
 from shardwise.models.moe import MoE, grouped_mm, update_expert_bias
 from shardwise.observe.flops import num_params
+from tests.conftest import require
 
 
 def tiny(**kw) -> ModelArgs:
@@ -32,7 +33,7 @@ def moe_block(args: ModelArgs, seed: int = 0) -> MoE:
 
 def test_matches_huggingface_qwen3_moe_block():
     """Softmax top-k with renormalized weights, SwiGLU experts: output and input gradient equal HF's."""
-    pytest.importorskip("transformers")
+    require("transformers")
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
