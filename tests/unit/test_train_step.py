@@ -84,7 +84,8 @@ def trainer(data_cache: str):  # noqa: ANN201
         "--training.micro_batch=2",  # 4 accumulated micro-batches: the normalization spans them
         "--training.mixed_precision=fp32", f"--training.steps={STEPS}",
         f"--training.max_grad_norm={MAX_NORM}", f"--optimizer.lr={PEAK_LR}", f"--optimizer.weight_decay={WD}",
-        f"--lr_scheduler.warmup_steps={WARMUP}", f"--data.cache_dir={data_cache}", "--debug.deterministic=true"])
+        f"--lr_scheduler.warmup_steps={WARMUP}", f"--data.cache_dir={data_cache}",
+        "--debug.deterministic=true"])
     args = model_args(cfg.model)
     dims = ParallelDims.from_config(cfg.parallel, 1)
     dims.build_mesh("cpu")
