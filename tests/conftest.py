@@ -53,11 +53,16 @@ def require(module: str):  # noqa: ANN201 - the module
 
 
 def run_cli(args: list[str], timeout: float = 300, launcher: list[str] | None = None,
-            check: bool = True) -> subprocess.CompletedProcess:
-    """``python -m shardwise <args>`` (or under ``launcher``, e.g. torchrun), from the repo root."""
+            check: bool = True, fault: str = "") -> subprocess.CompletedProcess:
+    """``python -m shardwise <args>`` (or under ``launcher``, e.g. torchrun), from the repo root.
+    ``fault``: break one thing on purpose in every process of the run (tests/faults/sitecustomize.py)."""
     cmd = [sys.executable, *(launcher or ["-m", "shardwise"]), *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("WORLD_SIZE", None)
+    if fault:
+        env["SHARDWISE_TEST_FAULT"] = fault
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tests" / "faults"),
+                                                          env.get("PYTHONPATH")]))
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}: {' '.join(cmd)}\n{proc.stdout[-3000:]}\n"

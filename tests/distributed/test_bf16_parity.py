@@ -1,0 +1,97 @@
+"""bf16 mixed precision, the precision people train in: FSDP, TP, PP, CP and EP against one rank.
+
+Every layout trains 10 steps of the tiny model with ``training.mixed_precision=bf16`` set explicitly
+(so the bf16 path runs on every host, whatever ``auto`` would pick), from the same seed on the same
+global batch of 8 x 64 tokens, and is compared with the single-rank bf16 run.
+
+Tolerances, from bf16's unit roundoff u = 2^-9 (8 significant bits, round to nearest):
+
+- **loss** (relative, per step): 2u / sqrt(N) with N = 512 tokens. A layout rounds activations to
+  bf16 at other points than one rank (other reduction orders), so each token's loss differs by O(u),
+  independently; their mean differs by O(u / sqrt(N)) = 8.6e-5. Bound: 1.7e-4 (measured <= 2.4e-5).
+- **gradient norm** (relative, per step): u = 1.95e-3. Entry-wise gradient differences are at most
+  O(u) relative; the global norm cannot differ by more (measured <= 1.9e-4).
+- **final parameters**: per tensor ||p - p_ref|| / ||p_ref - p_init|| <= 4 sqrt(K) 2^-8 = 0.049 for
+  K = 10 steps. Each step's Adam update direction may differ by up to bf16's epsilon 2^-8 per entry,
+  more where a gradient is near zero (m / sqrt(v) amplifies it); over K steps these add like a random
+  walk; the factor 4 is headroom (measured <= 1.8e-2, TP2).
+
+Negative controls (the same check must FAIL): FSDP with the gradient reduction dropped (each rank
+keeps its own shard: loss 8.4e-3, norm 0.39, params 0.74 measured) and with every gradient doubled
+(a normalization off by 2: Adam hides it in the update, the reported norm does not: 1.0).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY_ARGS, metrics, run_cli
+from tests.distributed.test_parity import max_rel, param_error
+
+pytestmark = pytest.mark.dist
+
+U = 2.0 ** -9  # bf16 unit roundoff
+N_TOKENS, STEPS = 8 * 64, 10
+LOSS_RTOL = 2 * U / math.sqrt(N_TOKENS)
+NORM_RTOL = U
+PARAM_RTOL = 4 * math.sqrt(STEPS) * 2.0 ** -8
+
+BF16 = ["--training.mixed_precision=bf16", "--data.document_mask=false", "--checkpoint.final=true"]
+MOE = ["--model.name=moe-debug", "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4",
+       "--model.n_kv_heads=2", "--model.moe_hidden_dim=32", "--model.n_experts=4"]
+LAYOUTS = {
+    "fsdp2": ["--nproc=2", "--parallel.dp_shard=2"],
+    "tp2": ["--nproc=2", "--parallel.tp=2"],
+    "pp2": ["--nproc=2", "--parallel.pp=2"],  # 8 micro-batches of 1 (chosen for pp)
+    "cp2": ["--nproc=2", "--parallel.cp=2"],
+    "ep2": ["--nproc=2", "--parallel.ep=2", *MOE],
+}
+
+
+def train(tmp: Path, name: str, cache: str, *extra: str, fault: str = "") -> Path:
+    run_dir = tmp / name
+    run_cli(["train", *TINY_ARGS, f"--data.cache_dir={cache}", f"--run.dir={run_dir}", *BF16, *extra],
+            fault=fault)
+    return run_dir
+
+
+def differences(ref: Path, run: Path) -> tuple[float, float, float]:
+    a, b = metrics(ref), metrics(run)
+    assert [r["step"] for r in b] == list(range(1, STEPS + 1))
+    return (max_rel([r["loss"] for r in b], [r["loss"] for r in a]),
+            max_rel([r["grad_norm"] for r in b], [r["grad_norm"] for r in a]),
+            param_error(ref, run))
+
+
+def within(diffs: tuple[float, float, float]) -> bool:
+    loss, norm, params = diffs
+    return loss <= LOSS_RTOL and norm <= NORM_RTOL and params <= PARAM_RTOL
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory, data_cache: str) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("bf16")
+    return {"dense": train(tmp, "ref", data_cache), "moe": train(tmp, "ref_moe", data_cache, *MOE)}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_bf16_layout_matches_single_rank(layout: str, references: dict[str, Path], tmp_path: Path,
+                                         data_cache: str):
+    ref = references["moe" if layout == "ep2" else "dense"]
+    diffs = differences(ref, train(tmp_path, layout, data_cache, *LAYOUTS[layout]))
+    assert metrics(ref)[-1]["loss"] < metrics(ref)[0]["loss"] - 0.2  # it trains
+    assert within(diffs), (f"{layout}: loss {diffs[0]:.2e} (<= {LOSS_RTOL:.2e}), grad norm {diffs[1]:.2e} "
+                           f"(<= {NORM_RTOL:.2e}), params {diffs[2]:.2e} (<= {PARAM_RTOL:.2e})")
+
+
+@pytest.mark.parametrize("fault", ["drop_grad_reduction", "double_grads"])
+def test_bf16_tolerance_catches_a_real_fault(fault: str, references: dict[str, Path], tmp_path: Path,
+                                             data_cache: str):
+    run = train(tmp_path, fault, data_cache, *LAYOUTS["fsdp2"], fault=fault)
+    diffs = differences(references["dense"], run)
+    assert not within(diffs), f"{fault} passed as a correct layout: {diffs}"
+    loss, norm, params = diffs
+    assert norm > 50 * NORM_RTOL or params > 10 * PARAM_RTOL  # caught by a wide margin, not by noise
