@@ -1,5 +1,13 @@
-"""Resharding: a checkpoint saved under one layout and world size loads into another, and the next
-step's loss equals the one the saving layout computed for that step."""
+"""Resharding: a checkpoint saved under one layout and world size loads into another and the run goes
+on as if uninterrupted.
+
+The saving layout trains 8 steps straight through, checkpointing at step 3; the loading layout
+resumes that step-3 checkpoint and trains steps 4..8. Steps 4..8 must match the uninterrupted run in
+loss and gradient norm (the layouts' own fp32 parity tolerance, 1e-5) and the final parameters within
+1e-4 of how far those five steps moved them. Five steps of Adam depend on the restored moments: a
+resume that lost the optimizer state fails this check (negative control below), which the first
+step's loss alone would not show.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +17,13 @@ from pathlib import Path
 import pytest
 
 from shardwise import checkpoint
+from shardwise.verify import checkpoint_params, update_error
 from tests.conftest import TINY_ARGS, metrics, run_cli
+from tests.distributed.test_parity import max_rel
 
-LOSS_RTOL = 1e-5  # the layouts' own parity tolerance (tests/distributed/test_parity.py)
+LOSS_RTOL = 1e-5  # the layouts' own parity tolerances (tests/distributed/test_parity.py)
+PARAM_RTOL = 1e-4
+SAVE_AT, STEPS = 3, 8
 PIPE = ["--data.document_mask=false", "--parallel.pp_schedule=gpipe"]
 MOE = ["--data.document_mask=false", "--model.name=moe-debug", "--model.dim=64", "--model.n_layers=2",
        "--model.n_heads=4", "--model.n_kv_heads=2", "--model.moe_hidden_dim=32", "--model.n_experts=4"]
@@ -31,19 +43,63 @@ def _layouts():
     return [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in CASES]
 
 
-@pytest.mark.parametrize("case", _layouts())
-def test_checkpoint_loads_into_another_layout(case: str, tmp_path: Path, data_cache: str):
-    save, load, shared = CASES[case]
-    common = [*TINY_ARGS, f"--data.cache_dir={data_cache}", *shared]
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory, data_cache: str):  # noqa: ANN201
+    """The uninterrupted run of a case, trained once per module."""
+    done: dict[str, Path] = {}
+
+    def source(case: str) -> Path:
+        if case not in done:
+            save, _, shared = CASES[case]
+            done[case] = uninterrupted(tmp_path_factory.mktemp(case), data_cache, save, shared)
+        return done[case]
+    return source
+
+
+def uninterrupted(tmp_path: Path, cache: str, save: list[str], shared: list[str]) -> Path:
     src = tmp_path / "src"
-    run_cli(["train", *common, *save, f"--run.dir={src}", "--training.steps=5", "--checkpoint.interval=4",
-             "--checkpoint.final=false"])
-    step4 = src / "checkpoints" / "step-4"
-    assert checkpoint.read_manifest(step4)["world_size"] == int(save[0].split("=")[1])
-    dst = tmp_path / "dst"
-    shutil.copytree(step4, dst / "checkpoints" / "step-4")
-    run_cli(["train", *common, *load, f"--run.dir={dst}", "--training.steps=5", "--checkpoint.resume=true"])
-    want, got = metrics(src)[-1], metrics(dst)
-    assert [r["step"] for r in got] == [5]
-    assert abs(got[0]["loss"] - want["loss"]) <= LOSS_RTOL * abs(want["loss"]), (got[0]["loss"], want["loss"])
-    assert abs(got[0]["lr"] - want["lr"]) <= 1e-12
+    run_cli(["train", *TINY_ARGS, f"--data.cache_dir={cache}", *shared, *save, f"--run.dir={src}",
+             f"--training.steps={STEPS}", f"--checkpoint.interval={SAVE_AT}", "--checkpoint.final=true"])
+    assert checkpoint.read_manifest(src / "checkpoints" / f"step-{SAVE_AT}")["world_size"] == \
+        int(save[0].split("=")[1])
+    return src
+
+
+def resumed(tmp_path: Path, cache: str, src: Path, load: list[str], shared: list[str],
+            fault: str = "") -> Path:
+    dst = tmp_path / f"dst{fault}"
+    shutil.copytree(src / "checkpoints" / f"step-{SAVE_AT}", dst / "checkpoints" / f"step-{SAVE_AT}")
+    run_cli(["train", *TINY_ARGS, f"--data.cache_dir={cache}", *shared, *load, f"--run.dir={dst}",
+             f"--training.steps={STEPS}", "--checkpoint.resume=true", "--checkpoint.final=true"], fault=fault)
+    return dst
+
+
+def differences(src: Path, dst: Path) -> tuple[float, float, float]:
+    """Steps SAVE_AT+1..STEPS of the resumed run against the uninterrupted one: loss and grad norm
+    (max relative), and the final parameters relative to how far those steps moved them."""
+    want, got = metrics(src)[SAVE_AT:], metrics(dst)
+    assert [r["step"] for r in got] == list(range(SAVE_AT + 1, STEPS + 1))
+    assert all(abs(a["lr"] - b["lr"]) <= 1e-12 for a, b in zip(want, got, strict=True))
+    final = lambda d: checkpoint_params(d / "checkpoints" / f"step-{STEPS}")  # noqa: E731
+    return (max_rel([r["loss"] for r in got], [r["loss"] for r in want]),
+            max_rel([r["grad_norm"] for r in got], [r["grad_norm"] for r in want]),
+            update_error(final(dst), final(src), checkpoint_params(src / "checkpoints" / f"step-{SAVE_AT}")))
+
+
+@pytest.mark.parametrize("case", _layouts())
+def test_checkpoint_loads_into_another_layout(case: str, sources, tmp_path: Path, data_cache: str):  # noqa: ANN001
+    _, load, shared = CASES[case]
+    src = sources(case)
+    loss, norm, params = differences(src, resumed(tmp_path, data_cache, src, load, shared))
+    assert loss <= LOSS_RTOL and norm <= LOSS_RTOL and params <= PARAM_RTOL, (loss, norm, params)
+
+
+def test_a_resume_that_loses_the_optimizer_state_fails_the_check(sources, tmp_path: Path,  # noqa: ANN001
+                                                                  data_cache: str):
+    """Negative control: the same resharded resume with Adam's moments thrown away after the load
+    (tests/faults) is far outside the bounds -- the check sees optimizer state, not just weights."""
+    _, load, shared = CASES["fsdp2xtp2_to_fsdp4"]
+    src = sources("fsdp2xtp2_to_fsdp4")
+    loss, norm, params = differences(src, resumed(tmp_path, data_cache, src, load, shared,
+                                                  fault="drop_optimizer_state"))
+    assert loss > 100 * LOSS_RTOL and params > 100 * PARAM_RTOL, (loss, norm, params)
