@@ -14,6 +14,7 @@ from shardwise.data.dataset import data_files
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.models import ModelArgs, build_model, model_args
 from shardwise.parallel.dims import ParallelDims, launched_world_size
+from shardwise.parallel.float8 import float8_summary
 from shardwise.parallel.pipeline import SCHEDULES, stages_per_rank
 from shardwise.resilience import restart_count
 
@@ -45,6 +46,8 @@ def check_layout(cfg: Config, world_size: int) -> ParallelDims:
     if cfg.training.loss_chunk and dims.pp > 1:
         raise ConfigError("training.loss_chunk with parallel.pp > 1 is not available (the pipeline "
                           "schedule computes the loss on the last stage's logits): set training.loss_chunk=0")
+    if cfg.float8.enabled:
+        notice(float8_summary(build_model(model_args(cfg.model)), cfg.float8, dims.tp))
     if dims.cp > 1 and cfg.data.document_mask:
         raise ConfigError("data.document_mask with parallel.cp > 1 is not available (the ring "
                           "attention is causal-only): set data.document_mask=false or cp=1")

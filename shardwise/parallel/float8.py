@@ -26,7 +26,9 @@ at import).
 from __future__ import annotations
 
 import logging
+import re
 import sys
+from collections import Counter
 from typing import Any
 
 import torch
@@ -69,7 +71,12 @@ def is_float8(module: nn.Module) -> bool:
 def float8_groups(model: nn.Module, cfg: Float8Config, tp: int) -> list[str]:
     """Fully qualified names of the linear groups to convert, given the tensor-parallel degree
     (a group is converted whole: its TP styles cast the shared input once)."""
-    out = []
+    return float8_choice(model, cfg, tp)[0]
+
+
+def float8_choice(model: nn.Module, cfg: Float8Config, tp: int) -> tuple[list[str], dict[str, str]]:
+    """(groups to convert, {module or group left in high precision: why})."""
+    out, kept = [], {}
     for name, block in model.layers.items():  # type: ignore[union-attr]
         for group, (col, row) in GROUPS.items():
             try:
@@ -84,10 +91,41 @@ def float8_groups(model: nn.Module, cfg: Float8Config, tp: int) -> list[str]:
             dims = []
             for n, m in linears.items():
                 out_f, in_f = m.out_features, m.in_features
-                dims += [out_f // split if n in col else out_f, in_f // split if n in row else in_f]
-            if all(d % 16 == 0 and d >= cfg.min_dim for d in dims):
+                dims += [(n, "out", out_f // split if n in col else out_f),
+                         (n, "in", in_f // split if n in row else in_f)]
+            bad = [(n, side, d) for n, side, d in dims if d % 16 or d < cfg.min_dim]
+            if not bad:
                 out.append(f"layers.{name}.{group}")
-    return out
+            else:
+                n, side, d = min(bad, key=lambda b: b[2])
+                local = f" per tp rank (tp={tp})" if split > 1 else ""
+                kept[f"layers.{name}.{group}"] = (f"{n} has {d} {side}put features{local}: float8 needs "
+                                                  f"multiples of 16 and >= float8.min_dim={cfg.min_dim}")
+        ffn = getattr(block, "feed_forward", None)
+        if ffn is not None and hasattr(ffn, "router"):
+            kept[f"layers.{name}.feed_forward.router"] = "the MoE router stays in high precision (routing)"
+            kept[f"layers.{name}.feed_forward.experts"] = "grouped experts: no float8 grouped GEMM here"
+    if getattr(model, "output", None) is not None:
+        kept["output"] = "the output head stays in high precision (the loss is sensitive to it)"
+    return out, kept
+
+
+def float8_summary(model: nn.Module, cfg: Float8Config, tp: int) -> str:
+    """One line for the log: what float8.enabled converts and what it keeps in high precision and
+    why; a one-line error when it would convert nothing."""
+    groups, kept = float8_choice(model, cfg, tp)
+    if not groups:
+        first, why = next(iter((k, v) for k, v in kept.items() if k.endswith(tuple(GROUPS))),
+                          ("", "the model has no attention or MLP linears"))
+        raise ConfigError(f"float8.enabled=true converts no linear ({first}: {why}): lower float8.min_dim, "
+                          "widen the model, or set float8.enabled=false")
+    linears = sum(len(GROUPS[g.split(".", 2)[2]][0]) + len(GROUPS[g.split(".", 2)[2]][1]) for g in groups)
+    per_block = lambda name: re.sub(r"^layers\.\d+\.", "layers.<i>.", name)  # noqa: E731
+    converted = Counter(per_block(g) for g in groups)
+    left = Counter((per_block(k), why) for k, why in kept.items())
+    return (f"float8: {linears} linears in {len(groups)} groups run in float8 ("
+            + ", ".join(f"{g} x{n}" for g, n in converted.items()) + "); kept in high precision: "
+            + "; ".join(f"{g} x{n}: {why}" for (g, why), n in left.items()))
 
 
 def apply_float8(model: nn.Module, cfg: Float8Config, tp: int, device_type: str) -> list[str]:

@@ -19,6 +19,7 @@ from shardwise.parallel.float8 import (
     is_float8,
     precompute_scales,
 )
+from tests.conftest import ROOT
 
 ARGS = dataclasses.replace(PRESETS["debug"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16,
                            vocab_size=512, max_seq_len=128)
@@ -104,3 +105,22 @@ def test_precomputed_scales_are_16_byte_aligned(one_rank_group: None):
     loss = m(TOKENS).float().logsumexp(-1).mean()  # the forward runs on the precomputed scales
     loss.backward()
     assert torch.isfinite(loss)
+
+
+def test_the_log_says_what_float8_converts_and_converting_nothing_is_an_error(capsys):
+    from shardwise.config import ConfigError, load_config
+    from shardwise.preflight import check_layout
+
+    cfg = load_config(ROOT / "configs" / "moe-debug.toml", ["--float8.enabled=true"])
+    check_layout(cfg, 1)
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("notice: float8: 42 linears in 12 groups run in float8 "
+                           "(layers.<i>.attention x6")
+    assert "layers.<i>.feed_forward.router x5: the MoE router" in line and "output x1: the output head" in line
+    tiny = ["--float8.enabled=true", "--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=2",
+            "--model.multiple_of=16", "--model.n_layers=2"]
+    check_layout(load_config(ROOT / "configs" / "debug.toml", tiny), 1)
+    assert "layers.<i>.attention x2: wk has 32 output features" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=r"float8.enabled=true converts no linear \(layers.0.attention: wk "
+                                          r"has 32 output features.*min_dim=256\)"):
+        check_layout(load_config(ROOT / "configs" / "debug.toml", [*tiny, "--float8.min_dim=256"]), 1)
