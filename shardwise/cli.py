@@ -291,6 +291,10 @@ def _verify_parser(sub: argparse._SubParsersAction) -> None:
                    help="layouts as degree lists, e.g. dp_shard=4 tp=2,dp_shard=2")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--out", default="runs/verify", help="where runs, logs and the plot go")
+    p.add_argument("--moe-routing", default="replay", choices=["replay", "free"],
+                   help="MoE models: each layout replays the reference's expert choices per token and "
+                        "reports where its own router differs (default), or routes freely (a near-tie "
+                        "broken the other way then fails the layout)")
 
 
 def cmd_verify(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -300,7 +304,8 @@ def cmd_verify(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if args.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
-    return 0 if verify(args.config, overrides, args.layouts, args.steps, Path(args.out)) else 1
+    return 0 if verify(args.config, overrides, args.layouts, args.steps, Path(args.out),
+                       args.moe_routing) else 1
 
 
 def _report_parser(sub: argparse._SubParsersAction) -> None:

@@ -316,6 +316,12 @@ class DebugConfig:
     """Fault injection: SIGKILL rank debug.fail_rank at step N of the first attempt; 0 = off."""
     fail_rank: int = 0
     """The rank that debug.fail_step kills."""
+    routing_record: bool = False
+    """MoE, one rank: write every layer's expert choices per token to run.dir/routing/ (shardwise
+    verify's reference run does, so layouts can replay them)."""
+    routing_replay: str = ""
+    """MoE: route every token to the experts the run in this run directory chose (its
+    debug.routing_record trace) and count where this run's own router differs; verify's layouts do."""
 
 
 @dataclass

@@ -80,7 +80,36 @@ def preflight(cfg: Config, world_size: int) -> ParallelDims:
         raise ConfigError(f"run.dir '{run_dir}' is not writable ({e.strerror}): choose another "
                           "--run.dir") from None
     check_run_dir(cfg, run_dir, args)
+    check_routing(cfg, world_size, args)
     return dims
+
+
+def check_routing(cfg: Config, world_size: int, args: ModelArgs) -> None:
+    """debug.routing_record / routing_replay: an MoE model; recording on one rank; a replayed trace
+    of the same batch shape that covers this run's steps."""
+    d = cfg.debug
+    if not (d.routing_record or d.routing_replay):
+        return
+    if not args.n_experts:
+        raise ConfigError("debug.routing_record / debug.routing_replay trace MoE routing, but this model "
+                          "has no experts (model.n_experts=0): drop them")
+    if d.routing_record and d.routing_replay:
+        raise ConfigError("debug.routing_record and debug.routing_replay: a run records or replays, not both")
+    if d.routing_record and world_size != 1:
+        raise ConfigError(f"debug.routing_record records on one rank (the reference), not {world_size}: "
+                          "run it without --nproc")
+    if d.routing_replay:
+        from shardwise.observe.routing import read_meta
+
+        meta = read_meta(Path(d.routing_replay))
+        t = cfg.training
+        if (meta["global_batch"], meta["seq_len"]) != (t.global_batch, t.seq_len):
+            raise ConfigError(f"debug.routing_replay '{d.routing_replay}' traced {meta['global_batch']} x "
+                              f"{meta['seq_len']} tokens per step, this run has {t.global_batch} x "
+                              f"{t.seq_len}: replay a trace of the same batch")
+        if meta["steps"] < t.steps:
+            raise ConfigError(f"debug.routing_replay '{d.routing_replay}' traced {meta['steps']} steps, this "
+                              f"run has {t.steps}: lower training.steps or record a longer reference")
 
 
 def check_run_dir(cfg: Config, run_dir: Path, args: ModelArgs) -> None:

@@ -51,6 +51,7 @@ from shardwise.observe.metrics import MetricsLogger, Throughput, per_rank
 from shardwise.observe.peak import peak_tflops
 from shardwise.observe.plot import plot_loss
 from shardwise.observe.profile import StepProfiler
+from shardwise.observe.routing import RoutingTrace, routing_trace
 from shardwise.optim.adamw import build_optimizer
 from shardwise.optim.clip import clip_grad_norm_
 from shardwise.optim.lr import build_lr_scheduler
@@ -114,6 +115,7 @@ def run(cfg: Config, env: DistEnv, dims: ParallelDims, run_dir: Path, ckpt_group
     loss_fn = torch.compile(token_loss_sum) if cfg.compile.enabled else token_loss_sum
     optimizer = build_optimizer(model, cfg.optimizer, env.device.type)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
+    routing = build_routing_trace(cfg, dims, model, run_dir, env.rank)
     ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", cfg.checkpoint, manifest_info(cfg, dims),
                                    ckpt_group)
     stop = StopRequest(stop_group)  # SIGTERM/SIGINT: finish the step, save, exit 0
@@ -149,7 +151,8 @@ def run(cfg: Config, env: DistEnv, dims: ParallelDims, run_dir: Path, ckpt_group
             with track_peak(cfg.debug.memory and traced, model, optimizer, run_dir / "memory_peak.json",
                             env.device), \
                     trace_step(cfg.debug.comm and traced, dims.mesh, dims.flat_meshes, run_dir / "comm.json",
-                               env.rank, track_modules=dims.pp == 1):
+                               env.rank, track_modules=dims.pp == 1), \
+                    (routing.around_step(step, batches) if routing else contextlib.nullcontext()):
                 result = train_step(model, optimizer, scheduler, shard(batches), dims,
                                     cfg.training.max_grad_norm, pipe, measure_memory=first,
                                     loss_fn=loss_fn, inject_nan=step == cfg.debug.nan_step)
@@ -195,6 +198,8 @@ def run(cfg: Config, env: DistEnv, dims: ParallelDims, run_dir: Path, ckpt_group
                 break
     ckpt.close()
     stop.restore()
+    if routing:
+        routing.close()
     finish(cfg, run_dir, logger, env.rank)
 
 
@@ -371,9 +376,24 @@ def batch_sharder(dims: ParallelDims, load_balance: bool) -> Callable[[list[Batc
         out = []
         for b in batches:
             inputs, labels = shard_sequences(mesh, [b.inputs, b.labels], load_balance)  # (B, S/cp)
-            out.append(Batch(inputs, labels, None, int((labels != IGNORE_INDEX).sum())))
+            out.append(Batch(inputs, labels, None, int((labels != IGNORE_INDEX).sum()), b.first_row))
         return out
     return shard
+
+
+def build_routing_trace(cfg: Config, dims: ParallelDims, model: nn.Module, run_dir: Path,
+                        rank: int) -> RoutingTrace | None:
+    """With debug.routing_record / debug.routing_replay: the trace on this rank's MoE layers."""
+    d = cfg.debug
+    if not (d.routing_record or d.routing_replay):
+        return None
+    cp_shard = None
+    if dims.cp > 1:
+        mesh, balance = dims.submesh("cp"), cfg.parallel.cp_load_balance
+        cp_shard = lambda pos: shard_sequences(mesh, [pos], balance)[0]  # noqa: E731 -- (B, S/cp)
+    tp = (dims.submesh("tp").get_local_rank(), dims.tp)
+    return routing_trace(model, run_dir=run_dir, replay_from=d.routing_replay, seq_len=cfg.training.seq_len,
+                         global_batch=cfg.training.global_batch, rank=rank, tp=tp, cp_shard=cp_shard)
 
 
 def set_determinism(deterministic: bool, seed: int) -> None:

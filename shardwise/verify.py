@@ -23,6 +23,7 @@ import torch
 
 from shardwise.config import ConfigError, load_config
 from shardwise.observe.metrics import read_metrics
+from shardwise.observe.routing import replay_report
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,9 @@ class Tolerance:
     """Max relative per-step loss difference."""
     param_rel: float
     """Max per-tensor ||p - p_ref|| / ||p_ref - p_seed||."""
+    route_gap: float
+    """MoE: max score gap of a token whose own top-k differs from the replayed reference's (a
+    near-tie is at rounding level: fp32 logits ~1e-7, bf16 gate outputs ~2^-8 relative)."""
 
 
 # fp32: layouts differ only in summation order (collectives, TP partial matmuls). Measured, tiny GQA
@@ -41,8 +45,8 @@ class Tolerance:
 # update for FSDP2/FSDP4/HSDP2x2/FSDP2xTP2 and 7.2e-2 for TP2. Calibrated for runs of ~20 steps:
 # fp32 is the proof of a layout, bf16 a guard against gross errors (a learning rate off by a third
 # gives loss 1.3e-2 and params 0.38 after 10 steps).
-TOLERANCES = {"fp32": Tolerance(loss_rel=1e-5, param_rel=1e-4),
-              "bf16": Tolerance(loss_rel=2e-3, param_rel=0.15)}
+TOLERANCES = {"fp32": Tolerance(loss_rel=1e-5, param_rel=1e-4, route_gap=1e-5),
+              "bf16": Tolerance(loss_rel=2e-3, param_rel=0.15, route_gap=2e-2)}
 
 PARALLEL_KEYS = ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep")
 
@@ -56,6 +60,8 @@ class Result:
     param_rel: float
     passed: bool
     error: str = ""
+    routing: dict | None = None
+    """MoE: {tokens, differ, max_gap} of the replay (see shardwise/observe/routing.py)."""
 
 
 def parse_layout(text: str) -> tuple[list[str], int]:
@@ -113,8 +119,10 @@ def update_error(p: dict[str, torch.Tensor], p_ref: dict[str, torch.Tensor],
                for k in p_ref)
 
 
-def verify(config: str | None, overrides: list[str], layouts: list[str], steps: int, out: Path) -> bool:
-    """Run the reference and every layout; print the table; return True if all pass."""
+def verify(config: str | None, overrides: list[str], layouts: list[str], steps: int, out: Path,
+           moe_routing: str = "replay") -> bool:
+    """Run the reference and every layout; print the table; return True if all pass.
+    ``moe_routing``: replay the reference's expert choices in MoE layouts, or route freely."""
     base = load_config(config, [*overrides, f"--training.steps={steps}"])
     tol = TOLERANCES[base.training.mixed_precision]
     parsed = [(name, *parse_layout(name)) for name in layouts]  # bad layouts fail before any run
@@ -125,9 +133,14 @@ def verify(config: str | None, overrides: list[str], layouts: list[str], steps: 
         "--metrics.progress=false", "--metrics.tensorboard=false", "--metrics.plot=false",
         f"--lr_scheduler.warmup_steps={min(base.lr_scheduler.warmup_steps, steps)}"]
     ref_dir = out / "reference"
-    print(f"reference: 1 rank, {steps} steps ({base.training.mixed_precision}) ...", flush=True)
+    # MoE: the layouts replay the reference's routing, so that a near-tie one layout breaks the other
+    # way cannot decide the verdict; the tokens where a layout's own router differs are reported.
+    moe = bool(base.model.n_experts) and moe_routing == "replay"
+    print(f"reference: 1 rank, {steps} steps ({base.training.mixed_precision}"
+          f"{', routing recorded' if moe else ''}) ...", flush=True)
     err = _train([*common, f"--run.dir={ref_dir}", "--checkpoint.save_initial=true",
-                  *parse_layout("")[0]], 1, out / "reference.log")
+                  *(["--debug.routing_record=true"] if moe else []), *parse_layout("")[0]], 1,
+                 out / "reference.log")
     if err:
         raise ConfigError(f"the reference run failed: {err} (log: {out / 'reference.log'})")
     seed = ref_dir / "checkpoints" / "step-0"
@@ -137,7 +150,8 @@ def verify(config: str | None, overrides: list[str], layouts: list[str], steps: 
     for name, layout_args, world in parsed:
         print(f"{name}: {world} ranks ...", flush=True)
         run_dir = out / run_dirname(name)
-        err = _train([*common, f"--run.dir={run_dir}", f"--checkpoint.path={seed}", *layout_args],
+        replay = [f"--debug.routing_replay={ref_dir}"] if moe else []
+        err = _train([*common, f"--run.dir={run_dir}", f"--checkpoint.path={seed}", *replay, *layout_args],
                      world, out / f"{run_dir.name}.log")
         if err:
             results.append(Result(name, world, math.nan, math.nan, math.nan, False, err))
@@ -147,8 +161,10 @@ def verify(config: str | None, overrides: list[str], layouts: list[str], steps: 
         diffs = [abs(a - b) for a, b in zip(loss, ref_loss, strict=True)]
         rel = max(d / abs(b) for d, b in zip(diffs, ref_loss, strict=True))
         prel = update_error(checkpoint_params(run_dir / "checkpoints" / f"step-{steps}"), p_ref, p_seed)
+        routing = replay_report(run_dir) if moe else None
         results.append(Result(name, world, max(diffs), rel, prel,
-                               rel <= tol.loss_rel and prel <= tol.param_rel))
+                               rel <= tol.loss_rel and prel <= tol.param_rel
+                               and (routing is None or routing["max_gap"] <= tol.route_gap), routing=routing))
     print()
     print(format_table(results, tol, base.training.mixed_precision))
     plot_overlay(curves, out / "loss_overlay.png")
@@ -157,14 +173,24 @@ def verify(config: str | None, overrides: list[str], layouts: list[str], steps: 
 
 
 def format_table(results: list[Result], tol: Tolerance, precision: str) -> str:
+    moe = any(r.routing is not None for r in results)
     lines = [f"tolerances ({precision}): loss rel <= {tol.loss_rel:g}, params <= {tol.param_rel:g} "
-             "of the update", "",
-             "| layout | ranks | loss max abs diff | loss max rel diff | params diff / update | result |",
-             "|---|---|---|---|---|---|"]
+             "of the update" + (f", own-routing score gap <= {tol.route_gap:g}" if moe else "")]
+    if moe:
+        lines.append("MoE: each layout routed every token to the reference's experts (replayed); "
+                     "'own routing differs' counts the token-layer choices its own router would have "
+                     "made otherwise, with the largest score gap among them")
+    extra = (" own routing differs | max gap |", "---|---|") if moe else ("", "")
+    lines += ["", "| layout | ranks | loss max abs diff | loss max rel diff | params diff / update |"
+              f"{extra[0]} result |", f"|---|---|---|---|---|{extra[1]}---|"]
     for r in results:
         verdict = "PASS" if r.passed else ("FAIL: " + r.error if r.error else "FAIL")
-        lines.append(f"| {r.layout} | {r.ranks} | {r.loss_abs:.2e} | {r.loss_rel:.2e} | {r.param_rel:.2e} | "
-                     f"{verdict} |")
+        route = ""
+        if moe:
+            rt = r.routing or {"differ": 0, "tokens": 0, "max_gap": math.nan}
+            route = f" {rt['differ']} of {rt['tokens']:,} | {rt['max_gap']:.1e} |"
+        lines.append(f"| {r.layout} | {r.ranks} | {r.loss_abs:.2e} | {r.loss_rel:.2e} | {r.param_rel:.2e} |"
+                     f"{route} {verdict} |")
     return "\n".join(lines)
 
 

@@ -182,6 +182,7 @@ class Batch:
     labels: torch.Tensor  # (B, S) int64
     doc_ids: torch.Tensor | None  # (B, S) int32 when document masking is on
     n_valid: int
+    first_row: int = 0  # the global batch's sequence this micro-batch starts at (all ranks counted)
 
 
 class PackedLoader:
@@ -214,17 +215,18 @@ class PackedLoader:
         step = self._perm[self.position: self.position + self.global_batch]
         self.position += self.global_batch
         per_rank = self.global_batch // self.dp_size
-        mine = step[self.dp_rank * per_rank: (self.dp_rank + 1) * per_rank]
-        return [self._batch(mine[i: i + self.micro_batch])
+        first = self.dp_rank * per_rank
+        mine = step[first: first + per_rank]
+        return [self._batch(mine[i: i + self.micro_batch], first + i)
                 for i in range(0, per_rank, self.micro_batch)]
 
-    def _batch(self, idx: np.ndarray) -> Batch:
+    def _batch(self, idx: np.ndarray, first_row: int) -> Batch:
         parts = [self.stream.window(int(i), self.seq_len) for i in idx]
         inputs, labels, docs = (np.stack(p) for p in zip(*parts, strict=True))
         to = dict(device=self.device, non_blocking=True)
         return Batch(torch.from_numpy(inputs).to(**to), torch.from_numpy(labels).to(**to),
                      torch.from_numpy(docs).to(**to) if self.document_mask else None,
-                     int((labels != IGNORE_INDEX).sum()))
+                     int((labels != IGNORE_INDEX).sum()), first_row)
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,

@@ -29,7 +29,8 @@ Tensors are (T, dim) for the flattened tokens of the micro-batch, T = B*S local.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -102,11 +103,16 @@ class Router(nn.Module):
         # Balancing bias for the choice only (DeepSeek-V3); a persistent buffer, so checkpointed.
         self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (T, dim) -> (weights (T, k), expert ids (T, k), scores (T, E)); fp32 scores."""
+    def forward(self, x: torch.Tensor, choose: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+                = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (T, dim) -> (weights (T, k), expert ids (T, k), scores (T, E)); fp32 scores.
+        ``choose(biased scores, own top-k) -> ids`` may route elsewhere (a routing trace's replay)."""
         logits = self.gate(x).float()  # (T, E)
         scores = torch.sigmoid(logits) if self.score == "sigmoid" else torch.softmax(logits, dim=-1)
-        _, ids = torch.topk(scores + self.expert_bias, self.top_k, dim=-1)  # (T, k)
+        biased = scores + self.expert_bias
+        _, ids = torch.topk(biased, self.top_k, dim=-1)  # (T, k)
+        if choose is not None:
+            ids = choose(biased, ids)
         weights = scores.gather(-1, ids)
         if self.route_norm:
             weights = weights / weights.sum(-1, keepdim=True)
@@ -134,11 +140,14 @@ class MoE(nn.Module):
         self.sequences_per_step = 1
         self.sequence_group: dist.ProcessGroup | None = None
         self.count_tokens = True  # off while a forward is not training (pipeline shape inference)
+        self.routing = None  # a RoutingTrace (shardwise/observe/routing.py) records or replays routing
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, dim = x.shape
         tokens = x.reshape(-1, dim)  # (T, dim)
-        weights, ids, scores = self.router(tokens)  # (T, k), (T, k), (T, E)
+        trace = self.routing if self.count_tokens and self.training and torch.is_grad_enabled() else None
+        choose = functools.partial(trace.choose, self) if trace is not None else None
+        weights, ids, scores = self.router(tokens, choose)  # (T, k), (T, k), (T, E)
         flat_ids = ids.flatten()  # (T*k,)
         # (E,) slots per expert; scatter_add rather than bincount, which has no meta kernel
         counts = flat_ids.new_zeros(self.n_experts).scatter_add_(0, flat_ids, torch.ones_like(flat_ids))

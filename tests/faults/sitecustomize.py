@@ -1,13 +1,16 @@
 """Deliberate faults for negative controls -- tests only.
 
-A test runs shardwise with ``PYTHONPATH=tests/faults`` and ``SHARDWISE_TEST_FAULT=<name>``: every
+A test runs shardwise with ``PYTHONPATH=tests/faults`` and ``SHARDWISE_TEST_FAULT=<name>[,<name>]``: every
 Python process of the run (the launcher and each rank) imports this file at start-up and breaks
 exactly one thing, so the test can show that its tolerance catches that fault:
 
 - ``drop_grad_reduction``: FSDP's gradient reduce-scatter still runs, but each rank keeps only its
   own gradient shard (a reduction lost on the way);
 - ``double_grads``: every gradient is scaled by 2 before clipping (a normalization off by 2);
-- ``drop_optimizer_state``: a loaded checkpoint's optimizer state is thrown away (Adam restarts).
+- ``drop_optimizer_state``: a loaded checkpoint's optimizer state is thrown away (Adam restarts);
+- ``near_tie_router`` (not a fault of the code: a hard input): at init, every MoE router's expert 1
+  gets expert 0's gate row plus a perturbation of ~1e-7, so which of the two a token prefers is
+  decided by rounding -- a layout that sums in another order breaks such ties the other way.
 """
 
 import os
@@ -51,9 +54,28 @@ def _install(fault: str) -> None:
             return step
 
         checkpoint.load = load
+    elif fault == "near_tie_router":
+        import torch
+
+        import shardwise.train as train
+        from shardwise.models.moe import moe_layers
+
+        real_init = train.init_weights
+
+        def init_weights(model, seed):  # noqa: ANN001, ANN202
+            real_init(model, seed)
+            with torch.no_grad():
+                for moe in moe_layers(model):
+                    w = moe.router.gate.weight
+                    w = w.to_local() if hasattr(w, "to_local") else w
+                    if w.shape[0] == moe.n_experts:  # the whole gate (one rank: the verify reference)
+                        g = torch.Generator().manual_seed(seed)
+                        w[1] = w[0] + 1e-7 * w[0].abs().mean() * torch.randn(w.shape[1], generator=g)
+
+        train.init_weights = init_weights
     else:
         raise SystemExit(f"SHARDWISE_TEST_FAULT={fault!r} is not a fault tests/faults/sitecustomize.py knows")
 
 
-if os.environ.get("SHARDWISE_TEST_FAULT"):
-    _install(os.environ["SHARDWISE_TEST_FAULT"])
+for _fault in filter(None, os.environ.get("SHARDWISE_TEST_FAULT", "").split(",")):
+    _install(_fault)
