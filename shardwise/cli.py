@@ -138,8 +138,9 @@ def first_failure(folder: str) -> dict | None:
 
 def local_threads(nproc: int) -> int:
     """Threads per local rank: the cores this process may run on, shared out."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // nproc)
+    from shardwise.parallel.dims import usable_cores
+
+    return max(1, usable_cores() // nproc)
 
 
 @contextlib.contextmanager

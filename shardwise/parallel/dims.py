@@ -200,6 +200,12 @@ def launched_world_size() -> int | None:
     return int(ws) if ws else None
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, e.g. a Slurm or cgroup allotment), not
+    the machine's count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (x86 AMX or AVX512-BF16, Arm BF16); without it
     oneDNN emulates bf16 GEMMs far slower than fp32 ones."""

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from shardwise.parallel.dims import usable_cores
 from shardwise.plan.hardware import Hardware, local_path, save_hardware
 
 GEMM_SIZES = (128, 256, 512, 1024, 2048)
@@ -214,7 +215,7 @@ def collective_bandwidth(world: int) -> dict[str, float]:
 
 def calibrate(cache_dir: str = "~/.cache/shardwise", log: Callable[[str], None] = print) -> Hardware:
     """Measure this machine and save it as the ``local`` profile."""
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     threads = sorted({1, cores})
     rates: dict[str, float] = {}
     bandwidth: dict[str, float] = {}

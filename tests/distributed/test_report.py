@@ -9,24 +9,29 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY_ARGS, metrics, run_cli
+from tests.conftest import TINY_ARGS, metrics, need, run_cli
 
 pytestmark = pytest.mark.dist
 
 
-def test_report_of_two_real_runs(tmp_path: Path, data_cache: str):
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory: pytest.TempPathFactory, data_cache: str) -> Path:
+    tmp = tmp_path_factory.mktemp("report")
     common = ["train", *TINY_ARGS, f"--data.cache_dir={data_cache}", "--training.steps=8",
               "--eval.interval=4", "--eval.steps=1", "--data.val_fraction=0.2"]
-    run_cli([*common, f"--run.dir={tmp_path / 'one'}"])
-    run_cli([*common, f"--run.dir={tmp_path / 'two'}", "--nproc=2"])
+    run_cli([*common, f"--run.dir={tmp / 'one'}"])
+    run_cli([*common, f"--run.dir={tmp / 'two'}", "--nproc=2"])
+    return tmp
+
+
+def test_report_of_two_real_runs(two_runs: Path, tmp_path: Path):
     out = tmp_path / "report"
-    proc = run_cli(["report", str(tmp_path / "one"), str(tmp_path / "two"), f"--out={out}"]
-                   + (["--screenshot"] if shutil.which("chromium") else []))
+    proc = run_cli(["report", str(two_runs / "one"), str(two_runs / "two"), f"--out={out}"])
     page = (out / "report.html").read_text()
     assert "report.html" in proc.stdout
     manifest = re.search(r"<script type='application/json' id='panels'>(.*?)</script>", page)
     panels = json.loads(manifest.group(1))
-    steps = len(metrics(tmp_path / "one"))
+    steps = len(metrics(two_runs / "one"))
     assert steps == 8
     # Every panel a person needs, each line with the run's number of logged points.
     assert panels["loss"]["one loss"] == steps and panels["loss"]["two loss"] == steps
@@ -39,8 +44,13 @@ def test_report_of_two_real_runs(tmp_path: Path, data_cache: str):
         png = (out / f"{stem}.png").read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000, stem
     assert page.count("data:image/png;base64,") == 7  # embedded: the page stands alone
-    if shutil.which("chromium"):  # .ci/run installs Debian's chromium where apt can
-        check_screenshot(out / "report.png")
+
+
+def test_report_screenshot_in_headless_chromium(two_runs: Path, tmp_path: Path):
+    need("chromium (Debian's package; .ci/run installs it)", shutil.which("chromium") is not None)
+    out = tmp_path / "report"
+    run_cli(["report", str(two_runs / "one"), str(two_runs / "two"), f"--out={out}", "--screenshot"])
+    check_screenshot(out / "report.png")
 
 
 def check_screenshot(png: Path) -> None:

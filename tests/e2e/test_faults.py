@@ -20,7 +20,7 @@ from shardwise import checkpoint
 from shardwise.config import load_config
 from shardwise.models import build_model, model_args
 from shardwise.verify import checkpoint_params
-from tests.conftest import ROOT, TINY_ARGS, metrics, run_cli
+from tests.conftest import ROOT, TINY_ARGS, metrics, need, run_cli
 
 
 def start(args: list[str]) -> subprocess.Popen:
@@ -155,9 +155,9 @@ def _can_mount_tmpfs() -> bool:
     return probe.returncode == 0
 
 
-@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs unshare + tmpfs mount to make a full disk")
 def test_disk_full_on_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path: Path, data_cache: str):
     """run.dir on a 6 MiB tmpfs: the first checkpoint (~3.6 MiB) fits, the second cannot."""
+    need("unshare with user namespaces (a private tmpfs mount makes the full disk)", _can_mount_tmpfs())
     disk = tmp_path / "disk"
     disk.mkdir()
     args = ["train", *TINY_ARGS, f"--data.cache_dir={data_cache}", f"--run.dir={disk}/r",

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 
 import pytest
 import torch
@@ -168,12 +167,10 @@ def test_init_is_deterministic_per_seed_and_name():
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
-def test_every_preset_builds_on_meta_quickly(name: str):
+def test_every_preset_builds_on_meta(name: str):
+    """No preset allocates a parameter while it is built (the 405B one would need 1.6 TB)."""
     args = PRESETS[name]
-    t0 = time.perf_counter()
     model = build_model(args)
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 1.0, f"{name} took {elapsed:.2f}s on meta"
     assert all(p.is_meta for p in model.parameters())
     assert sum(p.numel() for p in model.parameters()) == num_params(args)
     assert model.layers["0"].attention.wk.weight.shape == (args.n_kv_heads * args.head_dim, args.dim)
