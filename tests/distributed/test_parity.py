@@ -36,7 +36,7 @@ SLOW = {"fsdp4", "hsdp2_tp2", "cp2_no_load_balance_alltoall", "cp4", "hsdp2_cp2"
         "moe_fsdp4_ep2", "moe_tp2", "moe_ep4_tp2", "moe_hsdp2_ep2", "pp2_interleaved",
         "pp2_interleaved_tp2", "pp2_zbv", "pp2_dualpipev", "fsdp2_ac_selective", "tp2_ac_full",
         "fsdp2_chunked_loss", "cp2_ac_selective", "fsdp2_tp2_chunked_loss", "fsdp2_tp2_ac_layer",
-        "pp2_cp2", "cp2_tp2", "tp2_gathered_logits", "fsdp2_gloo_override"}
+        "pp2_cp2", "cp2_tp2", "tp2_gathered_logits", "fsdp2_gloo_override", "pp2_tp2"}
 
 
 def layouts(table: dict[str, list[str]], slow: set[str] = SLOW) -> list:

@@ -206,16 +206,6 @@ def test_bad_files_exit_2_with_one_line(case: str, saved_run: Path, tmp_path: Pa
         assert not (run_dir / "metrics.jsonl").exists() or not metrics(run_dir)  # no step ran
 
 
-def test_refuses_to_overwrite_checkpoints(tmp_path: Path, data_cache: str):
-    args = ["train", *TINY_ARGS, f"--run.dir={tmp_path}", "--training.steps=2",
-            "--checkpoint.final=true", f"--data.cache_dir={data_cache}"]
-    run_cli(args)
-    proc = run_cli(args, check=False)
-    assert proc.returncode == 2 and "already holds a run" in proc.stderr
-    run_cli([*args, "--run.overwrite=true"])  # explicit consent starts over
-    assert [r["step"] for r in metrics(tmp_path)] == [1, 2]
-
-
 def test_wandb_offline_run_is_written(tmp_path: Path, data_cache: str):
     """metrics.wandb logs the same scalars to an offline W&B run inside run.dir (no network)."""
     require("wandb")  # a dev dependency

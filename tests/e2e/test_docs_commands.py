@@ -1,0 +1,182 @@
+"""Every command line shown in README.md and docs/*.md runs as written.
+
+The commands are read out of the fenced code blocks. Each has an entry in :data:`HOW` saying how it
+is checked; a command added to the docs without one fails the first test below, and so does an entry
+whose command left the docs.
+
+A command runs in a scratch directory (``configs/``, ``examples/`` and ``bench/`` linked in), with
+the repository's environment first on PATH, exactly as typed plus a few appended overrides that
+keep it short -- later overrides win, so ``--training.steps 500`` becomes 2 -- and point its outputs
+and the token cache into the scratch directory. The cheap ones run in ``make test``, the long ones
+(layout matrices, calibration, benchmarks) in ``make test-all``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, need
+
+pytestmark = pytest.mark.e2e
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+_COMMAND = re.compile(r"(shardwise|torchrun|make|sbatch|python|srun|pip)\s")
+TRAIN = "--training.steps 2"  # appended to training commands (the last value of a key wins)
+VERIFY = "--steps 2"
+
+
+def documented_commands() -> dict[str, str]:
+    """Each command line in a fenced block of the docs (continuations joined, trailing comment
+    dropped) -> the first file that shows it."""
+    found: dict[str, str] = {}
+    for doc in DOCS:
+        for block in re.findall(r"```[^\n]*\n(.*?)```", doc.read_text(), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = re.sub(r"\s+#.*$", "", line.strip())
+                if _COMMAND.match(line + " ") and not line.startswith("shardwise: "):
+                    found.setdefault(" ".join(line.split()), doc.name)
+    return found
+
+
+@dataclass(frozen=True)
+class Check:
+    """How a documented command is checked: ``run`` it (with ``extra`` appended, after ``setup``
+    commands in the same scratch directory), in ``make test`` or only in ``make test-all``
+    (``slow``); or not run here, for the stated ``reason`` (another test runs the same command, or
+    it needs what this machine has not got)."""
+
+    extra: str = ""
+    setup: tuple[str, ...] = ()
+    slow: bool = False
+    reason: str = ""
+    needs: str = ""
+
+    @property
+    def runs(self) -> bool:
+        return not self.reason
+
+
+def train(run_dir: str = "") -> Check:
+    return Check(f"{TRAIN}" + (f" --run.dir {run_dir}" if run_dir else ""))
+
+
+_TINY_VERIFY = Check(VERIFY, slow=True)  # layout matrices of 5-8 layouts each: make test-all
+_DEBUG_RUN = "shardwise train --config configs/debug.toml --training.steps 2 --eval.interval 0"
+_SMOKE = ("shardwise train --config configs/debug.toml --training.steps 2 --run.dir runs/smoke "
+          "--eval.interval 0")
+
+HOW: dict[str, Check] = {
+    "make run": Check(reason="the main job: tests/e2e/test_cli.py::test_main_job_short_schedule runs its "
+                             "config (configs/debug.toml, run.overwrite) on a 30-step schedule"),
+    "make test": Check(reason="this test suite itself (CI runs it through .ci/run)"),
+    "shardwise train --config configs/debug.toml --training.steps 5 --run.dir runs/smoke": Check(
+        reason="tests/e2e/test_first_commands.py::test_a_five_step_smoke_run runs it as typed"),
+    "shardwise train --config configs/debug.toml --nproc 4 --parallel.dp_shard 4 "
+    "--run.dir runs/fsdp4": train(),
+    "shardwise train --config configs/debug.toml --nproc 4 --parallel.dp_replicate 2 "
+    "--run.dir runs/hsdp": train(),
+    "shardwise train --config configs/debug.toml --nproc 4 --parallel.tp 2 --run.dir runs/tp2": train(),
+    "shardwise train --config configs/debug.toml --nproc 2 --parallel.pp 2 --run.dir runs/pp2": Check(
+        reason="tests/e2e/test_first_commands.py::test_pipeline_on_two_ranks_picks_its_micro_batch runs it "
+               "(3 steps)"),
+    "shardwise verify --config configs/debug.toml --layouts dp_shard=4 tp=2,dp_shard=2": Check(VERIFY),
+    "torchrun --standalone --nproc-per-node 4 -m shardwise train --config configs/debug.toml "
+    "--run.dir runs/torchrun": train(),
+    "shardwise train --config configs/debug.toml --activation_checkpoint.mode selective "
+    "--compile.enabled true --float8.enabled true --optimizer.state_dtype bf16 --training.loss_chunk 1024 "
+    "--run.dir runs/lean": train(),
+    "sbatch examples/slurm.sbatch configs/debug.toml": Check(
+        reason="needs a Slurm cluster; its srun/torchrun line is the torchrun entry point tested above"),
+    "shardwise train --config configs/debug.toml --training.steps 500 --training.mixed_precision fp32 "
+    "--optimizer.lr 1e-3 --lr_scheduler.decay wsd --run.dir runs/mine": train(),
+    "shardwise train --config configs/debug.toml --print-config": Check(),
+    "shardwise train --help-config": Check(),
+    "shardwise estimate --config configs/debug.toml --world 4 --parallel.tp 2 --hardware h100": Check(),
+    "shardwise plan --model 70b --gpus 256 --hardware h100 --seq 8192 --global-batch-tokens 4M": Check(),
+    "shardwise calibrate": Check(slow=True),  # about two minutes of measurements
+    # docs/checkpointing.md, run as one sequence: export the run `make run` leaves (its step-100 stood in
+    # for by a 2-step run's checkpoint), import it back, train from it.
+    "shardwise convert --to-hf runs/debug/checkpoints/step-100 --out hf/ --dtype bf16": Check(
+        reason="runs as the first step of the sequence below"),
+    "shardwise convert --from-hf hf/ --out init/step-0 --config configs/debug.toml": Check(
+        reason="runs as the second step of the sequence below"),
+    "shardwise train --config configs/debug.toml --checkpoint.path init/step-0 "
+    "--run.dir runs/from-hf": Check(TRAIN, setup=(
+        _DEBUG_RUN, "mv runs/debug/checkpoints/step-2 runs/debug/checkpoints/step-100",
+        "shardwise convert --to-hf runs/debug/checkpoints/step-100 --out hf/ --dtype bf16",
+        "shardwise convert --from-hf hf/ --out init/step-0 --config configs/debug.toml")),
+    # docs/observability.md
+    "shardwise report runs/debug": Check(setup=(_DEBUG_RUN,)),
+    "shardwise report runs/smoke runs/fsdp4 --out runs/compare --screenshot": Check(
+        needs="chromium", setup=(_SMOKE, "shardwise train --config configs/debug.toml --training.steps 2 "
+                                         "--eval.interval 0 --nproc 4 --parallel.dp_shard 4 "
+                                         "--run.dir runs/fsdp4")),
+    # docs/parallelism.md: the layout matrices behind its tables
+    "shardwise verify --config configs/debug.toml --layouts dp_shard=4 tp=2,dp_shard=2 "
+    "--steps 20": _TINY_VERIFY,
+    # docs/planning.md: benchmarks (their output is BENCHMARKS.md's)
+    "python bench/plan_accuracy.py --calibrate": Check(
+        reason="a 14-minute benchmark; BENCHMARKS.md has its output"),
+    "python bench/published.py --plan": Check(slow=True),
+}
+
+
+def _add_parallelism_matrices() -> None:
+    """docs/parallelism.md's verify matrices (long lines, so listed from its text)."""
+    for command, doc in documented_commands().items():
+        if doc == "parallelism.md" and command.startswith("shardwise verify") and command not in HOW:
+            HOW[command] = _TINY_VERIFY
+
+
+_add_parallelism_matrices()
+
+
+def test_every_documented_command_is_checked():
+    documented = documented_commands()
+    missing = sorted(set(documented) - set(HOW))
+    stale = sorted(set(HOW) - set(documented))
+    assert not missing, f"documented commands without a check in HOW: {missing}"
+    assert not stale, f"checks for commands no document shows any more: {stale}"
+
+
+def _params(slow: bool) -> list:
+    return [pytest.param(c, id=c[:80], marks=[pytest.mark.slow] if slow else [])
+            for c, how in HOW.items() if how.runs and how.slow == slow]
+
+
+def _run(command: str, cwd: Path, data_cache: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    env.pop("WORLD_SIZE", None)
+    if command.startswith(("shardwise train", "shardwise verify", "shardwise calibrate", "torchrun")):
+        command += f" --data.cache_dir {data_cache}"
+    proc = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=1200)
+    assert proc.returncode == 0, (f"exit {proc.returncode}: {command}\n{proc.stdout[-3000:]}\n"
+                                  f"{proc.stderr[-3000:]}")
+    return proc
+
+
+def _scratch(tmp_path: Path) -> Path:
+    for name in ("configs", "examples", "bench"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    return tmp_path
+
+
+@pytest.mark.parametrize("command", _params(slow=False) + _params(slow=True))
+def test_documented_command_runs(command: str, tmp_path: Path, data_cache: str):
+    how = HOW[command]
+    if how.needs:
+        need(how.needs, shutil.which(how.needs) is not None)
+    cwd = _scratch(tmp_path)
+    for step in how.setup:
+        _run(step, cwd, data_cache)
+    _run(f"{command} {how.extra}".strip(), cwd, data_cache)
