@@ -21,7 +21,7 @@ test: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q --durations=15
 
-# Everything, including the extended layout matrix (about 10 more minutes on 2 cores).
+# Everything, including the extended layout matrix and the long documented commands (test_docs_commands.py).
 test-all: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q -m ""

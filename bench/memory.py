@@ -21,6 +21,7 @@ seconds per step. The loss suite times each row in its own process.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -33,22 +34,17 @@ VOCABS = (32000, 128256)
 def build(row: dict, a: argparse.Namespace) -> tuple:
     """(step function, model, optimizer) for one configuration: ``row`` has vocab, dim, layers,
     chunk, state_dtype, ac, compile."""
-    import dataclasses
-
     import torch
 
     from shardwise.config import ActivationCheckpointConfig, CompileConfig, OptimizerConfig
-    from shardwise.models import PRESETS, build_model, init_weights
+    from shardwise.models import build_model, init_weights
     from shardwise.optim.adamw import build_optimizer
     from shardwise.parallel.ac import apply_ac
     from shardwise.parallel.compile import apply_compile
 
     device = torch.device(a.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
-    args = dataclasses.replace(PRESETS["debug"], vocab_size=row["vocab"], dim=row["dim"],
-                               n_layers=row["layers"], n_heads=row["dim"] // 64,
-                               n_kv_heads=row["dim"] // 64, max_seq_len=a.seq)
-    model = build_model(args, device=device)
+    model = build_model(shape(row, a.seq), device=device)
     if dtype != torch.float32:
         model.to(dtype)
     init_weights(model, 0)  # (after the cast: it rebuilds the complex RoPE table)
@@ -138,6 +134,15 @@ def rows(suite: str, a: argparse.Namespace) -> list[tuple[str, dict]]:
     return [(f"compile.enabled={c}", {**body, "compile": c}) for c in (False, True)]
 
 
+def shape(row: dict, seq: int):  # noqa: ANN201 -- ModelArgs
+    """The suite's model: the debug preset at the row's width, depth and vocabulary."""
+    from shardwise.models import PRESETS
+
+    return dataclasses.replace(PRESETS["debug"], vocab_size=row["vocab"], dim=row["dim"],
+                               n_layers=row["layers"], n_heads=row["dim"] // 64,
+                               n_kv_heads=row["dim"] // 64, max_seq_len=seq)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--suite", default="all", choices=["all", "loss", "optimizer", "ac", "compile"])
@@ -166,7 +171,10 @@ def main() -> None:
     for suite in suites:
         table = rows(suite, a)
         r0 = table[0][1]
-        print(f"### {suite}: body dim {r0['dim']} x {r0['layers']} blocks, vocab {r0['vocab']:,}\n")
+        from shardwise.observe.flops import num_params
+
+        print(f"### {suite}: body dim {r0['dim']} x {r0['layers']} blocks, vocab {r0['vocab']:,}, "
+              f"{num_params(shape(r0, a.seq)) / 1e6:.1f}M parameters\n")
         print("| configuration | peak RSS (GiB) | tensor peak (GiB) | step time (s) | CPU time (s) | "
               "optimizer bytes/param |")
         print("|---|---|---|---|---|---|")

@@ -12,7 +12,7 @@ Measured, per run (the trainer's own instruments):
 Predicted: ``shardwise.plan.estimate`` on ``--hardware`` (``local`` after ``shardwise calibrate``),
 with states from the real model on the fake process group.
 
-    python bench/plan_accuracy.py --calibrate           # calibrate, then the default layouts (~35 min)
+    python bench/plan_accuracy.py --calibrate           # calibrate, then the default layouts
     python bench/plan_accuracy.py --layouts debug:tp=2 125m:dp_shard=2 --steps 8
 """
 

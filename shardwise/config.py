@@ -29,7 +29,8 @@ class RunConfig:
     dir: str = "runs/default"
     """Run directory: resolved config.toml, metrics.jsonl, tb/, loss.png and checkpoints/ go here."""
     overwrite: bool = False
-    """Start fresh even if run.dir already holds checkpoints from an earlier run (they are deleted)."""
+    """Start over in a run.dir holding an earlier run: delete what training writes there (rundir.py
+    RUN_OUTPUTS: checkpoints/, metrics.jsonl, tb/, ...) but the checkpoint.path checkpoint."""
     device: str = "auto"
     """Device type: auto (cuda when available, else cpu), cpu or cuda."""
 
@@ -79,8 +80,7 @@ class ModelConfig:
     moe_route_scale: float | None = None
     """Multiplier on the routing weights."""
     moe_balance: str | None = None
-    """Load balancing: aux_loss (sequence-wise balance loss), bias (auxiliary-loss-free routing
-    bias), or none."""
+    """Load balancing: aux_loss (sequence-wise), bias (auxiliary-loss-free routing bias), or none."""
     moe_aux_coef: float | None = None
     """Weight of the balance loss (moe_balance=aux_loss)."""
     moe_bias_rate: float | None = None
@@ -120,18 +120,16 @@ class TrainingConfig:
     micro_batch: int = 0
     """Sequences per rank per forward/backward; 0 = global_batch / dp (no accumulation)."""
     mixed_precision: str = "bf16"
-    """Compute dtype for parameters in forward/backward: bf16, fp32 (master weights stay fp32), or
-    auto = bf16 on GPUs and on CPUs with native bf16 (AMX / AVX512-BF16 / Arm BF16), else fp32 (an
-    AVX2 CPU runs bf16 GEMMs 30-100x slower than fp32). Resolved when the config is loaded, so the
-    saved config.toml names the dtype the run used."""
+    """Compute dtype in forward/backward (master weights stay fp32): bf16, fp32, or auto = bf16 on
+    GPUs and CPUs with native bf16 (AMX, AVX512-BF16, Arm BF16), else fp32; resolved at load."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping; the norm is still reported)."""
     loss_chunk: int = 0
-    """Fused output projection + cross-entropy over chunks of this many tokens, so the (tokens,
-    vocab) logits never exist; 0 = plain logits then cross-entropy."""
+    """Fused output projection + cross-entropy over chunks of this many tokens (the full logits never
+    exist); 0 = plain logits then cross-entropy."""
     nonfinite: str = "stop"
-    """NaN/inf gradient norm: stop (exit 2 before the update; the last checkpoint stays the last good
-    state) or skip (drop that update; metrics count skipped_steps)."""
+    """NaN/inf gradient norm: stop (exit 2 before the update, the last checkpoint stays the last good
+    state) or skip (drop the update; metrics count skipped_steps)."""
 
 
 @dataclass
@@ -149,8 +147,7 @@ class OptimizerConfig:
     implementation: str = "auto"
     """AdamW kernel: auto (fused where supported), fused, foreach or for-loop (fp32 states only)."""
     state_dtype: str = "fp32"
-    """AdamW moment (exp_avg, exp_avg_sq) storage: fp32, or bf16 (half the bytes; every update is
-    still computed in fp32: upcast, update, round back)."""
+    """AdamW moment storage: fp32, or bf16 (half the bytes; updates still computed in fp32)."""
 
 
 @dataclass
@@ -180,23 +177,20 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel degree (MoE models; borrows ranks from dp_shard*cp)."""
     pp_schedule: str = "1f1b"
-    """Pipeline schedule: gpipe, 1f1b, interleaved1f1b, zbv or dualpipev (the micro-batches are the
-    accumulation micro-batches)."""
+    """Pipeline schedule: gpipe, 1f1b, interleaved1f1b, zbv or dualpipev (over the micro-batches)."""
     pp_stages_per_rank: int = 2
     """interleaved1f1b: stages per rank (zbv and dualpipev always use 2, gpipe and 1f1b 1)."""
     loss_parallel: bool = True
     """With tp > 1: keep logits vocab-sharded and compute the cross-entropy without gathering them."""
     cp_load_balance: bool = True
-    """With cp > 1: give each rank a head and a tail chunk of the sequence so causal attention work
-    is even across ranks."""
+    """With cp > 1: each rank gets a head and a tail chunk, so causal attention work is even."""
     cp_rotate_method: str = "allgather"
     """With cp > 1: how key/value shards travel around the ring: allgather or alltoall."""
     backend: str = "auto"
     """Process-group backend: auto (nccl on cuda with gloo for cpu tensors, gloo on cpu), gloo, nccl."""
     backend_override: dict[str, str] = field(default_factory=dict)
-    """Per mesh dim backend[:option=value...], e.g. {dp_replicate = "gloo:timeout_s=600:threads=4"};
-    CLI: dp_replicate=gloo,tp=nccl:high_priority=true. Options: gloo timeout_s, threads; nccl
-    timeout_s, high_priority."""
+    """Per mesh dim backend[:option=value...], e.g. dp_replicate=gloo:timeout_s=600:threads=4,tp=nccl
+    (gloo: timeout_s, threads; nccl: timeout_s, high_priority)."""
     reshard_after_forward: str = "default"
     """FSDP: free gathered parameters after forward: default (all but the root), always, never."""
     fsdp_reduce_dtype: str = "fp32"
@@ -224,11 +218,9 @@ class Float8Config:
     """Linear GEMMs in float8 with per-tensor current scaling (torchao): E4M3 weights and
     activations, E5M2 output gradients. The output head stays in high precision."""
     min_dim: int = 64
-    """Leave linears whose (local) in/out features are below this in high precision (dims must also
-    be multiples of 16)."""
+    """Linears with (local) in/out features below this (or not multiples of 16) stay high precision."""
     fsdp_all_gather: bool = False
-    """FSDP all-gathers weights already cast to float8 (scales precomputed in one all-reduce after
-    each optimizer step)."""
+    """FSDP all-gathers weights already cast to float8 (scales from one all-reduce per step)."""
 
 
 @dataclass
@@ -238,9 +230,10 @@ class CheckpointConfig:
     final: bool = True
     """Save at the end of training."""
     resume: bool = False
-    """Continue from the latest complete checkpoint in run.dir (starts fresh if there is none)."""
+    """Continue the run in run.dir from checkpoint.path, else its newest checkpoint that verifies
+    (none verifying: an error; none at all: step 1); metrics.jsonl is appended to."""
     path: str = ""
-    """Load this checkpoint directory instead of the latest one in run.dir."""
+    """Load this checkpoint (any layout; a weights-only one starts at step 0)."""
     save_initial: bool = False
     """Save the initialized state as step-0 before training (a seed checkpoint for other layouts)."""
     keep_latest_k: int = 0
@@ -302,14 +295,12 @@ class DebugConfig:
     deterministic: bool = False
     """Use deterministic kernels (torch.use_deterministic_algorithms) for bit-reproducible runs."""
     comm: bool = False
-    """Print (and write comm.json) every collective of step debug.trace_step: module, mesh dim, calls,
-    bytes."""
+    """Print (and write comm.json) every collective of step debug.trace_step, with its bytes."""
     memory: bool = False
     """Record the live-tensor peak of step debug.trace_step on every rank (torch's MemTracker: the
     bytes the allocator would hold, by category) into memory_peak.json."""
     trace_step: int = 1
-    """The step debug.comm and debug.memory record; 2 or later sees the steady state (optimizer
-    states allocated, pipeline shapes inferred)."""
+    """The step debug.comm and debug.memory record (2 or later: the steady state)."""
     nan_step: int = 0
     """Fault injection: make step N's loss NaN on every rank (tests training.nonfinite); 0 = off."""
     fail_step: int = 0
@@ -317,11 +308,9 @@ class DebugConfig:
     fail_rank: int = 0
     """The rank that debug.fail_step kills."""
     routing_record: bool = False
-    """MoE, one rank: write every layer's expert choices per token to run.dir/routing/ (shardwise
-    verify's reference run does, so layouts can replay them)."""
+    """MoE, one rank: write each layer's expert choices per token to run.dir/routing/ (verify)."""
     routing_replay: str = ""
-    """MoE: route every token to the experts the run in this run directory chose (its
-    debug.routing_record trace) and count where this run's own router differs; verify's layouts do."""
+    """MoE: route tokens as this run.dir's routing_record trace did, count own choices that differ."""
 
 
 @dataclass

@@ -17,6 +17,7 @@ asked for exactly that:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -24,9 +25,13 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from shardwise.config import ConfigError
+import torch.distributed as dist
+
+from shardwise.config import Config, ConfigError
+from shardwise.resilience import restart_count
 
 LOCK_NAME = ".shardwise.lock"
 # Under `shardwise train --nproc`, the launcher holds the lock and tells its ranks so here.
@@ -126,6 +131,16 @@ def describe(holder: dict) -> str:
     return f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, since {started}"
 
 
+def take(run_dir: Path) -> RunLock:
+    """Hold ``run_dir`` for this process (:class:`RunDirBusy` if a live run does); a stale holder
+    taken over is said."""
+    lock = RunLock(run_dir).acquire()
+    if lock.took_over:
+        print(f"notice: took over run.dir from a run that is no longer running "
+              f"({describe(lock.took_over)})", flush=True)
+    return lock
+
+
 def held_by_launcher(run_dir: Path) -> bool:
     """True in a rank whose launcher (``shardwise train --nproc``) holds this run directory."""
     return os.environ.get(LOCK_ENV) == str((Path(run_dir) / LOCK_NAME).absolute())
@@ -180,3 +195,25 @@ def clear_outputs(run_dir: Path, keep: Path | None = None) -> list[str]:
         shutil.rmtree(p) if p.is_dir() else p.unlink()
         removed.append(name)
     return removed
+
+
+@contextlib.contextmanager
+def hold(cfg: Config, rank: int) -> Iterator[Path]:
+    """Rank 0 holds run.dir for the run (unless its launcher does) and applies run.overwrite --
+    never to the checkpoint this run loads."""
+    run_dir, lock = Path(cfg.run.dir), None
+    try:
+        if rank == 0:
+            if not held_by_launcher(run_dir):
+                lock = take(run_dir)
+            if cfg.run.overwrite and restart_count() == 0:  # restarts resume what this run saved
+                keep = Path(cfg.checkpoint.path) if cfg.checkpoint.path else None
+                if removed := clear_outputs(run_dir, keep):
+                    kept = f"; kept {keep}, which this run loads" if keep and keep.exists() else ""
+                    print(f"run.overwrite: removed {', '.join(removed)} from {run_dir}{kept}", flush=True)
+            run_dir.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        yield run_dir
+    finally:
+        if lock is not None:
+            lock.release()

@@ -13,7 +13,7 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +79,6 @@ from shardwise.resilience import (
     exit_with_launcher,
     maybe_fail,
     nonfinite_message,
-    restart_count,
 )
 
 
@@ -95,7 +94,7 @@ def train(cfg: Config, dims: ParallelDims | None = None) -> None:
     ckpt_group, stop_group = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
     dims.build_mesh(env.device.type, cfg.parallel.backend_override)
     set_determinism(cfg.debug.deterministic, cfg.training.seed)
-    with hold_run_dir(cfg, env.rank) as run_dir:
+    with rundir.hold(cfg, env.rank) as run_dir:
         run(cfg, env, dims, run_dir, ckpt_group, stop_group)
 
 
@@ -402,31 +401,6 @@ def set_determinism(deterministic: bool, seed: int) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it to be deterministic
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
-
-
-@contextlib.contextmanager
-def hold_run_dir(cfg: Config, rank: int) -> Iterator[Path]:
-    """Rank 0 holds run.dir for the run (unless its launcher does) and applies run.overwrite --
-    never to the checkpoint this run loads."""
-    run_dir, lock = Path(cfg.run.dir), None
-    try:
-        if rank == 0:
-            if not rundir.held_by_launcher(run_dir):
-                lock = rundir.RunLock(run_dir).acquire()
-                if lock.took_over:
-                    print(f"notice: took over run.dir from a run that is no longer running "
-                          f"({rundir.describe(lock.took_over)})", flush=True)
-            if cfg.run.overwrite and restart_count() == 0:  # restarts resume what this run saved
-                keep = Path(cfg.checkpoint.path) if cfg.checkpoint.path else None
-                if removed := rundir.clear_outputs(run_dir, keep):
-                    kept = f"; kept {keep}, which this run loads" if keep and keep.exists() else ""
-                    print(f"run.overwrite: removed {', '.join(removed)} from {run_dir}{kept}", flush=True)
-            run_dir.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
-        yield run_dir
-    finally:
-        if lock is not None:
-            lock.release()
 
 
 def build_data(cfg: Config, dims: ParallelDims, device: torch.device,

@@ -58,7 +58,7 @@ def gemm_tflops(dtype: torch.dtype, k: int, n: int, seconds: float = 0.2) -> flo
     """A linear layer's forward and backward (``F.linear`` as the model calls it: the output, the
     input gradient and the weight gradient) with ``k`` inputs and ``n`` outputs, 6 * T * k * n
     FLOPs. The token count T is sized from a first small call so that one call takes about 0.1 s
-    (CPUs without native bf16 run bf16 GEMMs 30-100x slower than fp32)."""
+    (CPUs without native bf16 run bf16 GEMMs tens of times slower than fp32)."""
     w = torch.randn(n, k).to(dtype).requires_grad_()
 
     def rate(tokens: int, secs: float) -> float:

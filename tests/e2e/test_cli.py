@@ -120,6 +120,18 @@ def test_bad_input_exits_2_with_one_line(args: list[str], fragment: str, tmp_pat
     assert not dist.is_initialized()
 
 
+def test_missing_wandb_is_one_line_before_any_work(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wandb" else real(name, *a))
+    code = main(["train", *TINY_ARGS, f"--run.dir={tmp_path / 'r'}", "--metrics.wandb=true"])
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and "metrics.wandb=true needs the wandb package" in lines[0]
+    assert not (tmp_path / "r").exists()
+
+
 def test_bad_input_subprocess_exit_code(tmp_path: Path):
     proc = run_cli(["train", *TINY_ARGS, f"--run.dir={tmp_path / 'r'}", "--nproc=3",
                     "--parallel.dp_shard=2"], check=False)

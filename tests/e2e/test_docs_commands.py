@@ -124,7 +124,7 @@ HOW: dict[str, Check] = {
     "--steps 20": _TINY_VERIFY,
     # docs/planning.md: benchmarks (their output is BENCHMARKS.md's)
     "python bench/plan_accuracy.py --calibrate": Check(
-        reason="a 14-minute benchmark; BENCHMARKS.md has its output"),
+        reason="a long benchmark (calibration, then 14 layouts run for real); BENCHMARKS.md has its output"),
     "python bench/published.py --plan": Check(slow=True),
 }
 

@@ -21,6 +21,25 @@ def test_flops_per_token_palm_convention():
     assert flops_per_token(a, 2048) == 6 * n + 12 * a.n_layers * a.dim * 2048
 
 
+def test_llama3_8b_worked_example():
+    """docs/observability.md's worked example, figure by figure (Llama 3 8B at sequence 8192)."""
+    from shardwise.observe.flops import attention_pairs, executed_flops, matmul_params
+
+    a, s = PRESETS["8b"], 8192
+    assert num_params(a, include_embedding=False) == 7_504_924_672  # non-embedding N
+    assert flops_per_token(a, s) == 57_914_449_920
+    assert 12 * a.n_layers * a.n_heads * a.head_dim * s / 1e9 == pytest.approx(12.88, abs=5e-3)
+    assert matmul_params(a) == 7_504_658_432
+    plain = executed_flops(a, s, attention_pairs(s))
+    assert plain.matmul / s / 1e9 == pytest.approx(45.03, abs=5e-3)
+    assert plain.attention / s / 1e9 == pytest.approx(7.52, abs=5e-3)
+    assert plain.total / s / 1e9 == pytest.approx(52.55, abs=5e-3)
+    assert plain.total / s / flops_per_token(a, s) == pytest.approx(0.907, abs=5e-4)
+    full = executed_flops(a, s, attention_pairs(s), recompute="full")
+    assert (full.matmul - plain.matmul) / s / 1e9 == pytest.approx(10.20, abs=5e-3)
+    assert (full.attention - plain.attention) / s / 1e9 == pytest.approx(2.15, abs=5e-3)
+
+
 def test_tied_embedding_counts_once_as_the_output_matmul():
     a = PRESETS["1b"]
     assert num_params(a) == sum(p.numel() for p in build_model(a).parameters())

@@ -1,0 +1,190 @@
+"""Finding and checking checkpoints without a process group: the manifest, file sizes and
+checksums, the model a checkpoint was saved from, and what never gets loaded or deleted."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from shardwise.config import ConfigError
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_ASIDE = re.compile(r"\.(damaged|superseded)-\d{8}-\d{6}x*$")  # see set_aside()
+_CHUNK = 8 << 20
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be written or loaded; the message names the file and the fix,
+    ``reason`` says what is wrong in a few words (for a list of several checkpoints)."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message
+
+
+
+def exception_chain(e: BaseException) -> list[BaseException]:
+    """``e`` and everything inside it: causes, contexts, and DCP's per-rank failures."""
+    out, todo = [], [e]
+    while todo:
+        cur = todo.pop()
+        out.append(cur)
+        failures = getattr(cur, "failures", None)  # DCP's CheckpointException: rank -> (exception,
+        if isinstance(failures, dict):  # traceback), or the exception itself in older versions
+            for v in failures.values():
+                v = v[0] if isinstance(v, tuple) and v else v
+                if isinstance(v, BaseException):
+                    todo.append(v)
+        todo.extend(x for x in (cur.__cause__, cur.__context__) if x is not None)
+    return out
+
+
+def list_checkpoints(folder: Path, warn: bool = False) -> list[tuple[int, Path]]:
+    """Committed checkpoints under ``folder`` as (step, path), oldest first. With ``warn``, print
+    one line for each leftover of an interrupted save or deletion (they are never loaded)."""
+    if not folder.is_dir():
+        return []
+    found = []
+    for p in folder.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and (p / MANIFEST).is_file():
+            found.append((int(m.group(1)), p))
+        elif warn and p.is_dir():
+            why = ("kept aside, never loaded or deleted by shardwise: delete it when you no longer need it"
+                   if _ASIDE.search(p.name) else
+                   "not a complete checkpoint (an interrupted save or deletion; it is removed at the "
+                   "next save)")
+            print(f"warning: skipping '{p}': {why}", file=sys.stderr, flush=True)
+    return sorted(found)
+
+
+def set_aside(path: Path, why: str) -> Path:
+    """Rename checkpoint ``path`` to ``<name>.<why>-<time>``: out of the way of the run (never loaded,
+    never swept), and nothing deleted. Returns the new path."""
+    aside = path.with_name(f"{path.name}.{why}-{time.strftime('%Y%m%d-%H%M%S')}")
+    while aside.exists():
+        aside = aside.with_name(aside.name + "x")
+    path.rename(aside)
+    return aside
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The parsed manifest of checkpoint ``path``; a one-line error if it is missing or unreadable."""
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint '{path}' does not exist: point checkpoint.path at a "
+                              "step-<N> directory")
+    file = path / MANIFEST
+    if not file.is_file():
+        raise CheckpointError(f"checkpoint '{path}' is incomplete (no {MANIFEST}: its save never "
+                              "finished): point checkpoint.path at a complete step-<N> directory",
+                              f"is incomplete (no {MANIFEST})")
+    try:
+        manifest = json.loads(file.read_text())
+        if manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+            raise ValueError(f"format {manifest.get('format')!r}")
+    except (ValueError, AttributeError) as e:
+        raise CheckpointError(f"checkpoint '{path}' has an unreadable {MANIFEST} ({e}): it was "
+                              "damaged; load an earlier step-<N>", f"has an unreadable {MANIFEST}") from None
+    return manifest
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_files(path: Path, manifest: dict[str, Any], names: list[str] | None = None,
+                checksums: bool = True) -> str | None:
+    """The first problem with the files ``names`` (default all) of checkpoint ``path`` as a one-line
+    message, or None."""
+    why = file_problem(path, manifest, names, checksums)
+    return f"checkpoint '{path}' {why}: it was damaged; load an earlier step-<N>" if why else None
+
+
+def file_problem(path: Path, manifest: dict[str, Any], names: list[str] | None = None,
+                 checksums: bool = True) -> str | None:
+    """What is wrong with the files ``names`` (default all) of ``path``, in a few words, or None."""
+    files = manifest["files"]
+    for name in files if names is None else names:
+        want, f = files[name], path / name
+        if not f.is_file():
+            return f"is missing {name}"
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            return f"is truncated or altered: {name} has {size} bytes, the manifest says {want['bytes']}"
+        if checksums and sha256(f) != want["sha256"]:
+            return f"is corrupt: {name} does not match its SHA-256 in {MANIFEST}"
+    return None
+
+
+def problem(path: Path, checksums: bool = False) -> str:
+    """What keeps checkpoint ``path`` from loading, in a few words ('' if nothing; sizes only
+    unless ``checksums``)."""
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError as e:
+        return e.reason
+    return file_problem(path, manifest, checksums=checksums) or ""
+
+
+def looks_intact(path: Path) -> bool:
+    """Manifest readable and every file of its recorded size (no hashing)."""
+    try:
+        return check_files(path, read_manifest(path), checksums=False) is None
+    except CheckpointError:
+        return False
+
+
+def verify(path: Path, checksums: bool = True) -> dict[str, Any]:
+    """Check every file of ``path`` against its manifest in this process; return the manifest."""
+    manifest = read_manifest(path)
+    if problem := check_files(path, manifest, checksums=checksums):
+        raise CheckpointError(problem)
+    return manifest
+
+
+# Model-config fields that a checkpoint does not fix: the preset's label, the RoPE table's length
+# (positions below both lengths rotate alike) and training-only weights of the balance terms.
+# Every other field changes what the weights compute.
+TRAINING_ONLY_FIELDS = ("name", "max_seq_len", "moe_aux_coef", "moe_bias_rate")
+
+
+def check_same_function(path: Path, model_cfg: Any) -> None:
+    """One-line error naming the first model-config field whose value makes this model compute a
+    different function from the one checkpoint ``path`` was trained as (RoPE base and scaling,
+    norm epsilon, head size, MoE scoring and routing, ...), with both values. Shapes are checked
+    by :func:`check_compatible`; a manifest without a model config (an old one) is not checked."""
+    saved = read_manifest(path).get("model")
+    if not isinstance(saved, dict):
+        return
+    ours = dataclasses.asdict(model_cfg)
+    for name, value in ours.items():
+        if name in TRAINING_ONLY_FIELDS or name not in saved or saved[name] == value:
+            continue
+        if name == "moe_balance" and {saved[name], value} <= {"aux_loss", "none"}:
+            continue  # an auxiliary loss shapes training only; "bias" adds routing state
+        if isinstance(value, float) and isinstance(saved[name], (int, float)) and float(saved[name]) == value:
+            continue
+        raise CheckpointError(f"checkpoint '{path}' was trained with model.{name}={saved[name]!r}, this "
+                              f"run has model.{name}={value!r}: the weights would compute a different "
+                              f"function; pass --model.{name}={saved[name]} (or load another checkpoint)")
+
+
+def model_only(path: Path) -> bool:
+    """True for a weights-only checkpoint (e.g. ``shardwise convert --from-hf``): no optimizer."""
+    return is_weights_only(read_manifest(path))
+
+
+def is_weights_only(manifest: dict[str, Any]) -> bool:
+    return manifest.get("contents") == ["model"]

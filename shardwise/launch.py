@@ -1,0 +1,192 @@
+"""The local launcher behind ``shardwise train --nproc N``: torch's elastic agent (the code behind
+``torchrun``) on this machine only, with one line per failure.
+
+- **Loopback only.** The agent's rendezvous and the ranks' store listen on 127.0.0.1
+  (:func:`loopback_stores`), the ranks meet at 127.0.0.1 and gloo uses the loopback interface.
+- **One line per failure.** A launched rank records its one-line error (a ``ConfigError``) in a
+  folder the launcher gives it (:func:`rank_error`); ranks that fail only because a peer died first
+  stay quiet (:func:`peer_failed_first`); the launcher prints the first failing rank's line and
+  exits 2 (:func:`first_failure`). An unexpected exception keeps its traceback and exit 1.
+- **Stop signals.** SIGTERM/SIGINT are forwarded; the ranks finish their step and save; exit 0 when
+  the last logged step was checkpointed (:func:`stopped_cleanly`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from shardwise.config_checks import LAUNCHED_RANK_ENV
+
+
+def strip_launcher_flags(argv: list[str]) -> list[str]:
+    """The command line a rank runs: the same, minus the flags only the launcher acts on."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--nproc", "--max-restarts"):
+            skip = True
+            continue
+        if a.startswith(("--nproc=", "--max-restarts=")):
+            continue
+        out.append(a)
+    return out
+
+
+SHUTDOWN_TIMEOUT_S = 300
+
+
+def stopped_cleanly(run_dir: str) -> bool:
+    """After a forwarded stop signal: is the newest committed checkpoint at the last logged step?"""
+    import json
+    from pathlib import Path
+
+    from shardwise.checkpoint import list_checkpoints
+
+    found, log = list_checkpoints(Path(run_dir) / "checkpoints"), Path(run_dir) / "metrics.jsonl"
+    if not found or not log.is_file() or not (lines := log.read_text().splitlines()):
+        return False
+    return found[-1][0] == json.loads(lines[-1])["step"]
+
+
+# A rank launched by `shardwise train --nproc` writes its one-line error here instead of printing
+# it; the launcher reports the first failing rank's line once (and exits 2), not N copies of it
+# beside the secondary failures of the ranks that lost their peer.
+ERROR_DIR_ENV = LAUNCHED_RANK_ENV
+
+
+def rank_error(message: str, kind: str) -> bool:
+    """In a launched rank: record this rank's failure for the launcher. Returns whether it did."""
+    folder, rank = os.environ.get(ERROR_DIR_ENV), os.environ.get("RANK")
+    if not folder or rank is None:
+        return False
+    import json
+    import time
+
+    tmp = os.path.join(folder, f".rank{rank}.json")
+    with open(tmp, "w") as f:
+        json.dump({"rank": int(rank), "time": time.time(), "kind": kind, "message": message}, f)
+    os.replace(tmp, os.path.join(folder, f"rank{rank}.json"))
+    return True
+
+
+def peer_failed_first() -> bool:
+    """In a launched rank: has another rank already recorded a failure? (Then this rank's own error
+    is most likely the consequence: a collective whose peer is gone.)"""
+    folder, rank = os.environ.get(ERROR_DIR_ENV), os.environ.get("RANK")
+    return bool(folder and any(f != f"rank{rank}.json" and f.startswith("rank")
+                               for f in os.listdir(folder)))
+
+
+def first_failure(folder: str) -> dict | None:
+    import json
+
+    records = []
+    for name in os.listdir(folder):
+        if name.startswith("rank") and name.endswith(".json"):
+            with open(os.path.join(folder, name)) as f:
+                records.append(json.load(f))
+    return min(records, key=lambda r: (r["time"], r["rank"])) if records else None
+
+
+def local_threads(nproc: int) -> int:
+    """Threads per local rank: the cores this process may run on, shared out."""
+    from shardwise.parallel.dims import usable_cores
+
+    return max(1, usable_cores() // nproc)
+
+
+@contextlib.contextmanager
+def loopback_stores() -> Iterator[None]:
+    """Inside: every TCPStore server this process starts listens on 127.0.0.1 only.
+
+    torch's TCPStore server binds every interface (``*:port``) whatever host it is given, so the
+    elastic agent's rendezvous would accept connections from the network. The local launcher's
+    ranks are all on this machine: the store gets a listening socket bound to loopback
+    (``master_listen_fd``) instead."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
+
+    base = dist.TCPStore
+
+    class LoopbackStore(base):  # type: ignore[misc,valid-type]
+        def __init__(self, host_name: str, port: int, **kwargs: Any) -> None:
+            if kwargs.get("is_master") and kwargs.get("master_listen_fd") is None:
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(("127.0.0.1", port))
+                sock.listen(4096)
+                port = sock.getsockname()[1]
+                kwargs["master_listen_fd"] = sock.detach()  # the store owns the socket now
+            super().__init__(host_name, port, **kwargs)
+
+    dist.TCPStore = c10d_rendezvous_backend.TCPStore = LoopbackStore
+    try:
+        yield
+    finally:
+        dist.TCPStore = c10d_rendezvous_backend.TCPStore = base
+
+
+def launch(argv: list[str], nproc: int, max_restarts: int, run_dir: str) -> int:
+    """Run ``shardwise <argv>`` on ``nproc`` local ranks with torch's elastic launcher."""
+    import logging
+    import socket
+    import tempfile
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, parse_args, run
+
+    # One thread per core share; set before the ranks start (torchrun would force 1 and warn).
+    os.environ.setdefault("OMP_NUM_THREADS", str(local_threads(nproc)))
+    if max_restarts:
+        # Restarted ranks sharing the launcher's rendezvous store read the dead attempt's gloo
+        # addresses and cannot connect (pytorch/pytorch#135712); a store per attempt avoids it.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # On SIGTERM/SIGINT the agent forwards the signal and waits this long for the ranks to finish
+    # their step and save before it kills them.
+    grace = ([f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}"]
+             if any("--shutdown-timeout" in a.option_strings for a in get_args_parser()._actions) else [])
+    # Everything on loopback: the rendezvous (see loopback_stores), the address the ranks meet at,
+    # and gloo's own connections between them. Only this machine's ranks can join.
+    if "lo" in {name for _, name in socket.if_nameindex()}:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    largs = parse_args(["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", f"--rdzv-id={uuid.uuid4()}",
+                        "--local-addr=127.0.0.1", "--nnodes=1", f"--nproc-per-node={nproc}",
+                        f"--max-restarts={max_restarts}", *grace, "--module", "shardwise", *argv])
+    # The agent logs each failure with its own traceback; this launcher reports them in one line.
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed")]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    with tempfile.TemporaryDirectory(prefix="shardwise-errors-") as errors:
+        os.environ[ERROR_DIR_ENV] = errors
+        try:
+            with loopback_stores():
+                run(largs)
+        except SignalException as e:
+            if stopped_cleanly(run_dir):
+                print(f"shardwise: stopped by {e.sigval.name} with a checkpoint of the last step",
+                      file=sys.stderr)
+                return 0
+            print(f"shardwise: stopped by {e.sigval.name} before the ranks could save (see above)",
+                  file=sys.stderr)
+            return 1
+        except ChildFailedError as e:
+            first = first_failure(errors)
+            if first is not None and first["kind"] == "config":
+                print(f"shardwise: error: {first['message']}", file=sys.stderr)
+                return 2
+            rank = first["rank"] if first is not None else min(e.failures)
+            print(f"shardwise: error: {len(e.failures)} of {nproc} ranks failed (first: rank {rank}); "
+                  "see its traceback above", file=sys.stderr)
+            return 1
+        finally:
+            os.environ.pop(ERROR_DIR_ENV, None)
+    return 0
