@@ -46,8 +46,6 @@ def check_layout(cfg: Config, world_size: int) -> ParallelDims:
     if cfg.training.loss_chunk and dims.pp > 1:
         raise ConfigError("training.loss_chunk with parallel.pp > 1 is not available (the pipeline "
                           "schedule computes the loss on the last stage's logits): set training.loss_chunk=0")
-    if cfg.float8.enabled:
-        notice(float8_summary(build_model(model_args(cfg.model)), cfg.float8, dims.tp))
     if dims.cp > 1 and cfg.data.document_mask:
         raise ConfigError("data.document_mask with parallel.cp > 1 is not available (the ring "
                           "attention is causal-only): set data.document_mask=false or cp=1")
@@ -58,6 +56,8 @@ def preflight(cfg: Config, world_size: int) -> ParallelDims:
     """Every check that needs no process group: layout, batch split, data, tokenizer, run dir."""
     dims = check_layout(cfg, world_size)
     args = model_args(cfg.model)
+    if cfg.float8.enabled:  # (here, not in check_layout: the planner checks thousands of layouts)
+        notice(float8_summary(build_model(args), cfg.float8, dims.tp))
     data_files(cfg.data.path)
     if cfg.metrics.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("metrics.wandb=true needs the wandb package: pip install wandb (or "

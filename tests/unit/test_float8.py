@@ -107,18 +107,19 @@ def test_precomputed_scales_are_16_byte_aligned(one_rank_group: None):
     assert torch.isfinite(loss)
 
 
-def test_the_log_says_what_float8_converts_and_converting_nothing_is_an_error(capsys):
+def test_the_log_says_what_float8_converts_and_converting_nothing_is_an_error(capsys, tmp_path):
     from shardwise.config import ConfigError, load_config
-    from shardwise.preflight import check_layout
+    from shardwise.preflight import preflight as check_layout  # (the trainer's checks, no process group)
 
-    cfg = load_config(ROOT / "configs" / "moe-debug.toml", ["--float8.enabled=true"])
+    cfg = load_config(ROOT / "configs" / "moe-debug.toml",
+                      ["--float8.enabled=true", f"--run.dir={tmp_path}"])
     check_layout(cfg, 1)
     line = capsys.readouterr().out.strip()
     assert line.startswith("notice: float8: 42 linears in 12 groups run in float8 "
                            "(layers.<i>.attention x6")
     assert "layers.<i>.feed_forward.router x5: the MoE router" in line
     assert "output x1: the output head" in line
-    tiny = ["--float8.enabled=true", "--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=2",
+    tiny = ["--float8.enabled=true", f"--run.dir={tmp_path}", "--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=2",
             "--model.multiple_of=16", "--model.n_layers=2"]
     check_layout(load_config(ROOT / "configs" / "debug.toml", tiny), 1)
     assert "layers.<i>.attention x2: wk has 32 output features" in capsys.readouterr().out
