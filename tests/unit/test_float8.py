@@ -119,8 +119,8 @@ def test_the_log_says_what_float8_converts_and_converting_nothing_is_an_error(ca
                            "(layers.<i>.attention x6")
     assert "layers.<i>.feed_forward.router x5: the MoE router" in line
     assert "output x1: the output head" in line
-    tiny = ["--float8.enabled=true", f"--run.dir={tmp_path}", "--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=2",
-            "--model.multiple_of=16", "--model.n_layers=2"]
+    tiny = ["--float8.enabled=true", f"--run.dir={tmp_path}", "--model.dim=64", "--model.n_heads=4",
+            "--model.n_kv_heads=2", "--model.multiple_of=16", "--model.n_layers=2"]
     check_layout(load_config(ROOT / "configs" / "debug.toml", tiny), 1)
     assert "layers.<i>.attention x2: wk has 32 output features" in capsys.readouterr().out
     with pytest.raises(ConfigError, match=r"float8.enabled=true converts no linear \(layers.0.attention: wk "
