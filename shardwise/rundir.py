@@ -24,12 +24,14 @@ import json
 import os
 import shutil
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch.distributed as dist
 
+from shardwise.checkpoint import list_checkpoints
 from shardwise.config import Config, ConfigError
 from shardwise.resilience import restart_count
 
@@ -64,6 +66,10 @@ class RunLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
                 os.close(fd)
+                if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):  # e.g. some NFS mounts
+                    print(f"warning: run.dir '{self.path.parent}' is on a filesystem without file locks: "
+                          "a second run there cannot be detected", file=sys.stderr, flush=True)
+                    return self
                 if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
                     raise
                 raise _busy(self.path) from None
@@ -105,8 +111,9 @@ def probe(run_dir: Path) -> None:
         return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        raise _busy(path) from None
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            raise _busy(path) from None
     finally:
         os.close(fd)
 
@@ -148,8 +155,6 @@ def held_by_launcher(run_dir: Path) -> bool:
 
 def prior_run(run_dir: Path) -> str:
     """What an earlier run left in ``run_dir`` that a fresh run would overwrite ('' = nothing)."""
-    from shardwise.checkpoint import list_checkpoints
-
     found = [f"step-{s}" for s, _ in list_checkpoints(run_dir / "checkpoints")]
     parts = []
     if found:
