@@ -250,6 +250,20 @@ def test_plan_returns_layouts_the_trainer_accepts():
     assert result.top[0].peak == result.ranked[0].peak  # exact states agree with the shape path
 
 
+def test_plan_with_float8_checks_layouts_without_building_the_model(monkeypatch: pytest.MonkeyPatch, capsys):
+    """The trainer's per-run float8 summary (which builds the model on meta) stays out of the layout
+    checks the planner runs on every candidate: a 405B search would otherwise take tens of minutes."""
+    import shardwise.preflight as preflight
+
+    calls = []
+    monkeypatch.setattr(preflight, "float8_summary", lambda *a: calls.append(a) or "")
+    cfg = plan_config(load_config(None, ["--model.name=8b", "--float8.enabled=true"]), 8192,
+                      parse_tokens("128K"))
+    result = plan(cfg, 8, load_hardware("h100"), top=1, schedules=("1f1b",))
+    assert result.ranked and result.considered > 50 and not calls
+    assert "float8" not in capsys.readouterr().out
+
+
 def test_parse_tokens():
     assert parse_tokens("4M") == 4 * 2**20 and parse_tokens("512k") == 2**19 and parse_tokens("1000") == 1000
     with pytest.raises(ConfigError, match="global-batch-tokens"):
