@@ -200,9 +200,20 @@ def _launch(run_dir: Path, cache: str, *extra: str) -> subprocess.Popen:
 
 
 def _ranks(run_dir: Path) -> list[int]:
-    """Live processes (other than launchers) whose command line names this run directory."""
-    out = subprocess.run(["pgrep", "-f", f"run.dir={run_dir}"], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
+    """Live processes (the launcher and its ranks) whose command line names this run directory,
+    read from /proc (no tool needed)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if f"--run.dir={run_dir}".encode() in cmdline and state != "Z":  # (zombies are gone)
+            found.append(int(proc.name))
+    return found
 
 
 def test_ranks_die_with_their_launcher_and_a_live_run_holds_its_directory(tmp_path: Path, data_cache: str):
