@@ -68,7 +68,7 @@ class RoutingTrace:
         self.pending: dict[MoE, collections.deque] = {}  # positions to hand to recomputes, in order
         self.record: dict[int, torch.Tensor] = {}
         self.reference: dict[int, torch.Tensor] = {}
-        self.stats = {"slots": 0, "tokens": 0, "differ": 0, "max_gap": 0.0, "steps": {}}
+        self.stats = {"tokens": 0, "differ": 0, "max_gap": 0.0, "steps": {}}
         for m in self.layers:
             m.routing = self
         if self.replay_dir is None:

@@ -20,6 +20,7 @@ import pytest
 from shardwise import checkpoint
 from shardwise.rundir import LOCK_NAME, RUN_OUTPUTS, clear_outputs
 from tests.conftest import ROOT, TINY_ARGS, metrics, run_cli
+from tests.e2e.test_cli import _bad_vocab_tokenizer, _flip_byte, _truncate
 
 pytestmark = pytest.mark.e2e
 
@@ -139,26 +140,14 @@ def test_resume_with_no_checkpoint_starts_fresh_and_says_so(tmp_path: Path, data
     assert [r["step"] for r in metrics(run_dir)] == [1, 2]
 
 
-def _tamper(ckpt: Path) -> None:
-    shard = next(ckpt.glob("*.distcp"))
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0x55  # same size: only the checksum sees it (at load time, in the ranks)
-    shard.write_bytes(bytes(data))
-
-
 @pytest.mark.parametrize("damage", ["truncate", "tamper"])
 def test_resume_when_no_checkpoint_verifies_stops_with_one_line(damage: str, finished: Path, tmp_path: Path,
                                                                 data_cache: str):
     """Truncated (seen by sizes, before any process group) or tampered (seen by checksums inside the
     ranks): exit 2 naming each damaged checkpoint and the ways on; nothing in run.dir changes."""
     run_dir = copy_of(finished, tmp_path)
-    for s in (2, 4):
-        ckpt = run_dir / "checkpoints" / f"step-{s}"
-        if damage == "tamper":
-            _tamper(ckpt)
-        else:
-            shard = next(ckpt.glob("*.distcp"))
-            shard.write_bytes(shard.read_bytes()[:-50])
+    for s in (2, 4):  # a flipped byte keeps the size: only the checksum (in the ranks) sees it
+        (_flip_byte if damage == "tamper" else _truncate)(run_dir / "checkpoints" / f"step-{s}")
     before = snapshot(run_dir)
     line = one_error_line(train(run_dir, data_cache, "--training.steps=6", "--checkpoint.resume=true",
                                 check=False))
@@ -171,7 +160,7 @@ def test_resume_skips_a_damaged_checkpoint_and_sets_it_aside(finished: Path, tmp
     """The newest checkpoint fails its checksum: the run resumes from the one before, and the damaged
     one is renamed (kept for inspection), not overwritten when the run saves that step again."""
     run_dir = copy_of(finished, tmp_path)
-    _tamper(run_dir / "checkpoints" / "step-4")
+    _flip_byte(run_dir / "checkpoints" / "step-4")
     damaged_bytes = snapshot(run_dir / "checkpoints" / "step-4")
     proc = train(run_dir, data_cache, "--training.steps=4", "--checkpoint.resume=true",
                  "--checkpoint.final=true")
@@ -249,13 +238,11 @@ def test_an_error_inside_two_ranks_is_one_line_and_exit_2(case: str, finished: P
     """Errors that only the ranks can see (reading the data, checksums split over the ranks) end the
     launcher with exit 2 and the first failing rank's line -- no launcher traceback."""
     if case == "token_beyond_vocab":
-        from tests.e2e.test_cli import _bad_vocab_tokenizer
-
         extra, fragment = [f"--data.tokenizer={_bad_vocab_tokenizer(tmp_path)}"], "token id 5000 is beyond"
         run_dir = tmp_path / "run"
     else:
         run_dir = copy_of(finished, tmp_path)
-        _tamper(run_dir / "checkpoints" / "step-4")
+        _flip_byte(run_dir / "checkpoints" / "step-4")
         extra = [f"--checkpoint.path={run_dir / 'checkpoints' / 'step-4'}", "--checkpoint.resume=true"]
         fragment = "does not match its SHA-256"
     line = one_error_line(train(run_dir, data_cache, "--nproc=2", "--training.steps=6", *extra, check=False))
