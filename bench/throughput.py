@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.config import Config
-from shardwise.data.dataset import IGNORE_INDEX, PackedLoader, load_corpus
+from shardwise.data.dataset import IGNORE_INDEX, PackedLoader, open_corpus
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.models import PRESETS, build_model, init_weights
 from shardwise.observe.flops import flops_per_token, num_params
@@ -48,8 +48,8 @@ def bench_preset(name: str, steps: int, warmup: int, peak: float) -> dict[str, f
     device = torch.device("cpu")
     dims = ParallelDims.from_config(cfg.parallel, 1)
     dims.build_mesh("cpu")
-    train, _ = load_corpus(cfg.data, load_tokenizer(""))
-    loader = PackedLoader(train, seq, batch, batch, 0, 1, seed=0, document_mask=False)
+    corpus = open_corpus(cfg.data, load_tokenizer(""))
+    loader = PackedLoader(corpus.train, seq, batch, batch, 0, 1, seed=0, document_mask=False)
     batches = [loader.next_step() for _ in range(warmup + steps)]
 
     ours = build_model(args)

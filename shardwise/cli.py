@@ -1,6 +1,6 @@
 """``shardwise`` command line: thin wrappers over the library.
 
-``shardwise train --nproc N`` validates the config for N ranks, tokenizes the data once, then starts
+``shardwise train --nproc N`` validates the config for N ranks, prepares the data once, then starts
 N ranks through torch's elastic launcher (``torch.distributed.run``, the code behind ``torchrun``,
 on loopback; shardwise/launch.py). Each rank re-enters this same command with WORLD_SIZE set, which
 is also exactly what happens under an external ``torchrun`` or a Slurm ``srun torchrun`` on many nodes.
@@ -95,10 +95,10 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
         if nproc == 1:
             train(cfg, dims)
             return 0
-        from shardwise.data.dataset import load_corpus
+        from shardwise.data.prepare import prepare
         from shardwise.data.tokenizer import load_tokenizer
 
-        load_corpus(cfg.data, load_tokenizer(cfg.data.tokenizer))  # tokenize once, ranks read cache
+        prepare(cfg.data, load_tokenizer(cfg.data.tokenizer))  # once, here; the ranks memory-map it
         from shardwise.launch import launch, strip_launcher_flags
 
         return launch(strip_launcher_flags(argv), nproc, args.max_restarts, cfg.run.dir)
@@ -198,6 +198,31 @@ def cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_config(args.config, overrides)
     out = convert.import_hf(Path(args.from_hf), Path(args.out), cfg.model)
     print(f"imported {args.from_hf} -> {out}: train from it with --checkpoint.path={out}")
+    return 0
+
+
+def _prepare_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("prepare", help="tokenize the data into memory-mapped shards", allow_abbrev=False,
+                       description="Stream data.path (or each of data.sources, and data.val_path), "
+                                   "tokenize it on every core and write the token shards training "
+                                   "memory-maps, into data.prepared_dir (or the cache). Run it on a CPU "
+                                   "node before a GPU job; an interrupted run resumes from the shards "
+                                   "it finished. Extra --section.key=value overrides apply.")
+    p.add_argument("--config", help="TOML preset, e.g. configs/debug.toml")
+
+
+def cmd_prepare(args: argparse.Namespace, overrides: list[str]) -> int:
+    import json
+
+    from shardwise.data.prepare import prepare
+    from shardwise.data.tokenizer import load_tokenizer
+
+    cfg = load_config(args.config, overrides)
+    for where in prepare(cfg.data, load_tokenizer(cfg.data.tokenizer)):
+        m = json.loads((where / "manifest.json").read_text())
+        bad = f", {m['bad_rows']:,} bad rows skipped" if m["bad_rows"] else ""
+        print(f"{where}: {m['shards']} shard(s), {m['docs']:,} documents and {m['tokens']:,} tokens to "
+              f"train on, {m['val_docs']:,} documents and {m['val_tokens']:,} tokens held out{bad}")
     return 0
 
 
@@ -331,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     _verify_parser(sub)
     _report_parser(sub)
     _convert_parser(sub)
+    _prepare_parser(sub)
     _estimate_parser(sub)
     _plan_parser(sub)
     _calibrate_parser(sub)
@@ -344,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_report(args, rest)
         if args.command == "convert":
             return cmd_convert(args, rest)
+        if args.command == "prepare":
+            return cmd_prepare(args, rest)
         if args.command == "estimate":
             return cmd_estimate(args, rest)
         if args.command == "plan":

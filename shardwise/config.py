@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,9 +18,9 @@ from typing import Any
 import tomli_w
 import tomllib
 
+from shardwise.config_types import ConfigError, coerce, type_name
 
-class ConfigError(ValueError):
-    """A bad configuration value; the message is one line naming the key and the fix."""
+__all__ = ["ConfigError", "coerce", "type_name"]  # re-exported: the package imports them from here
 
 
 @dataclass
@@ -104,7 +103,22 @@ class DataConfig:
     document_mask: bool = False
     """Mask attention across document boundaries inside a packed sequence."""
     cache_dir: str = "~/.cache/shardwise"
-    """Where tokenized corpora are cached (keyed by data files and tokenizer)."""
+    """Where prepared corpora go when data.prepared_dir is empty (and the measured CPU peak)."""
+    sources: list[dict[str, Any]] = field(default_factory=list)
+    """A mix of corpora instead of data.path: [[data.sources]] tables with path and weight (name and
+    text_field optional); on the command line 'path=a.jsonl,weight=0.7;path=b,weight=0.3'."""
+    val_path: str = ""
+    """Held-out text of its own (same kinds as data.path); empty = data.val_fraction of each source."""
+    prepared_dir: str = ""
+    """Prepared token shards (what `shardwise prepare` writes and training memory-maps); empty = a
+    folder under data.cache_dir named by the source files, the tokenizer and these settings."""
+    workers: int = 0
+    """Processes that tokenize during preparation; 0 = every usable core."""
+    shard_mb: float = 64.0
+    """Source text per prepared shard in MB: the unit of parallel work and of resumed preparation."""
+    skip_bad_rows: bool = False
+    """Skip (and count) rows that cannot be read -- bad JSON or UTF-8, a missing or non-string text
+    field -- instead of stopping at the first with its file and row."""
 
 
 @dataclass
@@ -358,73 +372,6 @@ def section_fields(section_cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
 
 
-def type_name(tp: Any) -> str:
-    """A readable name for a field type, as used in error messages and help."""
-    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-        return " or ".join(type_name(a) for a in typing.get_args(tp) if a is not type(None))
-    if typing.get_origin(tp) is dict:
-        return "table of strings"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
-    """Check ``value`` against the field type ``tp``; CLI values arrive as strings and are parsed."""
-    args = typing.get_args(tp)
-    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-        inner = [a for a in args if a is not type(None)]
-        if value is None or (from_cli and str(value).lower() in ("none", "null")):
-            return None
-        return _coerce(key, inner[0], value, from_cli)
-    bad = ConfigError(f"config key '{key}' expects {type_name(tp)}, got {value!r}")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if from_cli and str(value).lower() in ("true", "1", "yes", "on"):
-            return True
-        if from_cli and str(value).lower() in ("false", "0", "no", "off"):
-            return False
-        raise bad
-    if tp is int:
-        if isinstance(value, bool):
-            raise bad
-        if isinstance(value, int):
-            return value
-        if from_cli:
-            try:
-                return int(str(value).replace("_", ""))
-            except ValueError:
-                raise bad from None
-        raise bad
-    if tp is float:
-        if isinstance(value, bool):
-            raise bad
-        if isinstance(value, (int, float)):
-            return float(value)
-        if from_cli:
-            try:
-                return float(value)
-            except ValueError:
-                raise bad from None
-        raise bad
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise bad
-    if typing.get_origin(tp) is dict:
-        if from_cli and isinstance(value, str):
-            out: dict[str, str] = {}
-            for item in filter(None, value.split(",")):
-                k, sep, v = item.partition("=")
-                if not sep:
-                    raise ConfigError(f"config key '{key}' expects k=v[,k=v...], got {value!r}")
-                out[k.strip()] = v.strip()
-            return out
-        if isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
-            return dict(value)
-        raise bad
-    raise ConfigError(f"config key '{key}' has an unsupported type {tp}")
-
-
 def _unknown(key: str, known: list[str], where: str) -> ConfigError:
     near = difflib.get_close_matches(key, known, n=1)
     hint = f"; did you mean '{near[0]}'?" if near else f"; known: {', '.join(sorted(known))}"
@@ -441,7 +388,7 @@ def _apply(cfg: Config, key: str, value: Any, from_cli: bool, where: str) -> Non
     if name not in fields:
         raise _unknown(key, all_keys, where)
     try:
-        value = _coerce(key, fields[name], value, from_cli)
+        value = coerce(key, fields[name], value, from_cli)
     except ConfigError as e:
         raise ConfigError(f"{e}{where}") from None
     setattr(getattr(cfg, section), name, value)

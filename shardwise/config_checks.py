@@ -9,7 +9,7 @@ import dataclasses
 import os
 from typing import Any
 
-from shardwise.config import Config, ConfigError, ModelConfig, _coerce
+from shardwise.config import Config, ConfigError, ModelConfig, coerce
 
 _CHOICES = {
     "run.device": ("auto", "cpu", "cuda"),
@@ -35,11 +35,12 @@ _POSITIVE = ("training.steps", "training.seq_len", "training.global_batch", "met
              "eval.steps", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
              "model.vocab_size", "model.multiple_of", "model.max_seq_len", "profile.start",
              "profile.every", "profile.active", "activation_checkpoint.every", "float8.min_dim",
-             "debug.trace_step")
+             "debug.trace_step", "data.shard_mb")
 _NON_NEGATIVE = ("training.loss_chunk", "training.micro_batch", "training.max_grad_norm", "optimizer.lr",
                  "optimizer.weight_decay", "lr_scheduler.warmup_steps", "checkpoint.interval",
                  "eval.interval", "metrics.peak_tflops", "optimizer.eps",
-                 "checkpoint.keep_latest_k", "debug.nan_step", "debug.fail_step", "debug.fail_rank")
+                 "checkpoint.keep_latest_k", "debug.nan_step", "debug.fail_step", "debug.fail_rank",
+                 "data.workers")
 
 
 def _get(cfg: Config, key: str) -> Any:
@@ -106,7 +107,7 @@ def parse_backend_spec(dim: str, spec: str) -> tuple[str, dict[str, Any]]:
         if key not in BACKEND_OPTIONS[name]:
             raise ConfigError(f"parallel.backend_override {dim}: {name} has no option '{key}'; options: "
                               f"{', '.join(BACKEND_OPTIONS[name])}")
-        parsed[key] = _coerce(f"parallel.backend_override {dim} {key}", BACKEND_OPTIONS[name][key],
+        parsed[key] = coerce(f"parallel.backend_override {dim} {key}", BACKEND_OPTIONS[name][key],
                               value, from_cli=True)
     return name, parsed
 

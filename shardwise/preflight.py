@@ -10,7 +10,7 @@ from pathlib import Path
 from shardwise import checkpoint, rundir
 from shardwise.config import Config, ConfigError, TrainingConfig
 from shardwise.config_checks import notice
-from shardwise.data.dataset import data_files
+from shardwise.data.prepare import check_prepared
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.models import ModelArgs, build_model, model_args
 from shardwise.parallel.dims import ParallelDims, launched_world_size
@@ -58,7 +58,6 @@ def preflight(cfg: Config, world_size: int) -> ParallelDims:
     args = model_args(cfg.model)
     if cfg.float8.enabled:  # (here, not in check_layout: the planner checks thousands of layouts)
         notice(float8_summary(build_model(args), cfg.float8, dims.tp))
-    data_files(cfg.data.path)
     if cfg.metrics.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("metrics.wandb=true needs the wandb package: pip install wandb (or "
                           "shardwise[wandb]), or set metrics.wandb=false")
@@ -66,6 +65,7 @@ def preflight(cfg: Config, world_size: int) -> ParallelDims:
     if tok.vocab_size > args.vocab_size:
         raise ConfigError(f"the tokenizer has {tok.vocab_size} tokens but model.vocab_size="
                           f"{args.vocab_size}: raise model.vocab_size or use a smaller tokenizer")
+    check_prepared(cfg.data, tok)
     run_dir = Path(cfg.run.dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run.dir '{run_dir}' exists and is not a directory")

@@ -26,14 +26,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from shardwise import checkpoint, rundir
 from shardwise.config import Config, ParallelConfig
-from shardwise.data.dataset import (
-    IGNORE_INDEX,
-    Batch,
-    PackedLoader,
-    TokenStream,
-    check_vocab,
-    load_corpus,
-)
+from shardwise.data.dataset import IGNORE_INDEX, Batch, Corpus, PackedLoader, check_vocab, open_corpus
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.models import ModelArgs, build_model, init_weights, model_args
 from shardwise.models.moe import moe_layers, update_expert_bias
@@ -103,7 +96,7 @@ def run(cfg: Config, env: DistEnv, dims: ParallelDims, run_dir: Path, ckpt_group
     """Build the rank's model, data, optimizer and checkpointer, then train ``cfg.training.steps``."""
     args = model_args(cfg.model)
 
-    loader, val_stream = build_data(cfg, dims, env.device, args.vocab_size)
+    loader, corpus = build_data(cfg, dims, env.device, args.vocab_size)
     model = build_rank_model(cfg, dims, env.device)
     pipe = build_pipe(model, dims, cfg, env.device)
     for moe in moe_layers(model):  # the balance loss is a mean over the step's sequences
@@ -180,8 +173,9 @@ def run(cfg: Config, env: DistEnv, dims: ParallelDims, run_dir: Path, ckpt_group
                                         env.device))
                 if cfg.training.nonfinite == "skip":
                     metrics["skipped_steps"] = skipped
+                metrics.update(loader.mix_metrics())
                 if do_eval:
-                    metrics.update(evaluate(model, val_stream, cfg, dims, env.device, pipe, shard))
+                    metrics.update(evaluate(model, corpus, cfg, dims, env.device, pipe, shard))
                 logger.log(step, metrics)
             if do_save:
                 path = ckpt.save(step, model, optimizer, scheduler, loader, block=stopping)
@@ -300,17 +294,20 @@ def loss_context(logits: torch.Tensor) -> contextlib.AbstractContextManager:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, val: TokenStream, cfg: Config, dims: ParallelDims,
+def evaluate(model: nn.Module, corpus: Corpus, cfg: Config, dims: ParallelDims,
              device: torch.device, pipe: Pipe | None = None,
              shard: Callable[[list[Batch]], list[Batch]] = list) -> dict[str, float]:
-    """Mean token loss over the first ``eval.steps`` global batches of the held-out split."""
+    """Mean token loss over the first ``eval.steps`` global batches of the held-out split (each
+    source's held-out documents, mixed by the training weights)."""
     t = cfg.training
-    n_batches = min(cfg.eval.steps, val.num_windows(t.seq_len) // t.global_batch)
+    val = [(s, w) for s, w in zip(corpus.val, corpus.val_weights, strict=True) if s.num_windows(t.seq_len)]
+    n_batches = min(cfg.eval.steps, sum(s.num_windows(t.seq_len) for s, _ in val) // t.global_batch)
     if n_batches == 0:
         return {}
-    loader = PackedLoader(val, t.seq_len, t.global_batch, micro_batch_size(t, dims.dp),
+    loader = PackedLoader([s for s, _ in val], t.seq_len, t.global_batch, micro_batch_size(t, dims.dp),
                           dims.submesh("dp").get_local_rank(), dims.dp, seed=0,
-                          document_mask=cfg.data.document_mask, device=device, shuffle=False)
+                          document_mask=cfg.data.document_mask, device=device, shuffle=False,
+                          weights=[w for _, w in val])
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, valid tokens)
     for _ in range(n_batches):
         batches = shard(loader.next_step())
@@ -404,21 +401,22 @@ def set_determinism(deterministic: bool, seed: int) -> None:
 
 
 def build_data(cfg: Config, dims: ParallelDims, device: torch.device,
-               vocab_size: int) -> tuple[PackedLoader, TokenStream]:
-    """Tokenize (rank 0 writes the cache, the others wait) and build this rank's train loader."""
+               vocab_size: int) -> tuple[PackedLoader, Corpus]:
+    """Memory-map the prepared corpus (preparing what is not yet: under torchrun the first rank to
+    reach a source's folder does it, the others wait on its lock) and build this rank's loader."""
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    train, val = load_corpus(cfg.data, tokenizer, build=dist.get_rank() == 0, barrier=dist.barrier)
-    check_vocab(train, vocab_size)
+    corpus = open_corpus(cfg.data, tokenizer)
+    check_vocab(corpus.max_token, vocab_size)
     t = cfg.training
-    n_val = val.num_windows(t.seq_len)
+    n_val = sum(s.num_windows(t.seq_len) for s in corpus.val)
     if cfg.eval.interval and n_val < t.global_batch and dist.get_rank() == 0:
         print(f"warning: the validation split has {n_val} sequences of {t.seq_len} tokens, fewer than "
               f"one global batch ({t.global_batch}): no validation loss (raise data.val_fraction)",
               flush=True)
-    loader = PackedLoader(train, t.seq_len, t.global_batch, micro_batch_size(t, dims.dp),
+    loader = PackedLoader(corpus.train, t.seq_len, t.global_batch, micro_batch_size(t, dims.dp),
                           dims.submesh("dp").get_local_rank(), dims.dp, t.seed,
-                          cfg.data.document_mask, device)
-    return loader, val
+                          cfg.data.document_mask, device, weights=corpus.weights, names=corpus.names)
+    return loader, corpus
 
 
 def resume(cfg: Config, run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -11,6 +11,7 @@ from shardwise.config import ConfigError
 
 ASSETS = Path(__file__).parent / "assets"
 SHIPPED_TOKENIZER = ASSETS / "tokenizer.json"
+SHIPPED_CORPUS = ASSETS / "kjv.jsonl.gz"
 
 # Special tokens recognised as begin/end of document, in order of preference.
 _BOS = ("<|begin_of_text|>", "<|bos|>", "<s>", "[BOS]")

@@ -1,25 +1,24 @@
-"""Data: packing with document boundaries, layout-independent order, resumable state, user files."""
+"""Data loading: packing with document boundaries, layout-independent order, mixing, resumable
+state, the memory-mapped shard format. (Preparation from files: test_prepare.py.)"""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from shardwise.config import ConfigError, DataConfig
-from shardwise.data.dataset import (
-    IGNORE_INDEX,
-    PackedLoader,
-    TokenStream,
-    _stream,
-    check_vocab,
-    load_corpus,
-    read_documents,
-    tokenize_corpus,
-)
+from shardwise.config import ConfigError
+from shardwise.data.dataset import IGNORE_INDEX, PackedLoader, ShardStream, TokenStream, check_vocab
+from shardwise.data.indexed import HEADER, Shard, ShardError, ShardWriter, token_dtype
 from shardwise.data.tokenizer import ByteTokenizer, load_tokenizer
+
+
+def _stream(docs: list[list[int]], bos: int, eos: int) -> TokenStream:
+    """The in-memory reference: [bos] + doc + [eos], concatenated, with each token's document."""
+    packed = [[bos, *d, eos] for d in docs]
+    return TokenStream(np.array([t for d in packed for t in d]),
+                       np.repeat(np.arange(len(docs)), [len(d) for d in packed]))
 
 
 def test_stream_packs_documents_with_bos_eos():
@@ -62,10 +61,12 @@ def test_order_depends_on_seed_and_epochs_roll_over():
     a = PackedLoader(stream, 16, 8, 8, 0, 1, seed=1, document_mask=False)
     b = PackedLoader(stream, 16, 8, 8, 0, 1, seed=2, document_mask=False)
     assert all_sequences(a) != all_sequences(b)
-    steps_per_epoch = a.n // 8
-    for _ in range(steps_per_epoch):
-        a.next_step()
-    assert a.epoch == 1
+    a = PackedLoader(stream, 16, 8, 8, 0, 1, seed=1, document_mask=False)
+    n = a.n[0]
+    seen = [row for _ in range(n // 8) for row in all_sequences(a)]
+    assert len(seen) == n - n % 8 and len({tuple(r) for r in seen}) == len(seen)  # no repeat in an epoch
+    a.next_step()
+    assert a.consumed == [n // 8 * 8 + 8]
 
 
 def test_state_dict_resumes_the_same_sequence():
@@ -93,78 +94,97 @@ def test_too_little_data_is_a_clear_error():
         PackedLoader(make_stream(200), 16, 64, 64, 0, 1, seed=0, document_mask=False)
 
 
-def test_shipped_corpus_and_tokenizer(tmp_path: Path):
-    cfg = DataConfig(cache_dir=str(tmp_path))
-    tok = load_tokenizer("")
-    assert tok.vocab_size == 2048
-    train, val = load_corpus(cfg, tok)
-    assert len(train.tokens) > 1_000_000 and len(val.tokens) > 10_000
-    assert list(tmp_path.glob("tokens-*.npz")), "the tokenized corpus is cached"
-    again = load_corpus(cfg, tok)[0]
-    assert np.array_equal(again.tokens, train.tokens)
-    assert tok.decode(train.tokens[:12].tolist()).startswith("Genesis 1\n")  # first chapter, in order
-    check_vocab(train, 2048)
+def test_vocab_check():
+    check_vocab(2047, 2048)
     with pytest.raises(ConfigError, match="beyond model.vocab_size=1000"):
-        check_vocab(train, 1000)
+        check_vocab(2047, 1000)
 
 
-def test_validation_documents_are_held_out(tmp_path: Path):
-    docs = [{"text": f"document number {i} " * 5} for i in range(50)]
-    f = tmp_path / "d.jsonl"
-    f.write_text("\n".join(json.dumps(d) for d in docs))
-    tok = ByteTokenizer()
-    train, val = tokenize_corpus(DataConfig(path=str(f), val_fraction=0.1), tok)
-    train_text = tok.decode(train.tokens.tolist())
-    val_text = tok.decode(val.tokens.tolist())
-    val_docs = {t for t in val_text.split("document number ") if t}
-    assert len({d.split()[0] for d in val_docs}) == 5
-    for d in {d.split()[0] for d in val_docs}:
-        assert f"document number {d} " not in train_text
+def write_shards(tmp_path: Path, docs: list[list[int]], per_shard: int, vocab: int = 60) -> list[Path]:
+    prefixes = []
+    for k in range(0, len(docs), per_shard):
+        w = ShardWriter(tmp_path / f"{k:05d}.train", token_dtype(vocab))
+        w.add([np.array([1, *d, 2]) for d in docs[k:k + per_shard]])
+        w.close()
+        prefixes.append(tmp_path / f"{k:05d}.train")
+    return prefixes
 
 
-def write_user_data(tmp_path: Path, kind: str) -> Path:
-    texts = ["first document text", "second one here", "third"]
-    if kind == "txt":
-        p = tmp_path / "a.txt"
-        p.write_text("\n\n".join(texts))
-    elif kind == "jsonl":
-        p = tmp_path / "a.jsonl"
-        p.write_text("\n".join(json.dumps({"content": t}) for t in texts))
-    elif kind == "parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        p = tmp_path / "a.parquet"
-        pq.write_table(pa.table({"content": texts}), p)
-    else:  # a folder of jsonl files
-        p = tmp_path / "folder"
-        p.mkdir()
-        for i, t in enumerate(texts):
-            (p / f"{i}.jsonl").write_text(json.dumps({"content": t}))
-    return p
+def test_memory_mapped_shards_read_as_the_in_memory_stream(tmp_path: Path):
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(3, 50, rng.integers(1, 40)).tolist() for _ in range(300)]
+    ref = _stream(docs, 1, 2)
+    shards = ShardStream(write_shards(tmp_path, docs, per_shard=37))  # windows span shard ends
+    assert len(shards.shards) == 9 and shards.n_tokens == len(ref.tokens)
+    for seq in (7, 16, 61):
+        assert shards.num_windows(seq) == ref.num_windows(seq)
+        for i in range(ref.num_windows(seq)):
+            for a, b in zip(shards.window(i, seq), ref.window(i, seq), strict=True):
+                assert a.tolist() == b.tolist()
+    assert shards.max_token() == max(max(d) for d in docs)
 
 
-@pytest.mark.parametrize("kind", ["txt", "jsonl", "parquet", "folder"])
-def test_user_data_formats(tmp_path: Path, kind: str):
-    path = write_user_data(tmp_path, kind)
-    docs = read_documents(DataConfig(path=str(path), text_field="content"))
-    assert sorted(docs) == sorted(["first document text", "second one here", "third"])
+def test_shards_are_megatron_indexed_datasets(tmp_path: Path):
+    """The .idx layout Megatron-Core's IndexedDataset reads: header, version 1, dtype code, counts,
+    int32 lengths, int64 byte pointers, int64 document indices."""
+    (prefix,) = write_shards(tmp_path, [[5, 6], [7]], per_shard=10)
+    raw = Path(f"{prefix}.idx").read_bytes()
+    assert raw[:9] == HEADER and int.from_bytes(raw[9:17], "little") == 1
+    assert raw[17] == 1  # uint8 for a 60-token vocabulary
+    n, d = int.from_bytes(raw[18:26], "little"), int.from_bytes(raw[26:34], "little")
+    assert (n, d) == (2, 3)
+    body = np.frombuffer(raw[34:34 + 8], np.int32).tolist(), np.frombuffer(raw[42:58], np.int64).tolist()
+    assert body == ([4, 3], [0, 4]) and np.frombuffer(raw[58:], np.int64).tolist() == [0, 1, 2]
+    assert Path(f"{prefix}.bin").read_bytes() == bytes([1, 5, 6, 2, 1, 7, 2])
+    assert Shard(prefix).document(1).tolist() == [1, 7, 2]
+    assert [token_dtype(v) for v in (256, 257, 65536, 65537)] == [np.uint8, np.uint16, np.uint16, np.int32]
 
 
-@pytest.mark.parametrize("name,content,fragment", [
-    ("missing.jsonl", None, "does not exist"),
-    ("e.jsonl", "", "is empty"),
-    ("x.csv", "a,b", "holds no .txt, .jsonl"),
-    ("w.jsonl", '{"body": "x"}', "data.text_field 'text' is not a column"),
-    ("c.jsonl", '{"text": "x"\n', "could not be read as json"),
-])
-def test_bad_data_fails_with_one_line(tmp_path: Path, name: str, content: str | None, fragment: str):
-    path = tmp_path / name
-    if content is not None:
-        path.write_text(content)
-    with pytest.raises(ConfigError) as e:
-        read_documents(DataConfig(path=str(path)))
-    assert fragment in str(e.value) and "\n" not in str(e.value)
+@pytest.mark.parametrize("damage", ["truncate_bin", "truncate_idx", "garbage_idx"])
+def test_a_damaged_shard_is_refused(tmp_path: Path, damage: str):
+    (prefix,) = write_shards(tmp_path, [[5, 6], [7]], per_shard=10)
+    path = Path(f"{prefix}.{damage.split('_')[1]}")
+    data = path.read_bytes()
+    path.write_bytes(b"x" * len(data) if damage == "garbage_idx" else data[:-1])
+    with pytest.raises(ShardError) as e:
+        Shard(prefix)
+    assert "\n" not in str(e.value)
+
+
+def mix(streams: list[TokenStream], weights: list[float], dp: int = 1, rank: int = 0, micro: int = 8,
+        seed: int = 0) -> PackedLoader:
+    return PackedLoader(streams, 16, 8, micro, rank, dp, seed=seed, document_mask=False,
+                        weights=weights, names=["a", "b", "c"][:len(streams)])
+
+
+def test_mixing_follows_the_weights_and_tracks_each_source_epoch():
+    streams = [make_stream(4000), make_stream(800), make_stream(2000)]
+    loader = mix(streams, [0.5, 0.2, 0.3])
+    for _ in range(50):
+        loader.next_step()
+    assert loader.consumed == [200, 80, 120]  # 400 sequences: exact at every whole multiple
+    m = loader.mix_metrics()
+    assert m["data/a_share"] == 0.5 and m["data/b_share"] == 0.2
+    assert m["data/b_epoch"] == 80 / loader.n[1] > 1  # the small source went round more than once
+
+
+@pytest.mark.parametrize("dp,micro", [(2, 4), (4, 1)])
+def test_a_mix_is_the_same_for_every_split_and_resumes_exactly(dp: int, micro: int):
+    streams = [make_stream(4000), make_stream(800)]
+    ref = mix(streams, [0.7, 0.3])
+    for _ in range(4):
+        ref.next_step()
+    state = ref.state_dict()
+    want = [all_sequences(ref) for _ in range(12)]  # crosses the small source's epoch
+    loaders = [mix(streams, [0.7, 0.3], dp, r, micro) for r in range(dp)]
+    for ld in loaders:
+        ld.load_state_dict(state)
+    assert [[row for ld in loaders for row in all_sequences(ld)] for _ in range(12)] == want
+    other = mix(streams, [0.7, 0.3], seed=1)
+    other.load_state_dict(state)  # the seed is the run's; a different one is another order
+    assert all_sequences(other) != want[0]
+    with pytest.raises(ConfigError, match="data sources were"):
+        mix(streams[:1], [1.0]).load_state_dict(state)
 
 
 def test_byte_tokenizer_round_trip():

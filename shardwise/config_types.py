@@ -1,0 +1,88 @@
+"""Config value types and their checks: the bottom layer of configuration (imports nothing from the
+package). A value read from TOML keeps its type; a value from the command line arrives as a string
+and is parsed here."""
+
+from __future__ import annotations
+
+import types
+import typing
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message is one line naming the key and the fix."""
+
+
+def type_name(tp: Any) -> str:
+    """A readable name for a field type, as used in error messages and help."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return " or ".join(type_name(a) for a in typing.get_args(tp) if a is not type(None))
+    if typing.get_origin(tp) is dict:
+        return "table of strings"
+    if typing.get_origin(tp) is list:
+        return "list of tables"
+    return getattr(tp, "__name__", str(tp))
+
+
+def coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
+    """Check ``value`` against the field type ``tp``; CLI values arrive as strings and are parsed."""
+    args = typing.get_args(tp)
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        inner = [a for a in args if a is not type(None)]
+        if value is None or (from_cli and str(value).lower() in ("none", "null")):
+            return None
+        return coerce(key, inner[0], value, from_cli)
+    bad = ConfigError(f"config key '{key}' expects {type_name(tp)}, got {value!r}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and str(value).lower() in ("true", "1", "yes", "on"):
+            return True
+        if from_cli and str(value).lower() in ("false", "0", "no", "off"):
+            return False
+        raise bad
+    if tp is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int):
+            return value
+        if from_cli:
+            try:
+                return int(str(value).replace("_", ""))
+            except ValueError:
+                raise bad from None
+        raise bad
+    if tp is float:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, (int, float)):
+            return float(value)
+        if from_cli:
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise bad
+    if typing.get_origin(tp) is dict:
+        if from_cli and isinstance(value, str):
+            out: dict[str, str] = {}
+            for item in filter(None, value.split(",")):
+                k, sep, v = item.partition("=")
+                if not sep:
+                    raise ConfigError(f"config key '{key}' expects k=v[,k=v...], got {value!r}")
+                out[k.strip()] = v.strip()
+            return out
+        if isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
+            return dict(value)
+        raise bad
+    if typing.get_origin(tp) is list:  # [[section.key]] tables; on the CLI "k=v,k=v;k=v,k=v"
+        if from_cli and isinstance(value, str):
+            return [coerce(key, dict[str, str], item, True) for item in filter(None, value.split(";"))]
+        if isinstance(value, list) and all(isinstance(v, dict) for v in value):
+            return [dict(v) for v in value]
+        raise bad
+    raise ConfigError(f"config key '{key}' has an unsupported type {tp}")

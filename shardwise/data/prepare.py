@@ -1,0 +1,310 @@
+"""Preparation: stream each source, tokenize it on every core, write memory-mappable token shards.
+
+A prepared source is a folder::
+
+    manifest.json          settings (source files with sizes and mtimes, tokenizer fingerprint, split,
+                           shard size), then ``complete`` and the counts once every shard is written
+    shards/00000.train.bin/.idx, 00000.val.bin/.idx   Megatron indexed-dataset files (indexed.py)
+    shards/00000.json      the shard's record, written last: a shard without it is not complete
+
+Shard ``i`` holds the documents of unit ``i`` (sources.py), in order, so the shards do not depend on
+the number of workers. Each document is ``[bos] + tokens + [eos]``; a document goes to the held-out
+split when a hash of its text falls below ``val_fraction`` -- the split needs no count of the corpus
+and a repeated document always lands on the same side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shardwise.config import ConfigError, DataConfig
+from shardwise.data.indexed import ShardWriter, token_dtype
+from shardwise.data.sources import Source, Unit, documents, files_of, plan_units, resolve_sources
+from shardwise.data.tokenizer import Tokenizer, load_tokenizer
+
+FORMAT = 1
+_BATCH_CHARS = 1 << 20  # documents are tokenized ~1 MB of text at a time: a worker's memory bound
+
+
+def is_validation(text: str, fraction: float) -> bool:
+    """The held-out rule: a 64-bit hash of the text below ``fraction`` of the range."""
+    if fraction <= 0:
+        return False
+    h = int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
+    return h < fraction * 2.0**64
+
+
+def settings(source: Source, cfg: DataConfig, tokenizer: Tokenizer, val_fraction: float) -> dict[str, Any]:
+    """Everything the shards of ``source`` depend on (and nothing they do not, e.g. the workers)."""
+    return {"format": FORMAT, "kind": source.kind, "text_field": source.text_field,
+            "txt_sample_by": cfg.txt_sample_by, "val_fraction": val_fraction,
+            "shard_mb": cfg.shard_mb, "tokenizer": tokenizer.fingerprint,
+            "vocab_size": tokenizer.vocab_size, "bos": tokenizer.bos_id, "eos": tokenizer.eos_id,
+            "files": [{"path": str(f.resolve()), "size": f.stat().st_size,
+                       "mtime_ns": f.stat().st_mtime_ns} for f in source.files]}
+
+
+def plan(cfg: DataConfig, tokenizer: Tokenizer) -> list[tuple[Source, Path, dict[str, Any]]]:
+    """(source, its prepared folder, its settings) for each training source, then data.val_path."""
+    sources = resolve_sources(cfg)
+    fraction = 0.0 if cfg.val_path else cfg.val_fraction
+    out = [(s, settings(s, cfg, tokenizer, fraction)) for s in sources]
+    if cfg.val_path:
+        kind, files = files_of(cfg.val_path, "data.val_path")
+        val = Source("val", cfg.val_path, 1.0, kind, cfg.text_field, files)
+        out.append((val, settings(val, cfg, tokenizer, 1.0)))
+    result = []
+    for source, sets in out:
+        if cfg.prepared_dir:
+            where = Path(cfg.prepared_dir).expanduser() / source.name
+        else:
+            key = hashlib.sha256(json.dumps(sets, sort_keys=True).encode()).hexdigest()[:16]
+            where = Path(cfg.cache_dir).expanduser() / "prepared" / f"{source.name}-{key}"
+        result.append((source, where, sets))
+    return result
+
+
+def check_settings(where: Path, recorded: dict[str, Any], wanted: dict[str, Any]) -> None:
+    """One line naming the first difference between a folder's manifest and this run's settings."""
+    for key, value in wanted.items():
+        if key != "files" and recorded.get(key) != value:
+            raise ConfigError(f"prepared data '{where}' was made with {key}={recorded.get(key)!r}, this "
+                              f"run has {value!r}: prepare into a new data.prepared_dir")
+    was = {f["path"]: f for f in recorded.get("files", [])}
+    for f in wanted["files"]:
+        old = was.pop(f["path"], None)
+        if old is None:
+            raise ConfigError(f"prepared data '{where}' was made without '{f['path']}': prepare into a "
+                              "new data.prepared_dir, or restore the source files it was made from")
+        if (old["size"], old["mtime_ns"]) != (f["size"], f["mtime_ns"]):
+            raise ConfigError(f"source file '{f['path']}' changed since '{where}' was prepared (size "
+                              f"{old['size']} -> {f['size']}): prepare into a new data.prepared_dir")
+    if was:
+        raise ConfigError(f"prepared data '{where}' was made from '{next(iter(was))}', which data.path no "
+                          "longer names: prepare into a new data.prepared_dir")
+
+
+def check_prepared(cfg: DataConfig, tokenizer: Tokenizer) -> None:
+    """The sources resolve, and each folder already prepared was prepared from them as they are."""
+    for _, where, sets in plan(cfg, tokenizer):
+        manifest = read_manifest(where)
+        if manifest is not None:
+            check_settings(where, manifest, sets)
+
+
+def read_manifest(where: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((where / "manifest.json").read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        raise ConfigError(f"'{where / 'manifest.json'}' is not valid JSON: move the folder aside and "
+                          "prepare again") from None
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=1))
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _locked(where: Path) -> Iterator[None]:
+    """One preparer per folder (ranks of one job, or two jobs); the others wait, then find it done."""
+    where.mkdir(parents=True, exist_ok=True)
+    with open(where / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def shard_done(where: Path, index: int, fingerprint: str) -> dict[str, Any] | None:
+    """The record of shard ``index`` when the shard is complete as recorded, else None."""
+    try:
+        rec = json.loads((where / "shards" / f"{index:05d}.json").read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    for part in ("train", "val"):
+        for ext, key in ((".bin", "bin_bytes"), (".idx", "idx_bytes")):
+            p = where / "shards" / f"{index:05d}.{part}{ext}"
+            if not p.exists() or p.stat().st_size != rec[part][key]:
+                return None
+    return rec if rec.get("tokenizer") == fingerprint else None
+
+
+def prepare(cfg: DataConfig, tokenizer: Tokenizer, workers: int = 0, quiet: bool = False) -> list[Path]:
+    """Prepare every source that is not yet (resuming one that was interrupted); the folders."""
+    out = []
+    for source, where, sets in plan(cfg, tokenizer):
+        with _locked(where):
+            manifest = read_manifest(where)
+            if manifest is not None:
+                check_settings(where, manifest, sets)
+            if manifest is None or not manifest.get("complete"):
+                _prepare_source(source, where, sets, cfg, tokenizer, workers or cfg.workers, quiet)
+        out.append(where)
+    return out
+
+
+def _prepare_source(source: Source, where: Path, sets: dict[str, Any], cfg: DataConfig,
+                    tokenizer: Tokenizer, workers: int, quiet: bool) -> None:
+    from tqdm import tqdm
+
+    shards = where / "shards"
+    shards.mkdir(parents=True, exist_ok=True)
+    for junk in shards.glob(".*.tmp*"):  # an interrupted writer's partial files, never a shard
+        junk.unlink()
+    _write_json(where / "manifest.json", {**sets, "complete": False})
+    total = sum(f.stat().st_size for f in source.files)
+    if not workers:
+        from shardwise.parallel.dims import usable_cores
+
+        workers = usable_cores()
+    raw = sum(f.stat().st_size * (4 if str(f).endswith((".gz", ".zst")) else 1) for f in source.files)
+    chunk = max(1, int(cfg.shard_mb * 2**20))
+    workers = max(1, min(workers, -(-raw // chunk)))  # no pool for one shard's worth
+    job = dict(out=str(shards), kind=source.kind, text_field=source.text_field,
+               sample_by=cfg.txt_sample_by, val_fraction=sets["val_fraction"],
+               dtype=str(token_dtype(tokenizer.vocab_size)), skip_bad=cfg.skip_bad_rows)
+    counts = dict(docs=0, tokens=0, val_docs=0, val_tokens=0, empty=0, bad_rows=0, max_token=-1)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"prepare {source.name}", disable=quiet,
+               mininterval=1.0, file=sys.stderr, dynamic_ncols=True)
+    start = time.perf_counter()
+
+    def absorb(rec: dict[str, Any], nbytes: int) -> None:
+        for k in ("docs", "tokens", "empty", "bad_rows"):
+            counts[k] += rec["train"][k] if k in ("docs", "tokens") else rec[k]
+        counts["val_docs"] += rec["val"]["docs"]
+        counts["val_tokens"] += rec["val"]["tokens"]
+        counts["max_token"] = max(counts["max_token"], rec["max_token"])
+        for msg in rec["bad_examples"]:
+            bar.write(f"skipped: {msg}")
+        rate = (counts["tokens"] + counts["val_tokens"]) / max(time.perf_counter() - start, 1e-9)
+        bar.set_postfix_str(f"{counts['docs'] + counts['val_docs']:,} docs, {rate:,.0f} tok/s")
+        bar.update(nbytes)
+
+    units = enumerate(plan_units(source, cfg.txt_sample_by, chunk))
+    n = 0
+    try:
+        if workers == 1:
+            for i, (unit, payload, nbytes) in units:
+                rec = shard_done(where, i, tokenizer.fingerprint)
+                absorb(rec or write_shard(tokenizer, i, unit, payload, **job), nbytes)
+                n = i + 1
+        else:
+            n = _run_pool(units, where, tokenizer, workers, cfg.tokenizer, job, absorb)
+    finally:
+        bar.close()
+    _write_json(where / "manifest.json", {**sets, "complete": True, "shards": n, **counts})
+    if not quiet:
+        took = time.perf_counter() - start
+        tokens = counts["tokens"] + counts["val_tokens"]
+        print(f"prepared {source.name}: {counts['docs']:,} + {counts['val_docs']:,} held-out documents, "
+              f"{tokens:,} tokens in {n} shard(s), {took:.1f} s ({tokens / max(took, 1e-9):,.0f} tok/s)"
+              f"{', skipped ' + str(counts['bad_rows']) + ' bad rows' if counts['bad_rows'] else ''}"
+              f" -> {where}", file=sys.stderr, flush=True)
+
+
+def _run_pool(units: Iterator[tuple[int, tuple[Unit, bytes | None, int]]], where: Path,
+              tokenizer: Tokenizer, workers: int, spec: str, job: dict[str, Any], absorb: Any) -> int:
+    """Tokenize units on ``workers`` processes, at most two units each in flight (the bytes of a
+    compressed source's units travel with them, so this bounds the memory too)."""
+    ctx = mp.get_context("spawn")  # no fork of a process that may hold torch or tokenizer threads
+    pending: deque[tuple[Any, int]] = deque()
+    n = 0
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(spec,)) as pool:
+        for i, (unit, payload, nbytes) in units:
+            n = i + 1
+            rec = shard_done(where, i, tokenizer.fingerprint)
+            if rec is not None:
+                absorb(rec, nbytes)
+                continue
+            pending.append((pool.apply_async(_work, (i, unit, payload), job), nbytes))
+            while len(pending) >= 2 * workers:
+                res, b = pending.popleft()
+                absorb(res.get(), b)
+        while pending:
+            res, b = pending.popleft()
+            absorb(res.get(), b)
+    return n
+
+
+_TOKENIZER: Tokenizer | None = None
+
+
+def _init_worker(spec: str) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the pool is the parallelism
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    global _TOKENIZER
+    _TOKENIZER = load_tokenizer(spec)
+
+
+def _work(index: int, unit: Unit, payload: bytes | None, **job: Any) -> dict[str, Any]:
+    assert _TOKENIZER is not None
+    return write_shard(_TOKENIZER, index, unit, payload, **job)
+
+
+def write_shard(tokenizer: Tokenizer, index: int, unit: Unit, payload: bytes | None, *, out: str,
+                kind: str, text_field: str, sample_by: str, val_fraction: float, dtype: str,
+                skip_bad: bool) -> dict[str, Any]:
+    """Tokenize one unit into shard ``index`` (train and held-out parts); the record, written last."""
+    shards = Path(out)
+    tmp = {part: shards / f".{index:05d}.{part}.tmp{os.getpid()}" for part in ("train", "val")}
+    writers = {part: ShardWriter(p, np.dtype(dtype)) for part, p in tmp.items()}
+    bad: list[str] | None = [] if skip_bad else None
+    stats = {"empty": 0, "max_token": -1}
+    batch: list[str] = []
+
+    def flush() -> None:
+        encoded = tokenizer.encode_batch(batch)
+        parts: dict[str, list[np.ndarray]] = {"train": [], "val": []}
+        for text, ids in zip(batch, encoded, strict=True):
+            doc = np.empty(len(ids) + 2, dtype=np.int64)
+            doc[0], doc[1:-1], doc[-1] = tokenizer.bos_id, ids, tokenizer.eos_id
+            parts["val" if is_validation(text, val_fraction) else "train"].append(doc)
+            if len(doc):
+                stats["max_token"] = max(stats["max_token"], int(doc.max()))
+        for part, docs in parts.items():
+            writers[part].add(docs)
+        batch.clear()
+
+    held = 0
+    for text in documents(unit, payload, kind, text_field, sample_by, bad):
+        if not text.strip():
+            stats["empty"] += 1
+            continue
+        batch.append(text)
+        held += len(text)
+        if held >= _BATCH_CHARS:
+            flush()
+            held = 0
+    if batch:
+        flush()
+    rec: dict[str, Any] = {"index": index, "unit": [unit.file, unit.start, unit.end],
+                           "tokenizer": tokenizer.fingerprint, **stats,
+                           "bad_rows": len(bad or []), "bad_examples": (bad or [])[:3]}
+    for part, w in writers.items():
+        bin_bytes, idx_bytes = w.close()
+        rec[part] = {"docs": len(w._lengths), "tokens": w.tokens, "bin_bytes": bin_bytes,
+                     "idx_bytes": idx_bytes}
+        for ext in (".bin", ".idx"):
+            os.replace(f"{tmp[part]}{ext}", shards / f"{index:05d}.{part}{ext}")
+    _write_json(shards / f"{index:05d}.json", rec)
+    return rec
