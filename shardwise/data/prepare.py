@@ -32,7 +32,15 @@ import numpy as np
 
 from shardwise.config import ConfigError, DataConfig
 from shardwise.data.indexed import ShardWriter, token_dtype
-from shardwise.data.sources import Source, Unit, documents, files_of, plan_units, resolve_sources
+from shardwise.data.sources import (
+    DataError,
+    Source,
+    Unit,
+    documents,
+    files_of,
+    plan_units,
+    resolve_sources,
+)
 from shardwise.data.tokenizer import Tokenizer, load_tokenizer
 
 FORMAT = 1
@@ -185,7 +193,7 @@ def _prepare_source(source: Source, where: Path, sets: dict[str, Any], cfg: Data
                dtype=str(token_dtype(tokenizer.vocab_size)), skip_bad=cfg.skip_bad_rows)
     counts = dict(docs=0, tokens=0, val_docs=0, val_tokens=0, empty=0, bad_rows=0, max_token=-1)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"prepare {source.name}", disable=quiet,
-               mininterval=1.0, file=sys.stderr, dynamic_ncols=True)
+               mininterval=1.0, file=sys.stderr, dynamic_ncols=True, delay=2.0)
     start = time.perf_counter()
 
     def absorb(rec: dict[str, Any], nbytes: int) -> None:
@@ -279,8 +287,10 @@ def write_shard(tokenizer: Tokenizer, index: int, unit: Unit, payload: bytes | N
             doc = np.empty(len(ids) + 2, dtype=np.int64)
             doc[0], doc[1:-1], doc[-1] = tokenizer.bos_id, ids, tokenizer.eos_id
             parts["val" if is_validation(text, val_fraction) else "train"].append(doc)
-            if len(doc):
-                stats["max_token"] = max(stats["max_token"], int(doc.max()))
+            stats["max_token"] = max(stats["max_token"], int(doc.max()))
+        if stats["max_token"] > np.iinfo(np.dtype(dtype)).max:  # the vocabulary's size was understated
+            raise DataError(f"token id {stats['max_token']} does not fit the shards' {dtype}: the "
+                            "tokenizer's vocabulary is larger than it reports")
         for part, docs in parts.items():
             writers[part].add(docs)
         batch.clear()

@@ -56,7 +56,8 @@ class HFTokenizer:
         except Exception as e:  # the library raises a bare Exception on malformed files
             raise ConfigError(f"data.tokenizer '{path}' is not a valid tokenizer.json: {e}") from None
         vocab = self._tok.get_vocab(with_added_tokens=True)
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # The rows an embedding needs: ids may be sparse (a hand-made vocabulary), so the largest + 1.
+        self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1)
         bos = next((vocab[t] for t in _BOS if t in vocab), None)
         eos = next((vocab[t] for t in _EOS if t in vocab), None)
         if eos is None:

@@ -175,7 +175,7 @@ def _bad_vocab_tokenizer(tmp: Path) -> str:
 
 # Each: how to damage a copy of a good checkpoint (or write bad data), the args, the message.
 # "early" errors come before any process group or file is made; "late" ones need the ranks (a
-# checksum over the files, tokens counted while the data is read) and come before the first step.
+# checksum over the files, rows parsed while the data is prepared) and come before the first step.
 BAD_FILES = {
     "ckpt_no_manifest": (lambda c, t: (c / "manifest.json").unlink(), "ckpt",
                          "is incomplete (no manifest.json", "early"),
@@ -191,9 +191,9 @@ BAD_FILES = {
                         "is empty", "early"),
     "ckpt_tampered": (lambda c, t: _flip_byte(c), "ckpt", "does not match its SHA-256", "late"),
     "corrupt_jsonl": (lambda c, t: (t / "bad.jsonl").write_text('{"text": "a"}\n{"text": \n'),
-                      "--data.path={t}/bad.jsonl", "could not be read as json", "late"),
+                      "--data.path={t}/bad.jsonl", "bad.jsonl' row 2: not valid JSON", "late"),
     "token_beyond_vocab": (lambda c, t: None, "--data.tokenizer={tok}",
-                           "token id 5000 is beyond model.vocab_size=2048", "late"),
+                           "the tokenizer has 5001 tokens but model.vocab_size=2048", "early"),
 }
 
 

@@ -68,6 +68,7 @@ def train(run_dir: str = "") -> Check:
     return Check(f"{TRAIN}" + (f" --run.dir {run_dir}" if run_dir else ""))
 
 
+_CORPUS = f"zcat {ROOT / 'shardwise/data/assets/kjv.jsonl.gz'} > corpus.jsonl"  # a user's own jsonl
 _TINY_VERIFY = Check(VERIFY, slow=True)  # layout matrices of 5-8 layouts each: make test-all
 _DEBUG_RUN = "shardwise train --config configs/debug.toml --training.steps 2 --eval.interval 0"
 _SMOKE = ("shardwise train --config configs/debug.toml --training.steps 2 --run.dir runs/smoke "
@@ -126,6 +127,13 @@ HOW: dict[str, Check] = {
     "python bench/plan_accuracy.py --calibrate": Check(
         reason="a long benchmark (calibration, then 14 layouts run for real); BENCHMARKS.md has its output"),
     "python bench/published.py --plan": Check(slow=True),
+    # docs/data.md
+    "shardwise prepare --config configs/debug.toml": Check(),
+    "shardwise prepare --config configs/debug.toml --data.path corpus.jsonl --data.prepared_dir prepared":
+        Check(setup=(_CORPUS,)),
+    "shardwise train --config configs/debug.toml --data.path corpus.jsonl --data.prepared_dir prepared":
+        Check(TRAIN, setup=(_CORPUS, "shardwise prepare --config configs/debug.toml --data.path corpus.jsonl "
+                                     "--data.prepared_dir prepared")),
 }
 
 
@@ -156,7 +164,8 @@ def _run(command: str, cwd: Path, data_cache: str) -> subprocess.CompletedProces
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
     env.pop("WORLD_SIZE", None)
-    if command.startswith(("shardwise train", "shardwise verify", "shardwise calibrate", "torchrun")):
+    if command.startswith(("shardwise train", "shardwise verify", "shardwise calibrate", "shardwise prepare",
+                           "torchrun")):
         command += f" --data.cache_dir {data_cache}"
     proc = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=1200)
