@@ -1,5 +1,6 @@
 import sys
 
-from shardwise.cli import main
+if __name__ == "__main__":  # not when multiprocessing's spawn re-imports this module in a worker
+    from shardwise.cli import main
 
-sys.exit(main())
+    sys.exit(main())

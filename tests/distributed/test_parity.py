@@ -14,6 +14,7 @@ differences are summation orders in collectives and in tensor-parallel matmuls).
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 from shardwise.config import load_config
+from shardwise.data.tokenizer import SHIPPED_CORPUS
 from shardwise.models import build_model, init_weights, model_args
 from shardwise.verify import checkpoint_params, update_error
 from tests.conftest import TINY_ARGS, metrics, run_cli
@@ -240,10 +242,16 @@ def test_gradient_accumulation_4x1_equals_1x4(tmp_path: Path, data_cache: str):
     assert param_error(one, four) <= PARAM_RTOL
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_resume_continues_the_same_run(tmp_path: Path, data_cache: str, nproc: int):
-    """Stop after step 4 and resume: steps 5..10 are bit-identical to the uninterrupted run."""
+@pytest.mark.parametrize("nproc,mixed", [(1, False), (2, False), (2, True)])
+def test_resume_continues_the_same_run(tmp_path: Path, data_cache: str, nproc: int, mixed: bool):
+    """Stop after step 4 and resume: steps 5..10 are bit-identical to the uninterrupted run. Mixed:
+    two weighted sources, the small one going round its epochs several times."""
     layout = [f"--nproc={nproc}"] if nproc > 1 else []
+    if mixed:
+        small = tmp_path / "small.jsonl"
+        small.write_text("\n".join(json.dumps({"text": f"Psalm {i}: " + "praise ye the Lord. " * 8})
+                                   for i in range(12)))
+        layout.append(f"--data.sources=path={SHIPPED_CORPUS},weight=3;path={small},weight=1,name=small")
     full = train(tmp_path, "full", data_cache, *layout, "--checkpoint.interval=4")
     # The interrupted run: everything the full run had on disk right after its step-4 save.
     part = tmp_path / "part"
@@ -253,6 +261,10 @@ def test_resume_continues_the_same_run(tmp_path: Path, data_cache: str, nproc: i
     assert [r["step"] for r in got] == list(range(5, 11))
     for a, b in zip(want[4:], got, strict=True):
         assert (a["loss"], a["grad_norm"], a["lr"]) == (b["loss"], b["grad_norm"], b["lr"]), a["step"]
+        if mixed:
+            assert a["data/small_share"] == b["data/small_share"] == 0.25
+            assert a["data/small_epoch"] == b["data/small_epoch"]
+    assert not mixed or want[-1]["data/small_epoch"] > 2
     p_full, p_part = (checkpoint_params(d / "checkpoints" / "step-10") for d in (full, part))
     assert p_full.keys() == p_part.keys()
     for k in p_full:  # the final parameters too, bit for bit
