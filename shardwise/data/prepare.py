@@ -205,7 +205,8 @@ def _prepare_source(source: Source, where: Path, sets: dict[str, Any], cfg: Data
         for msg in rec["bad_examples"]:
             bar.write(f"skipped: {msg}")
         rate = (counts["tokens"] + counts["val_tokens"]) / max(time.perf_counter() - start, 1e-9)
-        bar.set_postfix_str(f"{counts['docs'] + counts['val_docs']:,} docs, {rate:,.0f} tok/s")
+        bar.set_postfix_str(f"{counts['docs'] + counts['val_docs']:,} docs, {rate:,.0f} tok/s",
+                            refresh=False)  # (a refresh would show the bar before its delay)
         bar.update(nbytes)
 
     units = enumerate(plan_units(source, cfg.txt_sample_by, chunk))
@@ -227,7 +228,7 @@ def _prepare_source(source: Source, where: Path, sets: dict[str, Any], cfg: Data
         print(f"prepared {source.name}: {counts['docs']:,} + {counts['val_docs']:,} held-out documents, "
               f"{tokens:,} tokens in {n} shard(s), {took:.1f} s ({tokens / max(took, 1e-9):,.0f} tok/s)"
               f"{', skipped ' + str(counts['bad_rows']) + ' bad rows' if counts['bad_rows'] else ''}"
-              f" -> {where}", file=sys.stderr, flush=True)
+              f" -> {where}", flush=True)
 
 
 def _run_pool(units: Iterator[tuple[int, tuple[Unit, bytes | None, int]]], where: Path,

@@ -240,7 +240,7 @@ def test_an_error_inside_two_ranks_is_one_line_and_exit_2(case: str, finished: P
     if case == "too_little_data":  # prepared by the launcher; too short for a batch, as the ranks find
         tiny = tmp_path / "tiny.jsonl"
         tiny.write_text('{"text": "In the beginning."}\n{"text": "And the earth was without form."}')
-        extra, fragment = [f"--data.path={tiny}"], "fewer than training.global_batch=8"
+        extra, fragment = [f"--data.path={tiny}"], "data source 'tiny' has no sequence of 64 tokens"
         run_dir = tmp_path / "run"
     else:
         run_dir = copy_of(finished, tmp_path)
