@@ -191,7 +191,8 @@ class PackedLoader:
 
     def _permutation(self, j: int, epoch: int) -> np.ndarray:
         if (j, epoch) not in self._perms:
-            self._perms = {k: v for k, v in self._perms.items() if k[0] != j or k[1] >= epoch - 1}
+            # Counts only grow: an older epoch of this source is never read again.
+            self._perms = {k: v for k, v in self._perms.items() if k[0] != j or k[1] > epoch}
             n = self.n[j]
             self._perms[j, epoch] = (np.random.default_rng([self.seed, j, epoch]).permutation(n)
                                      if self.shuffle else np.arange(n))

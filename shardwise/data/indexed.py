@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import struct
+from array import array
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +54,7 @@ class ShardWriter:
     def __init__(self, prefix: Path, dtype: np.dtype) -> None:
         self.prefix, self.dtype = prefix, np.dtype(dtype)
         self._bin = open(f"{prefix}.bin", "wb")  # noqa: SIM115 (closed in close())
-        self._lengths: list[int] = []
+        self._lengths = array("i")  # 4 bytes per document, the only per-document state
         self.tokens = 0
 
     def add(self, docs: list[np.ndarray]) -> None:
@@ -69,7 +70,7 @@ class ShardWriter:
         self._bin.flush()
         os.fsync(self._bin.fileno())
         self._bin.close()
-        lengths = np.asarray(self._lengths, dtype=np.int32)
+        lengths = np.frombuffer(self._lengths, dtype=np.int32) if self._lengths else np.zeros(0, np.int32)
         pointers = np.zeros(len(lengths), dtype=np.int64)
         np.cumsum(lengths[:-1], out=pointers[1:], dtype=np.int64)
         pointers *= self.dtype.itemsize
