@@ -41,25 +41,12 @@ def coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
         if from_cli and str(value).lower() in ("false", "0", "no", "off"):
             return False
         raise bad
-    if tp is int:
-        if isinstance(value, bool):
-            raise bad
-        if isinstance(value, int):
-            return value
-        if from_cli:
+    if tp in (int, float):  # an int is a float too, never the other way round; a bool is neither
+        if isinstance(value, tp if tp is int else (int, float)) and not isinstance(value, bool):
+            return tp(value)
+        if from_cli and isinstance(value, str):
             try:
-                return int(str(value).replace("_", ""))
-            except ValueError:
-                raise bad from None
-        raise bad
-    if tp is float:
-        if isinstance(value, bool):
-            raise bad
-        if isinstance(value, (int, float)):
-            return float(value)
-        if from_cli:
-            try:
-                return float(value)
+                return tp(value.replace("_", ""))
             except ValueError:
                 raise bad from None
         raise bad

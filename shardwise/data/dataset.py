@@ -69,8 +69,7 @@ class ShardStream:
     """The memory-mapped shards of one split of one prepared source, read as one stream."""
 
     def __init__(self, prefixes: list[Path]) -> None:
-        self.shards = [Shard(p) for p in prefixes]
-        self.shards = [s for s in self.shards if s.n_tokens]
+        self.shards = [s for s in map(Shard, prefixes) if s.n_tokens]
         sizes = [s.n_tokens for s in self.shards]
         self._first = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # (n_shards + 1,)
         docs = [s.n_docs for s in self.shards]
@@ -96,9 +95,9 @@ class ShardStream:
         return max((s.max_token() for s in self.shards), default=-1)
 
 
-def check_vocab(max_token: int, vocab_size: int, where: str = "the data") -> None:
+def check_vocab(max_token: int, vocab_size: int) -> None:
     if max_token >= vocab_size:
-        raise ConfigError(f"token id {max_token} in {where} is beyond model.vocab_size={vocab_size}: "
+        raise ConfigError(f"token id {max_token} in the data is beyond model.vocab_size={vocab_size}: "
                           "raise model.vocab_size to at least the tokenizer's vocabulary")
 
 
@@ -121,34 +120,29 @@ def open_corpus(cfg: DataConfig, tokenizer: Tokenizer, prepare: bool = True) -> 
 
     if prepare:
         run_prepare(cfg, tokenizer)
-    names, weights, train, val, val_w, top = [], [], [], [], [], -1
+    entries, top = [], -1
     for source, where, _ in plan(cfg, tokenizer):
         manifest = read_manifest(where)
         if not manifest or not manifest.get("complete"):
             raise ConfigError(f"'{where}' is not fully prepared: run `shardwise prepare` with this config")
-        streams = {}
-        for part in ("train", "val"):
-            prefixes = []
-            for i in range(manifest["shards"]):
-                if shard_done(where, i, tokenizer.fingerprint) is None:
-                    raise ConfigError(f"prepared shard '{where / 'shards' / f'{i:05d}'}' is truncated, "
-                                      "missing or from another tokenizer: run `shardwise prepare` with "
-                                      "this config (it rewrites that shard)")
-                prefixes.append(where / "shards" / f"{i:05d}.{part}")
-            try:
-                streams[part] = ShardStream(prefixes)
-            except ShardError as e:
-                raise ConfigError(f"prepared data: {e}: run `shardwise prepare` with this config") from None
+        for i in range(manifest["shards"]):
+            if shard_done(where, i, tokenizer.fingerprint) is None:
+                raise ConfigError(f"prepared shard '{where / 'shards' / f'{i:05d}'}' is truncated, "
+                                  "missing or from another tokenizer: run `shardwise prepare` with "
+                                  "this config (it rewrites that shard)")
+        try:
+            streams = [ShardStream([where / "shards" / f"{i:05d}.{part}" for i in range(manifest["shards"])])
+                       for part in ("train", "val")]
+        except ShardError as e:
+            raise ConfigError(f"prepared data: {e}: run `shardwise prepare` with this config") from None
+        entries.append((source, *streams))
         top = max(top, int(manifest["max_token"]))
-        if source.name != "val" or not cfg.val_path:
-            names.append(source.name)
-            weights.append(source.weight)
-            train.append(streams["train"])
-        if cfg.val_path and source.name != "val":
-            continue
-        val.append(streams["val"])
-        val_w.append(source.weight)
-    return Corpus(names, weights, train, val, val_w, top)
+    # plan() lists data.val_path last: then it alone is held out, and the sources only train.
+    sources = entries[:-1] if cfg.val_path else entries
+    held_out = entries[-1:] if cfg.val_path else entries
+    return Corpus([s.name for s, _, _ in sources], [s.weight for s, _, _ in sources],
+                  [t for _, t, _ in sources], [v for _, _, v in held_out],
+                  [s.weight for s, _, _ in held_out], top)
 
 
 @dataclass

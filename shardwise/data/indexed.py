@@ -62,11 +62,12 @@ class ShardWriter:
         if not docs:
             return
         self._bin.write(np.concatenate(docs).astype(self.dtype, copy=False).tobytes())
-        self._lengths.extend(len(d) for d in docs)
-        self.tokens += sum(len(d) for d in docs)
+        lengths = [len(d) for d in docs]
+        self._lengths.extend(lengths)
+        self.tokens += sum(lengths)
 
-    def close(self) -> tuple[int, int]:
-        """Flush both files to disk; returns their sizes in bytes (.bin, .idx)."""
+    def close(self) -> dict[str, int]:
+        """Flush both files to disk; the shard's documents, tokens and file sizes."""
         self._bin.flush()
         os.fsync(self._bin.fileno())
         self._bin.close()
@@ -81,7 +82,8 @@ class ShardWriter:
             f.write(np.arange(len(lengths) + 1, dtype=np.int64).tobytes())
             f.flush()
             os.fsync(f.fileno())
-        return self.tokens * self.dtype.itemsize, index_bytes(len(lengths))
+        return {"docs": len(lengths), "tokens": self.tokens, "bin_bytes": self.tokens * self.dtype.itemsize,
+                "idx_bytes": index_bytes(len(lengths))}
 
 
 class Shard:
@@ -105,8 +107,9 @@ class Shard:
         self._lengths = idx_map[_PREFIX.size:_PREFIX.size + 4 * n_seq].view(np.int32)
         # Byte pointers into .bin; a document's first token is pointer / itemsize.
         self._pointers = idx_map[_PREFIX.size + 4 * n_seq:_PREFIX.size + 12 * n_seq].view(np.int64)
-        self.n_tokens = int(self._lengths[-1]) + int(self._pointers[-1]) // self.dtype.itemsize \
-            if n_seq else 0
+        self.n_tokens = 0  # the last document's start plus its length
+        if n_seq:
+            self.n_tokens = int(self._pointers[-1]) // self.dtype.itemsize + int(self._lengths[-1])
         want = self.n_tokens * self.dtype.itemsize
         have = bin_.stat().st_size if bin_.exists() else -1
         if have != want:

@@ -38,6 +38,7 @@ from shardwise.data.sources import (
     Unit,
     documents,
     files_of,
+    is_compressed,
     plan_units,
     resolve_sources,
 )
@@ -70,8 +71,11 @@ def plan(cfg: DataConfig, tokenizer: Tokenizer) -> list[tuple[Source, Path, dict
     sources = resolve_sources(cfg)
     fraction = 0.0 if cfg.val_path else cfg.val_fraction
     out = [(s, settings(s, cfg, tokenizer, fraction)) for s in sources]
-    if cfg.val_path:
+    if cfg.val_path:  # last: open_corpus holds it out
         kind, files = files_of(cfg.val_path, "data.val_path")
+        if any(s.name == "val" for s in sources):
+            raise ConfigError("a data source is named 'val', the name data.val_path's folder takes: "
+                              "rename that source (name=...)")
         val = Source("val", cfg.val_path, 1.0, kind, cfg.text_field, files)
         out.append((val, settings(val, cfg, tokenizer, 1.0)))
     result = []
@@ -185,7 +189,7 @@ def _prepare_source(source: Source, where: Path, sets: dict[str, Any], cfg: Data
         from shardwise.parallel.dims import usable_cores
 
         workers = usable_cores()
-    raw = sum(f.stat().st_size * (4 if str(f).endswith((".gz", ".zst")) else 1) for f in source.files)
+    raw = sum(f.stat().st_size * (4 if is_compressed(f) else 1) for f in source.files)
     chunk = max(1, int(cfg.shard_mb * 2**20))
     workers = max(1, min(workers, -(-raw // chunk)))  # no pool for one shard's worth
     job = dict(out=str(shards), kind=source.kind, text_field=source.text_field,
@@ -197,10 +201,10 @@ def _prepare_source(source: Source, where: Path, sets: dict[str, Any], cfg: Data
     start = time.perf_counter()
 
     def absorb(rec: dict[str, Any], nbytes: int) -> None:
-        for k in ("docs", "tokens", "empty", "bad_rows"):
-            counts[k] += rec["train"][k] if k in ("docs", "tokens") else rec[k]
-        counts["val_docs"] += rec["val"]["docs"]
-        counts["val_tokens"] += rec["val"]["tokens"]
+        for k, v in (("docs", rec["train"]["docs"]), ("tokens", rec["train"]["tokens"]),
+                     ("val_docs", rec["val"]["docs"]), ("val_tokens", rec["val"]["tokens"]),
+                     ("empty", rec["empty"]), ("bad_rows", rec["bad_rows"])):
+            counts[k] += v
         counts["max_token"] = max(counts["max_token"], rec["max_token"])
         for msg in rec["bad_examples"]:
             bar.write(f"skipped: {msg}")
@@ -210,15 +214,8 @@ def _prepare_source(source: Source, where: Path, sets: dict[str, Any], cfg: Data
         bar.update(nbytes)
 
     units = enumerate(plan_units(source, cfg.txt_sample_by, chunk))
-    n = 0
     try:
-        if workers == 1:
-            for i, (unit, payload, nbytes) in units:
-                rec = shard_done(where, i, tokenizer.fingerprint)
-                absorb(rec or write_shard(tokenizer, i, unit, payload, **job), nbytes)
-                n = i + 1
-        else:
-            n = _run_pool(units, where, tokenizer, workers, cfg.tokenizer, job, absorb)
+        n = _run_units(units, where, tokenizer, workers, cfg.tokenizer, job, absorb)
     finally:
         bar.close()
     _write_json(where / "manifest.json", {**sets, "complete": True, "shards": n, **counts})
@@ -231,22 +228,35 @@ def _prepare_source(source: Source, where: Path, sets: dict[str, Any], cfg: Data
               f" -> {where}", flush=True)
 
 
-def _run_pool(units: Iterator[tuple[int, tuple[Unit, bytes | None, int]]], where: Path,
-              tokenizer: Tokenizer, workers: int, spec: str, job: dict[str, Any], absorb: Any) -> int:
-    """Tokenize units on ``workers`` processes, at most two units each in flight (the bytes of a
-    compressed source's units travel with them, so this bounds the memory too)."""
-    ctx = mp.get_context("spawn")  # no fork of a process that may hold torch or tokenizer threads
+class _Done:
+    """A shard written in this process, read like a pool's pending result."""
+
+    def __init__(self, rec: dict[str, Any]) -> None:
+        self.rec = rec
+
+    def get(self) -> dict[str, Any]:
+        return self.rec
+
+
+def _run_units(units: Iterator[tuple[int, tuple[Unit, bytes | None, int]]], where: Path,
+               tokenizer: Tokenizer, workers: int, spec: str, job: dict[str, Any], absorb: Any) -> int:
+    """Tokenize the units not already done, on ``workers`` processes (one: in this process), at most
+    two units per worker in flight -- the bytes of a compressed source's units travel with them, so
+    this bounds the memory too. Returns the number of units."""
     pending: deque[tuple[Any, int]] = deque()
     n = 0
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(spec,)) as pool:
+    # spawn: no fork of a process that may hold torch or tokenizer threads
+    pool = mp.get_context("spawn").Pool(workers, _init_worker, (spec,)) if workers > 1 else None
+    with pool or contextlib.nullcontext():
         for i, (unit, payload, nbytes) in units:
             n = i + 1
             rec = shard_done(where, i, tokenizer.fingerprint)
             if rec is not None:
                 absorb(rec, nbytes)
                 continue
-            pending.append((pool.apply_async(_work, (i, unit, payload), job), nbytes))
-            while len(pending) >= 2 * workers:
+            pending.append((pool.apply_async(_work, (i, unit, payload), job) if pool else
+                            _Done(write_shard(tokenizer, i, unit, payload, **job)), nbytes))
+            while len(pending) >= 2 * workers or (pending and not pool):
                 res, b = pending.popleft()
                 absorb(res.get(), b)
         while pending:
@@ -312,9 +322,7 @@ def write_shard(tokenizer: Tokenizer, index: int, unit: Unit, payload: bytes | N
                            "tokenizer": tokenizer.fingerprint, **stats,
                            "bad_rows": len(bad or []), "bad_examples": (bad or [])[:3]}
     for part, w in writers.items():
-        bin_bytes, idx_bytes = w.close()
-        rec[part] = {"docs": len(w._lengths), "tokens": w.tokens, "bin_bytes": bin_bytes,
-                     "idx_bytes": idx_bytes}
+        rec[part] = w.close()
         for ext in (".bin", ".idx"):
             os.replace(f"{tmp[part]}{ext}", shards / f"{index:05d}.{part}{ext}")
     _write_json(shards / f"{index:05d}.json", rec)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from shardwise.config import ConfigError, DataConfig
+from shardwise.data.tokenizer import SHIPPED_CORPUS
 
 _KINDS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _COMPRESSED = (".gz", ".zst")
@@ -51,18 +52,18 @@ class Source:
 class Unit:
     """A stretch of one file: bytes [start, end) of a plain file, row group ``start`` of a parquet
     file, or chunk ``start`` of a compressed stream (its bytes travel with it). ``row`` is the
-    1-based line or row the unit starts at, 0 when not yet counted (byte ranges count on error)."""
+    1-based line or row the unit starts at, 0 when not yet counted (byte ranges count on error).
+    ``whole``: one document or one JSON array, the whole file (a .txt document, a .json array)."""
 
     file: str
     start: int
     end: int
     row: int = 0
+    whole: bool = False
 
 
 def files_of(path: str, key: str) -> tuple[str, tuple[Path, ...]]:
     """(kind, files) that ``path`` names; a one-line error naming ``key`` when unusable."""
-    from shardwise.data.tokenizer import SHIPPED_CORPUS
-
     p = Path(path).expanduser() if path else SHIPPED_CORPUS
     if not p.exists():
         raise ConfigError(f"{key} '{path}' does not exist: give a .txt/.jsonl/.json/.parquet file (or "
@@ -90,7 +91,7 @@ def resolve_sources(cfg: DataConfig) -> list[Source]:
     """The corpora to mix: ``data.sources`` tables, else ``data.path`` alone with weight 1."""
     if not cfg.sources:
         kind, files = files_of(cfg.path, "data.path")
-        name = Path(cfg.path).name.split(".")[0] if cfg.path else "kjv"
+        name = Path(cfg.path or SHIPPED_CORPUS).name.split(".")[0]
         return [Source(name or "data", cfg.path, 1.0, kind, cfg.text_field, files)]
     out: list[Source] = []
     for i, table in enumerate(cfg.sources):
@@ -115,20 +116,27 @@ def resolve_sources(cfg: DataConfig) -> list[Source]:
     return out
 
 
-def _is_compressed(f: Path | str) -> bool:
+def is_compressed(f: Path | str) -> bool:
     return str(f).endswith(_COMPRESSED)
 
 
-def open_stream(f: Path | str) -> IO[bytes]:
-    """A binary reader of the decompressed content."""
-    if str(f).endswith(".gz"):
-        return gzip.open(f, "rb")
-    if str(f).endswith(".zst"):
+def decompressed(raw: IO[bytes], name: Path | str) -> IO[bytes]:
+    """A binary reader of ``raw``'s content, decompressed when ``name`` says .gz or .zst (close
+    ``raw`` too: a gzip reader leaves it open)."""
+    if str(name).endswith(".gz"):
+        return gzip.GzipFile(fileobj=raw, mode="rb")
+    if str(name).endswith(".zst"):
         import zstandard
 
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(f, "rb"),  # noqa: SIM115
-                                                                            closefd=True))
-    return open(f, "rb")  # noqa: SIM115
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
+    return raw
+
+
+def open_stream(f: Path | str) -> IO[bytes]:
+    """A binary reader of the file's decompressed content (closing it closes the file)."""
+    if str(f).endswith(".gz"):
+        return gzip.open(f, "rb")
+    return decompressed(open(f, "rb"), f)  # noqa: SIM115 (the caller closes it)
 
 
 def _boundary(prev: bytes | None, mid: bytes | None, line: bytes, kind: str, sample_by: str) -> bool:
@@ -153,11 +161,11 @@ def plan_units(source: Source, sample_by: str, chunk: int) -> Iterator[tuple[Uni
                 row += meta.row_group(g).num_rows
         elif (source.kind == "text" and sample_by == "document") or _whole_json(f, source.kind):
             payload = None
-            if _is_compressed(f):
+            if is_compressed(f):
                 with open_stream(f) as s:
                     payload = s.read()
-            yield Unit(str(f), 0, size, 1), payload, size
-        elif _is_compressed(f):
+            yield Unit(str(f), 0, size, 1, whole=True), payload, size
+        elif is_compressed(f):
             yield from _cut_stream(f, source.kind, sample_by, chunk, size)
         else:
             yield from _cut_file(f, source.kind, sample_by, chunk, size)
@@ -207,11 +215,7 @@ def _cut_stream(f: Path, kind: str, sample_by: str, chunk: int,
                 size: int) -> Iterator[tuple[Unit, bytes, int]]:
     """Decompress ``f`` and cut it into units of about ``chunk`` bytes (carried with the unit)."""
     raw = open(f, "rb")  # noqa: SIM115 (closed below) -- its position measures progress
-    stream = gzip.GzipFile(fileobj=raw) if str(f).endswith(".gz") else None
-    if stream is None:
-        import zstandard
-
-        stream = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw))
+    stream = decompressed(raw, f)
     try:
         lines: list[bytes] = []
         held, row, first_row, n, done = 0, 1, 1, 0, 0
@@ -271,7 +275,7 @@ def documents(unit: Unit, payload: bytes | None, kind: str, text_field: str, sam
     if kind == "parquet":
         yield from _parquet_docs(unit, text_field, fail)
         return
-    if kind == "json" and unit.row == 1 and _whole_json(Path(unit.file), kind):
+    if kind == "json" and unit.whole:
         raw = payload if payload is not None else Path(unit.file).read_bytes()
         try:
             rows = json.loads(raw)
@@ -284,7 +288,7 @@ def documents(unit: Unit, payload: bytes | None, kind: str, text_field: str, sam
             else:
                 yield text
         return
-    if kind == "text" and sample_by == "document":
+    if kind == "text" and unit.whole:
         raw = payload if payload is not None else Path(unit.file).read_bytes()
         try:
             yield raw.decode("utf-8").replace("\r\n", "\n")

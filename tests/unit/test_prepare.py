@@ -23,6 +23,8 @@ from shardwise.data.prepare import check_prepared, is_validation, prepare
 from shardwise.data.tokenizer import SHIPPED_CORPUS, load_tokenizer
 
 TOK = load_tokenizer("")
+TOK_PATH = Path(__file__).parents[2] / "shardwise" / "data" / "assets" / "tokenizer.json"
+real_write = prep.write_shard
 
 
 def reference_documents(path: Path, builder: str, field: str = "text", sample_by: str = "paragraph",
@@ -47,9 +49,6 @@ def reference_tokens(texts: list[str], val_fraction: float) -> tuple[list[list[i
     val = [is_validation(t, val_fraction) for t in texts]
     return ([d for d, v in zip(docs, val, strict=True) if not v],
             [d for d, v in zip(docs, val, strict=True) if v])
-
-
-TOK_PATH = Path(__file__).parents[2] / "shardwise" / "data" / "assets" / "tokenizer.json"
 
 
 def prepared_docs(where: Path, part: str) -> list[list[int]]:
@@ -79,21 +78,15 @@ def write_corpus(tmp: Path, kind: str) -> tuple[Path, str, str]:
         p = d / "a.txt"
         p.write_bytes(body.encode())
         return p, "text", kind.split("-")[1]
-    if kind == "jsonl.gz":
-        p = d / "a.jsonl.gz"
-        p.write_bytes(gzip.compress("\n".join(rows).encode()))
-        ref = tmp / "plain" / "a.jsonl"
-        ref.parent.mkdir()
-        ref.write_text("\n".join(rows))
-        return p, "json", "paragraph"
-    if kind == "jsonl.zst":
+    if kind in ("jsonl.gz", "jsonl.zst"):  # the reference reads the plain file
         import zstandard
 
-        p = d / "a.jsonl.zst"
-        p.write_bytes(zstandard.ZstdCompressor().compress("\n".join(rows).encode()))
-        ref = tmp / "plain" / "a.jsonl"
-        ref.parent.mkdir()
-        ref.write_text("\n".join(rows))
+        plain = "\n".join(rows).encode()
+        p = d / f"a.{kind}"
+        compress = gzip.compress if kind.endswith("gz") else zstandard.ZstdCompressor().compress
+        p.write_bytes(compress(plain))
+        (tmp / "plain").mkdir()
+        (tmp / "plain" / "a.jsonl").write_bytes(plain)
         return p, "json", "paragraph"
     if kind == "json-array":
         p = d / "a.json"
@@ -161,7 +154,7 @@ def test_interrupted_preparation_resumes_to_identical_shards(tmp_path: Path, pla
     cfg = DataConfig(path=str(plain_kjv), shard_mb=0.6, prepared_dir=str(tmp_path / "cut"))
     real, calls = prep.ShardWriter.close, []
 
-    def crash_in_the_fourth(self: prep.ShardWriter) -> tuple[int, int]:
+    def crash_in_the_fourth(self: prep.ShardWriter) -> dict[str, int]:
         calls.append(self.prefix)
         if len(calls) == 7:  # shard 3's train part is on disk, its val part and record are not
             raise KeyboardInterrupt
@@ -182,9 +175,6 @@ def test_interrupted_preparation_resumes_to_identical_shards(tmp_path: Path, pla
     prepare(cfg, TOK, workers=1, quiet=True)
     assert rewritten[0] == 3 and shard_bytes(where) == shard_bytes(want)
     assert not list((where / "shards").glob(".*"))
-
-
-real_write = prep.write_shard
 
 
 def test_training_reads_the_shards_memory_mapped_and_the_same_for_one_and_two_ranks(tmp_path: Path):
@@ -278,6 +268,8 @@ def test_mixed_sources_and_a_validation_path(tmp_path: Path, plain_kjv: Path):
         open_corpus(DataConfig(sources=[{"path": str(val)}, {"path": str(val), "weight": 0}]), TOK)
     with pytest.raises(ConfigError, match="names repeat"):
         open_corpus(DataConfig(sources=[{"path": str(val)}, {"path": str(val)}]), TOK)
+    with pytest.raises(ConfigError, match="a data source is named 'val'"):
+        open_corpus(DataConfig(sources=[{"path": str(val), "name": "val"}], val_path=str(val)), TOK)
 
 
 @pytest.mark.parametrize("name,content,fragment", [
