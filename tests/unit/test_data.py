@@ -162,6 +162,8 @@ def test_mixing_follows_the_weights_and_tracks_each_source_epoch():
     loader = mix(streams, [0.5, 0.2, 0.3])
     for _ in range(50):
         loader.next_step()
+        total = sum(loader.consumed)  # within one sequence of its weight, at every step
+        assert all(abs(c - w * total) <= 1 for c, w in zip(loader.consumed, [0.5, 0.2, 0.3], strict=True))
     assert loader.consumed == [200, 80, 120]  # 400 sequences: exact at every whole multiple
     m = loader.mix_metrics()
     assert m["data/a_share"] == 0.5 and m["data/b_share"] == 0.2
