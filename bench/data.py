@@ -138,7 +138,7 @@ def first_step(corpus: str, run_dir: Path, cache: Path, prepared: Path | None = 
 
 
 def loader_rate(corpus: Path, prepared: Path, steps: int = 200) -> float:
-    from shardwise.config import load_config
+    from shardwise.config_checks import load_config
     from shardwise.data.dataset import PackedLoader, open_corpus
     from shardwise.data.tokenizer import load_tokenizer
 

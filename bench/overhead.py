@@ -57,7 +57,7 @@ def main() -> None:
     p.add_argument("--document-mask", action="store_true")
     a = p.parse_args()
 
-    from shardwise.config import load_config
+    from shardwise.config_checks import load_config
     from shardwise.data.dataset import Batch
     from shardwise.optim.adamw import build_optimizer
     from shardwise.optim.lr import build_lr_scheduler

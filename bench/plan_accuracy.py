@@ -80,7 +80,7 @@ def by_ranks(layout, totals: dict[str, dict[str, int]], alias: dict[str, str]) -
 
 
 def compare(args: list[str], world: int, meas: dict, hardware: str) -> dict:
-    from shardwise.config import load_config
+    from shardwise.config_checks import load_config
     from shardwise.plan.comm import totals
     from shardwise.plan.estimate import estimate
     from shardwise.plan.hardware import load_hardware

@@ -28,12 +28,13 @@ import torch.nn.functional as F
 from shardwise.config import Config
 from shardwise.data.dataset import IGNORE_INDEX, PackedLoader, open_corpus
 from shardwise.data.tokenizer import load_tokenizer
+from shardwise.device import init_distributed
 from shardwise.models import PRESETS, build_model, init_weights
 from shardwise.observe.flops import flops_per_token, num_params
 from shardwise.observe.peak import peak_tflops
 from shardwise.optim.adamw import build_optimizer
 from shardwise.optim.lr import build_lr_scheduler
-from shardwise.parallel.dims import ParallelDims, init_distributed
+from shardwise.parallel.dims import ParallelDims
 from shardwise.parallel.parallelize import parallelize
 from shardwise.train import train_step
 

@@ -17,12 +17,16 @@ import textwrap
 import traceback
 
 from shardwise import config
-from shardwise.config import ConfigError, load_config
+from shardwise.config import ConfigError
+from shardwise.config_checks import load_config
 from shardwise.launch import peer_failed_first, rank_error
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Map each field of a dataclass to the string literal written under it in the source."""
+    """Map each field of a dataclass to the string literal written under it in the source (for the
+    ``[model]`` section, derived from ModelArgs, that class's source and the preset name's doc)."""
+    if hasattr(cls, "docs_from"):
+        return {"name": cls.name_doc, **field_docs(cls.docs_from)}
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
@@ -64,7 +68,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
     from pathlib import Path
 
-    from shardwise.parallel.dims import launched_world_size
+    from shardwise.device import launched_world_size
     from shardwise.rundir import LOCK_ENV, take
 
     if args.help_config:
@@ -287,7 +291,6 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     import time
 
-    from shardwise.config_checks import _CHOICES
     from shardwise.plan.hardware import load_hardware
     from shardwise.plan.search import format_plan, layout_toml, parse_tokens, plan, plan_config
 
@@ -299,8 +302,9 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     schedules = tuple(filter(None, args.schedules.split(",")))
     for name, values, key in (("--ac", ac, "activation_checkpoint.mode"),
                               ("--schedules", schedules, "parallel.pp_schedule")):
-        if bad := [v for v in values if v not in _CHOICES[key]]:
-            raise ConfigError(f"{name}: unknown {', '.join(bad)}; choose from {', '.join(_CHOICES[key])}")
+        if bad := [v for v in values if v not in config.choices(key)]:
+            known = ", ".join(config.choices(key))
+            raise ConfigError(f"{name}: unknown {', '.join(bad)}; choose from {known}")
     model = [f"--model.name={args.model}"] if args.model else []
     cfg = load_config(args.config, model + overrides, device="cpu" if args.hardware == "local" else "cuda")
     seq = args.seq or cfg.training.seq_len

@@ -13,12 +13,12 @@ import difflib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import tomli_w
-import tomllib
 
-from shardwise.config_types import ConfigError, coerce, type_name
+from shardwise.config_types import ConfigError, coerce, read_toml, type_name
+from shardwise.models.args import ModelArgs
 
 __all__ = ["ConfigError", "coerce", "type_name"]  # re-exported: the package imports them from here
 
@@ -30,62 +30,22 @@ class RunConfig:
     overwrite: bool = False
     """Start over in a run.dir holding an earlier run: delete what training writes there (rundir.py
     RUN_OUTPUTS: checkpoints/, metrics.jsonl, tb/, ...) but the checkpoint.path checkpoint."""
-    device: str = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device type: auto (cuda when available, else cpu), cpu or cuda."""
 
 
-@dataclass
-class ModelConfig:
-    name: str = "debug"
-    """Model preset (see shardwise/models/presets.py); the fields below override it when set."""
-    dim: int | None = None
-    """Hidden size."""
-    n_layers: int | None = None
-    """Number of transformer blocks."""
-    n_heads: int | None = None
-    """Query heads."""
-    n_kv_heads: int | None = None
-    """Key/value heads (grouped-query attention); must divide n_heads."""
-    vocab_size: int | None = None
-    """Embedding rows; must be at least the tokenizer's vocabulary."""
-    ffn_dim_multiplier: float | None = None
-    """Llama-3 FFN width multiplier applied to 8/3*dim."""
-    multiple_of: int | None = None
-    """FFN width is rounded up to a multiple of this."""
-    norm_eps: float | None = None
-    """RMSNorm epsilon."""
-    rope_theta: float | None = None
-    """RoPE base frequency."""
-    rope_scaling_factor: float | None = None
-    """Llama-3.1 RoPE frequency scaling factor (1.0 = no scaling)."""
-    max_seq_len: int | None = None
-    """Longest sequence the RoPE table covers."""
-    tie_embeddings: bool | None = None
-    """Share the input embedding with the output projection."""
-    head_size: int | None = None
-    """Per-head width; 0 = dim / n_heads."""
-    n_experts: int | None = None
-    """Routed experts per MoE layer; 0 = dense model."""
-    moe_top_k: int | None = None
-    """Experts each token is routed to."""
-    moe_hidden_dim: int | None = None
-    """Hidden width of each expert's SwiGLU."""
-    n_shared_experts: int | None = None
-    """Shared experts every token also goes through (fused into one MLP of n * moe_hidden_dim)."""
-    moe_score: str | None = None
-    """Router scores: softmax or sigmoid."""
-    moe_route_norm: bool | None = None
-    """Renormalize the chosen experts' scores to sum to 1."""
-    moe_route_scale: float | None = None
-    """Multiplier on the routing weights."""
-    moe_balance: str | None = None
-    """Load balancing: aux_loss (sequence-wise), bias (auxiliary-loss-free routing bias), or none."""
-    moe_aux_coef: float | None = None
-    """Weight of the balance loss (moe_balance=aux_loss)."""
-    moe_bias_rate: float | None = None
-    """Routing-bias step per optimizer step (moe_balance=bias)."""
-    n_dense_layers: int | None = None
-    """Leading blocks that keep the dense MLP in an MoE model."""
+def _preset_overrides() -> type:
+    """The ``[model]`` section, derived from :class:`ModelArgs` so the field list exists once:
+    ``name`` picks the preset, and each model field set here (None = the preset's) overrides it."""
+    hints = typing.get_type_hints(ModelArgs)
+    fields: list[tuple[str, Any, Any]] = [("name", str, field(default="debug"))]
+    fields += [(f.name, hints[f.name] | None, field(default=None)) for f in dataclasses.fields(ModelArgs)]
+    return dataclasses.make_dataclass("ModelConfig", fields, namespace={
+        "__module__": __name__, "docs_from": ModelArgs,
+        "name_doc": "Model preset (see shardwise/models/presets.py); the fields below override it when set."})
+
+
+ModelConfig = _preset_overrides()
 
 
 @dataclass
@@ -96,7 +56,7 @@ class DataConfig:
     """A tokenizer.json (HF tokenizers), 'byte' for the byte-level fallback, or empty = shipped BPE."""
     text_field: str = "text"
     """Column holding the text in .jsonl/.json/.parquet data."""
-    txt_sample_by: str = "paragraph"
+    txt_sample_by: Literal["paragraph", "line", "document"] = "paragraph"
     """How .txt files split into documents: paragraph (blank lines), line, or document (whole file)."""
     val_fraction: float = 0.02
     """Fraction of documents held out for the validation loss."""
@@ -133,7 +93,7 @@ class TrainingConfig:
     """Sequences per optimizer step, summed over data-parallel ranks and micro-batches."""
     micro_batch: int = 0
     """Sequences per rank per forward/backward; 0 = global_batch / dp (no accumulation)."""
-    mixed_precision: str = "bf16"
+    mixed_precision: Literal["bf16", "fp32", "auto"] = "bf16"
     """Compute dtype in forward/backward (master weights stay fp32): bf16, fp32, or auto = bf16 on
     GPUs and CPUs with native bf16 (AMX, AVX512-BF16, Arm BF16), else fp32; resolved at load."""
     max_grad_norm: float = 1.0
@@ -141,7 +101,7 @@ class TrainingConfig:
     loss_chunk: int = 0
     """Fused output projection + cross-entropy over chunks of this many tokens (the full logits never
     exist); 0 = plain logits then cross-entropy."""
-    nonfinite: str = "stop"
+    nonfinite: Literal["stop", "skip"] = "stop"
     """NaN/inf gradient norm: stop (exit 2 before the update, the last checkpoint stays the last good
     state) or skip (drop the update; metrics count skipped_steps)."""
 
@@ -158,9 +118,9 @@ class OptimizerConfig:
     """AdamW epsilon."""
     weight_decay: float = 0.1
     """Decoupled weight decay, applied to matrices and embeddings only (not norms)."""
-    implementation: str = "auto"
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
     """AdamW kernel: auto (fused where supported), fused, foreach or for-loop (fp32 states only)."""
-    state_dtype: str = "fp32"
+    state_dtype: Literal["fp32", "bf16"] = "fp32"
     """AdamW moment storage: fp32, or bf16 (half the bytes; updates still computed in fp32)."""
 
 
@@ -168,7 +128,7 @@ class OptimizerConfig:
 class LRSchedulerConfig:
     warmup_steps: int = 10
     """Linear warmup from 0 to the peak learning rate."""
-    decay: str = "cosine"
+    decay: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
     """After warmup: cosine, linear, wsd (warmup-stable-decay) or constant."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak."""
@@ -190,7 +150,7 @@ class ParallelConfig:
     """Pipeline-parallel degree."""
     ep: int = 1
     """Expert-parallel degree (MoE models; borrows ranks from dp_shard*cp)."""
-    pp_schedule: str = "1f1b"
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved1f1b", "zbv", "dualpipev"] = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved1f1b, zbv or dualpipev (over the micro-batches)."""
     pp_stages_per_rank: int = 2
     """interleaved1f1b: stages per rank (zbv and dualpipev always use 2, gpipe and 1f1b 1)."""
@@ -198,22 +158,22 @@ class ParallelConfig:
     """With tp > 1: keep logits vocab-sharded and compute the cross-entropy without gathering them."""
     cp_load_balance: bool = True
     """With cp > 1: each rank gets a head and a tail chunk, so causal attention work is even."""
-    cp_rotate_method: str = "allgather"
+    cp_rotate_method: Literal["allgather", "alltoall"] = "allgather"
     """With cp > 1: how key/value shards travel around the ring: allgather or alltoall."""
-    backend: str = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend: auto (nccl on cuda with gloo for cpu tensors, gloo on cpu), gloo, nccl."""
     backend_override: dict[str, str] = field(default_factory=dict)
     """Per mesh dim backend[:option=value...], e.g. dp_replicate=gloo:timeout_s=600:threads=4,tp=nccl
     (gloo: timeout_s, threads; nccl: timeout_s, high_priority)."""
-    reshard_after_forward: str = "default"
+    reshard_after_forward: Literal["default", "always", "never"] = "default"
     """FSDP: free gathered parameters after forward: default (all but the root), always, never."""
-    fsdp_reduce_dtype: str = "fp32"
+    fsdp_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     """Gradient reduce-scatter dtype under bf16 mixed precision: fp32 or bf16."""
 
 
 @dataclass
 class ActivationCheckpointConfig:
-    mode: str = "none"
+    mode: Literal["none", "full", "selective", "layer"] = "none"
     """none; full (each block recomputed in backward); selective (keep matmul, attention and
     collective outputs, recompute the elementwise ops); layer (every `every`-th block in full)."""
     every: int = 2
@@ -252,7 +212,7 @@ class CheckpointConfig:
     """Save the initialized state as step-0 before training (a seed checkpoint for other layouts)."""
     keep_latest_k: int = 0
     """Keep only the newest K committed checkpoints (older ones are deleted after each save); 0 = all."""
-    async_mode: str = "none"
+    async_mode: Literal["none", "thread", "process"] = "none"
     """none (training waits), thread or process (training goes on once the state is in host memory)."""
     verify_checksums: bool = True
     """Check every file's SHA-256 against the manifest before loading (sizes are always checked)."""
@@ -274,7 +234,7 @@ class MetricsConfig:
     """Also log to Weights & Biases (needs `pip install wandb`), into run.dir/wandb."""
     wandb_project: str = "shardwise"
     """W&B project name."""
-    wandb_mode: str = "offline"
+    wandb_mode: Literal["offline", "online"] = "offline"
     """offline (no network; sync later with `wandb sync run.dir/wandb/offline-run-*`) or online."""
 
 
@@ -413,35 +373,26 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                device: str | None = None) -> Config:
-    """Defaults <- TOML file <- CLI overrides, then preset, checks, and ``auto`` resolved for
-    ``device`` ("cpu" / "cuda"; None = this machine's per ``run.device``, the planner passes its own)."""
+def choices(key: str) -> tuple[str, ...]:
+    """The values a ``Literal`` field such as ``"parallel.pp_schedule"`` accepts."""
+    section, _, name = key.partition(".")
+    return typing.get_args(section_fields(sections()[section])[name])
+
+
+def read_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- TOML file <- CLI overrides, each value checked against its field's type (the
+    rest -- preset, relations between fields, ``auto`` -- is :func:`shardwise.config_checks.load_config`)."""
     cfg = Config()
     if path is not None:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file '{p}' does not exist: pass --config with a TOML file "
                               "(e.g. configs/debug.toml)")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file '{p}' is not valid TOML: {e}") from None
-        for section, table in data.items():
+        for section, table in read_toml(p, "config file").items():
             if not isinstance(table, dict):
                 raise ConfigError(f"config file '{p}': top-level key '{section}' must be a [section]")
             for name, value in table.items():
                 _apply(cfg, f"{section}.{name}", value, from_cli=False, where=f" in {p}")
     for key, value in parse_overrides(overrides or []):
         _apply(cfg, key, value, from_cli=True, where=" on the command line")
-    from shardwise.config_checks import (  # (imports this module)
-        clamp_warmup,
-        resolve_model,
-        resolve_precision,
-        validate,
-    )
-    resolve_model(cfg)
-    validate(cfg)
-    clamp_warmup(cfg)
-    resolve_precision(cfg, device)
     return cfg

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import types
 import typing
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
+
+import tomllib
 
 
 class ConfigError(ValueError):
@@ -17,6 +20,8 @@ def type_name(tp: Any) -> str:
     """A readable name for a field type, as used in error messages and help."""
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
         return " or ".join(type_name(a) for a in typing.get_args(tp) if a is not type(None))
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(tp)))
     if typing.get_origin(tp) is dict:
         return "table of strings"
     if typing.get_origin(tp) is list:
@@ -32,6 +37,10 @@ def coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
         if value is None or (from_cli and str(value).lower() in ("none", "null")):
             return None
         return coerce(key, inner[0], value, from_cli)
+    if typing.get_origin(tp) is Literal:  # the field's choices are its type
+        if value not in args:
+            raise ConfigError(f"{key} must be one of {', '.join(map(str, args))}, got {value!r}")
+        return value
     bad = ConfigError(f"config key '{key}' expects {type_name(tp)}, got {value!r}")
     if tp is bool:
         if isinstance(value, bool):
@@ -73,3 +82,13 @@ def coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
             return [dict(v) for v in value]
         raise bad
     raise ConfigError(f"config key '{key}' has an unsupported type {tp}")
+
+
+def read_toml(path: Path, what: str) -> dict[str, Any]:
+    """The tables of a TOML file; unreadable or invalid: one line naming ``what`` and the file."""
+    try:
+        return tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{what} '{path}' cannot be read ({e}): check the path") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{what} '{path}' is not valid TOML: {e}") from None

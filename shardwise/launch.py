@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from shardwise.config_checks import LAUNCHED_RANK_ENV
+from shardwise.device import usable_cores
 
 
 def strip_launcher_flags(argv: list[str]) -> list[str]:
@@ -96,8 +97,6 @@ def first_failure(folder: str) -> dict | None:
 
 def local_threads(nproc: int) -> int:
     """Threads per local rank: the cores this process may run on, shared out."""
-    from shardwise.parallel.dims import usable_cores
-
     return max(1, usable_cores() // nproc)
 
 

@@ -12,10 +12,11 @@ from shardwise.config import Config, ConfigError, TrainingConfig
 from shardwise.config_checks import notice
 from shardwise.data.prepare import check_prepared
 from shardwise.data.tokenizer import load_tokenizer
+from shardwise.device import launched_world_size
 from shardwise.models import ModelArgs, build_model, model_args
-from shardwise.parallel.dims import ParallelDims, launched_world_size
+from shardwise.parallel.dims import ParallelDims
 from shardwise.parallel.float8 import float8_summary
-from shardwise.parallel.pipeline import SCHEDULES, stages_per_rank
+from shardwise.parallel.pipeline import stages_per_rank
 from shardwise.resilience import restart_count
 
 
@@ -218,9 +219,6 @@ def check_pipeline(cfg: Config, dims: ParallelDims, n_microbatches: int) -> None
     if dims.pp == 1:
         return
     pc = cfg.parallel
-    if pc.pp_schedule not in SCHEDULES:  # (the config's choices list them; kept for API callers)
-        raise ConfigError(f"parallel.pp_schedule={pc.pp_schedule} is not available; use one of "
-                          f"{', '.join(SCHEDULES)}")
     v = stages_per_rank(pc.pp_schedule, pc.pp_stages_per_rank)
     if v < 1 or dims.pp * v > cfg.model.n_layers:
         raise ConfigError(f"parallel.pp_schedule={pc.pp_schedule} needs pp*stages_per_rank={dims.pp * v} "

@@ -28,6 +28,7 @@ from shardwise import checkpoint, rundir
 from shardwise.config import Config, ParallelConfig
 from shardwise.data.dataset import IGNORE_INDEX, Batch, Corpus, PackedLoader, check_vocab, open_corpus
 from shardwise.data.tokenizer import load_tokenizer
+from shardwise.device import DistEnv, init_distributed
 from shardwise.models import ModelArgs, build_model, init_weights, model_args
 from shardwise.models.moe import moe_layers, update_expert_bias
 from shardwise.observe.comm import trace_step
@@ -49,7 +50,7 @@ from shardwise.optim.adamw import build_optimizer
 from shardwise.optim.clip import clip_grad_norm_
 from shardwise.optim.lr import build_lr_scheduler
 from shardwise.parallel.context import shard_sequences
-from shardwise.parallel.dims import DistEnv, ParallelDims, init_distributed
+from shardwise.parallel.dims import ParallelDims
 from shardwise.parallel.float8 import precompute_scales
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.pipeline import (

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from shardwise.config import ConfigError, load_config
+from shardwise.config import ConfigError
+from shardwise.config_checks import load_config
 from shardwise.observe.metrics import read_metrics
 from shardwise.observe.routing import replay_report
 

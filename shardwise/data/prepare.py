@@ -43,6 +43,7 @@ from shardwise.data.sources import (
     resolve_sources,
 )
 from shardwise.data.tokenizer import Tokenizer, load_tokenizer
+from shardwise.device import usable_cores
 
 FORMAT = 1
 _BATCH_CHARS = 1 << 20  # documents are tokenized ~1 MB of text at a time: a worker's memory bound
@@ -186,8 +187,6 @@ def _prepare_source(source: Source, where: Path, sets: dict[str, Any], cfg: Data
     _write_json(where / "manifest.json", {**sets, "complete": False})
     total = sum(f.stat().st_size for f in source.files)
     if not workers:
-        from shardwise.parallel.dims import usable_cores
-
         workers = usable_cores()
     raw = sum(f.stat().st_size * (4 if is_compressed(f) else 1) for f in source.files)
     chunk = max(1, int(cfg.shard_mb * 2**20))

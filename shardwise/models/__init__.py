@@ -3,29 +3,35 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
-from shardwise.config import ConfigError, ModelConfig
-from shardwise.models.llama import ModelArgs, Transformer, init_weights
+from shardwise.config_types import ConfigError
+from shardwise.models.args import ModelArgs
+from shardwise.models.llama import Transformer, init_weights
 from shardwise.models.presets import PRESETS
 
-__all__ = ["PRESETS", "ModelArgs", "Transformer", "build_model", "init_weights", "model_args"]
+__all__ = ["PRESETS", "ModelArgs", "Transformer", "build_model", "check_args", "init_weights", "model_args"]
 
 
-def model_args(cfg: ModelConfig) -> ModelArgs:
-    """The preset named by ``cfg.name`` with every field set in ``cfg`` applied over it."""
+def model_args(cfg: Any) -> ModelArgs:
+    """The model a ``[model]`` config section (shardwise.config.ModelConfig) describes: the preset
+    named by ``cfg.name`` with every field set in ``cfg`` applied over it."""
     overrides = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
                  if f.name != "name" and getattr(cfg, f.name) is not None}
-    args = dataclasses.replace(PRESETS[cfg.name], **overrides)
-    check_args(args)
-    return args
+    return dataclasses.replace(PRESETS[cfg.name], **overrides)
 
 
 def check_args(args: ModelArgs) -> None:
-    """One-line errors for model shapes that cannot be built."""
+    """One-line errors for model shapes that cannot be built (the config checks call this)."""
     if args.n_heads % args.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads={args.n_kv_heads} must divide model.n_heads={args.n_heads}")
+    if args.head_size:
+        if args.head_size % 2:
+            raise ConfigError(f"model.head_size={args.head_size} must be even (RoPE rotates pairs)")
+    elif args.dim % args.n_heads or (args.dim // args.n_heads) % 2:
+        raise ConfigError(f"model.dim={args.dim} must be n_heads={args.n_heads} times an even head dim")
     if args.n_experts:
         if args.moe_hidden_dim <= 0:
             raise ConfigError("model.n_experts > 0 needs model.moe_hidden_dim > 0 (the expert width)")

@@ -10,62 +10,16 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from shardwise.models.args import ModelArgs
+from shardwise.models.layers import FeedForward, RMSNorm
 from shardwise.models.moe import MoE
 from shardwise.ops.chunked_ce import chunked_linear_cross_entropy
-
-
-@dataclass(frozen=True)
-class ModelArgs:
-    dim: int = 256
-    n_layers: int = 6
-    n_heads: int = 16
-    n_kv_heads: int = 16
-    vocab_size: int = 2048
-    ffn_dim_multiplier: float = 1.0
-    multiple_of: int = 256
-    norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
-    rope_scaling_factor: float = 1.0
-    max_seq_len: int = 2048
-    tie_embeddings: bool = False
-    # Llama-3.1 RoPE scaling constants (used only when rope_scaling_factor != 1).
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_seq_len: int = 8192
-    head_size: int = 0
-    """Per-head width; 0 = dim // n_heads (Qwen3-style models decouple the two)."""
-    # Mixture of experts (n_experts = 0: every block has the dense SwiGLU MLP). See moe.py.
-    n_experts: int = 0
-    moe_top_k: int = 2
-    moe_hidden_dim: int = 0
-    n_shared_experts: int = 0
-    moe_score: str = "softmax"
-    moe_route_norm: bool = True
-    moe_route_scale: float = 1.0
-    moe_balance: str = "aux_loss"
-    moe_aux_coef: float = 0.01
-    moe_bias_rate: float = 1e-3
-    n_dense_layers: int = 0
-
-    @property
-    def head_dim(self) -> int:
-        return self.head_size or self.dim // self.n_heads
-
-    def is_moe_layer(self, layer_id: int) -> bool:
-        return self.n_experts > 0 and layer_id >= self.n_dense_layers
-
-    @property
-    def ffn_hidden_dim(self) -> int:
-        """Llama's SwiGLU width: 2/3 of 4*dim, times the multiplier, rounded up to multiple_of."""
-        hidden = int(self.ffn_dim_multiplier * int(2 * 4 * self.dim / 3))
-        return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
 
 def rope_frequencies(args: ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
@@ -96,18 +50,6 @@ def apply_rope(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (B, S, H, D/2)
     f = freqs_cis.unsqueeze(-2) if freqs_cis.dim() == 3 else freqs_cis[None, :, None, :]
     return torch.view_as_real(xc * f).flatten(-2).type_as(x)
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in fp32 whatever the input dtype."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
 
 
 class AttentionCore(nn.Module):
@@ -147,19 +89,6 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
         out = self.core(q, k, v, mask)  # (B, H, S, D)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))  # (B, S, dim)
-
-
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):

@@ -38,6 +38,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardwise.models.args import ModelArgs
+from shardwise.models.layers import FeedForward
+
 
 class AuxLossGrad(torch.autograd.Function):
     """Identity on ``x`` whose backward also sends gradient 1 into ``aux`` (a scalar loss term
@@ -122,7 +125,7 @@ class Router(nn.Module):
 class MoE(nn.Module):
     """Routed experts (+ an optional shared expert) in place of the dense feed-forward."""
 
-    def __init__(self, args) -> None:  # noqa: ANN001 -- ModelArgs (llama.py imports this module)
+    def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.n_experts, self.top_k = args.n_experts, args.moe_top_k
         self.balance, self.aux_coef, self.bias_rate = args.moe_balance, args.moe_aux_coef, args.moe_bias_rate
@@ -131,7 +134,6 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(args.n_experts, args.dim, args.moe_hidden_dim)
         self.shared_expert = None
         if args.n_shared_experts:
-            from shardwise.models.llama import FeedForward
             self.shared_expert = FeedForward(args.dim, args.n_shared_experts * args.moe_hidden_dim)
         # Tokens routed to each expert since the last bias update (all micro-batches of a step).
         self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts), persistent=False)

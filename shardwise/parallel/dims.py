@@ -13,23 +13,25 @@ views are built once:
 
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from shardwise.config import ConfigError, ParallelConfig
-from shardwise.config_checks import parse_backend_spec
-from shardwise.models.llama import ModelArgs
+from shardwise.config import ConfigError, ParallelConfig, coerce
+from shardwise.models.args import ModelArgs
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-
-
+"""The world mesh's dims, outermost first (rank = row-major index over them)."""
+FLAT_VIEWS = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
+              "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+              "dp_cp_tp": ("dp_replicate", "dp_shard", "cp", "tp"), "cp_tp": ("cp", "tp")}
+"""The flattened views :meth:`ParallelDims.build_mesh` makes, by name -> the mesh dims they span."""
+MOE_VIEWS = {"dp_shard_cp_tp": ("dp_shard", "cp", "tp"), "moe": ("dp_shard", "cp", "tp")}
+"""The views :meth:`ParallelDims.moe_meshes` makes (``moe``: the FSDP group of routers and shared
+experts; ``ep`` and ``efsdp`` split it, innermost ``ep``)."""
 
 @dataclass
 class ParallelDims:
@@ -116,11 +118,7 @@ class ParallelDims:
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS,
                                 backend_override=overrides or None)
         # torch wants flattened meshes kept by the caller rather than sliced from the root again.
-        self._flat = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
-                      "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
-                      "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
-                      "dp_cp_tp": mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten("dp_cp_tp"),
-                      "cp_tp": mesh["cp", "tp"]._flatten("cp_tp")}
+        self._flat = {name: mesh[spans]._flatten(name) for name, spans in FLAT_VIEWS.items()}
         if self.dp_replicate > 1 and self.cp > 1:
             # HSDP over (dp_replicate, dp_shard x cp): a 2-D view made by unflattening dp_cp.
             self._flat["hsdp"] = self._flat["dp_cp"]._unflatten(
@@ -130,11 +128,11 @@ class ParallelDims:
 
     @property
     def flat_meshes(self) -> dict[str, DeviceMesh]:
-        """The flattened views (dp, dp_shard_cp, dp_cp) by name."""
+        """The flattened views (:data:`FLAT_VIEWS`, and the MoE ones once made) by name."""
         return dict(self._flat)
 
     def submesh(self, name: str) -> DeviceMesh:
-        """A mesh dim of the world mesh, or one of the flattened views (dp, dp_shard_cp, dp_cp)."""
+        """A mesh dim of the world mesh, or one of the flattened views (:data:`FLAT_VIEWS`)."""
         if name in self._flat:
             return self._flat[name]
         return self.mesh[name]
@@ -186,71 +184,27 @@ def backend_options(name: str, opts: dict[str, Any]) -> str | tuple[str, Any]:
     return name, o
 
 
-@dataclass(frozen=True)
-class DistEnv:
-    rank: int
-    local_rank: int
-    world_size: int
-    device: torch.device
+BACKEND_OPTIONS: dict[str, dict[str, type]] = {
+    "gloo": {"timeout_s": float, "threads": int},
+    "nccl": {"timeout_s": float, "high_priority": bool},
+}
 
 
-def launched_world_size() -> int | None:
-    """WORLD_SIZE set by torchrun / the elastic launcher, or None when run as a plain process."""
-    ws = os.environ.get("WORLD_SIZE")
-    return int(ws) if ws else None
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity, e.g. a Slurm or cgroup allotment), not
-    the machine's count."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (x86 AMX or AVX512-BF16, Arm BF16); without it
-    oneDNN emulates bf16 GEMMs far slower than fp32 ones."""
-    import platform
-    import subprocess
-
-    if sys.platform == "darwin":
-        out = subprocess.run(["sysctl", "-n", "hw.optional.arm.FEAT_BF16"], capture_output=True,
-                             text=True, check=False).stdout.strip()
-        return out == "1"
-    try:
-        text = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    flags = set()
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            flags.update(line.split(":", 1)[1].split())
-    if platform.machine() in ("aarch64", "arm64"):
-        return "bf16" in flags
-    return bool(flags & {"amx_bf16", "avx512_bf16"})
-
-
-def device_type(requested: str) -> str:
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("run.device=cuda but no CUDA device is visible: use run.device=cpu or auto")
-    return requested
-
-
-def init_distributed(requested_device: str, backend: str = "auto") -> DistEnv:
-    """Initialize the default process group: from torchrun's env, or a size-1 group otherwise."""
-    dtype = device_type(requested_device)
-    if backend == "auto":
-        # On GPUs NCCL carries device tensors and gloo the CPU ones (checkpoint metadata, objects).
-        backend = "cuda:nccl,cpu:gloo" if dtype == "cuda" else "gloo"
-    world = launched_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(dtype, local_rank) if dtype == "cuda" else torch.device("cpu")
-    if dtype == "cuda":
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        if world is None:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        else:
-            dist.init_process_group(backend, device_id=device if dtype == "cuda" else None)
-    return DistEnv(dist.get_rank(), local_rank, dist.get_world_size(), device)
+def parse_backend_spec(dim: str, spec: str) -> tuple[str, dict[str, Any]]:
+    """``"gloo:timeout_s=600:threads=4"`` -> ``("gloo", {"timeout_s": 600.0, "threads": 4})``."""
+    if dim not in MESH_DIMS:
+        raise ConfigError(f"parallel.backend_override names unknown mesh dim '{dim}'; use "
+                          f"{', '.join(MESH_DIMS)}")
+    name, *opts = spec.split(":")
+    if name not in BACKEND_OPTIONS:
+        raise ConfigError(f"parallel.backend_override {dim}={spec!r}: backend must be one of "
+                          f"{', '.join(BACKEND_OPTIONS)}")
+    parsed: dict[str, Any] = {}
+    for opt in opts:
+        key, _, value = opt.partition("=")
+        if key not in BACKEND_OPTIONS[name]:
+            raise ConfigError(f"parallel.backend_override {dim}: {name} has no option '{key}'; options: "
+                              f"{', '.join(BACKEND_OPTIONS[name])}")
+        parsed[key] = coerce(f"parallel.backend_override {dim} {key}", BACKEND_OPTIONS[name][key],
+                              value, from_cli=True)
+    return name, parsed

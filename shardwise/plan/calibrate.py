@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from shardwise.parallel.dims import usable_cores
+from shardwise.device import usable_cores
 from shardwise.plan.hardware import Hardware, local_path, save_hardware
 
 GEMM_SIZES = (128, 256, 512, 1024, 2048)
@@ -109,7 +109,7 @@ def _tiny_step(layers: int, layout: tuple[str, ...] = ()) -> Callable[[], None]:
     (``layout``: parallel overrides such as ``--parallel.tp=2``)."""
     import torch.distributed as dist
 
-    from shardwise.config import load_config
+    from shardwise.config_checks import load_config
     from shardwise.data.dataset import Batch
     from shardwise.optim.adamw import build_optimizer
     from shardwise.optim.clip import clip_grad_norm_

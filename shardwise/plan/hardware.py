@@ -22,9 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import tomli_w
-import tomllib
 
-from shardwise.config import ConfigError
+from shardwise.config_types import ConfigError, read_toml
 
 PROFILE_DIR = Path(__file__).with_name("hardware")
 LOCAL_FILE = "hardware_local.toml"
@@ -180,10 +179,7 @@ def load_hardware(name: str, cache_dir: str = "~/.cache/shardwise") -> Hardware:
         if not path.is_file():
             raise ConfigError(f"unknown hardware '{name}'; choose one of {', '.join(available())} or "
                               "pass a .toml profile")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"hardware profile {path} is not valid TOML: {e}") from None
+    data = read_toml(path, "hardware profile")
     known = {f.name for f in dataclasses.fields(Hardware)}
     if unknown := set(data) - known:
         raise ConfigError(f"hardware profile {path}: unknown key(s) {', '.join(sorted(unknown))}")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.config import load_config
+from shardwise.config_checks import load_config
 from shardwise.models import build_model, model_args
 from tests.conftest import TINY_ARGS, run_cli
 

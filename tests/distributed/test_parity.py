@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardwise.config import load_config
+from shardwise.config_checks import load_config
 from shardwise.data.tokenizer import SHIPPED_CORPUS
 from shardwise.models import build_model, init_weights, model_args
 from shardwise.verify import checkpoint_params, update_error

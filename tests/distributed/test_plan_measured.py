@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.config import load_config
+from shardwise.config_checks import load_config
 from shardwise.plan.comm import group_members, totals
 from shardwise.plan.estimate import estimate
 from shardwise.plan.hardware import load_hardware

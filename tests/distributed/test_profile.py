@@ -39,7 +39,7 @@ def test_traces_are_named_by_rank_and_step(tmp_path: Path, data_cache: str):
 def test_memory_breakdown_counts_every_tensor(tmp_path: Path, data_cache: str):
     """First-step breakdown: FSDP shards params/grads/optimizer states exactly in two (Adam: two fp32
     moments per parameter); activations halve with half the sequences per micro-batch or per rank."""
-    from shardwise.config import load_config
+    from shardwise.config_checks import load_config
     from shardwise.models import build_model, model_args
 
     def breakdown(name: str, *extra: str) -> dict:

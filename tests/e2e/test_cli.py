@@ -10,7 +10,7 @@ import tomllib
 import torch.distributed as dist
 
 from shardwise.cli import main
-from shardwise.config import load_config
+from shardwise.config_checks import load_config
 from shardwise.models import PRESETS
 from shardwise.observe.flops import attention_pairs, executed_flops, flops_per_token
 from tests.conftest import ROOT, TINY_ARGS, metrics, require, run_cli

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from shardwise import checkpoint
-from shardwise.config import load_config
+from shardwise.config_checks import load_config
 from shardwise.models import build_model, model_args
 from shardwise.verify import checkpoint_params
 from tests.conftest import ROOT, TINY_ARGS, metrics, need, run_cli

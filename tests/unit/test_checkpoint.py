@@ -267,7 +267,7 @@ def test_a_checkpoint_that_would_run_code_is_refused(where: str, tmp_path: Path,
 def test_changing_what_the_model_computes_is_refused(tmp_path: Path, one_rank_group: None):
     """Shapes alone do not tell a checkpoint's function: RoPE base and scaling, norm epsilon, routing
     do too. Each differing field is named with both values; training-only fields may differ."""
-    from shardwise.config import load_config
+    from shardwise.config_checks import load_config
 
     model, opt, sched, loader = trainer()
     cfg = load_config(None, ["--model.name=moe-debug"])

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from shardwise.cli import field_docs, help_text
-from shardwise.config import Config, ConfigError, load_config, parse_overrides
+from shardwise.config import Config, ConfigError, parse_overrides
+from shardwise.config_checks import load_config
 
 CONFIGS = sorted(Path(__file__).parents[2].joinpath("configs").glob("*.toml"))
 
@@ -106,13 +107,13 @@ def test_every_field_is_documented():
 def test_auto_precision_resolves_per_device(monkeypatch: pytest.MonkeyPatch):
     """auto is bf16 on GPUs and on CPUs that multiply bf16 natively, fp32 on other CPUs; the loaded
     config names the dtype, so a saved run resumes with the same one on any machine."""
-    import shardwise.parallel.dims as dims
+    import shardwise.device as device
 
     def mp(args: list[str], device: str | None = None) -> str:
         return load_config(None, args, device=device).training.mixed_precision
 
     assert mp(["--training.mixed_precision=auto"], device="cuda") == "bf16"
     for native, want in ((True, "bf16"), (False, "fp32")):
-        monkeypatch.setattr(dims, "cpu_has_native_bf16", lambda native=native: native)
+        monkeypatch.setattr(device, "cpu_has_native_bf16", lambda native=native: native)
         assert mp(["--training.mixed_precision=auto", "--run.device=cpu"]) == want
     assert mp(["--training.mixed_precision=bf16", "--run.device=cpu"]) == "bf16"

@@ -92,8 +92,7 @@ def test_pp_must_not_exceed_layers():
 def test_backend_options_are_built():
     from datetime import timedelta
 
-    from shardwise.config_checks import parse_backend_spec
-    from shardwise.parallel.dims import backend_options
+    from shardwise.parallel.dims import backend_options, parse_backend_spec
 
     name, opts = parse_backend_spec("dp_replicate", "gloo:timeout_s=5:threads=3")
     assert (name, opts) == ("gloo", {"timeout_s": 5.0, "threads": 3})
@@ -108,7 +107,7 @@ def test_backend_options_are_built():
     ("gloo:threads=many", "expects int, got 'many'"),
 ])
 def test_bad_backend_specs(spec: str, fragment: str):
-    from shardwise.config import load_config
+    from shardwise.config_checks import load_config
 
     with pytest.raises(ConfigError) as e:
         load_config(None, [f"--parallel.backend_override=tp={spec}"])

@@ -108,7 +108,8 @@ def test_precomputed_scales_are_16_byte_aligned(one_rank_group: None):
 
 
 def test_the_log_says_what_float8_converts_and_converting_nothing_is_an_error(capsys, tmp_path):
-    from shardwise.config import ConfigError, load_config
+    from shardwise.config import ConfigError
+    from shardwise.config_checks import load_config
     from shardwise.preflight import preflight as check_layout  # (the trainer's checks, no process group)
 
     cfg = load_config(ROOT / "configs" / "moe-debug.toml",

@@ -10,7 +10,8 @@ import dataclasses
 import pytest
 import torch
 
-from shardwise.config import ConfigError, load_config
+from shardwise.config import ConfigError
+from shardwise.config_checks import load_config
 from shardwise.data.dataset import Batch
 from shardwise.models import build_model, model_args
 from shardwise.observe.flops import attention_pairs, executed_flops

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardwise.config import load_config
+from shardwise.config_checks import load_config
 from shardwise.convert import hf_config, to_hf_state
 from shardwise.data.dataset import IGNORE_INDEX
 from shardwise.models import model_args

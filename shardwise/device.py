@@ -1,0 +1,84 @@
+"""Device and process-group start-up: the device type, whether this CPU multiplies bf16 natively,
+the world a launcher set up, and the default process group. A bottom layer: imports nothing from the
+package but the config's error type, so config checks, the data pipeline and the trainer all use it."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from shardwise.config_types import ConfigError
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+
+def launched_world_size() -> int | None:
+    """WORLD_SIZE set by torchrun / the elastic launcher, or None when run as a plain process."""
+    ws = os.environ.get("WORLD_SIZE")
+    return int(ws) if ws else None
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, e.g. a Slurm or cgroup allotment), not
+    the machine's count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (x86 AMX or AVX512-BF16, Arm BF16); without it
+    oneDNN emulates bf16 GEMMs far slower than fp32 ones."""
+    import platform
+    import subprocess
+
+    if sys.platform == "darwin":
+        out = subprocess.run(["sysctl", "-n", "hw.optional.arm.FEAT_BF16"], capture_output=True,
+                             text=True, check=False).stdout.strip()
+        return out == "1"
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags.update(line.split(":", 1)[1].split())
+    if platform.machine() in ("aarch64", "arm64"):
+        return "bf16" in flags
+    return bool(flags & {"amx_bf16", "avx512_bf16"})
+
+
+def device_type(requested: str) -> str:
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("run.device=cuda but no CUDA device is visible: use run.device=cpu or auto")
+    return requested
+
+
+def init_distributed(requested_device: str, backend: str = "auto") -> DistEnv:
+    """Initialize the default process group: from torchrun's env, or a size-1 group otherwise."""
+    dtype = device_type(requested_device)
+    if backend == "auto":
+        # On GPUs NCCL carries device tensors and gloo the CPU ones (checkpoint metadata, objects).
+        backend = "cuda:nccl,cpu:gloo" if dtype == "cuda" else "gloo"
+    world = launched_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device(dtype, local_rank) if dtype == "cuda" else torch.device("cpu")
+    if dtype == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        if world is None:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend, device_id=device if dtype == "cuda" else None)
+    return DistEnv(dist.get_rank(), local_rank, dist.get_world_size(), device)
