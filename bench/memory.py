@@ -48,7 +48,6 @@ def build(row: dict, a: argparse.Namespace) -> tuple:
     if dtype != torch.float32:
         model.to(dtype)
     init_weights(model, 0)  # (after the cast: it rebuilds the complex RoPE table)
-    model.loss_chunk = row["chunk"]
     apply_ac(model, ActivationCheckpointConfig(mode=row["ac"]))
     apply_compile(model, CompileConfig(enabled=row["compile"]))
     opt = build_optimizer(model, OptimizerConfig(lr=1e-4, state_dtype=row["state_dtype"]), a.device)
@@ -58,7 +57,7 @@ def build(row: dict, a: argparse.Namespace) -> tuple:
 
     def step() -> None:
         if row["chunk"]:
-            loss = model(tokens, labels=labels) / labels.numel()
+            loss = model(tokens, labels=labels, loss_chunk=row["chunk"]) / labels.numel()
         else:
             logits = model(tokens)
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())

@@ -59,10 +59,12 @@ def main() -> None:
 
     from shardwise.config_checks import load_config
     from shardwise.data.dataset import Batch
+    from shardwise.ops.loss import TokenLoss
     from shardwise.optim.adamw import build_optimizer
     from shardwise.optim.lr import build_lr_scheduler
-    from shardwise.parallel.dims import ParallelDims
-    from shardwise.train import build_rank_model, train_step
+    from shardwise.parallel.build import build_rank_model
+    from shardwise.resolve import resolve_run
+    from shardwise.train import train_step
 
     torch.set_num_threads(1)  # kernels are tiny; one thread avoids pool wake-ups in the figure
     d = tempfile.mkdtemp()
@@ -70,9 +72,9 @@ def main() -> None:
     cfg = load_config("configs/debug.toml", ["--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=4",
                                              "--model.n_layers=2", "--training.seq_len=16",
                                              "--training.global_batch=1", "--training.mixed_precision=fp32"])
-    dims = ParallelDims.from_config(cfg.parallel, 1)
-    dims.build_mesh("cpu")
-    model = build_rank_model(cfg, dims, "cpu")
+    run = resolve_run(cfg, 1)
+    run.dims.build_mesh("cpu")
+    model = build_rank_model(run, "cpu")
     opt = build_optimizer(model, cfg.optimizer, "cpu")
     sched = build_lr_scheduler(opt, cfg.lr_scheduler, 10_000)
     tokens = torch.randint(0, 2000, (1, 16))
@@ -80,7 +82,7 @@ def main() -> None:
     batches = [Batch(tokens, tokens.roll(-1, 1), doc_ids, 16)]
 
     def step() -> None:
-        train_step(model, opt, sched, batches, dims, 1.0)
+        train_step(model, opt, sched, batches, run, TokenLoss())
 
     for _ in range(5):
         step()

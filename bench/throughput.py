@@ -32,10 +32,12 @@ from shardwise.device import init_distributed
 from shardwise.models import PRESETS, build_model, init_weights
 from shardwise.observe.flops import flops_per_token, num_params
 from shardwise.observe.peak import peak_tflops
+from shardwise.ops.loss import TokenLoss
 from shardwise.optim.adamw import build_optimizer
 from shardwise.optim.lr import build_lr_scheduler
 from shardwise.parallel.dims import ParallelDims
 from shardwise.parallel.parallelize import parallelize
+from shardwise.resolve import ResolvedRun
 from shardwise.train import train_step
 
 SHAPES = {"debug": (8, 2048), "125m": (4, 1024)}  # (sequences per step, sequence length)
@@ -53,6 +55,8 @@ def bench_preset(name: str, steps: int, warmup: int, peak: float) -> dict[str, f
     loader = PackedLoader(corpus.train, seq, batch, batch, 0, 1, seed=0, document_mask=False)
     batches = [loader.next_step() for _ in range(warmup + steps)]
 
+    run = ResolvedRun(cfg, dims, args, micro_batch=batch, micro_batches=1, precision="bf16",
+                      device_type="cpu")
     ours = build_model(args)
     cfg.training.mixed_precision = "bf16"
     parallelize(ours, dims, cfg)
@@ -66,7 +70,7 @@ def bench_preset(name: str, steps: int, warmup: int, peak: float) -> dict[str, f
     popt = torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=True)
 
     def step_ours(mbs):
-        train_step(ours, opt, sched, mbs, dims, 1.0)["loss"].item()
+        train_step(ours, opt, sched, mbs, run, TokenLoss()).loss.item()
 
     def step_plain(mbs):
         (b,) = mbs

@@ -249,13 +249,13 @@ def _estimate_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     from shardwise.plan.estimate import estimate, estimate_json, format_estimate
     from shardwise.plan.hardware import load_hardware
-    from shardwise.preflight import check_layout
+    from shardwise.resolve import resolve_run
 
     if args.world < 1:
         raise ConfigError(f"--world must be >= 1, got {args.world}")
     # training.mixed_precision=auto resolves for the planned device, not for this machine.
     cfg = load_config(args.config, overrides, device="cpu" if args.hardware == "local" else "cuda")
-    check_layout(cfg, args.world)  # the trainer's own refusals, one line each
+    resolve_run(cfg, args.world)  # the trainer's own refusals, one line each
     hw = load_hardware(args.hardware, cfg.data.cache_dir)
     est = estimate(cfg, args.world, hw)
     print(format_estimate(est))

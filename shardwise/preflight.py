@@ -1,4 +1,4 @@
-"""Checks that need no process group -- layout, batch split, pipeline schedule, data, tokenizer,
+"""Checks that need no process group -- the resolved layout (shardwise/resolve.py), data, tokenizer,
 run directory, the checkpoint to load -- so a bad run fails in one line before any work starts."""
 
 from __future__ import annotations
@@ -8,57 +8,24 @@ import tempfile
 from pathlib import Path
 
 from shardwise import checkpoint, rundir
-from shardwise.config import Config, ConfigError, TrainingConfig
+from shardwise.config import Config, ConfigError
 from shardwise.config_checks import notice
 from shardwise.data.prepare import check_prepared
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.device import launched_world_size
-from shardwise.models import ModelArgs, build_model, model_args
-from shardwise.parallel.dims import ParallelDims
+from shardwise.models import ModelArgs, build_model
 from shardwise.parallel.float8 import float8_summary
-from shardwise.parallel.pipeline import stages_per_rank
 from shardwise.resilience import restart_count
+from shardwise.resolve import ResolvedRun, resolve_run
 
 
-def micro_batches_per_rank(t: TrainingConfig, dp: int) -> int:
-    """Gradient-accumulation steps per optimizer step (the pipeline's micro-batches under PP)."""
-    return t.global_batch // dp // micro_batch_size(t, dp)
-
-
-def micro_batch_size(t: TrainingConfig, dp: int) -> int:
-    if t.global_batch % dp:
-        raise ConfigError(f"training.global_batch={t.global_batch} must be divisible by the "
-                          f"data-parallel degree dp_replicate*dp_shard={dp}")
-    per_rank = t.global_batch // dp
-    mb = t.micro_batch or per_rank
-    if per_rank % mb:
-        raise ConfigError(f"training.micro_batch={mb} must divide the per-rank batch "
-                          f"global_batch/dp={per_rank}")
-    return mb
-
-
-def check_layout(cfg: Config, world_size: int) -> ParallelDims:
-    """The layout checks: degrees against the world, the model, the batch split and the pipeline
-    schedule, and the features a layout cannot combine with (the planner filters with this too)."""
-    dims = ParallelDims.from_config(cfg.parallel, world_size)
-    dims.check_model(model_args(cfg.model), cfg.training.seq_len)
-    pipeline_micro_batch(cfg, dims)
-    check_pipeline(cfg, dims, micro_batches_per_rank(cfg.training, dims.dp))
-    if cfg.training.loss_chunk and dims.pp > 1:
-        raise ConfigError("training.loss_chunk with parallel.pp > 1 is not available (the pipeline "
-                          "schedule computes the loss on the last stage's logits): set training.loss_chunk=0")
-    if dims.cp > 1 and cfg.data.document_mask:
-        raise ConfigError("data.document_mask with parallel.cp > 1 is not available (the ring "
-                          "attention is causal-only): set data.document_mask=false or cp=1")
-    return dims
-
-
-def preflight(cfg: Config, world_size: int) -> ParallelDims:
-    """Every check that needs no process group: layout, batch split, data, tokenizer, run dir."""
-    dims = check_layout(cfg, world_size)
-    args = model_args(cfg.model)
-    if cfg.float8.enabled:  # (here, not in check_layout: the planner checks thousands of layouts)
-        notice(float8_summary(build_model(args), cfg.float8, dims.tp))
+def preflight(cfg: Config, world_size: int) -> ResolvedRun:
+    """Every check that needs no process group -- layout and batch split (:func:`resolve_run`),
+    data, tokenizer, run dir, the checkpoint to load -- and the resolved run."""
+    run = resolve_run(cfg, world_size)
+    args = run.model
+    if cfg.float8.enabled:  # (here, not in resolve_run: the planner checks thousands of layouts)
+        notice(float8_summary(build_model(args), cfg.float8, run.dims.tp))
     if cfg.metrics.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("metrics.wandb=true needs the wandb package: pip install wandb (or "
                           "shardwise[wandb]), or set metrics.wandb=false")
@@ -82,7 +49,7 @@ def preflight(cfg: Config, world_size: int) -> ParallelDims:
                           "--run.dir") from None
     check_run_dir(cfg, run_dir, args)
     check_routing(cfg, world_size, args)
-    return dims
+    return run
 
 
 def check_routing(cfg: Config, world_size: int, args: ModelArgs) -> None:
@@ -190,53 +157,3 @@ def no_good_checkpoint(run_dir: Path, problems: dict[Path, str]) -> checkpoint.C
         "--run.overwrite true")
 
 
-def pipeline_micro_batch(cfg: Config, dims: ParallelDims) -> None:
-    """With pipeline parallel and ``training.micro_batch`` unset (0, which means no accumulation),
-    choose the micro-batch for the user and say so: the largest one that gives the schedule at
-    least ``4 * pp`` micro-batches (1F1B's bubble ``(pp-1)/(m+pp-1)`` then stays under 20%;
-    fewer sequences per rank: micro-batches of one) among those the schedule accepts."""
-    t = cfg.training
-    if t.micro_batch or dims.pp == 1:
-        return
-    per_rank = micro_batch_size(t, dims.dp)  # (checks that dp divides the batch)
-    counts = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
-    want = min(4 * dims.pp, per_rank)
-    for m in [m for m in counts if m >= want] + [m for m in reversed(counts) if m < want]:
-        try:
-            check_pipeline(cfg, dims, m)
-        except ConfigError:
-            continue
-        t.micro_batch = per_rank // m
-        bubble = (dims.pp - 1) / (m + dims.pp - 1)
-        notice(f"parallel.pp={dims.pp}: training.micro_batch={t.micro_batch} ({m} micro-batches per step "
-               f"through the {cfg.parallel.pp_schedule} schedule; 1F1B bubble (pp-1)/(m+pp-1) = "
-               f"{bubble:.0%}); set training.micro_batch to choose")
-        return
-    t.micro_batch = 1  # none fits: the checks below name what the schedule needs
-
-
-def check_pipeline(cfg: Config, dims: ParallelDims, n_microbatches: int) -> None:
-    if dims.pp == 1:
-        return
-    pc = cfg.parallel
-    v = stages_per_rank(pc.pp_schedule, pc.pp_stages_per_rank)
-    if v < 1 or dims.pp * v > cfg.model.n_layers:
-        raise ConfigError(f"parallel.pp_schedule={pc.pp_schedule} needs pp*stages_per_rank={dims.pp * v} "
-                          f"stages of at least one block, but model.n_layers={cfg.model.n_layers}: lower "
-                          "pp or parallel.pp_stages_per_rank")
-    rounds = max(1, n_microbatches // dims.pp)
-    if pc.pp_schedule == "dualpipev" and n_microbatches < 2 * dims.pp:
-        raise ConfigError(f"parallel.pp_schedule=dualpipev needs at least 2*pp={2 * dims.pp} micro-batches "
-                          f"per step (one per stage), got {n_microbatches}: lower training.micro_batch "
-                          "or raise training.global_batch")
-    if pc.pp_schedule == "interleaved1f1b" and n_microbatches % rounds:
-        raise ConfigError(f"parallel.pp_schedule=interleaved1f1b needs the micro-batches per step "
-                          f"({n_microbatches}) to be a multiple of max(1, micro-batches // pp)={rounds}: "
-                          "change training.micro_batch")
-    if cfg.data.document_mask:
-        raise ConfigError("data.document_mask with parallel.pp > 1 is not available yet (the pipeline "
-                          "feeds extra inputs to the first stage only): set data.document_mask=false")
-    if cfg.parallel.pp_schedule == "1f1b" and n_microbatches < dims.pp:
-        raise ConfigError(f"parallel.pp_schedule=1f1b needs at least pp={dims.pp} micro-batches per step, "
-                          f"got {n_microbatches}: lower training.micro_batch, raise training.global_batch "
-                          "or use pp_schedule=gpipe")

@@ -131,6 +131,12 @@ class Checkpointer:
         self._local_error: str | None = None
         self.blocked_s = 0.0  # how long the last save() held up training
 
+    def due(self, step: int, last: bool, stopping: bool) -> bool:
+        """Whether ``step`` is saved: every checkpoint.interval steps, the last one (checkpoint.final),
+        and the step a stop request ends the run at."""
+        c = self.cfg
+        return (c.interval > 0 and step % c.interval == 0) or (c.final and last) or stopping
+
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
              scheduler: torch.optim.lr_scheduler.LRScheduler, loader: PackedLoader,
              block: bool = False) -> Path:

@@ -43,7 +43,8 @@ def check_args(args: ModelArgs) -> None:
                               f"model.n_layers={args.n_layers}: lower it or set n_experts=0")
 
 
-def build_model(args: ModelArgs, device: torch.device | str = "meta") -> Transformer:
-    """Construct the model; on ``meta`` (the default) no memory is allocated."""
+def build_model(args: ModelArgs, device: torch.device | str = "meta", **moe: Any) -> Transformer:
+    """Construct the model; on ``meta`` (the default) no memory is allocated. ``moe``:
+    sequences_per_step and sequence_group for the MoE balance loss (see Transformer)."""
     with torch.device(device):
-        return Transformer(args)
+        return Transformer(args, **moe)

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import math
 import zlib
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -92,13 +94,13 @@ class Attention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, args: ModelArgs) -> None:
+    def __init__(self, layer_id: int, args: ModelArgs, **moe: Any) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward: nn.Module = (MoE(args) if args.is_moe_layer(layer_id)
+        self.feed_forward: nn.Module = (MoE(args, **moe) if args.is_moe_layer(layer_id)
                                         else FeedForward(args.dim, args.ffn_hidden_dim))
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor,
@@ -121,13 +123,17 @@ def document_mask(doc_ids: torch.Tensor, causal: torch.Tensor | None = None) -> 
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, sequences_per_step: int = 1,
+                 sequence_group: dist.ProcessGroup | None = None) -> None:
+        """``sequences_per_step`` (global) and ``sequence_group`` (the ranks sharing a sequence)
+        reach the MoE blocks' balance loss; a dense model ignores them."""
         super().__init__()
+        moe = dict(sequences_per_step=sequences_per_step, sequence_group=sequence_group)
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keyed by layer index keeps parameter names stable when layers are split
         # across pipeline stages.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args, **moe) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         # Tied embeddings reuse tok_embeddings.weight in forward: one parameter, nothing to re-tie
         # after to_empty() or sharding.
@@ -136,17 +142,16 @@ class Transformer(nn.Module):
         # The sequence positions this rank's tokens hold, when context parallel shards the
         # sequence; init_weights then keeps only those rows of the RoPE table.
         self.rope_positions: torch.Tensor | None = None
-        self.loss_chunk = 4096  # tokens per chunk of the fused output projection + loss
         self._causal_cache: dict[tuple, torch.Tensor] = {}
 
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                ignore_index: int = -100) -> torch.Tensor:
+                ignore_index: int = -100, loss_chunk: int = 4096) -> torch.Tensor:
         """tokens (B, S) -> logits (B, S, vocab). ``doc_ids`` (B, S) enables document masking;
         ``positions`` (B, S) overrides the RoPE positions (default 0..S-1).
 
         With ``labels`` (B, S) it returns the summed token cross-entropy instead (fp32 scalar),
-        computed by the chunked linear + cross-entropy (``self.loss_chunk`` tokens at a time), so
+        computed by the chunked linear + cross-entropy (``loss_chunk`` tokens at a time), so
         the logits never exist.
 
         A pipeline stage without the embedding takes hidden states (B, S, dim) instead of tokens,
@@ -162,7 +167,7 @@ class Transformer(nn.Module):
         if labels is not None:
             head = self.tok_embeddings.weight if self.output is None else self.output.weight  # (V, dim)
             return chunked_linear_cross_entropy(h, head, labels, reduction="sum",
-                                                ignore_index=ignore_index, chunk_size=self.loss_chunk)
+                                                ignore_index=ignore_index, chunk_size=loss_chunk)
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)
         return self.output(h)  # (B, S, vocab); through the module so tensor parallel's hooks apply

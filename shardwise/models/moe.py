@@ -125,7 +125,8 @@ class Router(nn.Module):
 class MoE(nn.Module):
     """Routed experts (+ an optional shared expert) in place of the dense feed-forward."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, sequences_per_step: int = 1,
+                 sequence_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.n_experts, self.top_k = args.n_experts, args.moe_top_k
         self.balance, self.aux_coef, self.bias_rate = args.moe_balance, args.moe_aux_coef, args.moe_bias_rate
@@ -137,10 +138,9 @@ class MoE(nn.Module):
             self.shared_expert = FeedForward(args.dim, args.n_shared_experts * args.moe_hidden_dim)
         # Tokens routed to each expert since the last bias update (all micro-batches of a step).
         self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts), persistent=False)
-        # Set by the trainer / parallelize: the global number of sequences per step (the aux loss is
-        # a mean over them) and the group of ranks that share a sequence (cp x tp), if any.
-        self.sequences_per_step = 1
-        self.sequence_group: dist.ProcessGroup | None = None
+        # The global number of sequences per step (the balance loss is a mean over them) and the
+        # group of ranks that share a sequence (cp x tp), if any: its statistics sum over them.
+        self.sequences_per_step, self.sequence_group = sequences_per_step, sequence_group
         self.count_tokens = True  # off while a forward is not training (pipeline shape inference)
         self.routing = None  # a RoutingTrace (shardwise/observe/routing.py) records or replays routing
 

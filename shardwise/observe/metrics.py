@@ -88,6 +88,11 @@ class MetricsLogger:
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                              dynamic_ncols=True, mininterval=0.5)
 
+    def due(self, step: int, final: bool) -> bool:
+        """Whether ``step`` is logged: every metrics.log_interval steps and the run's final step
+        (the loss all-reduce and the host syncs happen only then)."""
+        return step % self.cfg.log_interval == 0 or final
+
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
             return

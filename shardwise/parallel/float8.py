@@ -151,8 +151,6 @@ def apply_float8(model: nn.Module, cfg: Float8Config, tp: int, device_type: str)
         return any(fqn.startswith(g + ".") and fqn.count(".") == g.count(".") + 1 for g in groups)
 
     ao.convert_to_float8_training(model, module_filter_fn=keep, config=config)
-    # The trainer precomputes the weight scales after each optimizer step when this is set.
-    model.float8_all_gather = bool(cfg.fsdp_all_gather and groups)
     return groups
 
 
@@ -169,6 +167,12 @@ def tp_styles(parent: nn.Module, col: str, float8_comm: bool) -> tuple[type, typ
 
         return tp.Float8ColwiseParallel, tp.Float8RowwiseParallel, tp.PrepareFloat8ModuleInput
     return ColwiseParallel, RowwiseParallel, PrepareModuleInput
+
+
+def gathers_float8(model: nn.Module, cfg: Float8Config) -> bool:
+    """Whether FSDP all-gathers float8 weights (float8.fsdp_all_gather and a converted linear):
+    the trainer then precomputes their scales after each optimizer step."""
+    return cfg.enabled and cfg.fsdp_all_gather and any(is_float8(m) for m in model.modules())
 
 
 @torch.no_grad()

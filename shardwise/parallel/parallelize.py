@@ -36,12 +36,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, config: Config) -> None:
         # The training sequence length fixes which positions each cp rank holds.
         apply_cp(model, dims.submesh("cp"), cfg, config.training.seq_len)
     moe_meshes = {}
-    if moe := moe_layers(model):
+    if moe_layers(model):
         moe_meshes = dims.moe_meshes()
-        # A sequence's tokens are split over cp x tp: the balance loss counts over those ranks.
-        group = dims.submesh("cp_tp").get_group() if dims.cp * dims.tp > 1 else None
-        for m in moe:
-            m.sequence_group = group
         if dims.ep > 1:
             apply_ep(model, moe_meshes["ep"])
     apply_ac(model, config.activation_checkpoint)

@@ -33,8 +33,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from shardwise.config_checks import load_config
+from shardwise.data.dataset import Batch
 from shardwise.device import usable_cores
+from shardwise.ops.loss import TokenLoss
+from shardwise.optim.adamw import build_optimizer
+from shardwise.optim.clip import clip_grad_norm_
+from shardwise.parallel.build import build_rank_model
 from shardwise.plan.hardware import Hardware, local_path, save_hardware
+from shardwise.resolve import resolve_run
 
 GEMM_SIZES = (128, 256, 512, 1024, 2048)
 HEAD_DIMS = (16, 32, 64, 128)
@@ -109,25 +116,19 @@ def _tiny_step(layers: int, layout: tuple[str, ...] = ()) -> Callable[[], None]:
     (``layout``: parallel overrides such as ``--parallel.tp=2``)."""
     import torch.distributed as dist
 
-    from shardwise.config_checks import load_config
-    from shardwise.data.dataset import Batch
-    from shardwise.optim.adamw import build_optimizer
-    from shardwise.optim.clip import clip_grad_norm_
-    from shardwise.parallel.dims import ParallelDims
-    from shardwise.train import build_rank_model, forward_backward
 
     cfg = load_config(None, ["--model.dim=32", f"--model.n_layers={layers}", "--model.n_heads=2",
                              "--model.n_kv_heads=2", "--model.vocab_size=64", "--model.multiple_of=32",
                              "--training.seq_len=8", *layout])
-    dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size())
-    dims.build_mesh("cpu")
-    model = build_rank_model(cfg, dims, "cpu")
+    run = resolve_run(cfg, dist.get_world_size())
+    run.dims.build_mesh("cpu")
+    model = build_rank_model(run, "cpu")
     opt = build_optimizer(model, cfg.optimizer, "cpu")
     tokens = torch.randint(0, 64, (1, 8))
     batch, n_valid = Batch(tokens, tokens, None, 8), torch.tensor(8)
 
     def step() -> None:
-        forward_backward(model, batch, n_valid)
+        TokenLoss()(model, batch, n_valid)
         clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)

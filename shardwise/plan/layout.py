@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from shardwise.config import Config
 from shardwise.parallel.pipeline import stages_per_rank
-from shardwise.preflight import micro_batch_size
+from shardwise.resolve import micro_batch_size
 
 DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 

@@ -24,6 +24,7 @@ from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import Layout
 from shardwise.plan.memory import step_memory
 from shardwise.plan.states import _param_shapes, shape_states
+from shardwise.resolve import resolve_run
 
 AC_MODES = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "interleaved1f1b", "zbv")
@@ -80,10 +81,8 @@ def enumerate_layouts(cfg: Config, gpus: int, hw: Hardware, ac_modes: tuple[str,
 
 def check_layout(cfg: Config, layout: Layout) -> str:
     """'' if the trainer accepts ``layout`` for ``cfg``, else its one-line refusal."""
-    from shardwise.preflight import check_layout as trainer_checks
-
     try:
-        trainer_checks(layout.apply(cfg), layout.world)
+        resolve_run(layout.apply(cfg), layout.world, detect_device=False)
     except ConfigError as e:
         return str(e)
     return ""

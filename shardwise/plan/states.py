@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -31,8 +32,11 @@ from torch.distributed.tensor import DTensor
 
 from shardwise.config import Config, ConfigError
 from shardwise.models import ModelArgs, build_model, model_args
+from shardwise.parallel.build import build_stage
+from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.pipeline import rank_stages, stage_layers
 from shardwise.plan.layout import Layout
+from shardwise.resolve import resolve_run
 
 BYTES = {"bf16": 2, "fp32": 4}
 
@@ -103,20 +107,14 @@ def fake_world(world: int, rank: int) -> Iterator[None]:
 def build_rank(cfg: Config, world: int, rank: int) -> tuple[nn.Module, object]:
     """This rank's model (its pipeline stages), parallelized on meta as the trainer does it; call
     inside :func:`fake_world`. Returns (model, ParallelDims)."""
-    import warnings
-
-    from shardwise.parallel.dims import ParallelDims
-    from shardwise.parallel.parallelize import parallelize
-    from shardwise.train import build_stage
-
-    dims = ParallelDims.from_config(cfg.parallel, world)
-    dims.build_mesh("cpu")
-    model = build_stage(model_args(cfg.model), dims, cfg.parallel)
+    run = resolve_run(cfg, world, detect_device=False)
+    run.dims.build_mesh("cpu")
+    model = build_stage(run)
     with warnings.catch_warnings():
         # A pipeline stage without the head has no 'output' for the TP plan to resolve.
         warnings.filterwarnings("ignore", message="Parallelize plan key")
-        parallelize(model, dims, cfg)
-    return model, dims
+        parallelize(model, run.dims, cfg)
+    return model, run.dims
 
 
 def built_states(cfg: Config, world: int) -> list[RankStates]:

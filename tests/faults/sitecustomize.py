@@ -57,10 +57,10 @@ def _install(fault: str) -> None:
     elif fault == "near_tie_router":
         import torch
 
-        import shardwise.train as train
+        import shardwise.parallel.build as build
         from shardwise.models.moe import moe_layers
 
-        real_init = train.init_weights
+        real_init = build.init_weights
 
         def init_weights(model, seed):  # noqa: ANN001, ANN202
             real_init(model, seed)
@@ -72,7 +72,7 @@ def _install(fault: str) -> None:
                         g = torch.Generator().manual_seed(seed)
                         w[1] = w[0] + 1e-7 * w[0].abs().mean() * torch.randn(w.shape[1], generator=g)
 
-        train.init_weights = init_weights
+        build.init_weights = init_weights
     else:
         raise SystemExit(f"SHARDWISE_TEST_FAULT={fault!r} is not a fault tests/faults/sitecustomize.py knows")
 

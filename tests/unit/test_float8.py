@@ -16,6 +16,7 @@ from shardwise.parallel.float8 import (
     apply_float8,
     float8_groups,
     float8_weights,
+    gathers_float8,
     is_float8,
     precompute_scales,
 )
@@ -79,14 +80,15 @@ def test_close_to_high_precision_forward_and_backward(dtype: torch.dtype):
 
 def test_precomputed_scales_are_16_byte_aligned(one_rank_group: None):
     m = build_model(ARGS, device="meta")
-    apply_float8(m, Float8Config(enabled=True, min_dim=16, fsdp_all_gather=True), 1, "cpu")
+    cfg = Float8Config(enabled=True, min_dim=16, fsdp_all_gather=True)
+    apply_float8(m, cfg, 1, "cpu")
     mesh = init_device_mesh("cpu", (1,))
     for block in m.layers.values():
         fully_shard(block, mesh=mesh)
     fully_shard(m, mesh=mesh)
     m.to_empty(device="cpu")
     init_weights(m, 0)
-    assert m.float8_all_gather
+    assert gathers_float8(m, cfg)
     weights = float8_weights(m)
     assert len(weights) == 7 * ARGS.n_layers
     # torchao alone leaves the scales as views at 4-byte steps into one tensor: most misaligned.

@@ -179,12 +179,11 @@ def test_executed_flops_with_recompute_match_the_flop_counter(kind: str, mode: s
     model = build_model(args, device="cpu")
     init_weights(model, 0)
     apply_ac(model, ActivationCheckpointConfig(mode=mode, every=2))
-    model.loss_chunk = chunk
     b, s = 2, 32
     tokens, labels = torch.randint(0, 256, (b, s)), torch.randint(0, 256, (b, s))
     with FlopCounterMode(display=False, custom_mapping=flop_counter_formulas()) as counter:
         if chunk:
-            model(tokens, labels=labels).backward()
+            model(tokens, labels=labels, loss_chunk=chunk).backward()
         else:
             torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), labels.flatten()).backward()
     want = executed_flops(args, b * s, pairs=b * s * s, recompute=mode, every=2, chunked_loss=chunk > 0)

@@ -16,8 +16,9 @@ from shardwise.data.dataset import Batch
 from shardwise.models import build_model, model_args
 from shardwise.observe.flops import attention_pairs, executed_flops
 from shardwise.observe.memory import SavedActivations
+from shardwise.ops.loss import TokenLoss
 from shardwise.optim.adamw import build_optimizer
-from shardwise.parallel.dims import ParallelDims
+from shardwise.parallel.build import build_rank_model
 from shardwise.plan.comm import group_members
 from shardwise.plan.cost import rank_time
 from shardwise.plan.hardware import available, load_hardware
@@ -26,7 +27,7 @@ from shardwise.plan.memory import activations, step_memory
 from shardwise.plan.schedule import in_flight, schedule_actions
 from shardwise.plan.search import parse_tokens, plan, plan_config
 from shardwise.plan.states import built_states, shape_states
-from shardwise.train import build_rank_model, forward_backward
+from shardwise.resolve import resolve_run
 from tests.conftest import ROOT, one_rank_pg
 
 DEBUG, MOE = str(ROOT / "configs" / "debug.toml"), str(ROOT / "configs" / "moe-debug.toml")
@@ -83,9 +84,9 @@ def one_rank():
 
 def _trainer_model(cfg):
     """The model exactly as the trainer builds it on one rank."""
-    dims = ParallelDims.from_config(cfg.parallel, 1)
-    dims.build_mesh("cpu")
-    return build_rank_model(cfg, dims, "cpu")
+    run = resolve_run(cfg, 1)
+    run.dims.build_mesh("cpu")
+    return build_rank_model(run, "cpu")
 
 
 def _batch(cfg, n: int) -> Batch:
@@ -116,7 +117,7 @@ def test_activations_equal_saved_tensors(one_rank, path: str, overrides: list[st
     cfg = load_config(path, SMALL + overrides)
     model = _trainer_model(cfg)
     with SavedActivations() as saved:
-        forward_backward(model, _batch(cfg, 2), torch.tensor(512))
+        TokenLoss(cfg.training.loss_chunk)(model, _batch(cfg, 2), torch.tensor(512))
     layout = Layout.from_config(cfg, 1)
     st = shape_states(cfg, layout)[0]
     predicted = sum(activations(cfg, layout, st.layers, st.has_embedding, st.has_head).values())
@@ -143,7 +144,7 @@ def test_peak_matches_memtracker(one_rank, overrides: list[str]):
     def step() -> None:
         for i in range(0, 2, mb):
             part = Batch(batch.inputs[i:i + mb], batch.labels[i:i + mb], None, mb * 256)
-            forward_backward(model, part, torch.tensor(512))
+            TokenLoss(cfg.training.loss_chunk)(model, part, torch.tensor(512))
         opt.step()
         opt.zero_grad(set_to_none=True)
     step()
@@ -235,7 +236,7 @@ def test_hardware_profiles_load():
 def test_plan_returns_layouts_the_trainer_accepts():
     """8B on 8 H100: the ranked layouts pass the trainer's own layout checks, fit, are sorted, and
     the top ones are estimated exactly."""
-    from shardwise.preflight import check_layout
+    from shardwise.resolve import resolve_run
 
     cfg = plan_config(load_config(None, ["--model.name=8b"]), 8192, parse_tokens("128K"))
     assert cfg.training.global_batch == 16
@@ -245,7 +246,7 @@ def test_plan_returns_layouts_the_trainer_accepts():
     speeds = [c.tokens_per_s_per_device for c in result.ranked]
     assert speeds == sorted(speeds, reverse=True)
     for c in result.ranked[:20]:
-        check_layout(c.layout.apply(cfg), 8)
+        resolve_run(c.layout.apply(cfg), 8)
         assert c.peak <= 0.9 * hw.memory_gib * 2**30
     assert [e.layout for e in result.top] == [c.layout for c in result.ranked[:2]]
     assert result.top[0].peak == result.ranked[0].peak  # exact states agree with the shape path

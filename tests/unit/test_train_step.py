@@ -19,12 +19,14 @@ import torch.nn.functional as F
 from shardwise.config_checks import load_config
 from shardwise.convert import hf_config, to_hf_state
 from shardwise.data.dataset import IGNORE_INDEX
-from shardwise.models import model_args
+from shardwise.ops.loss import TokenLoss
 from shardwise.optim.adamw import build_optimizer
 from shardwise.optim.lr import build_lr_scheduler
-from shardwise.parallel.dims import ParallelDims
+from shardwise.parallel.build import build_rank_model
 from shardwise.parallel.tensor import full_value
-from shardwise.train import build_data, build_rank_model, train_step
+from shardwise.resolve import resolve_run
+from shardwise.session import build_data
+from shardwise.train import train_step
 from tests.conftest import ROOT, one_rank_pg, require
 
 STEPS = 3
@@ -86,29 +88,28 @@ def trainer(data_cache: str):  # noqa: ANN201
         f"--training.max_grad_norm={MAX_NORM}", f"--optimizer.lr={PEAK_LR}", f"--optimizer.weight_decay={WD}",
         f"--lr_scheduler.warmup_steps={WARMUP}", f"--data.cache_dir={data_cache}",
         "--debug.deterministic=true"])
-    args = model_args(cfg.model)
-    dims = ParallelDims.from_config(cfg.parallel, 1)
-    dims.build_mesh("cpu")
-    model = build_rank_model(cfg, dims, "cpu")
+    run = resolve_run(cfg, 1)
+    run.dims.build_mesh("cpu")
+    model = build_rank_model(run, "cpu")
     optimizer = build_optimizer(model, cfg.optimizer, "cpu")
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, STEPS)
-    loader, _ = build_data(cfg, dims, torch.device("cpu"), args.vocab_size)
-    return cfg, args, dims, model, optimizer, scheduler, loader
+    loader, _ = build_data(run, torch.device("cpu"))
+    return cfg, run.model, run, model, optimizer, scheduler, loader
 
 
 def test_trainer_step_matches_a_plain_pytorch_step(data_cache: str):
     with one_rank_pg():
-        cfg, args, dims, model, optimizer, scheduler, loader = trainer(data_cache)
+        cfg, args, run, model, optimizer, scheduler, loader = trainer(data_cache)
         ref = Reference(model, args, cfg.lr_scheduler.min_lr_ratio)
         clipped = 0
         for step in range(1, STEPS + 1):
             batches = loader.next_step()
-            got = train_step(model, optimizer, scheduler, batches, dims, MAX_NORM)
+            got = train_step(model, optimizer, scheduler, batches, run, TokenLoss())
             loss, norm, lr, coef = ref.step(batches, step)
             clipped += coef < 1.0
-            assert float(got["loss"]) == pytest.approx(loss, rel=2e-6), step
-            assert float(got["grad_norm"]) == pytest.approx(norm, rel=2e-5), step
-            assert got["lr"] == pytest.approx(lr, rel=1e-12), step
+            assert float(got.loss) == pytest.approx(loss, rel=2e-6), step
+            assert float(got.grad_norm) == pytest.approx(norm, rel=2e-5), step
+            assert got.lr == pytest.approx(lr, rel=1e-12), step
         assert clipped >= 2  # the clip path was taken, not just measured
         ours = _hf_params(model, args)
         for name, p in ref.hf.named_parameters():  # every tensor, relative to how far it moved
@@ -121,12 +122,12 @@ def test_the_reference_catches_a_wrong_token_count(data_cache: str):
     the ranks or micro-batches) reports twice the loss and gradient norm -- far outside the bounds
     above."""
     with one_rank_pg():
-        cfg, args, dims, model, optimizer, scheduler, loader = trainer(data_cache)
+        cfg, args, run, model, optimizer, scheduler, loader = trainer(data_cache)
         ref = Reference(model, args, cfg.lr_scheduler.min_lr_ratio)
         batches = loader.next_step()
         loss, norm, _, _ = ref.step(batches, 1)
         for b in batches:
             b.n_valid //= 2
-        got = train_step(model, optimizer, scheduler, batches, dims, MAX_NORM)
-        assert float(got["loss"]) / loss == pytest.approx(2.0, rel=1e-2)
-        assert float(got["grad_norm"]) / norm == pytest.approx(2.0, rel=1e-2)
+        got = train_step(model, optimizer, scheduler, batches, run, TokenLoss())
+        assert float(got.loss) / loss == pytest.approx(2.0, rel=1e-2)
+        assert float(got.grad_norm) / norm == pytest.approx(2.0, rel=1e-2)

@@ -1,0 +1,55 @@
+"""The validation loss: every ``eval.interval`` steps and at the last, the mean token loss over the
+first ``eval.steps`` global batches of the held-out split, with the training loss function."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.data.dataset import Batch, Corpus, PackedLoader
+from shardwise.ops.loss import TokenLoss
+from shardwise.parallel.pipeline import Pipe
+from shardwise.resolve import ResolvedRun
+
+
+class Evaluator:
+    """Decides when to evaluate and does it (each source's held-out documents, mixed by the
+    training weights)."""
+
+    def __init__(self, run: ResolvedRun, corpus: Corpus, loss: TokenLoss, device: torch.device,
+                 pipe: Pipe | None, shard: Callable[[list[Batch]], list[Batch]]) -> None:
+        self.run, self.loss, self.device, self.pipe, self.shard = run, loss, device, pipe, shard
+        t = run.cfg.training
+        self.val = [(s, w) for s, w in zip(corpus.val, corpus.val_weights, strict=True)
+                    if s.num_windows(t.seq_len)]
+        windows = sum(s.num_windows(t.seq_len) for s, _ in self.val)
+        self.batches = min(run.cfg.eval.steps, windows // t.global_batch)
+
+    def due(self, step: int, last: bool) -> bool:
+        interval = self.run.cfg.eval.interval
+        return interval > 0 and (step % interval == 0 or last)
+
+    @torch.no_grad()
+    def __call__(self, model: nn.Module) -> dict[str, float]:
+        """``{"val_loss": ...}`` (empty when the held-out split has no full global batch)."""
+        if self.batches == 0:
+            return {}
+        t, dims = self.run.cfg.training, self.run.dims
+        loader = PackedLoader([s for s, _ in self.val], t.seq_len, t.global_batch, self.run.micro_batch,
+                              dims.submesh("dp").get_local_rank(), dims.dp, seed=0,
+                              document_mask=self.run.cfg.data.document_mask, device=self.device,
+                              shuffle=False, weights=[w for _, w in self.val])
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, valid tokens)
+        for _ in range(self.batches):
+            batches = self.shard(loader.next_step())
+            sums[1] += sum(b.n_valid for b in batches)
+            if self.pipe is not None:
+                sums[0] += self.pipe.loss_sum(batches)
+                continue
+            for b in batches:
+                sums[0] += self.loss(model, b)
+        dist.all_reduce(sums, group=dims.submesh("dp_cp").get_group())  # over dp x cp
+        return {"val_loss": (sums[0] / sums[1].clamp(min=1)).item()}  # .item() syncs

@@ -1,0 +1,72 @@
+"""This rank's model and what feeds it, from the resolved run: the stages it holds (pipeline
+parallel), the model built on meta, parallelized, materialized and initialized, the pipeline
+schedule, and the context-parallel cut of each batch. The trainer and the planner (which builds the
+same model on a fake world to read its states) both use these."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import loss_parallel
+
+from shardwise.data.dataset import IGNORE_INDEX, Batch
+from shardwise.models import build_model, init_weights
+from shardwise.ops.loss import token_loss_sum
+from shardwise.parallel.context import shard_sequences
+from shardwise.parallel.dims import ParallelDims
+from shardwise.parallel.parallelize import parallelize
+from shardwise.parallel.pipeline import Pipe, attach_stage_views, rank_stages, split_stage
+from shardwise.resolve import ResolvedRun
+
+
+def build_rank_model(run: ResolvedRun, device: torch.device | str) -> nn.Module:
+    """This rank's model, ready to train: 1) on meta (this rank's pipeline stages) -> 2) parallelized
+    -> 3) materialized on ``device`` -> 4) initialized from the run seed. ``run.dims`` has its mesh."""
+    model = build_stage(run)
+    parallelize(model, run.dims, run.cfg)
+    model.to_empty(device=device)
+    init_weights(model, run.cfg.training.seed)
+    return model
+
+
+def build_stage(run: ResolvedRun) -> nn.Module:
+    """The model on meta, or with pipeline parallel only this rank's stages of it (one module)."""
+    dims, pc = run.dims, run.cfg.parallel
+    # A sequence's tokens are split over cp x tp: the MoE balance loss counts over those ranks.
+    group = dims.submesh("cp_tp").get_group() if dims.cp * dims.tp > 1 else None
+    model = build_model(run.model, sequences_per_step=run.cfg.training.global_batch, sequence_group=group)
+    if dims.pp == 1:
+        return model
+    ids = rank_stages(dims.submesh("pp").get_local_rank(), dims.pp, pc.pp_schedule, pc.pp_stages_per_rank)
+    part = split_stage(model, ids, dims.pp * len(ids))
+    attach_stage_views(part, ids, dims.pp * len(ids))
+    return part
+
+
+def build_pipe(model: nn.Module, run: ResolvedRun, device: torch.device) -> Pipe | None:
+    """The pipeline schedule over this rank's stages (None without pipeline parallel)."""
+    dims, pc = run.dims, run.cfg.parallel
+    if dims.pp == 1:
+        return None
+    # Loss parallel's backward must run inside its context, and the schedule runs the backward.
+    ctx = loss_parallel if dims.tp > 1 and pc.loss_parallel else contextlib.nullcontext
+    return Pipe(model, dims.submesh("pp"), device, pc.pp_schedule, run.micro_batches, token_loss_sum, ctx,
+                pc.pp_stages_per_rank)
+
+
+def batch_sharder(dims: ParallelDims, load_balance: bool) -> Callable[[list[Batch]], list[Batch]]:
+    """Identity, or under context parallel: each micro-batch cut to this cp rank's positions."""
+    if dims.cp == 1:
+        return list
+    mesh = dims.submesh("cp")
+
+    def shard(batches: list[Batch]) -> list[Batch]:
+        out = []
+        for b in batches:
+            inputs, labels = shard_sequences(mesh, [b.inputs, b.labels], load_balance)  # (B, S/cp)
+            out.append(Batch(inputs, labels, None, int((labels != IGNORE_INDEX).sum()), b.first_row))
+        return out
+    return shard

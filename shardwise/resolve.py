@@ -1,0 +1,136 @@
+"""Resolve a config for one world size, once: the layout (degrees checked against the world and
+the model), the micro-batch split, the pipeline schedule's needs, the precision and the device --
+as one frozen :class:`ResolvedRun` that everything downstream takes. Needs no process group, so
+the planner checks thousands of layouts with it and preflight runs it before any rank starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import shardwise.device
+from shardwise.config import Config, ConfigError, TrainingConfig
+from shardwise.config_checks import notice
+from shardwise.models import ModelArgs, model_args
+from shardwise.parallel.dims import ParallelDims
+from shardwise.parallel.pipeline import stages_per_rank
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """What a config means on ``dims.world_size`` ranks, derived once."""
+
+    cfg: Config
+    dims: ParallelDims
+    model: ModelArgs
+    micro_batch: int
+    """Sequences per rank per forward/backward (the pipeline's micro-batch under PP)."""
+    micro_batches: int
+    """Micro-batches per rank per optimizer step (accumulation steps, or the pipeline's)."""
+    precision: str
+    """bf16 or fp32 (``auto`` resolved for the device)."""
+    device_type: str
+    """cpu or cuda."""
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.training.global_batch * self.cfg.training.seq_len
+
+    def __str__(self) -> str:
+        d, t = self.dims, self.cfg.training
+        schedule = f" ({self.cfg.parallel.pp_schedule})" if d.pp > 1 else ""
+        return (f"layout pp={d.pp}{schedule} dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} "
+                f"cp={d.cp} tp={d.tp} ep={d.ep} (world {d.world_size}) | {t.global_batch}x{t.seq_len} "
+                f"tokens/step, {self.micro_batches} micro-batch(es)/rank | {self.precision} on "
+                f"{self.device_type}")
+
+
+def resolve_run(cfg: Config, world_size: int, detect_device: bool = True) -> ResolvedRun:
+    """The layout checks -- degrees against the world, the model, the batch split and the pipeline
+    schedule, and the features a layout cannot combine with -- and the run they resolve to. With
+    pipeline parallel and no training.micro_batch, the micro-batch is chosen (and recorded in
+    ``cfg``, so the saved config.toml is the run). ``detect_device=False`` (the planner, which
+    plans for other machines) takes run.device as written instead of finding this machine's."""
+    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    args = model_args(cfg.model)
+    dims.check_model(args, cfg.training.seq_len)
+    pipeline_micro_batch(cfg, dims)
+    micro_batches = micro_batches_per_rank(cfg.training, dims.dp)
+    check_pipeline(cfg, dims, micro_batches)
+    if cfg.training.loss_chunk and dims.pp > 1:
+        raise ConfigError("training.loss_chunk with parallel.pp > 1 is not available (the pipeline "
+                          "schedule computes the loss on the last stage's logits): set training.loss_chunk=0")
+    if dims.cp > 1 and cfg.data.document_mask:
+        raise ConfigError("data.document_mask with parallel.cp > 1 is not available (the ring "
+                          "attention is causal-only): set data.document_mask=false or cp=1")
+    return ResolvedRun(cfg, dims, args, micro_batch_size(cfg.training, dims.dp), micro_batches,
+                       cfg.training.mixed_precision,
+                       shardwise.device.device_type(cfg.run.device) if detect_device else cfg.run.device)
+
+
+def micro_batches_per_rank(t: TrainingConfig, dp: int) -> int:
+    """Gradient-accumulation steps per optimizer step (the pipeline's micro-batches under PP)."""
+    return t.global_batch // dp // micro_batch_size(t, dp)
+
+
+def micro_batch_size(t: TrainingConfig, dp: int) -> int:
+    if t.global_batch % dp:
+        raise ConfigError(f"training.global_batch={t.global_batch} must be divisible by the "
+                          f"data-parallel degree dp_replicate*dp_shard={dp}")
+    per_rank = t.global_batch // dp
+    mb = t.micro_batch or per_rank
+    if per_rank % mb:
+        raise ConfigError(f"training.micro_batch={mb} must divide the per-rank batch "
+                          f"global_batch/dp={per_rank}")
+    return mb
+
+
+def pipeline_micro_batch(cfg: Config, dims: ParallelDims) -> None:
+    """With pipeline parallel and ``training.micro_batch`` unset (0, which means no accumulation),
+    choose the micro-batch for the user and say so: the largest one that gives the schedule at
+    least ``4 * pp`` micro-batches (1F1B's bubble ``(pp-1)/(m+pp-1)`` then stays under 20%;
+    fewer sequences per rank: micro-batches of one) among those the schedule accepts."""
+    t = cfg.training
+    if t.micro_batch or dims.pp == 1:
+        return
+    per_rank = micro_batch_size(t, dims.dp)  # (checks that dp divides the batch)
+    counts = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+    want = min(4 * dims.pp, per_rank)
+    for m in [m for m in counts if m >= want] + [m for m in reversed(counts) if m < want]:
+        try:
+            check_pipeline(cfg, dims, m)
+        except ConfigError:
+            continue
+        t.micro_batch = per_rank // m
+        bubble = (dims.pp - 1) / (m + dims.pp - 1)
+        notice(f"parallel.pp={dims.pp}: training.micro_batch={t.micro_batch} ({m} micro-batches per step "
+               f"through the {cfg.parallel.pp_schedule} schedule; 1F1B bubble (pp-1)/(m+pp-1) = "
+               f"{bubble:.0%}); set training.micro_batch to choose")
+        return
+    t.micro_batch = 1  # none fits: the checks below name what the schedule needs
+
+
+def check_pipeline(cfg: Config, dims: ParallelDims, n_microbatches: int) -> None:
+    if dims.pp == 1:
+        return
+    pc = cfg.parallel
+    v = stages_per_rank(pc.pp_schedule, pc.pp_stages_per_rank)
+    if v < 1 or dims.pp * v > cfg.model.n_layers:
+        raise ConfigError(f"parallel.pp_schedule={pc.pp_schedule} needs pp*stages_per_rank={dims.pp * v} "
+                          f"stages of at least one block, but model.n_layers={cfg.model.n_layers}: lower "
+                          "pp or parallel.pp_stages_per_rank")
+    rounds = max(1, n_microbatches // dims.pp)
+    if pc.pp_schedule == "dualpipev" and n_microbatches < 2 * dims.pp:
+        raise ConfigError(f"parallel.pp_schedule=dualpipev needs at least 2*pp={2 * dims.pp} micro-batches "
+                          f"per step (one per stage), got {n_microbatches}: lower training.micro_batch "
+                          "or raise training.global_batch")
+    if pc.pp_schedule == "interleaved1f1b" and n_microbatches % rounds:
+        raise ConfigError(f"parallel.pp_schedule=interleaved1f1b needs the micro-batches per step "
+                          f"({n_microbatches}) to be a multiple of max(1, micro-batches // pp)={rounds}: "
+                          "change training.micro_batch")
+    if cfg.data.document_mask:
+        raise ConfigError("data.document_mask with parallel.pp > 1 is not available yet (the pipeline "
+                          "feeds extra inputs to the first stage only): set data.document_mask=false")
+    if cfg.parallel.pp_schedule == "1f1b" and n_microbatches < dims.pp:
+        raise ConfigError(f"parallel.pp_schedule=1f1b needs at least pp={dims.pp} micro-batches per step, "
+                          f"got {n_microbatches}: lower training.micro_batch, raise training.global_batch "
+                          "or use pp_schedule=gpipe")

@@ -1,0 +1,270 @@
+"""Everything one rank trains with, built once from the resolved run: data, model, pipeline, loss,
+optimizer, schedule, checkpointer, evaluator, metrics, stop flag, profiler and traces -- each of
+which decides its own timing, so the loop in train.py only calls them."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise import checkpoint, rundir
+from shardwise.config import Config
+from shardwise.data.dataset import Batch, Corpus, PackedLoader, check_vocab, open_corpus
+from shardwise.data.tokenizer import load_tokenizer
+from shardwise.device import DistEnv
+from shardwise.evaluate import Evaluator
+from shardwise.observe.comm import trace_step
+from shardwise.observe.flops import batch_pairs, executed_flops, flops_per_token, num_params
+from shardwise.observe.memory import GiB, current_memory_gib, peak_memory_gib, track_peak
+from shardwise.observe.metrics import MetricsLogger, Throughput, per_rank
+from shardwise.observe.peak import peak_tflops
+from shardwise.observe.plot import plot_loss
+from shardwise.observe.profile import StepProfiler
+from shardwise.observe.routing import RoutingTrace, routing_trace
+from shardwise.ops.loss import TokenLoss
+from shardwise.optim.adamw import build_optimizer
+from shardwise.optim.lr import build_lr_scheduler
+from shardwise.parallel.build import batch_sharder, build_pipe, build_rank_model
+from shardwise.parallel.context import shard_sequences
+from shardwise.parallel.float8 import gathers_float8
+from shardwise.parallel.pipeline import Pipe
+from shardwise.preflight import load_candidates, no_good_checkpoint
+from shardwise.resilience import NonFiniteError, StopRequest, nonfinite_message
+from shardwise.resolve import ResolvedRun
+
+
+@dataclasses.dataclass
+class Session:
+    run: ResolvedRun
+    env: DistEnv
+    run_dir: Path
+    model: nn.Module
+    pipe: Pipe | None
+    loss: TokenLoss
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    loader: PackedLoader
+    shard: Callable[[list[Batch]], list[Batch]]
+    ckpt: checkpoint.Checkpointer
+    evaluator: Evaluator
+    logger: MetricsLogger
+    throughput: Throughput
+    stop: StopRequest
+    profiler: StepProfiler
+    routing: RoutingTrace | None
+    float8_scales: bool
+    """FSDP all-gathers float8 weights: their scales are precomputed after each optimizer step."""
+    start: int
+    """The step resumed after (0: a fresh run)."""
+    skipped: int = 0
+    """Steps whose update was dropped for a non-finite gradient norm."""
+
+    def observe(self, step: int, batches: list[Batch]) -> contextlib.ExitStack:
+        """Around one step: debug.memory / debug.comm at debug.trace_step, MoE routing traces."""
+        cfg, env = self.run.cfg, self.env
+        traced = step == max(cfg.debug.trace_step, self.start + 1)
+        stack = contextlib.ExitStack()
+        # (the peak tracker outside: its all-gather of every rank's peak is not the step's)
+        stack.enter_context(track_peak(cfg.debug.memory and traced, self.model, self.optimizer,
+                                       self.run_dir / "memory_peak.json", env.device))
+        stack.enter_context(trace_step(cfg.debug.comm and traced, self.run.dims.mesh,
+                                       self.run.dims.flat_meshes, self.run_dir / "comm.json", env.rank,
+                                       track_modules=self.run.dims.pp == 1))
+        if self.routing:
+            stack.enter_context(self.routing.around_step(step, batches))
+        return stack
+
+    def step_flops(self, batches: list[Batch]) -> float | torch.Tensor:
+        """This data-parallel share's executed FLOPs, exact for its masks, per device of the share
+        (the pp x cp x tp ranks that split it)."""
+        run, ac = self.run, self.run.cfg.activation_checkpoint
+        flops = executed_flops(run.model, sum(b.inputs.numel() for b in batches),
+                               batch_pairs(batches, run.cfg.training.seq_len), ac.mode, ac.every,
+                               run.cfg.training.loss_chunk > 0).total
+        return flops / (self.env.world_size // run.dims.dp)
+
+    def check_finite(self, step: int, result: Any) -> None:
+        """A non-finite gradient norm (the update was not applied): stop with one line naming the
+        last good checkpoint (training.nonfinite=stop), or count it and go on (skip)."""
+        if result.finite:
+            return
+        if self.run.cfg.training.nonfinite == "stop":
+            self.ckpt.close()  # an async save in flight still commits: the last good state
+            latest = checkpoint.list_checkpoints(self.run_dir / "checkpoints")
+            raise NonFiniteError(nonfinite_message(step, float(result.grad_norm), float(result.loss),
+                                                   str(latest[-1][1]) if latest else None))
+        self.skipped += 1
+        self.logger.message(f"step {step}: non-finite gradient norm, update skipped ({self.skipped} so far)")
+
+    def metrics(self, result: Any) -> dict[str, Any]:
+        """The step's metrics for the log (float() of a tensor syncs; per_rank gathers every rank's)."""
+        device = self.env.device
+        metrics = {**result.scalars(), **self.throughput.window(), "memory_gib": peak_memory_gib(device),
+                   "memory_current_gib": current_memory_gib(device)}
+        metrics.update(per_rank({k: metrics[k] for k in ("step_time_s", "memory_gib")}, device))
+        if self.run.cfg.training.nonfinite == "skip":
+            metrics["skipped_steps"] = self.skipped
+        return {**metrics, **self.loader.mix_metrics()}
+
+    def save(self, step: int, stopping: bool) -> None:
+        path = self.ckpt.save(step, self.model, self.optimizer, self.scheduler, self.loader, block=stopping)
+        how = "saved" if self.run.cfg.checkpoint.async_mode == "none" or stopping else "saving"
+        self.logger.message(f"{how} checkpoint {path} (training blocked {self.ckpt.blocked_s:.2f} s)")
+
+    def report_memory(self, memory: dict[str, int]) -> None:
+        """Gather every rank's first-step breakdown; rank 0 prints it and writes memory_breakdown.json."""
+        table = per_rank({k: v / GiB for k, v in memory.items()}, self.env.device)
+        if self.env.rank == 0:
+            (self.run_dir / "memory_breakdown.json").write_text(json.dumps(table, indent=1))
+            rows = [f"{k:>12}: " + "  ".join(f"{v:.4f}" for v in table[f"{k}_per_rank"]) for k in memory]
+            self.logger.message("memory at the first step, GiB per rank (params, grads, optimizer "
+                                "states; activations = saved for backward):\n" + "\n".join(rows))
+
+    def close(self) -> None:
+        """Finish the save in flight, the traces and the logs; the plot; leave the process group."""
+        cfg = self.run.cfg
+        self.ckpt.close()
+        self.stop.restore()
+        if self.routing:
+            self.routing.close()
+        self.logger.close()
+        if self.env.rank == 0 and cfg.metrics.plot and (self.run_dir / "metrics.jsonl").stat().st_size:
+            plot_loss(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png",
+                      f"{cfg.model.name} — {self.run_dir}")
+            print(f"run directory: {self.run_dir} (config.toml, metrics.jsonl, tb/, loss.png, checkpoints/)")
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def open_session(run: ResolvedRun, env: DistEnv, run_dir: Path, ckpt_group: dist.ProcessGroup,
+                 stop_group: dist.ProcessGroup) -> Session:
+    """Build this rank's parts (model: meta -> parallelize -> materialize -> init), then load the
+    checkpoint it resumes from, if any, and start the logs."""
+    cfg = run.cfg
+    loader, corpus = build_data(run, env.device)
+    model = build_rank_model(run, env.device)
+    pipe = build_pipe(model, run, env.device)
+    shard = batch_sharder(run.dims, cfg.parallel.cp_load_balance)
+    loss = TokenLoss(cfg.training.loss_chunk, compiled=cfg.compile.enabled)
+    optimizer = build_optimizer(model, cfg.optimizer, env.device.type)
+    scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
+    routing = build_routing_trace(run, model, run_dir, env.rank)
+    ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", cfg.checkpoint, manifest_info(run), ckpt_group)
+    stop = StopRequest(stop_group)  # SIGTERM/SIGINT: finish the step, save, exit 0
+    start = resume(cfg, run_dir, model, optimizer, scheduler, loader)
+    if env.rank == 0:  # the run starts: its resolved config joins run.dir
+        rundir.write_config(run_dir, cfg.to_toml())
+    if cfg.checkpoint.save_initial and start == 0:
+        ckpt.save(0, model, optimizer, scheduler, loader)
+    throughput = Throughput(flops_per_token(run.model, cfg.training.seq_len), shared_peak(env.device, cfg),
+                            env.world_size)
+    if env.rank == 0:
+        print(describe(run, start), flush=True)
+    logger = MetricsLogger(run_dir, cfg.metrics, cfg.training.steps, start, enabled=env.rank == 0,
+                           run_config=dataclasses.asdict(cfg))
+    if logger.notice:
+        logger.message(logger.notice)
+    return Session(run, env, run_dir, model, pipe, loss, optimizer, scheduler, loader, shard, ckpt,
+                   Evaluator(run, corpus, loss, env.device, pipe, shard), logger, throughput, stop,
+                   StepProfiler(cfg.profile, run_dir, env.rank, env.device, start + 1), routing,
+                   gathers_float8(model, cfg.float8), start)
+
+
+def build_data(run: ResolvedRun, device: torch.device) -> tuple[PackedLoader, Corpus]:
+    """Memory-map the prepared corpus (preparing what is not yet: under torchrun the first rank to
+    reach a source's folder does it, the others wait on its lock) and build this rank's loader."""
+    cfg, t, dims = run.cfg, run.cfg.training, run.dims
+    corpus = open_corpus(cfg.data, load_tokenizer(cfg.data.tokenizer))
+    check_vocab(corpus.max_token, run.model.vocab_size)
+    n_val = sum(s.num_windows(t.seq_len) for s in corpus.val)
+    if cfg.eval.interval and n_val < t.global_batch and dist.get_rank() == 0:
+        print(f"warning: the validation split has {n_val} sequences of {t.seq_len} tokens, fewer than "
+              f"one global batch ({t.global_batch}): no validation loss (raise data.val_fraction)",
+              flush=True)
+    loader = PackedLoader(corpus.train, t.seq_len, t.global_batch, run.micro_batch,
+                          dims.submesh("dp").get_local_rank(), dims.dp, t.seed,
+                          cfg.data.document_mask, device, weights=corpus.weights, names=corpus.names)
+    return loader, corpus
+
+
+def build_routing_trace(run: ResolvedRun, model: nn.Module, run_dir: Path, rank: int) -> RoutingTrace | None:
+    """With debug.routing_record / debug.routing_replay: the trace on this rank's MoE layers."""
+    cfg, dims = run.cfg, run.dims
+    d = cfg.debug
+    if not (d.routing_record or d.routing_replay):
+        return None
+    cp_shard = None
+    if dims.cp > 1:
+        mesh, balance = dims.submesh("cp"), cfg.parallel.cp_load_balance
+        cp_shard = lambda pos: shard_sequences(mesh, [pos], balance)[0]  # noqa: E731 -- (B, S/cp)
+    tp = (dims.submesh("tp").get_local_rank(), dims.tp)
+    return routing_trace(model, run_dir=run_dir, replay_from=d.routing_replay, seq_len=cfg.training.seq_len,
+                         global_batch=cfg.training.global_batch, rank=rank, tp=tp, cp_shard=cp_shard)
+
+
+def resume(cfg: Config, run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+           scheduler: torch.optim.lr_scheduler.LRScheduler, loader: PackedLoader) -> int:
+    """Load checkpoint.path, or when resuming (checkpoint.resume, or a restart after a failure) the
+    newest checkpoint in run.dir that verifies; the damaged ones before it are set aside (renamed,
+    never deleted) with a warning. None verifying is an error. Returns the step to continue after
+    (0: start fresh)."""
+    rank0 = dist.get_rank() == 0
+    candidates, explicit = load_candidates(cfg, run_dir)
+    if not candidates:
+        if rank0 and cfg.checkpoint.resume:
+            print(f"checkpoint.resume: no checkpoint in '{run_dir / 'checkpoints'}' yet: starting at "
+                  "step 1", flush=True)
+        return 0
+    damaged: dict[Path, str] = {}
+    for path in candidates:
+        try:  # verification happens before anything is loaded, so falling back is safe
+            step = checkpoint.load(path, model, optimizer, scheduler, loader,
+                                   cfg.checkpoint.verify_checksums)
+        except checkpoint.CheckpointError as e:
+            if explicit:
+                raise
+            damaged[path] = e.reason
+            continue
+        if rank0:
+            for bad, why in damaged.items():
+                aside = checkpoint.set_aside(bad, "damaged")
+                print(f"warning: checkpoint '{bad}' {why}: set aside as '{aside.name}'; resumed from the "
+                      f"older {path.name}", file=sys.stderr, flush=True)
+            print(f"resumed from {path} at step {step}", flush=True)
+        return step
+    raise no_good_checkpoint(run_dir, damaged)
+
+
+def manifest_info(run: ResolvedRun) -> dict[str, Any]:
+    """What a checkpoint's manifest records about the run that wrote it."""
+    layout = {k: getattr(run.dims, k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")}
+    return {"layout": layout, "model": dataclasses.asdict(run.cfg.model)}
+
+
+def shared_peak(device: torch.device, cfg: Config) -> float:
+    """Rank 0 finds (or measures) the peak; every rank uses that figure."""
+    box = [None]
+    if dist.get_rank() == 0:
+        box[0] = peak_tflops(device, cfg.training.mixed_precision, cfg.metrics.peak_tflops,
+                             cfg.data.cache_dir)
+    dist.broadcast_object_list(box, src=0)
+    value, source = box[0]
+    if dist.get_rank() == 0:
+        print(f"MFU peak: {value:.3f} TFLOP/s per device ({source})", flush=True)
+    return value
+
+
+def describe(run: ResolvedRun, start: int) -> str:
+    args, t = run.model, run.cfg.training
+    active = f", {num_params(args, active=True) / 1e6:.1f}M active" if args.n_experts else ""
+    return (f"model {run.cfg.model.name}: {num_params(args) / 1e6:.1f}M params{active} | {run} | "
+            f"steps {start + 1}..{t.steps}")
