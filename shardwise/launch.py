@@ -14,11 +14,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+from shardwise.checkpoint import list_checkpoints
 from shardwise.config_checks import LAUNCHED_RANK_ENV
 from shardwise.device import usable_cores
 
@@ -44,11 +47,6 @@ SHUTDOWN_TIMEOUT_S = 300
 
 def stopped_cleanly(run_dir: str) -> bool:
     """After a forwarded stop signal: is the newest committed checkpoint at the last logged step?"""
-    import json
-    from pathlib import Path
-
-    from shardwise.checkpoint import list_checkpoints
-
     found, log = list_checkpoints(Path(run_dir) / "checkpoints"), Path(run_dir) / "metrics.jsonl"
     if not found or not log.is_file() or not (lines := log.read_text().splitlines()):
         return False

@@ -14,6 +14,7 @@ from shardwise.data.prepare import check_prepared
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.device import launched_world_size
 from shardwise.models import ModelArgs, build_model
+from shardwise.observe.routing import read_meta
 from shardwise.parallel.float8 import float8_summary
 from shardwise.resilience import restart_count
 from shardwise.resolve import ResolvedRun, resolve_run
@@ -67,8 +68,6 @@ def check_routing(cfg: Config, world_size: int, args: ModelArgs) -> None:
         raise ConfigError(f"debug.routing_record records on one rank (the reference), not {world_size}: "
                           "run it without --nproc")
     if d.routing_replay:
-        from shardwise.observe.routing import read_meta
-
         meta = read_meta(Path(d.routing_replay))
         t = cfg.training
         if (meta["global_batch"], meta["seq_len"]) != (t.global_batch, t.seq_len):

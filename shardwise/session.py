@@ -35,6 +35,7 @@ from shardwise.optim.adamw import build_optimizer
 from shardwise.optim.lr import build_lr_scheduler
 from shardwise.parallel.build import batch_sharder, build_pipe, build_rank_model
 from shardwise.parallel.context import shard_sequences
+from shardwise.parallel.dims import DEGREES
 from shardwise.parallel.float8 import gathers_float8
 from shardwise.parallel.pipeline import Pipe
 from shardwise.preflight import load_candidates, no_good_checkpoint
@@ -246,7 +247,7 @@ def resume(cfg: Config, run_dir: Path, model: nn.Module, optimizer: torch.optim.
 
 def manifest_info(run: ResolvedRun) -> dict[str, Any]:
     """What a checkpoint's manifest records about the run that wrote it."""
-    layout = {k: getattr(run.dims, k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")}
+    layout = {k: getattr(run.dims, k) for k in DEGREES}
     return {"layout": layout, "model": dataclasses.asdict(run.cfg.model)}
 
 

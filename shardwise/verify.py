@@ -21,10 +21,12 @@ from pathlib import Path
 
 import torch
 
+from shardwise.checkpoint import read_model_tensors
 from shardwise.config import ConfigError
 from shardwise.config_checks import load_config
 from shardwise.observe.metrics import read_metrics
 from shardwise.observe.routing import replay_report
+from shardwise.parallel.dims import DEGREES
 
 
 @dataclass(frozen=True)
@@ -49,9 +51,6 @@ class Tolerance:
 TOLERANCES = {"fp32": Tolerance(loss_rel=1e-5, param_rel=1e-4, route_gap=1e-5),
               "bf16": Tolerance(loss_rel=2e-3, param_rel=0.15, route_gap=2e-2)}
 
-PARALLEL_KEYS = ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep")
-
-
 @dataclass
 class Result:
     layout: str
@@ -68,7 +67,7 @@ class Result:
 def parse_layout(text: str) -> tuple[list[str], int]:
     """``"tp=2,dp_shard=2"`` -> (CLI overrides, world size). Bare keys are ``parallel.*``; dotted
     keys (``optimizer.lr=...``) pass through, which lets a test prove that verify can fail."""
-    overrides, degrees = [], dict.fromkeys(PARALLEL_KEYS, 1)
+    overrides, degrees = [], dict.fromkeys(DEGREES, 1)
     for item in filter(None, text.split(",")):
         key, sep, value = item.partition("=")
         if not sep:
@@ -76,8 +75,8 @@ def parse_layout(text: str) -> tuple[list[str], int]:
         if "." in key:
             overrides.append(f"--{key}={value}")
             continue
-        if key not in PARALLEL_KEYS:
-            raise ConfigError(f"layout '{text}': unknown degree '{key}'; use {', '.join(PARALLEL_KEYS)}")
+        if key not in DEGREES:
+            raise ConfigError(f"layout '{text}': unknown degree '{key}'; use {', '.join(DEGREES)}")
         try:
             degrees[key] = int(value)
         except ValueError:
@@ -105,8 +104,6 @@ def run_dirname(layout: str) -> str:
 
 def checkpoint_params(checkpoint: Path) -> dict[str, torch.Tensor]:
     """The model parameters of a DCP checkpoint, gathered into plain tensors (no process group)."""
-    from shardwise.checkpoint import read_model_tensors
-
     return read_model_tensors(checkpoint)
 
 

@@ -28,6 +28,8 @@ import torch
 
 from shardwise.config import ConfigError, DataConfig
 from shardwise.data.indexed import Shard, ShardError
+from shardwise.data.prepare import plan, read_manifest, shard_done
+from shardwise.data.prepare import prepare as run_prepare
 from shardwise.data.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100
@@ -115,9 +117,6 @@ class Corpus:
 
 def open_corpus(cfg: DataConfig, tokenizer: Tokenizer, prepare: bool = True) -> Corpus:
     """Prepare what is not yet (one process per folder does it; the others wait) and memory-map it."""
-    from shardwise.data.prepare import plan, read_manifest, shard_done
-    from shardwise.data.prepare import prepare as run_prepare
-
     if prepare:
         run_prepare(cfg, tokenizer)
     entries, top = [], -1

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from shardwise.config import ConfigError
 from shardwise.models.moe import MoE, moe_layers
 
 TRACE_DIR = "routing"
@@ -142,8 +143,6 @@ class RoutingTrace:
 
 def read_meta(run_dir: Path) -> dict:
     """The trace header of a recording run (batch shape, steps recorded); one-line error if none."""
-    from shardwise.config import ConfigError
-
     try:
         return json.loads((run_dir / TRACE_DIR / "meta.json").read_text())
     except (OSError, ValueError):

@@ -25,6 +25,8 @@ from shardwise.models.args import ModelArgs
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """The world mesh's dims, outermost first (rank = row-major index over them)."""
+DEGREES = (*MESH_DIMS, "ep")
+"""The parallel degrees a layout sets (``ep`` borrows its ranks from dp_shard x cp x tp)."""
 FLAT_VIEWS = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
               "dp_cp": ("dp_replicate", "dp_shard", "cp"),
               "dp_cp_tp": ("dp_replicate", "dp_shard", "cp", "tp"), "cp_tp": ("cp", "tp")}
@@ -48,7 +50,7 @@ class ParallelDims:
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
         """Resolve ``dp_shard=-1`` and validate; raises ConfigError with a one-line message."""
-        degrees = {k: getattr(cfg, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")}
+        degrees = {k: getattr(cfg, k) for k in DEGREES}
         for k, v in degrees.items():
             if v < 1 and not (k == "dp_shard" and v == -1):
                 raise ConfigError(f"parallel.{k} must be >= 1 (dp_shard may be -1), got {v}")

@@ -14,10 +14,9 @@ import math
 from dataclasses import dataclass
 
 from shardwise.config import Config
+from shardwise.parallel.dims import DEGREES, MESH_DIMS, ParallelDims
 from shardwise.parallel.pipeline import stages_per_rank
 from shardwise.resolve import micro_batch_size
-
-DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 
 
 @dataclass(frozen=True)
@@ -65,8 +64,6 @@ class Layout:
     @classmethod
     def from_config(cls, cfg: Config, world: int) -> Layout:
         """The layout ``cfg`` runs on ``world`` ranks (``dp_shard=-1`` resolved)."""
-        from shardwise.parallel.dims import ParallelDims
-
         dims = ParallelDims.from_config(cfg.parallel, world)
         pc, t = cfg.parallel, cfg.training
         return cls(pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, cp=dims.cp,
@@ -92,7 +89,6 @@ def mesh_dim_span(layout: Layout, dims: tuple[str, ...]) -> tuple[int, int]:
     """(size, stride) in ranks of a (possibly flattened) mesh dim made of ``dims``: ranks are laid out
     pp, dp_replicate, dp_shard, cp, tp from outermost to innermost, so a group's members are
     ``stride`` ranks apart and together span ``size * stride`` consecutive ranks."""
-    order = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-    inner = order.index(max(dims, key=order.index))
-    stride = math.prod(getattr(layout, d) for d in order[inner + 1:])
+    inner = MESH_DIMS.index(max(dims, key=MESH_DIMS.index))
+    stride = math.prod(getattr(layout, d) for d in MESH_DIMS[inner + 1:])
     return math.prod(getattr(layout, d) for d in dims), stride

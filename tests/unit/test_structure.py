@@ -1,0 +1,119 @@
+"""The package's shape, as docs/architecture.md describes it: no import cycles (function-local
+imports counted), no function-local import of the package outside the CLI's per-command loading,
+short functions and files, a loop that fits on one screen, and a config layer at the bottom."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+PACKAGE = ROOT / "shardwise"
+# The CLI imports each subcommand's modules inside that subcommand, so `shardwise --help` or
+# `shardwise plan` never load the trainer, DCP or the data pipeline.
+LAZY_OK = {"shardwise/cli.py"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in sorted(PACKAGE.rglob("*.py")):
+        name = ".".join(p.relative_to(ROOT).with_suffix("").parts)
+        out[name.removesuffix(".__init__")] = p
+    return out
+
+
+MODULES = _modules()
+
+
+def _target(name: str) -> str | None:
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(path: Path) -> list[tuple[ast.stmt, str, bool]]:
+    """(node, imported package module, inside a function) for every import of the package."""
+    tree = ast.parse(path.read_text())
+    local = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+             for n in ast.walk(f)}
+    out = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("shardwise"):
+            names = [_target(f"{node.module}.{a.name}") or _target(node.module) for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [_target(a.name) for a in node.names if a.name.startswith("shardwise")]
+        out += [(node, n, id(node) in local) for n in names if n]
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    return {m: {t for _, t, _ in _imports(p) if t != m} for m, p in MODULES.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle, or [] (depth-first search with the path kept)."""
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(m: str) -> list[str]:
+        state[m] = 1
+        path.append(m)
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                return path[path.index(t):] + [t]
+            if t not in state and (found := visit(t)):
+                return found
+        state[m] = 2
+        path.pop()
+        return []
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return []
+
+
+def test_no_import_cycles_even_through_function_local_imports():
+    assert _cycle(_graph()) == []
+    # The search finds one when there is one (a planted edge back to the top).
+    planted = _graph()
+    planted["shardwise.config_types"].add("shardwise.train")
+    assert _cycle(planted)
+
+
+def test_no_function_local_imports_of_the_package_outside_the_cli():
+    found = [f"{p.relative_to(ROOT)}:{node.lineno} {t}" for p in MODULES.values()
+             if str(p.relative_to(ROOT)) not in LAZY_OK for node, t, local in _imports(p) if local]
+    assert found == []
+
+
+def test_config_sits_at_the_bottom():
+    """config.py imports only leaf modules, which import nothing from the package."""
+    graph = _graph()
+    assert graph["shardwise.config"] <= {"shardwise.config_types", "shardwise.models.args"}
+    for leaf in graph["shardwise.config"]:
+        assert graph[leaf] == set(), leaf
+    assert graph["shardwise.device"] <= {"shardwise.config_types"}
+
+
+def _functions(path: Path) -> list[ast.FunctionDef]:
+    return [f for f in ast.walk(ast.parse(path.read_text()))
+            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def test_functions_and_files_are_short():
+    long_functions = [f"{p.relative_to(ROOT)}:{f.lineno} {f.name} ({f.end_lineno - f.lineno + 1} lines)"
+                      for p in MODULES.values() for f in _functions(p) if f.end_lineno - f.lineno + 1 > 80]
+    assert long_functions == []
+    long_files = [str(p.relative_to(ROOT)) for p in MODULES.values() if len(p.read_text().splitlines()) > 500]
+    assert long_files == []
+
+
+def test_the_training_loop_fits_on_one_screen():
+    funcs = {f.name: f for f in _functions(PACKAGE / "train.py")}
+    train = funcs["train"]
+    assert train.end_lineno - train.lineno + 1 <= 45
+    (loop,) = [n for n in ast.walk(funcs["loop"]) if isinstance(n, ast.For)]
+    assert loop.end_lineno - loop.lineno + 1 <= 25
