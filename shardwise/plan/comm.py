@@ -2,27 +2,33 @@
 and the FSDP units, in the units ``--debug.comm`` measures (shardwise/observe/comm.py: each call's
 largest tensor, the gathered tensor of an all-gather, the unreduced one of a reduce-scatter).
 
-Per micro-batch ``m`` of ``T = micro_batch * seq_len / cp`` tokens on a rank:
+:func:`step_collectives` lists them in this order, one function per parallelism (named after its
+file in shardwise/parallel/) and one for the per-step reductions. Per micro-batch (``micro_batches``
+per step) of ``tokens = micro_batch * seq_len / cp`` tokens on a rank:
 
-- **FSDP** (``dp_shard x cp``; ``dp_shard x cp x tp`` for MoE routers and shared experts; ``efsdp``
-  for experts under EP): each unit's parameters all-gathered in forward and again in backward if
-  it was resharded, its gradient reduce-scattered in the reduce dtype; under HSDP the sharded
-  gradient is all-reduced over ``dp_replicate``. Pipeline ranks reduce once per step (torch's
-  schedules turn gradient sync off for all but the last micro-batch).
-- **Tensor/sequence parallel** (``tp``): around every attention and dense FFN an all-gather of the
-  sequence-sharded input and a reduce-scatter of the output (``T x dim``), mirrored in backward;
-  the vocab-parallel embedding (reduce-scatter) and head (all-gather); the norms' replicated weight
-  gradients all-reduced; loss parallel's three per-token all-reduces (max, sum of exponentials,
-  target logit).
-- **Context parallel** (``cp``): ring attention all-gathers each block's K and V in forward and
-  backward and passes the K/V gradients around the ring (all-to-all) in backward.
-- **Pipeline** (``pp``): each micro-batch's boundary activations sent forward and gradients back.
-- **Expert parallel** (``ep``): per MoE block the routing counts and the routed tokens exchanged by
-  all-to-all, both ways, forward and backward. The token volume depends on routing; the model
-  assumes balanced routing (the only estimate here that is not exact).
-- **Per step**: the global valid-token count and the loss over ``dp x cp``, the gradient norm's
-  partial sums over each mesh dim the gradients are sharded on (and over ``pp``), the MoE
-  token counts over ``dp x cp x tp``.
+- **FSDP** (:func:`fsdp_collectives`; ``dp_shard x cp``; ``dp_shard x cp x tp`` for MoE routers
+  and shared experts; ``efsdp`` for experts under EP): each unit's parameters all-gathered in
+  forward and again in backward if it was resharded, its gradient reduce-scattered in the reduce
+  dtype; under HSDP the sharded gradient is all-reduced over ``dp_replicate``. Pipeline ranks
+  reduce once per step (torch's schedules turn gradient sync off for all but the last micro-batch).
+- **Tensor/sequence parallel** (:func:`tensor_collectives`; ``tp``): around every attention and
+  dense FFN an all-gather of the sequence-sharded input and a reduce-scatter of the output
+  (``tokens x dim``), mirrored in backward; the vocab-parallel embedding (reduce-scatter) and head
+  (all-gather); the norms' replicated weight gradients all-reduced; loss parallel's three
+  per-token all-reduces (max, sum of exponentials, target logit) -- per chunk under
+  ``training.loss_chunk``; without loss parallel, the logits gathered.
+- **Context parallel** (:func:`context_collectives`; ``cp``): ring attention all-gathers each
+  block's K and V in forward and backward and passes the K/V gradients around the ring
+  (all-to-all) in backward.
+- **Expert parallel** (:func:`expert_collectives`; ``ep``): per MoE block the routing counts and
+  the routed tokens exchanged by all-to-all, both ways, forward and backward (and the balance
+  loss's expert counts over ``cp x tp``). The token volume depends on routing; the model assumes
+  balanced routing (the only estimate here that is not exact).
+- **Pipeline** (:func:`pipeline_collectives`; ``pp``): each micro-batch's boundary activations
+  sent forward and gradients back; the loss, gradient norm and MoE load shared between stages.
+- **Per step** (:func:`step_reductions`): the global valid-token count and the loss over
+  ``dp x cp``, the gradient norm's partial sums over each mesh dim the gradients are sharded on,
+  the MoE token counts over ``dp x cp x tp``.
 """
 
 from __future__ import annotations
@@ -33,16 +39,11 @@ import math
 from dataclasses import dataclass
 
 from shardwise.config import Config
-from shardwise.models import model_args
+from shardwise.parallel.dims import FLAT_VIEWS, MESH_DIMS, MOE_VIEWS
+from shardwise.parallel.pipeline import rank_stages
 from shardwise.plan.layout import Layout
-from shardwise.plan.memory import shape_of
+from shardwise.plan.memory import Shape, shape_of
 from shardwise.plan.states import BYTES, RankStates
-
-# Mesh dim names (as ``ParallelDims`` names its meshes) -> the base dims they flatten.
-FLAT = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
-        "dp_cp": ("dp_replicate", "dp_shard", "cp"), "dp_cp_tp": ("dp_replicate", "dp_shard", "cp", "tp"),
-        "cp_tp": ("cp", "tp"), "dp_shard_cp_tp": ("dp_shard", "cp", "tp"), "moe": ("dp_shard", "cp", "tp")}
-ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,11 @@ class Collective:
         return self.nbytes * self.calls
 
 
+def _spanned_dims(group: str) -> tuple[str, ...]:
+    """The base mesh dims a mesh dim named ``group`` spans (itself unless it is a flattened view)."""
+    return FLAT_VIEWS.get(group) or MOE_VIEWS.get(group) or (group,)
+
+
 @functools.lru_cache(maxsize=65536)
 def group_members(layout: Layout, group: str, pp_rank: int = 0) -> frozenset[int]:
     """Ranks of the ``group`` mesh dim that contains the rank at pipeline coordinate ``pp_rank``
@@ -76,142 +82,230 @@ def group_members(layout: Layout, group: str, pp_rank: int = 0) -> frozenset[int
         inner = layout.dp_shard * layout.cp * layout.tp
         members = range(layout.ep) if group == "ep" else range(0, inner, layout.ep)
         return frozenset(base + r for r in members)
-    dims = FLAT.get(group, (group,))
-    strides = {d: math.prod(getattr(layout, o) for o in ORDER[ORDER.index(d) + 1:]) for d in dims}
+    dims = _spanned_dims(group)
+    strides = {d: math.prod(getattr(layout, x) for x in MESH_DIMS[MESH_DIMS.index(d) + 1:]) for d in dims}
     coords = itertools.product(*(range(getattr(layout, d)) for d in dims))
     return frozenset(base + sum(c * strides[d] for c, d in zip(cs, dims, strict=True)) for cs in coords)
 
 
 def group_size(layout: Layout, group: str) -> int:
+    """Ranks in one ``group`` mesh dim of ``layout``."""
     if group == "efsdp":
         return layout.dp_shard * layout.cp * layout.tp // layout.ep
-    return math.prod(getattr(layout, d) for d in FLAT.get(group, (group,)))
+    return math.prod(getattr(layout, d) for d in _spanned_dims(group))
 
 
-def step_collectives(cfg: Config, layout: Layout, st: RankStates) -> list[Collective]:
-    """Every collective one steady-state step issues on the rank with states ``st`` (pipeline
-    coordinate ``st.pp_rank``, all others 0)."""
-    args, s = model_args(cfg.model), shape_of(cfg, layout)
-    e = s.e
-    red = BYTES[cfg.parallel.fsdp_reduce_dtype] if e == 2 else 4
-    m = layout.micro_batches(cfg.training.global_batch)
-    out: list[Collective] = []
+class _Issued:
+    """The collectives one part of the step issues, in order. Drops those that do not happen: no
+    calls, or a one-rank group -- FSDP and the DTensor styles skip collectives on one rank, while
+    the trainer's own all-reduces (``size_one``) are issued even there."""
 
-    def add(group: str, kind: str, nbytes: int, calls: int, phase: str, what: str,
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.collectives: list[Collective] = []
+
+    def add(self, group: str, kind: str, nbytes: int, calls: int, phase: str, what: str,
             overlap: str = "none", size_one: bool = False) -> None:
-        """``size_one``: issued even over a one-rank group (the trainer's own all-reduces are;
-        FSDP and the DTensor styles skip collectives on one rank)."""
-        if calls and (size_one or group_size(layout, group) > 1):
-            out.append(Collective(group, kind, int(nbytes), calls, phase, what, overlap))
-
-    # FSDP / HSDP. Pipeline ranks keep their units gathered through the step (no reshard after
-    # forward) and reduce once (the schedules sync gradients on the last micro-batch only).
-    gathers, reductions = (1, 1) if layout.pp > 1 else (m, m)
-    for u in st.units:
-        add(u.group, "all_gather", e * u.numel, gathers, "forward", "FSDP parameter all-gather", "fsdp")
-        if u.reshard and layout.pp == 1:
-            add(u.group, "all_gather", e * u.numel, m, "backward", "FSDP parameter all-gather", "fsdp")
-        add(u.group, "reduce_scatter", red * u.numel, reductions, "backward",
-            "FSDP gradient reduce-scatter", "fsdp")
-        add("dp_replicate", "all_reduce", red * u.numel // u.shard, reductions, "backward",
-            "HSDP gradient all-reduce", "fsdp")
-
-    t, d = s.tokens, args.dim
-    n_moe = sum(args.is_moe_layer(i) for i in st.layers)
-    n_dense = len(st.layers) - n_moe
-    if layout.tp > 1:
-        act = e * t * d
-        # attention of every block, dense FFNs: gather in, reduce-scatter out; mirrored in backward
-        n_regions = len(st.layers) + n_dense
-        add("tp", "all_gather", act, m * n_regions, "forward", "sequence-parallel gather")
-        add("tp", "reduce_scatter", act, m * n_regions, "forward", "sequence-parallel reduce-scatter")
-        add("tp", "reduce_scatter", act, m * n_regions, "backward", "sequence-parallel gather (grad)")
-        add("tp", "all_gather", act, m * n_regions, "backward", "sequence-parallel reduce-scatter (grad)")
-        add("tp", "all_reduce", e * d, m * 2 * len(st.layers), "backward", "norm weight gradients")
-        if st.has_embedding:
-            add("tp", "reduce_scatter", act, m, "forward", "vocab-parallel embedding")
-            add("tp", "all_gather", act, m, "backward", "vocab-parallel embedding (grad)")
-        if st.has_head:
-            add("tp", "all_gather", act, m, "forward", "output head input gather")
-            add("tp", "reduce_scatter", act, m, "backward", "output head input gather (grad)")
-            add("tp", "all_reduce", e * d, m, "backward", "norm weight gradients")
-            if cfg.training.loss_chunk:
-                # per chunk of C tokens: the row max (C values), then the sum of exponentials
-                # and the target logit (2C), fp32
-                chunks, c = math.ceil(t / cfg.training.loss_chunk), min(cfg.training.loss_chunk, t)
-                add("tp", "all_reduce", 4 * c, m * chunks, "forward", "vocab-parallel chunked loss (max)")
-                add("tp", "all_reduce", 8 * c, m * chunks, "forward", "vocab-parallel chunked loss (sums)")
-            elif cfg.parallel.loss_parallel:
-                add("tp", "all_reduce", 4 * t, m * 3, "forward", "loss parallel")
-            else:
-                add("tp", "all_gather", e * t * args.vocab_size, m, "forward", "logits gather")
-                add("tp", "reduce_scatter", e * t * args.vocab_size, m, "backward", "logits gather (grad)")
-    if layout.cp > 1 and st.layers:
-        # Ring attention (torch's templated ring): K and V travel around the cp ring -- one
-        # all-gather, or cp - 1 point-to-point rotations (all-to-all) -- in forward and again in
-        # backward, where the K/V gradients (fp32) make a full round in cp rotations.
-        local_kv = 2 * e * layout.micro_batch * (args.n_kv_heads // layout.tp) * s.seq * args.head_dim
-        n = m * len(st.layers)
-        for phase in ("forward", "backward"):
-            if cfg.parallel.cp_rotate_method == "allgather":
-                add("cp", "all_gather", layout.cp * local_kv, n, phase, "ring attention K/V")
-            else:
-                add("cp", "all_to_all", local_kv, n * (layout.cp - 1), phase, "ring attention K/V")
-        add("cp", "all_to_all", local_kv * 4 // e, n * layout.cp, "backward", "ring attention K/V gradients")
-    if n_moe and layout.cp * layout.tp > 1 and args.moe_balance == "aux_loss" and args.moe_aux_coef > 0:
-        add("cp_tp", "all_reduce", 4 * layout.micro_batch * (args.n_experts + 1), m * n_moe, "forward",
-            "MoE balance-loss counts")
-    if n_moe and layout.ep > 1:
-        slots = e * s.norm_tokens * args.moe_top_k * d  # balanced routing: what a rank sends
-        add("ep", "all_to_all", 8 * args.n_experts, m * n_moe, "forward", "expert-parallel counts")
-        add("ep", "all_to_all", slots, 2 * m * n_moe, "forward", "expert-parallel tokens")
-        add("ep", "all_to_all", slots, 2 * m * n_moe, "backward", "expert-parallel tokens")
-    if layout.pp > 1:
-        n_stages = layout.pp * layout.stages_per_rank
-        from shardwise.parallel.pipeline import rank_stages
-
-        stages = rank_stages(st.pp_rank, layout.pp, layout.pp_schedule, layout.pp_stages_per_rank)
-        owner = {x: r for r in range(layout.pp)
-                 for x in rank_stages(r, layout.pp, layout.pp_schedule, layout.pp_stages_per_rank)}
-        boundary = e * layout.micro_batch * (cfg.training.seq_len // layout.cp // layout.tp) * d
-        sends = sum(1 for x in stages if x + 1 < n_stages and owner[x + 1] != st.pp_rank)
-        recvs = sum(1 for x in stages if x > 0 and owner[x - 1] != st.pp_rank)
-        add("pp", "send", boundary, m * sends, "forward", "pipeline activations")
-        add("pp", "recv", boundary, m * recvs, "forward", "pipeline activations")
-        add("pp", "send", boundary, m * recvs, "backward", "pipeline gradients")
-        add("pp", "recv", boundary, m * sends, "backward", "pipeline gradients")
-        add("pp", "all_reduce", 4, 1, "step", "loss to every stage")
-        add("pp", "all_reduce", 8, 1, "step", "gradient norm")
-        if args.n_experts:
-            add("pp", "all_reduce", 4, 1, "step", "MoE load")
-    # per step: valid tokens (int64) and the loss (fp32) over dp x cp
-    add("dp_cp", "all_reduce", 8, 1, "step", "valid-token count", size_one=True)
-    add("dp_cp", "all_reduce", 4, 1, "step", "loss", size_one=True)
-    for group, calls in _norm_groups(layout, st, args.n_experts > 0).items():
-        add(group, "all_reduce", 8, calls, "step", "gradient norm", size_one=True)
-    if n_moe:
-        add("dp_cp_tp", "all_reduce", 4 * n_moe * args.n_experts, 1, "step", "MoE token counts",
-            size_one=True)
-    return out
+        if calls and (size_one or group_size(self.layout, group) > 1):
+            self.collectives.append(Collective(group, kind, int(nbytes), calls, phase, what, overlap))
 
 
-def _norm_groups(layout: Layout, st: RankStates, moe: bool) -> dict[str, int]:
+def step_collectives(cfg: Config, layout: Layout, rank_states: RankStates) -> list[Collective]:
+    """Every collective one steady-state step issues on the rank with states ``rank_states``
+    (pipeline coordinate ``rank_states.pp_rank``, all others 0), in the module docstring's order."""
+    shape = shape_of(cfg, layout)
+    parts = (fsdp_collectives, tensor_collectives, context_collectives, expert_collectives,
+             pipeline_collectives, step_reductions)
+    return [c for part in parts for c in part(cfg, layout, rank_states, shape)]
+
+
+def _moe_layers(shape: Shape, rank_states: RankStates) -> int:
+    """How many of the rank's blocks are MoE blocks."""
+    return sum(shape.args.is_moe_layer(i) for i in rank_states.layers)
+
+
+def fsdp_reduce_bytes(cfg: Config, shape: Shape) -> int:
+    """Bytes per element of FSDP's gradient reduction: ``parallel.fsdp_reduce_dtype`` under bf16
+    compute, fp32 under fp32 compute."""
+    return BYTES[cfg.parallel.fsdp_reduce_dtype] if shape.e == 2 else 4
+
+
+def fsdp_collectives(cfg: Config, layout: Layout, rank_states: RankStates,
+                     shape: Shape) -> list[Collective]:
+    """FSDP / HSDP: per unit, the parameter all-gathers, the gradient reduce-scatter and (HSDP) the
+    sharded gradient's all-reduce over dp_replicate."""
+    issued = _Issued(layout)
+    micro_batches = layout.micro_batches(cfg.training.global_batch)
+    reduce_bytes = fsdp_reduce_bytes(cfg, shape)
+    # Pipeline ranks keep their units gathered through the step (no reshard after forward) and
+    # reduce once (the schedules sync gradients on the last micro-batch only).
+    gathers, reductions = (1, 1) if layout.pp > 1 else (micro_batches, micro_batches)
+    for unit in rank_states.units:
+        gather_bytes, reduce_buffer = shape.e * unit.numel, reduce_bytes * unit.numel
+        issued.add(unit.group, "all_gather", gather_bytes, gathers, "forward", "FSDP parameter all-gather",
+                   "fsdp")
+        if unit.reshard and layout.pp == 1:
+            issued.add(unit.group, "all_gather", gather_bytes, micro_batches, "backward",
+                       "FSDP parameter all-gather", "fsdp")
+        issued.add(unit.group, "reduce_scatter", reduce_buffer, reductions, "backward",
+                   "FSDP gradient reduce-scatter", "fsdp")
+        issued.add("dp_replicate", "all_reduce", reduce_buffer // unit.shard, reductions, "backward",
+                   "HSDP gradient all-reduce", "fsdp")
+    return issued.collectives
+
+
+def tensor_collectives(cfg: Config, layout: Layout, rank_states: RankStates,
+                       shape: Shape) -> list[Collective]:
+    """Tensor/sequence parallel: the sequence-parallel gathers and reduce-scatters around every
+    attention and dense FFN, the norms' weight gradients, the vocab-parallel embedding and head."""
+    if layout.tp == 1:
+        return []
+    issued = _Issued(layout)
+    add = issued.add
+    micro_batches = layout.micro_batches(cfg.training.global_batch)
+    dim, n_layers = shape.args.dim, len(rank_states.layers)
+    activation_bytes = shape.e * shape.tokens * dim  # one gathered (tokens x dim) activation
+    # attention of every block, dense FFNs: gather in, reduce-scatter out; mirrored in backward
+    regions = micro_batches * (n_layers + n_layers - _moe_layers(shape, rank_states))
+    add("tp", "all_gather", activation_bytes, regions, "forward", "sequence-parallel gather")
+    add("tp", "reduce_scatter", activation_bytes, regions, "forward", "sequence-parallel reduce-scatter")
+    add("tp", "reduce_scatter", activation_bytes, regions, "backward", "sequence-parallel gather (grad)")
+    add("tp", "all_gather", activation_bytes, regions, "backward", "sequence-parallel reduce-scatter (grad)")
+    add("tp", "all_reduce", shape.e * dim, micro_batches * 2 * n_layers, "backward", "norm weight gradients")
+    if rank_states.has_embedding:
+        add("tp", "reduce_scatter", activation_bytes, micro_batches, "forward", "vocab-parallel embedding")
+        add("tp", "all_gather", activation_bytes, micro_batches, "backward",
+            "vocab-parallel embedding (grad)")
+    if rank_states.has_head:
+        add("tp", "all_gather", activation_bytes, micro_batches, "forward", "output head input gather")
+        add("tp", "reduce_scatter", activation_bytes, micro_batches, "backward",
+            "output head input gather (grad)")
+        add("tp", "all_reduce", shape.e * dim, micro_batches, "backward", "norm weight gradients")
+        _tensor_loss(issued, cfg, shape, micro_batches)
+    return issued.collectives
+
+
+def _tensor_loss(issued: _Issued, cfg: Config, shape: Shape, micro_batches: int) -> None:
+    """The loss over vocab-sharded logits: chunked, loss parallel, or the logits gathered."""
+    tokens, chunk_tokens = shape.tokens, cfg.training.loss_chunk
+    if chunk_tokens:
+        # per chunk of C tokens: the row max (C values), then the sum of exponentials and the
+        # target logit (2C), fp32
+        chunks, per_chunk = math.ceil(tokens / chunk_tokens), min(chunk_tokens, tokens)
+        issued.add("tp", "all_reduce", 4 * per_chunk, micro_batches * chunks, "forward",
+                   "vocab-parallel chunked loss (max)")
+        issued.add("tp", "all_reduce", 8 * per_chunk, micro_batches * chunks, "forward",
+                   "vocab-parallel chunked loss (sums)")
+    elif cfg.parallel.loss_parallel:
+        issued.add("tp", "all_reduce", 4 * tokens, micro_batches * 3, "forward", "loss parallel")
+    else:
+        logits_bytes = shape.e * tokens * shape.args.vocab_size
+        issued.add("tp", "all_gather", logits_bytes, micro_batches, "forward", "logits gather")
+        issued.add("tp", "reduce_scatter", logits_bytes, micro_batches, "backward", "logits gather (grad)")
+
+
+def context_collectives(cfg: Config, layout: Layout, rank_states: RankStates,
+                        shape: Shape) -> list[Collective]:
+    """Context parallel: ring attention's K/V exchange in forward and backward, and the K/V
+    gradients' round in backward."""
+    if layout.cp == 1 or not rank_states.layers:
+        return []
+    issued, args = _Issued(layout), shape.args
+    # Ring attention (torch's templated ring): K and V travel around the cp ring -- one
+    # all-gather, or cp - 1 point-to-point rotations (all-to-all) -- in forward and again in
+    # backward, where the K/V gradients (fp32) make a full round in cp rotations.
+    kv_heads = args.n_kv_heads // layout.tp
+    local_kv_bytes = 2 * shape.e * layout.micro_batch * kv_heads * shape.seq * args.head_dim
+    attentions = layout.micro_batches(cfg.training.global_batch) * len(rank_states.layers)
+    for phase in ("forward", "backward"):
+        if cfg.parallel.cp_rotate_method == "allgather":
+            issued.add("cp", "all_gather", layout.cp * local_kv_bytes, attentions, phase,
+                       "ring attention K/V")
+        else:
+            issued.add("cp", "all_to_all", local_kv_bytes, attentions * (layout.cp - 1), phase,
+                       "ring attention K/V")
+    issued.add("cp", "all_to_all", local_kv_bytes * 4 // shape.e, attentions * layout.cp, "backward",
+               "ring attention K/V gradients")
+    return issued.collectives
+
+
+def expert_collectives(cfg: Config, layout: Layout, rank_states: RankStates,
+                       shape: Shape) -> list[Collective]:
+    """MoE blocks: the balance loss's expert counts over cp x tp, and expert parallel's all-to-alls
+    of the routing counts and the routed tokens (balanced routing assumed)."""
+    issued, args = _Issued(layout), shape.args
+    moe_blocks = layout.micro_batches(cfg.training.global_batch) * _moe_layers(shape, rank_states)
+    if layout.cp * layout.tp > 1 and args.moe_balance == "aux_loss" and args.moe_aux_coef > 0:
+        issued.add("cp_tp", "all_reduce", 4 * layout.micro_batch * (args.n_experts + 1), moe_blocks,
+                   "forward", "MoE balance-loss counts")
+    if layout.ep > 1:
+        sent_bytes = shape.e * shape.norm_tokens * args.moe_top_k * args.dim  # balanced routing
+        issued.add("ep", "all_to_all", 8 * args.n_experts, moe_blocks, "forward", "expert-parallel counts")
+        issued.add("ep", "all_to_all", sent_bytes, 2 * moe_blocks, "forward", "expert-parallel tokens")
+        issued.add("ep", "all_to_all", sent_bytes, 2 * moe_blocks, "backward", "expert-parallel tokens")
+    return issued.collectives
+
+
+def pipeline_collectives(cfg: Config, layout: Layout, rank_states: RankStates,
+                         shape: Shape) -> list[Collective]:
+    """Pipeline parallel: boundary activations and gradients between stages on other ranks, and
+    the per-step values shared by all stages."""
+    if layout.pp == 1:
+        return []
+    issued = _Issued(layout)
+    micro_batches = layout.micro_batches(cfg.training.global_batch)
+    pp_rank, n_stages = rank_states.pp_rank, layout.pp * layout.stages_per_rank
+    stages = rank_stages(pp_rank, layout.pp, layout.pp_schedule, layout.pp_stages_per_rank)
+    owner = {stage: rank for rank in range(layout.pp)
+             for stage in rank_stages(rank, layout.pp, layout.pp_schedule, layout.pp_stages_per_rank)}
+    # one micro-batch's residual stream, sequence-sharded over cp and tp
+    boundary_bytes = (shape.e * layout.micro_batch * (cfg.training.seq_len // layout.cp // layout.tp)
+                      * shape.args.dim)
+    sends = sum(1 for x in stages if x + 1 < n_stages and owner[x + 1] != pp_rank)
+    recvs = sum(1 for x in stages if x > 0 and owner[x - 1] != pp_rank)
+    issued.add("pp", "send", boundary_bytes, micro_batches * sends, "forward", "pipeline activations")
+    issued.add("pp", "recv", boundary_bytes, micro_batches * recvs, "forward", "pipeline activations")
+    issued.add("pp", "send", boundary_bytes, micro_batches * recvs, "backward", "pipeline gradients")
+    issued.add("pp", "recv", boundary_bytes, micro_batches * sends, "backward", "pipeline gradients")
+    issued.add("pp", "all_reduce", 4, 1, "step", "loss to every stage")
+    issued.add("pp", "all_reduce", 8, 1, "step", "gradient norm")
+    if shape.args.n_experts:
+        issued.add("pp", "all_reduce", 4, 1, "step", "MoE load")
+    return issued.collectives
+
+
+def step_reductions(cfg: Config, layout: Layout, rank_states: RankStates,
+                    shape: Shape) -> list[Collective]:
+    """Once per step, issued even over one rank: valid tokens (int64) and the loss (fp32) over
+    dp x cp, the gradient norm's partial sums, the MoE token counts."""
+    issued, n_experts = _Issued(layout), shape.args.n_experts
+    issued.add("dp_cp", "all_reduce", 8, 1, "step", "valid-token count", size_one=True)
+    issued.add("dp_cp", "all_reduce", 4, 1, "step", "loss", size_one=True)
+    for group, calls in _norm_groups(layout, rank_states, n_experts > 0).items():
+        issued.add(group, "all_reduce", 8, calls, "step", "gradient norm", size_one=True)
+    if moe_layers := _moe_layers(shape, rank_states):
+        issued.add("dp_cp_tp", "all_reduce", 4 * moe_layers * n_experts, 1, "step", "MoE token counts",
+                   size_one=True)
+    return issued.collectives
+
+
+def _norm_groups(layout: Layout, rank_states: RankStates, moe: bool) -> dict[str, int]:
     """All-reduces of the gradient norm's partial sums: one per (parameter mesh, sharded dims)
     group per sharded dim (shardwise/optim/clip.py)."""
     calls: dict[str, int] = {}
 
     def count(*groups: str) -> None:
-        for g in groups:
-            calls[g] = calls.get(g, 0) + 1
+        for group in groups:
+            calls[group] = calls.get(group, 0) + 1
 
-    block_kinds = {u.group for u in st.units}
+    unit_groups = {unit.group for unit in rank_states.units}
     fsdp = "dp_shard_cp"
     if layout.tp > 1:
         count(fsdp, "tp")  # tensor-parallel weights: sharded on FSDP's dim and tp
     count(fsdp)  # norms (and everything without TP)
-    if moe and "moe" in block_kinds:
+    if moe and "moe" in unit_groups:
         count("moe")
-    if "efsdp" in block_kinds:
+    if "efsdp" in unit_groups:
         count("efsdp", "ep")
     return calls
 

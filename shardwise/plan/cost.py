@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from shardwise.config import Config
 from shardwise.observe.flops import ATTENTION_BACKWARD, MATMUL_BACKWARD, attention_pairs
-from shardwise.plan.comm import Collective, group_members, step_collectives
+from shardwise.plan.comm import Collective, fsdp_reduce_bytes, group_members, step_collectives
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import Layout
 from shardwise.plan.memory import Shape, shape_of
@@ -143,79 +143,146 @@ def _elementwise_bytes(s: Shape, cfg: Config, layer: int) -> list[tuple[float, i
     return out
 
 
-def rank_time(cfg: Config, layout: Layout, st: RankStates, hw: Hardware,
-              colls: list[Collective] | None = None) -> RankTime:
-    """Compute and communication seconds of one step on the rank with states ``st``."""
-    s = shape_of(cfg, layout)
-    a, dtype = s.args, cfg.training.mixed_precision
-    m = layout.micro_batches(cfg.training.global_batch)
-    ranks_here = layout.world  # local ranks share the machine; GPUs ignore it
-    mm = attn = mem = 0.0  # seconds
-    flops = 0.0
+@dataclass
+class ComputeTally:
+    """One rank's compute seconds and executed FLOPs, summed term by term. Float sums depend on
+    their order, so the parts of :func:`rank_time` add their terms in one fixed order."""
 
-    def traffic(nbytes: float, tensor: float) -> float:
-        return nbytes / hw.memory_bw(ranks_here, tensor)
-    pairs = s.mb * attention_pairs(cfg.training.seq_len) / layout.cp  # load-balanced over cp
-    for i in st.layers:
-        again = _recomputed(cfg, i)
-        for fwd, k, n, fp8, recomputed in _gemms(s, cfg, i):
-            work = fwd * (1 + MATMUL_BACKWARD + (1 if again and recomputed else 0))
-            flops += work
-            mm += work / (hw.matmul_tflops("fp8" if fp8 else dtype, k, n, ranks_here) * 1e12)
-        mem += traffic(_float8_cast_bytes(s, cfg, i, _gemms(s, cfg, i)), s.tokens * a.dim)
-        fwd = 4 * (a.n_heads // s.tp) * a.head_dim * pairs
-        work = fwd * (1 + ATTENTION_BACKWARD + (1 if again else 0))
-        flops += work
-        attn += work / (hw.attention_tflops(dtype, a.head_dim, ranks_here) * 1e12)
-        passes = 3 + (1 if again or cfg.activation_checkpoint.mode == "selective" else 0)
-        mem += sum(traffic(passes * n, size) for n, size in _elementwise_bytes(s, cfg, i))
-    vocab = a.vocab_size // s.tp
-    if st.has_head:
-        fwd = 2 * s.tokens * a.dim * vocab
-        work = fwd * (1 + MATMUL_BACKWARD + (1 if cfg.training.loss_chunk else 0))
-        flops += work
-        mm += work / (hw.matmul_tflops(dtype, a.dim, vocab, ranks_here) * 1e12)
-        # upcast, log-softmax (two passes), its backward
-        mem += traffic(3 * s.tokens * vocab * (s.e + 16), 4 * s.tokens * vocab)
-    mm, attn, mem = m * mm, m * attn, m * mem
-    flops *= m
-    e = s.e
-    red = BYTES[cfg.parallel.fsdp_reduce_dtype] if e == 2 else 4
-    reductions = 1 if layout.pp > 1 else m
-    for u in st.units:
-        # FSDP: each gather's copy-out into the parameters; each reduction packs the gradients
-        # into one reduce-dtype buffer, divides it, and copies the result into the shards
-        gathers = 1 if layout.pp > 1 else m * (2 if u.reshard else 1)
-        mem += traffic(gathers * 2 * e * u.numel + reductions * (e + 5 * red) * u.numel, red * u.numel)
-    state_b = BYTES[cfg.optimizer.state_dtype]
-    numel = st.params / 4
-    optimizer = numel * (4 * 4 + 4 * state_b + 12) / hw.memory_bw(ranks_here)  # AdamW + clipping, in place
-    host = 0.0
-    if hw.overhead_ms:  # host time (local CPU): per block and step, more per block under TP;
-        # ranks beyond the cores share them
-        per_block = hw.overhead_ms["per_block"] + (hw.overhead_ms.get("per_tp_block", 0.0) if s.tp > 1 else 0)
-        host = 1e-3 * (per_block * len(st.layers) * m + hw.overhead_ms["per_step"])
-        host *= max(1.0, ranks_here / hw.cores)
+    hw: Hardware
+    ranks: int
+    """Ranks sharing the machine (local CPU ranks share its cores and bandwidth; GPUs ignore it)."""
+    matmul: float = 0.0
+    attention: float = 0.0
+    memory: float = 0.0
+    """Memory-bound work."""
+    flops: float = 0.0
+
+    def traffic(self, nbytes: float, tensor_bytes: float) -> float:
+        """Seconds to read and write ``nbytes`` of memory-bound work on tensors of ``tensor_bytes``."""
+        return nbytes / self.hw.memory_bw(self.ranks, tensor_bytes)
+
+    def scale(self, micro_batches: int) -> None:
+        """From one micro-batch to the step's ``micro_batches``."""
+        self.matmul = micro_batches * self.matmul
+        self.attention = micro_batches * self.attention
+        self.memory = micro_batches * self.memory
+        self.flops *= micro_batches
+
+
+def rank_time(cfg: Config, layout: Layout, rank_states: RankStates, hw: Hardware,
+              colls: list[Collective] | None = None) -> RankTime:
+    """Compute and communication seconds of one step on the rank with states ``rank_states``
+    (``colls``: its collectives, if already listed)."""
+    shape = shape_of(cfg, layout)
+    micro_batches = layout.micro_batches(cfg.training.global_batch)
+    tally = ComputeTally(hw, ranks=layout.world)
+    for layer in rank_states.layers:
+        block_compute(tally, cfg, layout, shape, layer)
+    if rank_states.has_head:
+        head_compute(tally, cfg, shape)
+    tally.scale(micro_batches)
+    fsdp_copy_traffic(tally, cfg, layout, rank_states, shape)
     if cfg.compile.enabled:  # fused elementwise kernels: about half the memory passes of eager
-        mem *= COMPILE_MEMORY_FACTOR
-    compute = {"matmul": mm, "attention": attn, "memory-bound": mem,
-               "optimizer": optimizer, "host": host}
-    colls = step_collectives(cfg, layout, st) if colls is None else colls
-    times = [collective_time(c, layout, hw, st.pp_rank) for c in colls]
+        tally.memory *= COMPILE_MEMORY_FACTOR
+    compute = {"matmul": tally.matmul, "attention": tally.attention, "memory-bound": tally.memory,
+               "optimizer": optimizer_seconds(cfg, rank_states, hw, layout.world),
+               "host": host_seconds(layout, rank_states, hw, micro_batches)}
+    colls = step_collectives(cfg, layout, rank_states) if colls is None else colls
+    seconds = [collective_time(c, layout, hw, rank_states.pp_rank) for c in colls]
+    comm = _per_mesh_dim(colls, seconds)
+    exposed = sum(comm.values()) - fsdp_hidden_seconds(colls, seconds, hw, sum(compute.values()))
+    return RankTime(rank_states.pp_rank, compute, comm, exposed, tally.flops)
+
+
+def block_compute(tally: ComputeTally, cfg: Config, layout: Layout, shape: Shape, layer: int) -> None:
+    """Add one block's forward and backward for one micro-batch: its GEMMs (float8 ones at the fp8
+    rate, recomputed ones again under activation checkpointing), float8's scaling casts, causal
+    attention, and the memory-bound ops."""
+    args, dtype, hw = shape.args, cfg.training.mixed_precision, tally.hw
+    recompute = _recomputed(cfg, layer)
+    gemms = _gemms(shape, cfg, layer)
+    for forward_flops, in_width, out_width, float8, recomputed in gemms:
+        flops = forward_flops * (1 + MATMUL_BACKWARD + (1 if recompute and recomputed else 0))
+        tally.flops += flops
+        rate = hw.matmul_tflops("fp8" if float8 else dtype, in_width, out_width, tally.ranks)
+        tally.matmul += flops / (rate * 1e12)
+    tally.memory += tally.traffic(_float8_cast_bytes(shape, cfg, layer, gemms), shape.tokens * args.dim)
+    pairs = shape.mb * attention_pairs(cfg.training.seq_len) / layout.cp  # load-balanced over cp
+    forward_flops = 4 * (args.n_heads // shape.tp) * args.head_dim * pairs
+    flops = forward_flops * (1 + ATTENTION_BACKWARD + (1 if recompute else 0))
+    tally.flops += flops
+    tally.attention += flops / (hw.attention_tflops(dtype, args.head_dim, tally.ranks) * 1e12)
+    passes = 3 + (1 if recompute or cfg.activation_checkpoint.mode == "selective" else 0)
+    tally.memory += sum(tally.traffic(passes * nbytes, tensor_bytes)
+                        for nbytes, tensor_bytes in _elementwise_bytes(shape, cfg, layer))
+
+
+def head_compute(tally: ComputeTally, cfg: Config, shape: Shape) -> None:
+    """Add the output head's forward and backward for one micro-batch, and the loss's softmax."""
+    args, tokens = shape.args, shape.tokens
+    vocab = args.vocab_size // shape.tp
+    forward_flops = 2 * tokens * args.dim * vocab
+    # the fused chunked loss keeps no logits: it computes them again in backward
+    flops = forward_flops * (1 + MATMUL_BACKWARD + (1 if cfg.training.loss_chunk else 0))
+    tally.flops += flops
+    rate = tally.hw.matmul_tflops(cfg.training.mixed_precision, args.dim, vocab, tally.ranks)
+    tally.matmul += flops / (rate * 1e12)
+    # upcast, log-softmax (two passes), its backward
+    tally.memory += tally.traffic(3 * tokens * vocab * (shape.e + 16), 4 * tokens * vocab)
+
+
+def fsdp_copy_traffic(tally: ComputeTally, cfg: Config, layout: Layout, rank_states: RankStates,
+                      shape: Shape) -> None:
+    """Add FSDP's memory traffic over the step: each gather's copy-out into the parameters; each
+    reduction packs the gradients into one reduce-dtype buffer, divides it, and copies the result
+    into the shards. Pipeline ranks gather and reduce once per step."""
+    micro_batches = layout.micro_batches(cfg.training.global_batch)
+    reduce_bytes = fsdp_reduce_bytes(cfg, shape)
+    reductions = 1 if layout.pp > 1 else micro_batches
+    for unit in rank_states.units:
+        gathers = 1 if layout.pp > 1 else micro_batches * (2 if unit.reshard else 1)
+        nbytes = gathers * 2 * shape.e * unit.numel + reductions * (shape.e + 5 * reduce_bytes) * unit.numel
+        tally.memory += tally.traffic(nbytes, reduce_bytes * unit.numel)
+
+
+def optimizer_seconds(cfg: Config, rank_states: RankStates, hw: Hardware, ranks: int) -> float:
+    """AdamW and gradient clipping over the rank's parameter shards, in place (memory-bound)."""
+    state_bytes = BYTES[cfg.optimizer.state_dtype]
+    numel = rank_states.params / 4  # fp32 shards
+    return numel * (4 * 4 + 4 * state_bytes + 12) / hw.memory_bw(ranks)
+
+
+def host_seconds(layout: Layout, rank_states: RankStates, hw: Hardware, micro_batches: int) -> float:
+    """Host time of the step, measured on the local CPU per block (more under TP) and per step;
+    ranks beyond the cores share them. 0 on GPUs, where it is assumed hidden behind the kernels."""
+    overhead_ms = hw.overhead_ms
+    if not overhead_ms:
+        return 0.0
+    per_block = overhead_ms["per_block"] + (overhead_ms.get("per_tp_block", 0.0) if layout.tp > 1 else 0)
+    host = 1e-3 * (per_block * len(rank_states.layers) * micro_batches + overhead_ms["per_step"])
+    return host * max(1.0, layout.world / hw.cores)
+
+
+def _per_mesh_dim(colls: list[Collective], seconds: list[float]) -> dict[str, float]:
+    """Seconds of the collectives summed per mesh dim."""
     comm: dict[str, float] = {}
-    for c, t in zip(colls, times, strict=True):
-        comm[c.group] = comm.get(c.group, 0.0) + t
-    exposed = sum(comm.values())
-    fsdp = [(c, t) for c, t in zip(colls, times, strict=True) if c.overlap == "fsdp"]
-    fsdp_t = sum(t for _, t in fsdp)
-    if hw.comm_overlap and fsdp_t:
-        # FSDP prefetches the next unit's gather and reduces the last unit's gradient while other
-        # blocks compute: exposed are the step's first gather and last reduction, or whatever of
-        # the traffic the compute is too short to cover.
-        edges = (max((t / c.calls for c, t in fsdp if c.kind == "all_gather"), default=0.0)
-                 + max((t / c.calls for c, t in fsdp if c.kind != "all_gather"), default=0.0))
-        exposed -= fsdp_t - max(min(edges, fsdp_t), fsdp_t - sum(compute.values()))
-    return RankTime(st.pp_rank, compute, comm, exposed, flops)
+    for c, secs in zip(colls, seconds, strict=True):
+        comm[c.group] = comm.get(c.group, 0.0) + secs
+    return comm
+
+
+def fsdp_hidden_seconds(colls: list[Collective], seconds: list[float], hw: Hardware, compute: float) -> float:
+    """Seconds of FSDP's collectives hidden behind ``compute`` seconds (0 without ``comm_overlap``).
+    FSDP prefetches the next unit's gather and reduces the last unit's gradient while other blocks
+    compute: exposed are the step's first gather and last reduction, or whatever of the traffic
+    the compute is too short to cover."""
+    fsdp = [(c, secs) for c, secs in zip(colls, seconds, strict=True) if c.overlap == "fsdp"]
+    fsdp_total = sum(secs for _, secs in fsdp)
+    if not (hw.comm_overlap and fsdp_total):
+        return 0.0
+    edges = (max((secs / c.calls for c, secs in fsdp if c.kind == "all_gather"), default=0.0)
+             + max((secs / c.calls for c, secs in fsdp if c.kind != "all_gather"), default=0.0))
+    return fsdp_total - max(min(edges, fsdp_total), fsdp_total - compute)
 
 
 def collective_time(c: Collective, layout: Layout, hw: Hardware, pp_rank: int = 0) -> float:
@@ -239,16 +306,21 @@ def collective_time(c: Collective, layout: Layout, hw: Hardware, pp_rank: int = 
 
 def step_time(cfg: Config, layout: Layout, states: list[RankStates], hw: Hardware) -> StepTime:
     """The step time of the slowest pipeline rank plus the bubble, and the job's tokens/s."""
-    ranks = tuple(rank_time(cfg, layout, st, hw) for st in states)
+    ranks = tuple(rank_time(cfg, layout, rank_states, hw) for rank_states in states)
     busy = max(r.busy for r in ranks)
-    bubble = 0.0
-    if layout.pp > 1:
-        m = layout.micro_batches(cfg.training.global_batch)
-        per_mb = busy / m
-        p, v = layout.pp, layout.stages_per_rank
-        sched = layout.pp_schedule
-        bubble = (p - 1) * per_mb * (1.0 if sched in ("gpipe", "1f1b") else
-                                     1.0 / v if sched == "interleaved1f1b" else 1.0 / 6)
+    bubble = pipeline_bubble(cfg, layout, busy)
     step = busy + bubble
     tokens = cfg.training.global_batch * cfg.training.seq_len
     return StepTime(ranks, bubble, step, tokens / step)
+
+
+def pipeline_bubble(cfg: Config, layout: Layout, busy: float) -> float:
+    """Idle seconds of the pipeline schedule, from the slowest rank's ``busy`` seconds per step
+    (the module docstring gives the fraction of a micro-batch's time per schedule)."""
+    if layout.pp == 1:
+        return 0.0
+    per_micro_batch = busy / layout.micro_batches(cfg.training.global_batch)
+    schedule = layout.pp_schedule
+    fraction = (1.0 if schedule in ("gpipe", "1f1b") else
+                1.0 / layout.stages_per_rank if schedule == "interleaved1f1b" else 1.0 / 6)
+    return (layout.pp - 1) * per_micro_batch * fraction
