@@ -17,9 +17,15 @@ import textwrap
 import traceback
 
 from shardwise import config
-from shardwise.config import ConfigError
-from shardwise.config_checks import load_config
-from shardwise.launch import peer_failed_first, rank_error
+from shardwise.config import Config, ConfigError
+
+
+def load_config(path: str | None, overrides: list[str], device: str | None = None) -> Config:
+    """:func:`shardwise.config_checks.load_config`, imported on first use: the checks load the
+    models and torch, which ``shardwise --help`` and a mistyped subcommand never need."""
+    from shardwise.config_checks import load_config as load
+
+    return load(path, overrides, device)
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -255,7 +261,8 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"--world must be >= 1, got {args.world}")
     # training.mixed_precision=auto resolves for the planned device, not for this machine.
     cfg = load_config(args.config, overrides, device="cpu" if args.hardware == "local" else "cuda")
-    resolve_run(cfg, args.world)  # the trainer's own refusals, one line each
+    # The trainer's own refusals, one line each (for the planned machine, not this one's device).
+    resolve_run(cfg, args.world, detect_device=False)
     hw = load_hardware(args.hardware, cfg.data.cache_dir)
     est = estimate(cfg, args.world, hw)
     print(format_estimate(est))
@@ -383,12 +390,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "calibrate":
             return cmd_calibrate(rest)
     except ConfigError as e:
+        from shardwise.launch import rank_error
+
         rank = os.environ.get("RANK")
         prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
         if not rank_error(f"{prefix}{e}", "config"):
             print(f"shardwise: error: {prefix}{e}", file=sys.stderr)
         return 2
     except Exception:
+        from shardwise.launch import peer_failed_first, rank_error
+
         if peer_failed_first():  # lost a peer that already reported why: nothing more to say
             return 1
         rank_error(traceback.format_exc().strip().splitlines()[-1], "crash")

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import tomli_w
 
 from shardwise.config_types import ConfigError, coerce, read_toml, type_name
-from shardwise.models.args import ModelArgs
+from shardwise.model_args import ModelArgs
 
 __all__ = ["ConfigError", "coerce", "type_name"]  # re-exported: the package imports them from here
 

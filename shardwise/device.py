@@ -1,17 +1,20 @@
 """Device and process-group start-up: the device type, whether this CPU multiplies bf16 natively,
 the world a launcher set up, and the default process group. A bottom layer: imports nothing from the
-package but the config's error type, so config checks, the data pipeline and the trainer all use it."""
+package but the config's error type, so config checks, the data pipeline and the trainer all use it.
+torch is imported by the two functions that need it: the data-preparation workers import this module
+(for the core count) and must start without loading torch."""
 
 from __future__ import annotations
 
 import os
 import sys
 from dataclasses import dataclass
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from shardwise.config_types import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,8 @@ def cpu_has_native_bf16() -> bool:
 
 
 def device_type(requested: str) -> str:
+    import torch
+
     if requested == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda" and not torch.cuda.is_available():
@@ -67,6 +72,9 @@ def device_type(requested: str) -> str:
 
 def init_distributed(requested_device: str, backend: str = "auto") -> DistEnv:
     """Initialize the default process group: from torchrun's env, or a size-1 group otherwise."""
+    import torch
+    import torch.distributed as dist
+
     dtype = device_type(requested_device)
     if backend == "auto":
         # On GPUs NCCL carries device tensors and gloo the CPU ones (checkpoint metadata, objects).

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from shardwise.config_types import ConfigError
-from shardwise.models.args import ModelArgs
+from shardwise.model_args import ModelArgs
 from shardwise.models.llama import Transformer, init_weights
 from shardwise.models.presets import PRESETS
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from shardwise.models.args import ModelArgs
+from shardwise.model_args import ModelArgs
 from shardwise.models.layers import FeedForward, RMSNorm
 from shardwise.models.moe import MoE
 from shardwise.ops.chunked_ce import chunked_linear_cross_entropy

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardwise.models.args import ModelArgs
+from shardwise.model_args import ModelArgs
 from shardwise.models.layers import FeedForward
 
 

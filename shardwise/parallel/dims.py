@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardwise.config import ConfigError, ParallelConfig, coerce
-from shardwise.models.args import ModelArgs
+from shardwise.model_args import ModelArgs
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """The world mesh's dims, outermost first (rank = row-major index over them)."""

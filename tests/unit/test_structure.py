@@ -5,6 +5,8 @@ short functions and files, a loop that fits on one screen, and a config layer at
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 from tests.conftest import ROOT
@@ -92,10 +94,18 @@ def test_no_function_local_imports_of_the_package_outside_the_cli():
 def test_config_sits_at_the_bottom():
     """config.py imports only leaf modules, which import nothing from the package."""
     graph = _graph()
-    assert graph["shardwise.config"] <= {"shardwise.config_types", "shardwise.models.args"}
+    assert graph["shardwise.config"] <= {"shardwise.config_types", "shardwise.model_args"}
     for leaf in graph["shardwise.config"]:
         assert graph[leaf] == set(), leaf
     assert graph["shardwise.device"] <= {"shardwise.config_types"}
+
+
+def test_the_cli_and_the_preparation_workers_start_without_torch():
+    """`shardwise --help` answers at once, and each data-preparation worker (a spawned process that
+    imports shardwise.data.prepare) does not pay for loading torch."""
+    code = "import sys, shardwise.cli, shardwise.data.prepare; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "False"
 
 
 def _functions(path: Path) -> list[ast.FunctionDef]:

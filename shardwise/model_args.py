@@ -1,6 +1,7 @@
-"""``ModelArgs``: the shape and function of a model, as one frozen value. A leaf module (no torch, no
-package imports), so the config (whose ``[model]`` section is derived from it), the models and the
-planner all read the same field list."""
+"""``ModelArgs``: the shape and function of a model, as one frozen value. A leaf module outside the
+``models`` package (no torch, no package imports), so the config -- whose ``[model]`` section is
+derived from it -- and the processes that read only the config (the CLI, the data-preparation
+workers) do not load torch and the models to get the field list."""
 
 from __future__ import annotations
 
