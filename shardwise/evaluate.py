@@ -27,6 +27,10 @@ class Evaluator:
                     if s.num_windows(t.seq_len)]
         windows = sum(s.num_windows(t.seq_len) for s, _ in self.val)
         self.batches = min(run.cfg.eval.steps, windows // t.global_batch)
+        if run.cfg.eval.interval and not self.batches and dist.get_rank() == 0:
+            print(f"warning: the validation split has {windows} sequences of {t.seq_len} tokens, fewer "
+                  f"than one global batch ({t.global_batch}): no validation loss (raise "
+                  "data.val_fraction)", flush=True)
 
     def due(self, step: int, last: bool) -> bool:
         interval = self.run.cfg.eval.interval

@@ -186,11 +186,6 @@ def build_data(run: ResolvedRun, device: torch.device) -> tuple[PackedLoader, Co
     cfg, t, dims = run.cfg, run.cfg.training, run.dims
     corpus = open_corpus(cfg.data, load_tokenizer(cfg.data.tokenizer))
     check_vocab(corpus.max_token, run.model.vocab_size)
-    n_val = sum(s.num_windows(t.seq_len) for s in corpus.val)
-    if cfg.eval.interval and n_val < t.global_batch and dist.get_rank() == 0:
-        print(f"warning: the validation split has {n_val} sequences of {t.seq_len} tokens, fewer than "
-              f"one global batch ({t.global_batch}): no validation loss (raise data.val_fraction)",
-              flush=True)
     loader = PackedLoader(corpus.train, t.seq_len, t.global_batch, run.micro_batch,
                           dims.submesh("dp").get_local_rank(), dims.dp, t.seed,
                           cfg.data.document_mask, device, weights=corpus.weights, names=corpus.names)
