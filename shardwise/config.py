@@ -32,6 +32,9 @@ class RunConfig:
     RUN_OUTPUTS: checkpoints/, metrics.jsonl, tb/, ...) but the checkpoint.path checkpoint."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device type: auto (cuda when available, else cpu), cpu or cuda."""
+    cpu_memory_cache: bool = True
+    """CPU: glibc malloc keeps freed memory for reuse (no mmap and page faults per large tensor
+    each step; the resident size stays at the step's peak); false = the C library's defaults."""
 
 
 def _preset_overrides() -> type:

@@ -36,7 +36,7 @@ def train(cfg: Config, run: ResolvedRun | None = None) -> None:
     """Train ``cfg`` on this process's rank (1 rank, or one of N under torchrun / --nproc).
     ``run``: what :func:`preflight` resolved for this world (run here when not given)."""
     exit_with_launcher()  # under torch's elastic agent a rank has a session of its own
-    env = init_distributed(cfg.run.device, cfg.parallel.backend)
+    env = init_distributed(cfg.run.device, cfg.parallel.backend, cfg.run.cpu_memory_cache)
     if run is None or run.dims.world_size != env.world_size:
         run = preflight(cfg, env.world_size)
     # Host-side gloo groups for the checkpointer and the stop flag, made before the mesh: world-wide
