@@ -10,10 +10,16 @@ Both train the same ``Transformer`` on the same batches of the shipped corpus in
 
 Steps alternate between the two (after warm-up) so machine noise hits both alike; the figure is the
 median tokens/s. MFU uses the PaLM convention (shardwise.observe.flops) against the measured bf16
-GEMM peak of this machine (shardwise.observe.peak, cached).
+GEMM peak of this machine, measured in the same run (best of 1024^2 and 2048^2 matmuls).
+
+The trainer makes glibc's malloc keep freed memory (``run.cpu_memory_cache``); a hand-written loop
+runs with the C library's defaults, so the plain steps switch the allocator back to those while
+they run. A third variant, the plain loop with the trainer's allocator setting, shows how much of
+the difference that setting alone makes.
 
     python bench/throughput.py                      # debug (8 x 2048) and 125m (4 x 1024)
     python bench/throughput.py --presets debug --steps 3
+    python bench/throughput.py --presets 125m --profile 25   # and the top 25 ops of one step
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -28,26 +35,28 @@ import torch.nn.functional as F
 from shardwise.config import Config
 from shardwise.data.dataset import IGNORE_INDEX, PackedLoader, open_corpus
 from shardwise.data.tokenizer import load_tokenizer
-from shardwise.device import init_distributed
+from shardwise.device import init_distributed, keep_freed_cpu_memory
 from shardwise.models import PRESETS, build_model, init_weights
 from shardwise.observe.flops import flops_per_token, num_params
-from shardwise.observe.peak import peak_tflops
+from shardwise.observe.peak import measure_gemm_tflops
 from shardwise.ops.loss import TokenLoss
 from shardwise.optim.adamw import build_optimizer
 from shardwise.optim.lr import build_lr_scheduler
 from shardwise.parallel.dims import ParallelDims
 from shardwise.parallel.parallelize import parallelize
-from shardwise.resolve import ResolvedRun
+from shardwise.resolve import ResolvedRun, loss_chunk_tokens
 from shardwise.train import train_step
 
 SHAPES = {"debug": (8, 2048), "125m": (4, 1024)}  # (sequences per step, sequence length)
 
 
-def bench_preset(name: str, steps: int, warmup: int, peak: float) -> dict[str, float]:
+def bench_preset(name: str, steps: int, warmup: int, peak: float, profile: int = 0,
+                 compile_blocks: bool = False) -> dict[str, float]:
     batch, seq = SHAPES[name]
     args = PRESETS[name]
     cfg = Config()
     cfg.training.global_batch, cfg.training.seq_len = batch, seq
+    cfg.compile.enabled = compile_blocks
     device = torch.device("cpu")
     dims = ParallelDims.from_config(cfg.parallel, 1)
     dims.build_mesh("cpu")
@@ -55,8 +64,10 @@ def bench_preset(name: str, steps: int, warmup: int, peak: float) -> dict[str, f
     loader = PackedLoader(corpus.train, seq, batch, batch, 0, 1, seed=0, document_mask=False)
     batches = [loader.next_step() for _ in range(warmup + steps)]
 
-    run = ResolvedRun(cfg, dims, args, micro_batch=batch, micro_batches=1, precision="bf16",
+    run = ResolvedRun(cfg, dims, args, micro_batch=batch, micro_batches=1,
+                      loss_chunk=loss_chunk_tokens(cfg.training, args.vocab_size, 1), precision="bf16",
                       device_type="cpu")
+    loss = TokenLoss(run.loss_chunk, compiled=cfg.compile.enabled)
     ours = build_model(args)
     cfg.training.mixed_precision = "bf16"
     parallelize(ours, dims, cfg)
@@ -70,10 +81,11 @@ def bench_preset(name: str, steps: int, warmup: int, peak: float) -> dict[str, f
     popt = torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=True)
 
     def step_ours(mbs):
-        train_step(ours, opt, sched, mbs, run, TokenLoss()).loss.item()
+        train_step(ours, opt, sched, mbs, run, loss).loss.item()
 
-    def step_plain(mbs):
+    def step_plain(mbs, cached_malloc: bool = False):
         (b,) = mbs
+        keep_freed_cpu_memory(cached_malloc)  # a hand-written loop gets the C library's malloc
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = plain(b.inputs)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), b.labels.flatten(), ignore_index=IGNORE_INDEX)
@@ -82,10 +94,15 @@ def bench_preset(name: str, steps: int, warmup: int, peak: float) -> dict[str, f
         popt.step()
         popt.zero_grad(set_to_none=True)
         loss.item()
+        keep_freed_cpu_memory(True)
 
-    times: dict[str, list[float]] = {"shardwise": [], "plain": []}
+    times: dict[str, list[float]] = {"shardwise": [], "plain": [], "plain_cached": []}
+    # shardwise runs right after the plain loop, whose C-library malloc gave the cached memory
+    # back to the OS: its step pays that (the order is against shardwise, not for it).
+    variants = (("plain_cached", lambda mbs: step_plain(mbs, cached_malloc=True)),
+                ("plain", step_plain), ("shardwise", step_ours))
     for i, mbs in enumerate(batches):
-        for label, fn in (("shardwise", step_ours), ("plain", step_plain)):
+        for label, fn in variants:
             t0 = time.perf_counter()
             fn(mbs)
             if i >= warmup:
@@ -97,7 +114,28 @@ def bench_preset(name: str, steps: int, warmup: int, peak: float) -> dict[str, f
         out[f"{label}_tps"] = tps
         out[f"{label}_mfu"] = tps * fpt / (peak * 1e12)
     out["ratio"] = out["shardwise_tps"] / out["plain_tps"]
+    out["ratio_cached"] = out["shardwise_tps"] / out["plain_cached_tps"]
+    if profile:
+        print_profile(name, lambda: step_ours(batches[-1]), profile)
     return out
+
+
+def print_profile(name: str, step: Callable[[], None], rows: int) -> None:
+    """Top ops (self CPU time) of one shardwise step, after the timed ones."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        step()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events) / 1e6
+    print(f"\n{name}: one shardwise step, {wall:.2f} s wall under the profiler (ops' self time sums "
+          f"to {total:.2f} s)\n")
+    print("| op | calls | self s | share |")
+    print("|---|---|---|---|")
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:rows]:
+        s = e.self_cpu_time_total / 1e6
+        print(f"| {e.key} | {e.count} | {s:.3f} | {100 * s / total:.1f}% |")
+    print()
 
 
 def main() -> None:
@@ -105,20 +143,26 @@ def main() -> None:
     p.add_argument("--presets", nargs="+", default=["debug", "125m"], choices=list(SHAPES))
     p.add_argument("--steps", type=int, default=6, help="measured steps per variant")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--compile", action="store_true", help="shardwise with compile.enabled=true")
+    p.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                   help="also profile one shardwise step per preset and print its top ROWS ops")
     a = p.parse_args()
     init_distributed("cpu")
-    peak, source = peak_tflops(torch.device("cpu"), "bf16")
+    # The peak is measured here, beside the steps, not read from the cache: the same machine
+    # name can hide another CPU from one session to the next.
+    peak = max(measure_gemm_tflops(torch.bfloat16, torch.device("cpu"), n) for n in (1024, 2048))
+    source = "bf16 GEMM measured in this run"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, MFU peak {peak:.3f} TFLOP/s "
           f"({source})\n")
     print("| preset | params | tokens/step | shardwise tok/s | plain tok/s | shardwise / plain | "
-          "shardwise MFU | plain MFU |")
-    print("|---|---|---|---|---|---|---|---|")
+          "shardwise MFU | plain MFU | plain + cached malloc tok/s | shardwise / that |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in a.presets:
-        r = bench_preset(name, a.steps, a.warmup, peak)
+        r = bench_preset(name, a.steps, a.warmup, peak, a.profile, a.compile)
         b, s = SHAPES[name]
         cells = [name, f"{r['params_m']:.1f}M", f"{b}x{s}", f"{r['shardwise_tps']:,.0f}",
                  f"{r['plain_tps']:,.0f}", f"{r['ratio']:.3f}", f"{100 * r['shardwise_mfu']:.1f}%",
-                 f"{100 * r['plain_mfu']:.1f}%"]
+                 f"{100 * r['plain_mfu']:.1f}%", f"{r['plain_cached_tps']:,.0f}", f"{r['ratio_cached']:.3f}"]
         print("| " + " | ".join(cells) + " |", flush=True)
 
 

@@ -101,9 +101,13 @@ class TrainingConfig:
     GPUs and CPUs with native bf16 (AMX, AVX512-BF16, Arm BF16), else fp32; resolved at load."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping; the norm is still reported)."""
+    loss: Literal["auto", "fused", "plain"] = "auto"
+    """Output projection + cross-entropy. fused: over chunks of tokens, the gradients computed in
+    the same pass (the full logits never exist; no recompute); plain: logits, then cross-entropy;
+    auto: fused, or plain under pipeline parallel (its schedule takes the last stage's logits)."""
     loss_chunk: int = 0
-    """Fused output projection + cross-entropy over chunks of this many tokens (the full logits never
-    exist); 0 = plain logits then cross-entropy."""
+    """Tokens per chunk of the fused loss; 0 = sized from the vocabulary (2^25 logits a chunk:
+    1,024 tokens at 32k, 256 at 128k)."""
     nonfinite: Literal["stop", "skip"] = "stop"
     """NaN/inf gradient norm: stop (exit 2 before the update, the last checkpoint stays the last good
     state) or skip (drop the update; metrics count skipped_steps)."""

@@ -90,7 +90,7 @@ class Session:
         run, ac = self.run, self.run.cfg.activation_checkpoint
         flops = executed_flops(run.model, sum(b.inputs.numel() for b in batches),
                                batch_pairs(batches, run.cfg.training.seq_len), ac.mode, ac.every,
-                               run.cfg.training.loss_chunk > 0).total
+                               run.loss_chunk > 0 and run.dims.tp > 1).total
         return flops / (self.env.world_size // run.dims.dp)
 
     def check_finite(self, step: int, result: Any) -> None:
@@ -155,7 +155,7 @@ def open_session(run: ResolvedRun, env: DistEnv, run_dir: Path, ckpt_group: dist
     model = build_rank_model(run, env.device)
     pipe = build_pipe(model, run, env.device)
     shard = batch_sharder(run.dims, cfg.parallel.cp_load_balance)
-    loss = TokenLoss(cfg.training.loss_chunk, compiled=cfg.compile.enabled)
+    loss = TokenLoss(run.loss_chunk, compiled=cfg.compile.enabled)
     optimizer = build_optimizer(model, cfg.optimizer, env.device.type)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     routing = build_routing_trace(run, model, run_dir, env.rank)

@@ -146,13 +146,14 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                ignore_index: int = -100, loss_chunk: int = 4096) -> torch.Tensor:
+                ignore_index: int = -100, loss_chunk: int = 4096, loss_compiled: bool = False
+                ) -> torch.Tensor:
         """tokens (B, S) -> logits (B, S, vocab). ``doc_ids`` (B, S) enables document masking;
         ``positions`` (B, S) overrides the RoPE positions (default 0..S-1).
 
         With ``labels`` (B, S) it returns the summed token cross-entropy instead (fp32 scalar),
         computed by the chunked linear + cross-entropy (``loss_chunk`` tokens at a time), so
-        the logits never exist.
+        the logits never exist (``loss_compiled``: its softmax-gradient pass compiled).
 
         A pipeline stage without the embedding takes hidden states (B, S, dim) instead of tokens,
         and one without the head returns hidden states."""
@@ -167,7 +168,8 @@ class Transformer(nn.Module):
         if labels is not None:
             head = self.tok_embeddings.weight if self.output is None else self.output.weight  # (V, dim)
             return chunked_linear_cross_entropy(h, head, labels, reduction="sum",
-                                                ignore_index=ignore_index, chunk_size=loss_chunk)
+                                                ignore_index=ignore_index, chunk_size=loss_chunk,
+                                                compiled=loss_compiled)
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)
         return self.output(h)  # (B, S, vocab); through the module so tensor parallel's hooks apply

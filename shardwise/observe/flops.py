@@ -132,7 +132,9 @@ def executed_flops(args: ModelArgs, tokens: int, pairs: int | torch.Tensor, reco
     ``recompute`` is the activation-checkpointing mode: ``none``; ``full`` (every block's forward
     runs again in backward); ``layer`` (blocks ``0, every, 2*every, ...`` do); ``selective`` (matmul
     and attention outputs are kept, only elementwise ops rerun: no matmul or attention FLOPs).
-    ``chunked_loss``: the fused chunked loss recomputes the output head's logits in backward."""
+    ``chunked_loss``: the output head's logits are computed again in backward (the
+    vocab-parallel chunked loss under tensor parallel; the fused loss on one rank or FSDP
+    computes its gradients in forward and recomputes nothing)."""
     fwd_matmul = 2.0 * matmul_params(args) * tokens
     fwd_attn = 4.0 * args.n_layers * args.n_heads * args.head_dim * pairs
     matmul = fwd_matmul * (1 + MATMUL_BACKWARD)

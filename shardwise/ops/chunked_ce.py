@@ -1,12 +1,18 @@
 """Output projection + cross-entropy computed chunk by chunk over tokens: the full ``(tokens, vocab)``
 logits never exist, in forward or backward.
 
-For each chunk of ``C`` tokens the forward computes ``logits = h_c @ W^T`` (fp32 accumulation), their
-log-sum-exp and the target logit, keeps the per-token loss and drops the logits. The backward
-recomputes each chunk's logits and turns them into ``softmax - one_hot`` scaled by that token's
-upstream gradient, then accumulates ``dh_c = g @ W`` and ``dW += g^T @ h_c``. Peak extra memory is one
-chunk's ``C x V`` logits instead of ``N x V``; the price is one more ``C x V x D`` matmul per chunk in
-backward (the head's FLOPs rise from 3x to 4x its forward).
+When the loss is summed (``sum``/``mean``) and a gradient is wanted, the loss is the last op of
+the graph, so its upstream gradient is one scalar: the forward computes, for each chunk of ``C``
+tokens, ``logits = h_c @ W^T``, the per-token loss and ``g = softmax - one_hot`` in one fused pass
+(fp32 math on the logits, ``g`` rounded once to the compute dtype), then ``dh_c = g @ W`` and
+``dW += g^T @ h_c``, and drops the logits. The backward only scales the two stored gradients by the
+upstream scalar. The head costs what the plain computation costs (three ``C x V x D`` matmuls per
+chunk) with one chunk's logits alive instead of ``N x V``. That elementwise pass runs through
+``torch.compile`` when the run compiles (one fused kernel instead of five passes over the logits).
+
+Per-token losses (``none``) or a forward without gradient (evaluation) take the other path: the
+forward keeps each chunk's log-sum-exp and target logit only, and a backward recomputes each
+chunk's logits (the head's FLOPs rise from 3x to 4x its forward).
 
 Reductions: ``sum``, ``mean`` (over the non-ignored tokens of this call) and ``none``; gradients
 follow from the per-token losses, so any normalization applied afterwards -- the trainer divides a
@@ -25,6 +31,8 @@ sequence shards, see :func:`chunked_linear_cross_entropy`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -42,6 +50,96 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         except (TypeError, RuntimeError):
             pass
     return a.float() @ b.float()
+
+
+def _accumulate(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``acc + a @ b`` summed in fp32 across chunks; the first product stays as it is (one chunk:
+    no cast at all). A CPU has no bf16 matmul with an fp32 output and its fp32 matmul is ~4x
+    slower, so there each chunk's bf16 product rounds once before the fp32 sum (the plain
+    computation rounds its one product the same way); chunks are large, so they are few."""
+    if acc is None:
+        return a @ b
+    part = _mm_fp32(a, b) if a.is_cuda or a.dtype == torch.float32 else (a @ b).float()
+    return acc.float().add_(part) if acc.dtype != torch.float32 else acc.add_(part)
+
+
+def softmax_grad(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(C, V) logits, (C,) labels -> per-token losses (C,) fp32 and d loss_sum / d logits =
+    ``softmax - one_hot`` (C, V) in the logits' dtype, zero on ignored tokens. Eager: in place on
+    one fp32 copy of the logits."""
+    x = logits.float() if logits.dtype != torch.float32 else logits.clone()
+    valid = labels != ignore_index
+    safe = torch.where(valid, labels, 0)
+    lse = torch.logsumexp(x, -1)
+    losses = torch.where(valid, lse - x.gather(1, safe[:, None])[:, 0], 0.0)
+    x.sub_(lse[:, None]).exp_()  # softmax
+    x[torch.arange(len(safe), device=x.device), safe] -= 1.0
+    x.mul_(valid[:, None])
+    return losses, x.to(logits.dtype)
+
+
+def _softmax_grad_functional(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`softmax_grad` without mutation, the form torch.compile fuses into one kernel."""
+    x = logits.float()
+    valid = labels != ignore_index
+    safe = torch.where(valid, labels, 0)
+    lse = torch.logsumexp(x, -1)
+    losses = torch.where(valid, lse - x.gather(1, safe[:, None])[:, 0], 0.0)
+    one_hot = torch.arange(x.shape[-1], device=x.device)[None, :] == safe[:, None]
+    g = ((x - lse[:, None]).exp() - one_hot.to(x.dtype)) * valid[:, None].to(x.dtype)
+    return losses, g.to(logits.dtype)
+
+
+_COMPILED: list = []
+
+
+def compiled_softmax_grad() -> Callable:
+    """:func:`softmax_grad` through torch.compile (built once per process)."""
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(_softmax_grad_functional))
+    return _COMPILED[0]
+
+
+def _even_chunk(n: int, chunk: int) -> int:
+    """Chunks of equal size (a compiled kernel then sees one shape): n over ceil(n/chunk) parts."""
+    parts = -(-n // chunk)
+    return -(-n // parts)
+
+
+class _FusedLinearCE(torch.autograd.Function):
+    """Summed token loss whose gradients are computed in forward (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,  # noqa: ANN001
+                ignore_index: int, chunk: int, kernel: Callable) -> torch.Tensor:
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w: torch.Tensor | None = None
+        chunk = _even_chunk(hidden.shape[0], chunk)
+        for start in range(0, hidden.shape[0], chunk):
+            h, y = hidden[start:start + chunk], labels[start:start + chunk]
+            losses, g = kernel(h @ weight.t(), y, ignore_index)  # (C,), (C, V): this chunk's only
+            total += losses.sum()
+            if need_h:
+                grad_h[start:start + chunk] = g @ weight  # (C, D)
+            if need_w:
+                grad_w = _accumulate(grad_w, g.t(), h)  # (V, D)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor) -> tuple:  # noqa: ANN001
+        grad_h, grad_w = ctx.saved_tensors
+        # A bf16 tensor times an fp32 0-dim tensor multiplies in fp32 (the scale is not rounded).
+        if grad_h is not None:
+            grad_h = grad_h * grad_total
+        if grad_w is not None:
+            grad_w = (grad_w * grad_total).to(ctx.weight_dtype)
+        return grad_h, grad_w, None, None, None, None
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
@@ -131,8 +229,9 @@ class _VocabParallelChunkedLinearCE(torch.autograd.Function):
 
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                  reduction: str = "mean", ignore_index: int = -100,
-                                 chunk_size: int = 4096) -> torch.Tensor:
+                                 chunk_size: int = 4096, compiled: bool = False) -> torch.Tensor:
     """``F.cross_entropy(hidden @ weight.T, labels)`` without materializing the logits.
+    ``compiled``: the fused softmax-gradient pass through torch.compile.
 
     hidden (..., D), weight (V, D), labels (...) -> a scalar (``sum``/``mean``) or per-token losses
     (``none``, shaped like ``labels``, fp32).
@@ -158,6 +257,11 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, lab
         losses = _VocabParallelChunkedLinearCE.apply(full.reshape(-1, full.shape[-1]), local_w,
                                                      labels.reshape(-1), ignore_index, chunk_size,
                                                      vocab_start, mesh.get_group())
+    elif reduction != "none" and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        kernel = compiled_softmax_grad() if compiled else softmax_grad
+        total = _FusedLinearCE.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
+                                     ignore_index, chunk_size, kernel)
+        return total if reduction == "sum" else total / (labels != ignore_index).sum().clamp(min=1)
     else:
         losses = _ChunkedLinearCE.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
                                         ignore_index, chunk_size)

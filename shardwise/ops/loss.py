@@ -29,11 +29,12 @@ def loss_context(logits: torch.Tensor) -> contextlib.AbstractContextManager:
 
 class TokenLoss:
     """Summed token loss of a micro-batch. ``chunk`` > 0: the model's fused chunked projection +
-    loss over that many tokens at a time (training.loss_chunk); ``compiled``: the plain loss (fp32
-    upcast, log-softmax, gather) through torch.compile -- loss-parallel DTensor logits stay eager."""
+    loss over that many tokens at a time (training.loss_chunk); ``compiled``: the fused loss's
+    softmax-gradient pass, or the plain loss (fp32 upcast, log-softmax, gather), through
+    torch.compile -- loss-parallel DTensor logits stay eager."""
 
     def __init__(self, chunk: int = 0, compiled: bool = False) -> None:
-        self.chunk = chunk
+        self.chunk, self.compiled = chunk, compiled
         self.plain = torch.compile(token_loss_sum) if compiled else token_loss_sum
 
     def __call__(self, model: nn.Module, batch: Batch, backward_over: torch.Tensor | None = None
@@ -42,7 +43,7 @@ class TokenLoss:
         global valid-token count), also the backward of ``loss / backward_over``."""
         if self.chunk:
             loss = model(batch.inputs, batch.doc_ids, labels=batch.labels, ignore_index=IGNORE_INDEX,
-                         loss_chunk=self.chunk)
+                         loss_chunk=self.chunk, loss_compiled=self.compiled)
             if backward_over is not None:
                 (loss / backward_over).backward()
             return loss.detach()

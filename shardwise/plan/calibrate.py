@@ -128,7 +128,7 @@ def _tiny_step(layers: int, layout: tuple[str, ...] = ()) -> Callable[[], None]:
     batch, n_valid = Batch(tokens, tokens, None, 8), torch.tensor(8)
 
     def step() -> None:
-        TokenLoss()(model, batch, n_valid)
+        TokenLoss(run.loss_chunk)(model, batch, n_valid)
         clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -187,7 +187,7 @@ def tensor_collectives(cfg: Config, layout: Layout, rank_states: RankStates,
 
 def _tensor_loss(issued: _Issued, cfg: Config, shape: Shape, micro_batches: int) -> None:
     """The loss over vocab-sharded logits: chunked, loss parallel, or the logits gathered."""
-    tokens, chunk_tokens = shape.tokens, cfg.training.loss_chunk
+    tokens, chunk_tokens = shape.tokens, shape.loss_chunk
     if chunk_tokens:
         # per chunk of C tokens: the row max (C values), then the sum of exponentials and the
         # target logit (2C), fp32

@@ -222,8 +222,8 @@ def head_compute(tally: ComputeTally, cfg: Config, shape: Shape) -> None:
     args, tokens = shape.args, shape.tokens
     vocab = args.vocab_size // shape.tp
     forward_flops = 2 * tokens * args.dim * vocab
-    # the fused chunked loss keeps no logits: it computes them again in backward
-    flops = forward_flops * (1 + MATMUL_BACKWARD + (1 if cfg.training.loss_chunk else 0))
+    # the vocab-parallel chunked loss keeps no logits: it computes them again in backward
+    flops = forward_flops * (1 + MATMUL_BACKWARD + (1 if shape.loss_chunk and shape.tp > 1 else 0))
     tally.flops += flops
     rate = tally.hw.matmul_tflops(cfg.training.mixed_precision, args.dim, vocab, tally.ranks)
     tally.matmul += flops / (rate * 1e12)

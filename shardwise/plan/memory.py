@@ -36,6 +36,7 @@ from shardwise.parallel.pipeline import stage_layers
 from shardwise.plan.layout import Layout
 from shardwise.plan.schedule import schedule_actions
 from shardwise.plan.states import BYTES, RankStates
+from shardwise.resolve import loss_chunk_tokens
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,17 @@ class Shape:
     ep: int
     e: int
     """Bytes per element of the compute dtype (2 bf16, 4 fp32)."""
+    loss_chunk: int = 0
+    """Tokens per chunk of the fused loss (0: plain logits then cross-entropy)."""
+
+    @property
+    def fused_grads(self) -> bool:
+        """The fused loss computes its gradients in forward (tp > 1: vocab-parallel, recomputed)."""
+        return self.loss_chunk > 0 and self.tp == 1
+
+    @property
+    def loss_chunks(self) -> int:
+        return -(-self.tokens // self.loss_chunk) if self.loss_chunk else 0
 
     @property
     def tokens(self) -> int:
@@ -65,8 +77,10 @@ class Shape:
 
 
 def shape_of(cfg: Config, layout: Layout) -> Shape:
-    return Shape(model_args(cfg.model), layout.micro_batch, cfg.training.seq_len // layout.cp, layout.tp,
-                 layout.cp, layout.ep, BYTES[cfg.training.mixed_precision])
+    args = model_args(cfg.model)
+    return Shape(args, layout.micro_batch, cfg.training.seq_len // layout.cp, layout.tp, layout.cp,
+                 layout.ep, BYTES[cfg.training.mixed_precision],
+                 loss_chunk_tokens(cfg.training, args.vocab_size, layout.pp))
 
 
 def _norm(s: Shape, tokens: int) -> int:
@@ -178,26 +192,41 @@ def rope_table(s: Shape, cfg: Config) -> int:
 
 
 def head_saved(s: Shape, cfg: Config) -> int:
-    """Final norm, output projection input and the loss's saved tensors."""
+    """Final norm, output projection input and the loss's saved tensors (the fused loss: the final
+    norm, the valid-token count and the two gradients it computed in forward)."""
     a, t = s.args, s.tokens
+    if s.fused_grads:  # the gradients of the hidden states and of the head, computed in forward
+        return _norm(s, s.norm_tokens) + 8 + s.e * t * a.dim + _head_grad_bytes(s)
     n = _norm(s, s.norm_tokens) + 8 * t + 8  # + labels and the global valid-token count (int64)
-    if cfg.training.loss_chunk:
+    if s.loss_chunk:
         return n + s.e * t * a.dim  # the chunked loss keeps the hidden states, not the logits
     vocab = a.vocab_size // s.tp if s.tp > 1 and cfg.parallel.loss_parallel else a.vocab_size
     return n + s.e * t * a.dim + 4 * t * vocab + 4  # log-softmax output (fp32), total weight
 
 
+def _head_grad_bytes(s: Shape) -> int:
+    """The fused loss's head-gradient sum: one chunk's product as it is, or fp32 over chunks."""
+    return (s.e if s.loss_chunks == 1 else 4) * s.args.vocab_size * s.args.dim
+
+
 def loss_temporaries(s: Shape, cfg: Config) -> int:
-    """Memory the loss holds beyond its saved tensors at its backward.
+    """Memory the loss holds beyond its saved tensors at its peak.
 
     Plain logits: the compute-dtype logits and two fp32 logits-sized gradient temporaries (loss
-    parallel: one more compute-dtype copy, the local shard of the DTensor's redistribution). Chunked
-    loss: one chunk's logits in the compute dtype and fp32, its softmax gradient in both, the fp32
-    weight-gradient accumulator and the hidden-state gradient."""
+    parallel: one more compute-dtype copy, the local shard of the DTensor's redistribution). Fused
+    loss, gradients in forward: the larger of one chunk's softmax pass (its logits, their fp32
+    copy, the compute-dtype gradient) and the backward's scaled copies of the two gradients.
+    Vocab-parallel chunked loss: one chunk's logits in the compute dtype and fp32, its softmax
+    gradient in both, the fp32 weight-gradient accumulator and the hidden-state gradient."""
     a = s.args
     vocab = a.vocab_size // s.tp if s.tp > 1 and cfg.parallel.loss_parallel else a.vocab_size
-    if cfg.training.loss_chunk:
-        c = min(cfg.training.loss_chunk, s.tokens)
+    if s.fused_grads:
+        c = -(-s.tokens // s.loss_chunks)  # equal chunks
+        softmax = c * vocab * (s.e + 4 + (s.e if s.e != 4 else 0))
+        scaled = s.e * s.tokens * a.dim + s.e * vocab * a.dim
+        return max(softmax, scaled)
+    if s.loss_chunk:
+        c = min(s.loss_chunk, s.tokens)
         return c * vocab * (2 * s.e + 8) + 4 * vocab * a.dim + s.e * s.tokens * a.dim
     per_logit = 2 * s.e + 8 if s.tp > 1 and cfg.parallel.loss_parallel else s.e + 8
     return s.tokens * vocab * per_logit

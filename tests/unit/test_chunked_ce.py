@@ -109,3 +109,52 @@ def test_logits_never_materialize():
         chunked_linear_cross_entropy(hidden, weight, labels, reduction="sum", chunk_size=64).backward()
     assert Largest.biggest <= 64 * v  # one chunk of logits, never n x v
     assert Largest.biggest < n * v / 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_softmax_pass_matches_eager_and_plain(dtype: torch.dtype):
+    """The fused loss with its softmax-gradient pass through torch.compile (what a compiled run
+    uses) against the eager pass and against plain cross-entropy on full logits."""
+    hidden, weight, labels = inputs(dtype, n=64)
+    got = run(chunked_linear_cross_entropy, hidden, weight, labels, "sum", chunk_size=16, compiled=True)
+    eager = run(chunked_linear_cross_entropy, hidden, weight, labels, "sum", chunk_size=16)
+    plain = run(reference_linear_cross_entropy, hidden, weight, labels, "sum")
+    exact = run(reference_linear_cross_entropy, hidden.double(), weight.double(), labels, "sum")
+    for name, g, e, p, x in zip(("loss", "d hidden", "d weight"), got, eager, plain, exact, strict=True):
+        if dtype == torch.float32:
+            torch.testing.assert_close(g, p, rtol=1e-5, atol=1e-6)
+        else:  # same bound as the eager pass: within 2x plain bf16's own distance from float64
+            err, ref_err = (g.double() - x).abs().max().item(), (p.double() - x).abs().max().item()
+            assert err <= 2 * ref_err + 1e-6, (name, err, ref_err)
+        torch.testing.assert_close(g, e, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+
+
+def test_summed_loss_computes_the_head_once():
+    """Gradients in forward: three matmuls per chunk in all (logits, d hidden, d weight), none in
+    backward -- the per-token path recomputes the logits (four)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountMM(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+                CountMM.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    hidden, weight, labels = inputs(torch.float32, n=64)
+    for reduction, want in (("sum", 3 * 4), ("none", 4 * 4)):
+        CountMM.calls = 0
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with CountMM():
+            chunked_linear_cross_entropy(h, w, labels, reduction, IGNORE, chunk_size=16).sum().backward()
+        assert CountMM.calls == want, reduction
+
+
+def test_evaluation_loss_equals_the_training_loss():
+    """Without a gradient (evaluation) the forward-only path gives the same summed loss."""
+    hidden, weight, labels = inputs(torch.bfloat16, n=64)
+    train = chunked_linear_cross_entropy(hidden.requires_grad_(), weight, labels, "sum", IGNORE, 16)
+    with torch.no_grad():
+        evaluation = chunked_linear_cross_entropy(hidden, weight, labels, "sum", IGNORE, 16)
+    torch.testing.assert_close(train.detach(), evaluation, rtol=1e-6, atol=1e-6)

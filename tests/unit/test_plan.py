@@ -117,7 +117,7 @@ def test_activations_equal_saved_tensors(one_rank, path: str, overrides: list[st
     cfg = load_config(path, SMALL + overrides)
     model = _trainer_model(cfg)
     with SavedActivations() as saved:
-        TokenLoss(cfg.training.loss_chunk)(model, _batch(cfg, 2), torch.tensor(512))
+        TokenLoss(resolve_run(cfg, 1).loss_chunk)(model, _batch(cfg, 2), torch.tensor(512))
     layout = Layout.from_config(cfg, 1)
     st = shape_states(cfg, layout)[0]
     predicted = sum(activations(cfg, layout, st.layers, st.has_embedding, st.has_head).values())
@@ -144,7 +144,7 @@ def test_peak_matches_memtracker(one_rank, overrides: list[str]):
     def step() -> None:
         for i in range(0, 2, mb):
             part = Batch(batch.inputs[i:i + mb], batch.labels[i:i + mb], None, mb * 256)
-            TokenLoss(cfg.training.loss_chunk)(model, part, torch.tensor(512))
+            TokenLoss(resolve_run(cfg, 1).loss_chunk)(model, part, torch.tensor(512))
         opt.step()
         opt.zero_grad(set_to_none=True)
     step()

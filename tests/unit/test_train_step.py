@@ -78,7 +78,7 @@ class Reference:
         return float(loss), norm, lr, coef
 
 
-def trainer(data_cache: str):  # noqa: ANN201
+def trainer(data_cache: str, loss: str = "auto"):  # noqa: ANN201
     """The trainer's own pieces on one rank: model, optimizer, schedule, data (inside one_rank_pg)."""
     cfg = load_config(ROOT / "configs" / "debug.toml", [
         "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
@@ -87,7 +87,7 @@ def trainer(data_cache: str):  # noqa: ANN201
         "--training.mixed_precision=fp32", f"--training.steps={STEPS}",
         f"--training.max_grad_norm={MAX_NORM}", f"--optimizer.lr={PEAK_LR}", f"--optimizer.weight_decay={WD}",
         f"--lr_scheduler.warmup_steps={WARMUP}", f"--data.cache_dir={data_cache}",
-        "--debug.deterministic=true"])
+        "--debug.deterministic=true", f"--training.loss={loss}"])
     run = resolve_run(cfg, 1)
     run.dims.build_mesh("cpu")
     model = build_rank_model(run, "cpu")
@@ -97,14 +97,16 @@ def trainer(data_cache: str):  # noqa: ANN201
     return cfg, run.model, run, model, optimizer, scheduler, loader
 
 
-def test_trainer_step_matches_a_plain_pytorch_step(data_cache: str):
+@pytest.mark.parametrize("loss", ["auto", "plain"])  # auto: the fused loss, gradients in forward
+def test_trainer_step_matches_a_plain_pytorch_step(data_cache: str, loss: str):
     with one_rank_pg():
-        cfg, args, run, model, optimizer, scheduler, loader = trainer(data_cache)
+        cfg, args, run, model, optimizer, scheduler, loader = trainer(data_cache, loss)
+        assert (run.loss_chunk > 0) == (loss == "auto")
         ref = Reference(model, args, cfg.lr_scheduler.min_lr_ratio)
         clipped = 0
         for step in range(1, STEPS + 1):
             batches = loader.next_step()
-            got = train_step(model, optimizer, scheduler, batches, run, TokenLoss())
+            got = train_step(model, optimizer, scheduler, batches, run, TokenLoss(run.loss_chunk))
             loss, norm, lr, coef = ref.step(batches, step)
             clipped += coef < 1.0
             assert float(got.loss) == pytest.approx(loss, rel=2e-6), step
@@ -128,6 +130,6 @@ def test_the_reference_catches_a_wrong_token_count(data_cache: str):
         loss, norm, _, _ = ref.step(batches, 1)
         for b in batches:
             b.n_valid //= 2
-        got = train_step(model, optimizer, scheduler, batches, run, TokenLoss())
+        got = train_step(model, optimizer, scheduler, batches, run, TokenLoss(run.loss_chunk))
         assert float(got.loss) / loss == pytest.approx(2.0, rel=1e-2)
         assert float(got.grad_norm) / norm == pytest.approx(2.0, rel=1e-2)
