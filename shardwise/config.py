@@ -104,7 +104,8 @@ class TrainingConfig:
     loss: Literal["auto", "fused", "plain"] = "auto"
     """Output projection + cross-entropy. fused: over chunks of tokens, the gradients computed in
     the same pass (the full logits never exist; no recompute); plain: logits, then cross-entropy;
-    auto: fused, or plain under pipeline parallel (its schedule takes the last stage's logits)."""
+    auto: fused, but plain under pipeline parallel (its schedule takes the last stage's logits) and
+    tensor parallel (there the vocab-parallel fused op recomputes the logits: a memory saving)."""
     loss_chunk: int = 0
     """Tokens per chunk of the fused loss; 0 = sized from the vocabulary (2^25 logits a chunk:
     1,024 tokens at 32k, 256 at 128k)."""

@@ -62,7 +62,7 @@ def resolve_run(cfg: Config, world_size: int, detect_device: bool = True) -> Res
         raise ConfigError("data.document_mask with parallel.cp > 1 is not available (the ring "
                           "attention is causal-only): set data.document_mask=false or cp=1")
     return ResolvedRun(cfg, dims, args, micro_batch_size(cfg.training, dims.dp), micro_batches,
-                       loss_chunk_tokens(cfg.training, args.vocab_size, dims.pp),
+                       loss_chunk_tokens(cfg.training, args.vocab_size, dims.pp, dims.tp),
                        cfg.training.mixed_precision,
                        shardwise.device.device_type(cfg.run.device) if detect_device else cfg.run.device)
 
@@ -72,8 +72,11 @@ FUSED_LOSS_LOGITS = 2**25
 chunk's matmuls stay large (measured on CPU: 1,024 tokens of a 32k vocabulary run as fast as 4,096)."""
 
 
-def loss_chunk_tokens(t: TrainingConfig, vocab_size: int, pp: int) -> int:
-    """Tokens per chunk of the fused loss, or 0 for the plain loss (training.loss, training.loss_chunk)."""
+def loss_chunk_tokens(t: TrainingConfig, vocab_size: int, pp: int, tp: int = 1) -> int:
+    """Tokens per chunk of the fused loss, or 0 for the plain loss (training.loss, training.loss_chunk).
+    ``auto`` is fused where the fused op computes its gradients in forward: not under pipeline
+    parallel (refused there) nor tensor parallel (the vocab-parallel op recomputes the logits in
+    backward, a memory saving rather than a speed-up: it runs when asked for)."""
     if pp > 1 and (t.loss == "fused" or t.loss_chunk):
         key = "training.loss_chunk" if t.loss_chunk else "training.loss=fused"
         raise ConfigError(f"{key} with parallel.pp > 1 is not available (the pipeline schedule "
@@ -84,7 +87,7 @@ def loss_chunk_tokens(t: TrainingConfig, vocab_size: int, pp: int) -> int:
             raise ConfigError(f"training.loss_chunk={t.loss_chunk} is the fused loss's chunk: set "
                               "training.loss=fused (or auto), or training.loss_chunk=0")
         return 0
-    if pp > 1:
+    if pp > 1 or (tp > 1 and t.loss == "auto" and not t.loss_chunk):
         return 0
     return t.loss_chunk or max(1, FUSED_LOSS_LOGITS // vocab_size)
 

@@ -80,7 +80,7 @@ def shape_of(cfg: Config, layout: Layout) -> Shape:
     args = model_args(cfg.model)
     return Shape(args, layout.micro_batch, cfg.training.seq_len // layout.cp, layout.tp, layout.cp,
                  layout.ep, BYTES[cfg.training.mixed_precision],
-                 loss_chunk_tokens(cfg.training, args.vocab_size, layout.pp))
+                 loss_chunk_tokens(cfg.training, args.vocab_size, layout.pp, layout.tp))
 
 
 def _norm(s: Shape, tokens: int) -> int:

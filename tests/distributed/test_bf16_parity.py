@@ -80,13 +80,21 @@ def within(diffs: tuple[float, float, float]) -> bool:
 def references(tmp_path_factory: pytest.TempPathFactory, data_cache: str) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("bf16")
     return {"dense": train(tmp, "ref", data_cache),
+            "dense_plain": train(tmp, "ref_plain", data_cache, "--training.loss=plain"),
             "moe": train(tmp, "ref_moe", data_cache, *MOE, "--debug.routing_record=true")}
+
+
+# Layouts whose `training.loss=auto` is the plain loss (tp, pp) are compared with the single-rank
+# run of the plain loss: the same function. The fused and the plain loss round the head's
+# gradients at other points, and over 10 bf16 steps the two trajectories drift apart by more than
+# one step's rounding (grad norm 5.4e-3 measured), which is not a layout's error.
+PLAIN_LOSS = ("tp2", "pp2")
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_bf16_layout_matches_single_rank(layout: str, references: dict[str, Path], tmp_path: Path,
                                          data_cache: str):
-    ref = references["moe" if layout == "ep2" else "dense"]
+    ref = references["moe" if layout == "ep2" else "dense_plain" if layout in PLAIN_LOSS else "dense"]
     replay = [f"--debug.routing_replay={ref}"] if layout == "ep2" else []
     diffs = differences(ref, train(tmp_path, layout, data_cache, *LAYOUTS[layout], *replay))
     assert metrics(ref)[-1]["loss"] < metrics(ref)[0]["loss"] - 0.2  # it trains
