@@ -77,7 +77,7 @@ def keep_freed_cpu_memory(keep: bool = True) -> bool:
     (no mmap per large tensor) and freed memory is kept for the next allocation instead of going
     back to the OS (no trim). A training step allocates and frees the same large tensors every
     step; with glibc's defaults each of them is a fresh mmap whose pages fault in again, which cost
-    a third of a 125m step on CPU (bench/throughput.py, BENCHMARKS.md). The resident size then
+    a quarter of a 125m step on CPU (459 -> 619 tok/s, bench/throughput.py). The resident size then
     stays at the step's peak, as with the CUDA caching allocator. ``keep=False`` goes back to
     glibc's default limits (mmap above 128 KiB, trim above 128 KiB). False where it does not
     apply (not glibc)."""
