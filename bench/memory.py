@@ -36,7 +36,7 @@ def build(row: dict, a: argparse.Namespace) -> tuple:
     chunk, state_dtype, ac, compile."""
     import torch
 
-    from shardwise.config import ActivationCheckpointConfig, CompileConfig, OptimizerConfig
+    from shardwise.config import ActivationCheckpointConfig, OptimizerConfig
     from shardwise.models import build_model, init_weights
     from shardwise.optim.adamw import build_optimizer
     from shardwise.parallel.ac import apply_ac
@@ -49,7 +49,7 @@ def build(row: dict, a: argparse.Namespace) -> tuple:
         model.to(dtype)
     init_weights(model, 0)  # (after the cast: it rebuilds the complex RoPE table)
     apply_ac(model, ActivationCheckpointConfig(mode=row["ac"]))
-    apply_compile(model, CompileConfig(enabled=row["compile"]))
+    apply_compile(model, row["compile"])
     opt = build_optimizer(model, OptimizerConfig(lr=1e-4, state_dtype=row["state_dtype"]), a.device)
     g = torch.Generator(device=device).manual_seed(0)
     tokens = torch.randint(0, row["vocab"], (a.batch, a.seq), generator=g, device=device)

@@ -44,19 +44,21 @@ from shardwise.optim.adamw import build_optimizer
 from shardwise.optim.lr import build_lr_scheduler
 from shardwise.parallel.dims import ParallelDims
 from shardwise.parallel.parallelize import parallelize
-from shardwise.resolve import ResolvedRun, loss_chunk_tokens
+from shardwise.resolve import ResolvedRun, compile_run, loss_chunk_tokens
 from shardwise.train import train_step
 
 SHAPES = {"debug": (8, 2048), "125m": (4, 1024)}  # (sequences per step, sequence length)
+LONG_RUN = 1000  # training.steps of the run whose steady state this measures (compile.enabled=auto)
 
 
 def bench_preset(name: str, steps: int, warmup: int, peak: float, profile: int = 0,
-                 compile_blocks: bool = False) -> dict[str, float]:
+                 compile_blocks: str = "auto") -> dict[str, float]:
     batch, seq = SHAPES[name]
     args = PRESETS[name]
     cfg = Config()
     cfg.training.global_batch, cfg.training.seq_len = batch, seq
-    cfg.compile.enabled = compile_blocks
+    cfg.training.steps = LONG_RUN  # what compile.enabled=auto decides for a training run
+    cfg.compile.enabled = {"auto": "auto", "true": True, "false": False}[compile_blocks]
     device = torch.device("cpu")
     dims = ParallelDims.from_config(cfg.parallel, 1)
     dims.build_mesh("cpu")
@@ -64,13 +66,14 @@ def bench_preset(name: str, steps: int, warmup: int, peak: float, profile: int =
     loader = PackedLoader(corpus.train, seq, batch, batch, 0, 1, seed=0, document_mask=False)
     batches = [loader.next_step() for _ in range(warmup + steps)]
 
+    compiled = compile_run(cfg, dims, "cpu")[0]
     run = ResolvedRun(cfg, dims, args, micro_batch=batch, micro_batches=1,
                       loss_chunk=loss_chunk_tokens(cfg.training, args.vocab_size, 1), precision="bf16",
-                      device_type="cpu")
-    loss = TokenLoss(run.loss_chunk, compiled=cfg.compile.enabled)
+                      device_type="cpu", compile=compiled)
+    loss = TokenLoss(run.loss_chunk, compiled=run.compile)
     ours = build_model(args)
     cfg.training.mixed_precision = "bf16"
-    parallelize(ours, dims, cfg)
+    parallelize(ours, dims, cfg, run.compile)
     ours.to_empty(device=device)
     init_weights(ours, 0)
     opt = build_optimizer(ours, cfg.optimizer, "cpu")
@@ -97,6 +100,7 @@ def bench_preset(name: str, steps: int, warmup: int, peak: float, profile: int =
         keep_freed_cpu_memory(True)
 
     times: dict[str, list[float]] = {"shardwise": [], "plain": [], "plain_cached": []}
+    first: dict[str, float] = {}  # the first step of each (the compile, if any, is in it)
     # shardwise runs right after the plain loop, whose C-library malloc gave the cached memory
     # back to the OS: its step pays that (the order is against shardwise, not for it).
     variants = (("plain_cached", lambda mbs: step_plain(mbs, cached_malloc=True)),
@@ -107,8 +111,11 @@ def bench_preset(name: str, steps: int, warmup: int, peak: float, profile: int =
             fn(mbs)
             if i >= warmup:
                 times[label].append(time.perf_counter() - t0)
+            elif i == 0:
+                first[label] = time.perf_counter() - t0
     fpt = flops_per_token(args, seq)
-    out = {"params_m": num_params(args) / 1e6, "tokens_per_step": batch * seq}
+    out = {"params_m": num_params(args) / 1e6, "tokens_per_step": batch * seq, "compiled": compiled,
+           "shardwise_first_s": first["shardwise"], "plain_first_s": first["plain"]}
     for label, ts in times.items():
         tps = batch * seq / statistics.median(ts)
         out[f"{label}_tps"] = tps
@@ -143,7 +150,8 @@ def main() -> None:
     p.add_argument("--presets", nargs="+", default=["debug", "125m"], choices=list(SHAPES))
     p.add_argument("--steps", type=int, default=6, help="measured steps per variant")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--compile", action="store_true", help="shardwise with compile.enabled=true")
+    p.add_argument("--compile", choices=("auto", "true", "false"), default="auto",
+                   help=f"shardwise's compile.enabled (auto: as a run of {LONG_RUN} steps resolves it)")
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
                    help="also profile one shardwise step per preset and print its top ROWS ops")
     a = p.parse_args()
@@ -155,14 +163,16 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, MFU peak {peak:.3f} TFLOP/s "
           f"({source})\n")
     print("| preset | params | tokens/step | shardwise tok/s | plain tok/s | shardwise / plain | "
-          "shardwise MFU | plain MFU | plain + cached malloc tok/s | shardwise / that |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "shardwise MFU | plain MFU | plain + cached malloc tok/s | shardwise / that | compiled | "
+          "first step s: shardwise, plain |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in a.presets:
         r = bench_preset(name, a.steps, a.warmup, peak, a.profile, a.compile)
         b, s = SHAPES[name]
         cells = [name, f"{r['params_m']:.1f}M", f"{b}x{s}", f"{r['shardwise_tps']:,.0f}",
                  f"{r['plain_tps']:,.0f}", f"{r['ratio']:.3f}", f"{100 * r['shardwise_mfu']:.1f}%",
-                 f"{100 * r['plain_mfu']:.1f}%", f"{r['plain_cached_tps']:,.0f}", f"{r['ratio_cached']:.3f}"]
+                 f"{100 * r['plain_mfu']:.1f}%", f"{r['plain_cached_tps']:,.0f}", f"{r['ratio_cached']:.3f}",
+                 "yes" if r["compiled"] else "no", f"{r['shardwise_first_s']:.1f}, {r['plain_first_s']:.1f}"]
         print("| " + " | ".join(cells) + " |", flush=True)
 
 

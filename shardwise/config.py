@@ -190,8 +190,11 @@ class ActivationCheckpointConfig:
 
 @dataclass
 class CompileConfig:
-    enabled: bool = False
-    """torch.compile each transformer block and the plain loss (the first steps pay the compile)."""
+    enabled: Literal["auto", True, False] = "auto"
+    """torch.compile each transformer block and the loss (the first step pays the compile). ``auto``
+    compiles a run of at least ``resolve.COMPILE_MIN_STEPS`` steps on the layouts the test suite
+    runs compiled (data parallel, FSDP, TP: not PP, CP or EP) where the toolchain is there (a C++
+    compiler on CPU, triton on CUDA), and says why when it does not."""
 
 
 @dataclass

@@ -21,12 +21,21 @@ def type_name(tp: Any) -> str:
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
         return " or ".join(type_name(a) for a in typing.get_args(tp) if a is not type(None))
     if typing.get_origin(tp) is Literal:
-        return "one of " + ", ".join(map(str, typing.get_args(tp)))
+        return "one of " + _choices(typing.get_args(tp))
     if typing.get_origin(tp) is dict:
         return "table of strings"
     if typing.get_origin(tp) is list:
         return "list of tables"
     return getattr(tp, "__name__", str(tp))
+
+
+def _choices(args: tuple) -> str:
+    """A Literal's choices as the user types them (true, not True)."""
+    return ", ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in args)
+
+
+_BOOL_WORDS = {"true": True, "1": True, "yes": True, "on": True,
+               "false": False, "0": False, "no": False, "off": False}
 
 
 def coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
@@ -38,17 +47,18 @@ def coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
             return None
         return coerce(key, inner[0], value, from_cli)
     if typing.get_origin(tp) is Literal:  # the field's choices are its type
-        if value not in args:
-            raise ConfigError(f"{key} must be one of {', '.join(map(str, args))}, got {value!r}")
+        if from_cli and isinstance(value, str) and any(isinstance(a, bool) for a in args):
+            value = _BOOL_WORDS.get(value.lower(), value)  # e.g. compile.enabled: auto/true/false
+        # (type too: TOML's 1 equals True, and must not pass for it)
+        if not any(value == a and type(value) is type(a) for a in args):
+            raise ConfigError(f"{key} must be one of {_choices(args)}, got {value!r}")
         return value
     bad = ConfigError(f"config key '{key}' expects {type_name(tp)}, got {value!r}")
     if tp is bool:
         if isinstance(value, bool):
             return value
-        if from_cli and str(value).lower() in ("true", "1", "yes", "on"):
-            return True
-        if from_cli and str(value).lower() in ("false", "0", "no", "off"):
-            return False
+        if from_cli and str(value).lower() in _BOOL_WORDS:
+            return _BOOL_WORDS[str(value).lower()]
         raise bad
     if tp in (int, float):  # an int is a float too, never the other way round; a bool is neither
         if isinstance(value, tp if tp is int else (int, float)) and not isinstance(value, bool):

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib.util
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -70,6 +72,15 @@ def device_type(requested: str) -> str:
     if requested == "cuda" and not torch.cuda.is_available():
         raise ConfigError("run.device=cuda but no CUDA device is visible: use run.device=cpu or auto")
     return requested
+
+
+def compile_toolchain(device_type: str) -> str | None:
+    """What torch.compile (inductor) is missing to build kernels for ``device_type``, or None: a C++
+    compiler on CPU (``$CXX``, else g++, as inductor looks for it), triton on CUDA."""
+    if device_type == "cuda":
+        return None if importlib.util.find_spec("triton") else "the triton package"
+    cxx = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
+    return None if shutil.which(cxx) else f"a C++ compiler ({cxx} is not on PATH)"
 
 
 def keep_freed_cpu_memory(keep: bool = True) -> bool:

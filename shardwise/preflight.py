@@ -25,6 +25,8 @@ def preflight(cfg: Config, world_size: int) -> ResolvedRun:
     data, tokenizer, run dir, the checkpoint to load -- and the resolved run."""
     run = resolve_run(cfg, world_size)
     args = run.model
+    if run.compile_reason:
+        notice(run.compile_reason)
     if cfg.float8.enabled:  # (here, not in resolve_run: the planner checks thousands of layouts)
         notice(float8_summary(build_model(args), cfg.float8, run.dims.tp))
     if cfg.metrics.wandb and importlib.util.find_spec("wandb") is None:

@@ -6,6 +6,7 @@ the planner checks thousands of layouts with it and preflight runs it before any
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import shardwise.device
 from shardwise.config import Config, ConfigError, TrainingConfig
@@ -32,6 +33,10 @@ class ResolvedRun:
     """bf16 or fp32 (``auto`` resolved for the device)."""
     device_type: str
     """cpu or cuda."""
+    compile: bool = False
+    """torch.compile the blocks and the loss (compile.enabled, ``auto`` resolved: :func:`compile_run`)."""
+    compile_reason: str = ""
+    """Why ``auto`` chose as it did (said once, by preflight)."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -61,10 +66,51 @@ def resolve_run(cfg: Config, world_size: int, detect_device: bool = True) -> Res
     if dims.cp > 1 and cfg.data.document_mask:
         raise ConfigError("data.document_mask with parallel.cp > 1 is not available (the ring "
                           "attention is causal-only): set data.document_mask=false or cp=1")
+    device_type = shardwise.device.device_type(cfg.run.device) if detect_device else cfg.run.device
+    compiled, why = compile_run(cfg, dims, device_type, toolchain=detect_device)
     return ResolvedRun(cfg, dims, args, micro_batch_size(cfg.training, dims.dp), micro_batches,
                        loss_chunk_tokens(cfg.training, args.vocab_size, dims.pp, dims.tp),
-                       cfg.training.mixed_precision,
-                       shardwise.device.device_type(cfg.run.device) if detect_device else cfg.run.device)
+                       cfg.training.mixed_precision, device_type, compiled, why)
+
+
+COMPILE_MIN_STEPS = 300
+"""compile.enabled=auto compiles runs of at least this many steps. Measured with the smallest preset,
+where compile pays least (debug.toml, 8 x 512, 2-core CPU, BENCHMARKS.md "time to first step"): the
+first step takes 13.9 s compiling with an empty inductor cache (3.4 s from the cache) against 1.1 s
+eager, and the steady state gains 7% (5,616 vs 5,254 tokens/s, 0.05 s of a 0.8 s step), so a cold
+compile breaks even after about 250 steps. A bigger model saves more per step for the same compile
+(blocks share one graph: the 125m saves about 1 s per step), so it pays sooner."""
+
+
+class _Degrees(Protocol):  # ParallelDims, or a planner Layout
+    pp: int
+    cp: int
+    ep: int
+
+
+def compile_run(cfg: Config, dims: _Degrees, device_type: str, toolchain: bool = True) -> tuple[bool, str]:
+    """compile.enabled resolved for this run, and why (for ``auto``). ``true`` without the toolchain
+    is refused in one line (inductor would fail at the first step); ``auto`` compiles long runs on
+    the tested layouts. ``toolchain=False`` (the planner, planning other machines) skips that check."""
+    want = cfg.compile.enabled
+    missing = shardwise.device.compile_toolchain(device_type) if toolchain and want else None
+    if want is True and missing:
+        raise ConfigError(f"compile.enabled=true needs {missing} to build its {device_type} kernels: "
+                          "install it, or set compile.enabled=false")
+    if want != "auto":
+        return bool(want), ""
+    untested = [k for k in ("pp", "cp", "ep") if getattr(dims, k) > 1]
+    steps = cfg.training.steps
+    if steps < COMPILE_MIN_STEPS:
+        return False, (f"compile.enabled=auto: eager, {steps} steps do not amortize the compile "
+                       f"(it compiles from {COMPILE_MIN_STEPS}); --compile.enabled true forces it")
+    if untested:
+        return False, (f"compile.enabled=auto: eager, compile with parallel.{untested[0]} > 1 is not "
+                       "tested yet; --compile.enabled true forces it")
+    if missing:
+        return False, f"compile.enabled=auto: eager, torch.compile needs {missing}"
+    return True, (f"compile.enabled=auto: compiling the blocks and the loss ({steps} steps amortize "
+                  "the first step's compile); --compile.enabled false turns it off")
 
 
 FUSED_LOSS_LOGITS = 2**25

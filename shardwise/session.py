@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import json
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,8 @@ class Session:
     """FSDP all-gathers float8 weights: their scales are precomputed after each optimizer step."""
     start: int
     """The step resumed after (0: a fresh run)."""
+    started: float
+    """perf_counter() when train() began (time to first step: start-up, and compile if on)."""
     skipped: int = 0
     """Steps whose update was dropped for a non-finite gradient norm."""
 
@@ -121,10 +124,14 @@ class Session:
         how = "saved" if self.run.cfg.checkpoint.async_mode == "none" or stopping else "saving"
         self.logger.message(f"{how} checkpoint {path} (training blocked {self.ckpt.blocked_s:.2f} s)")
 
-    def report_memory(self, memory: dict[str, int]) -> None:
-        """Gather every rank's first-step breakdown; rank 0 prints it and writes memory_breakdown.json."""
+    def report_first_step(self, memory: dict[str, int]) -> None:
+        """After the first step: the time to it (start-up, and the compile it paid); every rank's
+        memory breakdown, which rank 0 prints and writes to memory_breakdown.json."""
         table = per_rank({k: v / GiB for k, v in memory.items()}, self.env.device)
         if self.env.rank == 0:
+            compiled = "with the blocks' compile" if self.run.compile else "eager"
+            self.logger.message(f"first step done {time.perf_counter() - self.started:.1f} s after start "
+                                f"({compiled}; start-up, data, model and checkpoint load included)")
             (self.run_dir / "memory_breakdown.json").write_text(json.dumps(table, indent=1))
             rows = [f"{k:>12}: " + "  ".join(f"{v:.4f}" for v in table[f"{k}_per_rank"]) for k in memory]
             self.logger.message("memory at the first step, GiB per rank (params, grads, optimizer "
@@ -147,7 +154,7 @@ class Session:
 
 
 def open_session(run: ResolvedRun, env: DistEnv, run_dir: Path, ckpt_group: dist.ProcessGroup,
-                 stop_group: dist.ProcessGroup) -> Session:
+                 stop_group: dist.ProcessGroup, started: float) -> Session:
     """Build this rank's parts (model: meta -> parallelize -> materialize -> init), then load the
     checkpoint it resumes from, if any, and start the logs."""
     cfg = run.cfg
@@ -155,7 +162,7 @@ def open_session(run: ResolvedRun, env: DistEnv, run_dir: Path, ckpt_group: dist
     model = build_rank_model(run, env.device)
     pipe = build_pipe(model, run, env.device)
     shard = batch_sharder(run.dims, cfg.parallel.cp_load_balance)
-    loss = TokenLoss(run.loss_chunk, compiled=cfg.compile.enabled)
+    loss = TokenLoss(run.loss_chunk, compiled=run.compile)
     optimizer = build_optimizer(model, cfg.optimizer, env.device.type)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     routing = build_routing_trace(run, model, run_dir, env.rank)
@@ -177,7 +184,7 @@ def open_session(run: ResolvedRun, env: DistEnv, run_dir: Path, ckpt_group: dist
     return Session(run, env, run_dir, model, pipe, loss, optimizer, scheduler, loader, shard, ckpt,
                    Evaluator(run, corpus, loss, env.device, pipe, shard), logger, throughput, stop,
                    StepProfiler(cfg.profile, run_dir, env.rank, env.device, start + 1), routing,
-                   gathers_float8(model, cfg.float8), start)
+                   gathers_float8(model, cfg.float8), start, started)
 
 
 def build_data(run: ResolvedRun, device: torch.device) -> tuple[PackedLoader, Corpus]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,7 @@ from shardwise.session import Session, open_session
 def train(cfg: Config, run: ResolvedRun | None = None) -> None:
     """Train ``cfg`` on this process's rank (1 rank, or one of N under torchrun / --nproc).
     ``run``: what :func:`preflight` resolved for this world (run here when not given)."""
+    started = time.perf_counter()
     exit_with_launcher()  # under torch's elastic agent a rank has a session of its own
     env = init_distributed(cfg.run.device, cfg.parallel.backend, cfg.run.cpu_memory_cache)
     if run is None or run.dims.world_size != env.world_size:
@@ -45,7 +47,7 @@ def train(cfg: Config, run: ResolvedRun | None = None) -> None:
     run.dims.build_mesh(env.device.type, cfg.parallel.backend_override)
     set_determinism(cfg.debug.deterministic, cfg.training.seed)
     with rundir.hold(cfg, env.rank) as run_dir:
-        s = open_session(run, env, run_dir, ckpt_group, stop_group)
+        s = open_session(run, env, run_dir, ckpt_group, stop_group, started)
         with s.profiler:
             loop(s)
         s.close()
@@ -63,7 +65,7 @@ def loop(s: Session) -> None:
                                 inject_nan=step == cfg.debug.nan_step, float8_scales=s.float8_scales)
         s.check_finite(step, result)
         if result.memory is not None:
-            s.report_memory(result.memory)
+            s.report_first_step(result.memory)
         s.throughput.add(s.run.tokens_per_step, s.step_flops(batches))
         last, stopping = step == cfg.training.steps, s.stop.agreed()  # every rank stops alike
         evaluating, saving = s.evaluator.due(step, last), s.ckpt.due(step, last, stopping)

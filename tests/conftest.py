@@ -26,6 +26,9 @@ TINY_ARGS = [
     "--debug.deterministic=true", "--data.document_mask=true", "--eval.interval=0",
     "--checkpoint.interval=0", "--checkpoint.final=false", "--metrics.tensorboard=false",
     "--metrics.plot=false", "--metrics.progress=false", "--metrics.peak_tflops=1",
+    # Eager even when a test runs 100,000 steps to be stopped by a signal (compile.enabled=auto
+    # would compile those): compile has its own tests, which pass --compile.enabled=true.
+    "--compile.enabled=false",
 ]
 
 

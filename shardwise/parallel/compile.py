@@ -13,12 +13,11 @@ import torch
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-from shardwise.config import CompileConfig
 
-
-def apply_compile(model: nn.Module, cfg: CompileConfig) -> None:
-    """Compile every block of ``model.layers`` in place (no-op when disabled)."""
-    if not cfg.enabled:
+def apply_compile(model: nn.Module, enabled: bool) -> None:
+    """Compile every block of ``model.layers`` in place (no-op when not ``enabled``: the resolved
+    compile.enabled, ``ResolvedRun.compile``)."""
+    if not enabled:
         return
     # Dynamo inlines nn modules (parameters are graph inputs), so blocks of one structure share a
     # graph; the limit is raised so a model with several block kinds (dense and MoE, checkpointed

@@ -25,9 +25,10 @@ from shardwise.parallel.fsdp import apply_fsdp, mixed_precision_policy
 from shardwise.parallel.tensor import apply_tp
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, config: Config) -> None:
-    """Shard ``model`` (still on meta) in place according to ``dims`` and the parallel, float8,
-    activation-checkpoint and compile sections of ``config``."""
+def parallelize(model: nn.Module, dims: ParallelDims, config: Config, compiled: bool = False) -> None:
+    """Shard ``model`` (still on meta) in place according to ``dims`` and the parallel, float8 and
+    activation-checkpoint sections of ``config``; ``compiled`` (the resolved compile.enabled,
+    ``ResolvedRun.compile``) compiles its blocks."""
     cfg = config.parallel
     apply_float8(model, config.float8, dims.tp, dims.mesh.device_type)
     if dims.tp > 1:
@@ -41,6 +42,6 @@ def parallelize(model: nn.Module, dims: ParallelDims, config: Config) -> None:
         if dims.ep > 1:
             apply_ep(model, moe_meshes["ep"])
     apply_ac(model, config.activation_checkpoint)
-    apply_compile(model, config.compile)
+    apply_compile(model, compiled)
     mp = mixed_precision_policy(config.training.mixed_precision, cfg.fsdp_reduce_dtype)
     apply_fsdp(model, dims.fsdp_mesh(), cfg, mp, moe_meshes)

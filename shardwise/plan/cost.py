@@ -38,6 +38,7 @@ from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import Layout
 from shardwise.plan.memory import Shape, shape_of
 from shardwise.plan.states import BYTES, RankStates
+from shardwise.resolve import compile_run
 
 COMPILE_MEMORY_FACTOR = 0.5
 """torch.compile fuses chains of elementwise ops (norms, RoPE, SwiGLU, casts) into single kernels
@@ -182,7 +183,8 @@ def rank_time(cfg: Config, layout: Layout, rank_states: RankStates, hw: Hardware
         head_compute(tally, cfg, shape)
     tally.scale(micro_batches)
     fsdp_copy_traffic(tally, cfg, layout, rank_states, shape)
-    if cfg.compile.enabled:  # fused elementwise kernels: about half the memory passes of eager
+    if compile_run(cfg, layout, cfg.run.device, toolchain=False)[0]:  # (fused elementwise kernels:
+        # about half the memory passes of eager)
         tally.memory *= COMPILE_MEMORY_FACTOR
     compute = {"matmul": tally.matmul, "attention": tally.attention, "memory-bound": tally.memory,
                "optimizer": optimizer_seconds(cfg, rank_states, hw, layout.world),

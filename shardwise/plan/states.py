@@ -113,7 +113,7 @@ def build_rank(cfg: Config, world: int, rank: int) -> tuple[nn.Module, object]:
     with warnings.catch_warnings():
         # A pipeline stage without the head has no 'output' for the TP plan to resolve.
         warnings.filterwarnings("ignore", message="Parallelize plan key")
-        parallelize(model, run.dims, cfg)
+        parallelize(model, run.dims, cfg, run.compile)
     return model, run.dims
 
 

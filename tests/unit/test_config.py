@@ -60,6 +60,7 @@ def test_cli_overrides_beat_the_file(tmp_path: Path):
     (["--parallel.backend_override=xx=gloo"], "unknown mesh dim 'xx'"),
     (["--parallel.backend_override=gloo"], "expects k=v"),
     (["--training.steps"], "override '--training.steps' has no value"),
+    (["--compile.enabled=sometimes"], "compile.enabled must be one of auto, true, false"),
     (["steps=3"], "unexpected argument 'steps=3'"),
 ])
 def test_bad_overrides_fail_with_one_line(args: list[str], fragment: str):
@@ -75,6 +76,7 @@ def test_bad_overrides_fail_with_one_line(args: list[str], fragment: str):
     ("[traning]\nsteps = 3\n", "unknown config key 'traning.steps'"),
     ("steps = 3\n", "must be a [section]"),
     ("[training\n", "not valid TOML"),
+    ("[compile]\nenabled = 1\n", "compile.enabled must be one of auto, true, false, got 1"),
 ])
 def test_bad_files_fail_with_one_line(tmp_path: Path, text: str, fragment: str):
     f = tmp_path / "bad.toml"
@@ -117,3 +119,52 @@ def test_auto_precision_resolves_per_device(monkeypatch: pytest.MonkeyPatch):
         monkeypatch.setattr(device, "cpu_has_native_bf16", lambda native=native: native)
         assert mp(["--training.mixed_precision=auto", "--run.device=cpu"]) == want
     assert mp(["--training.mixed_precision=bf16", "--run.device=cpu"]) == "bf16"
+
+
+@pytest.mark.parametrize("text,want", [("", "auto"), ("true", True), ("off", False), ("auto", "auto")])
+def test_compile_enabled_takes_auto_or_a_bool(text: str, want: object, tmp_path: Path):
+    """compile.enabled is auto, true or false on the command line and in TOML (a bool there), and
+    the saved config.toml reads back the same."""
+    cfg = load_config(None, [f"--compile.enabled={text}"] if text else [])
+    assert cfg.compile.enabled == want and type(cfg.compile.enabled) is type(want)
+    f = tmp_path / "c.toml"
+    f.write_text(cfg.to_toml())
+    assert load_config(f).compile.enabled == want
+
+
+@pytest.mark.parametrize("args,want,why", [
+    (["--training.steps=300"], True, "compiling the blocks and the loss (300 steps amortize"),
+    (["--training.steps=299"], False, "eager, 299 steps do not amortize the compile (it compiles from 300)"),
+    (["--training.steps=500", "--parallel.pp=2", "--data.document_mask=false"], False,
+     "compile with parallel.pp > 1 is not tested yet"),
+    (["--training.steps=500", "--parallel.ep=2", "--model.name=moe-debug"], False,
+     "compile with parallel.ep > 1 is not tested yet"),
+    (["--training.steps=5", "--compile.enabled=true"], True, ""),
+    (["--training.steps=500", "--compile.enabled=false"], False, ""),
+])
+def test_auto_compile_compiles_long_runs_on_tested_layouts(args: list[str], want: bool, why: str):
+    """compile.enabled=auto, resolved once per run (ResolvedRun.compile) with the reason preflight
+    prints; the planner's step-time model takes the same decision for its layouts."""
+    from shardwise.plan.layout import Layout
+    from shardwise.resolve import compile_run, resolve_run
+
+    cfg = load_config(None, ["--run.device=cpu", *args])
+    run = resolve_run(cfg, 2)
+    assert run.compile == want and why in run.compile_reason
+    assert bool(why) == bool(run.compile_reason)  # (said for auto only)
+    assert compile_run(cfg, Layout.from_config(cfg, 2), "cuda", toolchain=False)[0] == want
+
+
+def test_compile_without_the_toolchain_is_refused_or_left_off(monkeypatch: pytest.MonkeyPatch):
+    """No C++ compiler on a CPU machine: compile.enabled=true fails in one line before any rank
+    starts (inductor would fail at the first step); auto stays eager and says why."""
+    from shardwise.resolve import resolve_run
+
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    cfg = load_config(None, ["--run.device=cpu", "--training.steps=500", "--compile.enabled=true"])
+    with pytest.raises(ConfigError, match="compile.enabled=true needs a C\\+\\+ compiler "
+                                          "\\(no-such-compiler-xyz is not on PATH\\)"):
+        resolve_run(cfg, 1)
+    cfg.compile.enabled = "auto"
+    run = resolve_run(cfg, 1)
+    assert not run.compile and "torch.compile needs a C++ compiler" in run.compile_reason

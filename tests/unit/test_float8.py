@@ -115,7 +115,7 @@ def test_the_log_says_what_float8_converts_and_converting_nothing_is_an_error(ca
     from shardwise.preflight import preflight as check_layout  # (the trainer's checks, no process group)
 
     cfg = load_config(ROOT / "configs" / "moe-debug.toml",
-                      ["--float8.enabled=true", f"--run.dir={tmp_path}"])
+                      ["--float8.enabled=true", f"--run.dir={tmp_path}", "--compile.enabled=false"])
     check_layout(cfg, 1)
     line = capsys.readouterr().out.strip()
     assert line.startswith("notice: float8: 42 linears in 12 groups run in float8 "

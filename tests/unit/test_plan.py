@@ -97,7 +97,8 @@ def _batch(cfg, n: int) -> Batch:
     return Batch(tokens, labels, doc_ids, n * s)
 
 
-SMALL = ["--training.global_batch=2", "--training.seq_len=256"]
+# (eager, whatever compile.enabled=auto decides: the formulas are exact for the eager ops)
+SMALL = ["--training.global_batch=2", "--training.seq_len=256", "--compile.enabled=false"]
 
 
 @pytest.mark.parametrize("path,overrides", [
