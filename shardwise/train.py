@@ -134,12 +134,14 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
             with tracker:
                 loss_sum += loss(model, batch, backward_over=n_valid)
     stages = dims.submesh("pp").get_group() if dims.pp > 1 else None
-    grad_norm = clip_grad_norm_(model.parameters(), run.cfg.training.max_grad_norm, stages)
+    # (the clip's division is folded into a fused optimizer's kernel: one pass over the gradients)
+    grad_norm = clip_grad_norm_(model.parameters(), run.cfg.training.max_grad_norm, stages, optimizer)
     lr = optimizer.param_groups[0]["lr"]
     # One host sync per step; the norm is already reduced over every rank, so all agree.
     finite = bool(torch.isfinite(grad_norm))
     if finite:
         optimizer.step()
+    optimizer.__dict__.pop("grad_scale", None)  # this step's clip only
     scheduler.step()  # a skipped update still uses up its step of the LR schedule
     if float8_scales:  # next step's float8 weight scales, one all-reduce
         precompute_scales(model)

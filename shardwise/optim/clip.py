@@ -12,8 +12,14 @@ from torch.distributed.tensor import DTensor
 
 @torch.no_grad()
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
-                    stage_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Scale gradients in place so their global L2 norm is at most ``max_norm``; return the norm.
+                    stage_group: dist.ProcessGroup | None = None,
+                    optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
+    """Scale gradients so their global L2 norm is at most ``max_norm``; return the norm.
+
+    The scaling is one division by :func:`clip_divisor`: in place here, or -- given an
+    ``optimizer`` that takes it (torch's fused AdamW: :func:`folds_grad_scale`) -- inside that
+    optimizer's kernel at its next step, which saves a read and a write of every gradient and gives
+    the same bits (the kernel divides too).
 
     Local squared norms are summed per (mesh, dims the gradient is sharded on); each such group is
     all-reduced once over those dims only -- replicated dims hold copies and must not be counted
@@ -46,6 +52,20 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
         dist.all_reduce(total_sq, group=stage_group)  # all-reduce over pp: stages hold disjoint params
     total = total_sq.sqrt().float()
     if max_norm > 0 and locals_:
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        torch._foreach_mul_(locals_, coef)
+        if optimizer is not None and folds_grad_scale(optimizer):
+            optimizer.grad_scale = clip_divisor(total, max_norm)  # (read once by its step)
+        else:
+            torch._foreach_div_(locals_, clip_divisor(total, max_norm))
     return total
+
+
+def clip_divisor(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What the gradients are divided by: norm / max_norm, at least 1 (never scaled up)."""
+    return torch.clamp((total_norm + 1e-6) / max_norm, min=1.0)
+
+
+def folds_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
+    """True for torch's fused Adam/AdamW, whose step divides every gradient by
+    ``optimizer.grad_scale`` in its kernel (the hook torch's GradScaler uses)."""
+    return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and bool(
+        optimizer.defaults.get("fused"))

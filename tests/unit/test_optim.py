@@ -50,6 +50,33 @@ def test_clip_matches_torch(max_norm: float):
         torch.testing.assert_close(p.grad, q.grad)
 
 
+def test_clip_folded_into_fused_adamw_is_the_same_update():
+    """The clip's division inside fused AdamW's kernel (optimizer.grad_scale) gives the parameters
+    the explicit in-place clip gives, bit for bit; clipping really happens (max_norm binds), and
+    the scale does not leak into the next step."""
+    from shardwise.optim.clip import folds_grad_scale
+
+    def run(fold: bool | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+        opt = build_optimizer(model, OptimizerConfig(lr=1e-2), "cpu")
+        assert folds_grad_scale(opt)
+        x = torch.randn(8, 16)
+        for step in range(3):
+            (model(x * (step + 1)) ** 2).sum().backward()
+            if fold is not None:
+                norm = clip_grad_norm_(model.parameters(), 0.5, optimizer=opt if fold else None)
+                assert norm > 0.5  # (the clip binds)
+            opt.step()
+            opt.__dict__.pop("grad_scale", None)
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    folded, explicit, unclipped = run(True), run(False), run(None)
+    assert all(torch.equal(a, b) for a, b in zip(folded, explicit, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(folded, unclipped, strict=True))
+
+
 def test_weight_decay_skips_norms():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), RMSNorm(4, 1e-5))
     opt = build_optimizer(model, OptimizerConfig(weight_decay=0.1), "cpu")
