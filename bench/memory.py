@@ -5,7 +5,10 @@
 - ``optimizer``: AdamW with fp32 vs bf16 moments (``optimizer.state_dtype``): state bytes per
   parameter, counted from the tensors;
 - ``ac``: activation checkpointing none / selective / layer / full (``activation_checkpoint.mode``);
-- ``compile``: blocks eager vs ``torch.compile`` (``compile.enabled``).
+- ``compile``: blocks eager vs ``torch.compile`` (``compile.enabled``);
+- ``trainer``: the trainer's own ``train_step`` on the 125m preset (``--preset``), bf16, one rank:
+  the step as it was before the throughput work (plain loss, the C library's malloc, eager) against
+  the defaults (fused loss, ``run.cpu_memory_cache``), eager and compiled.
 
 Peak memory is the CUDA allocator's peak on GPUs; on CPU it is the process RSS high-water mark, and
 for eager rows also torch's MemTracker peak of live tensor bytes (exact, no allocator or library
@@ -69,6 +72,46 @@ def build(row: dict, a: argparse.Namespace) -> tuple:
     return step, model, opt
 
 
+def trainer_step(row: dict, a: argparse.Namespace) -> tuple:
+    """(step function, model, optimizer): the trainer's train_step, one rank, bf16, ``row`` says
+    the loss, the allocator setting and compile."""
+    import torch
+
+    from shardwise.config import Config
+    from shardwise.data.dataset import Batch
+    from shardwise.device import init_distributed, keep_freed_cpu_memory
+    from shardwise.models import PRESETS, build_model, init_weights
+    from shardwise.ops.loss import TokenLoss
+    from shardwise.optim.adamw import build_optimizer
+    from shardwise.optim.lr import build_lr_scheduler
+    from shardwise.parallel.dims import ParallelDims
+    from shardwise.parallel.parallelize import parallelize
+    from shardwise.resolve import ResolvedRun, loss_chunk_tokens
+    from shardwise.train import train_step
+
+    init_distributed("cpu", cache_cpu_memory=row["cache"])
+    keep_freed_cpu_memory(row["cache"])
+    args = PRESETS[a.preset]
+    cfg = Config()
+    cfg.training.global_batch, cfg.training.seq_len = a.batch, a.seq
+    cfg.training.mixed_precision, cfg.training.loss = "bf16", row["loss"]
+    dims = ParallelDims.from_config(cfg.parallel, 1)
+    dims.build_mesh("cpu")
+    run = ResolvedRun(cfg, dims, args, a.batch, 1, loss_chunk_tokens(cfg.training, args.vocab_size, 1),
+                      "bf16", "cpu", compile=row["compile"])
+    model = build_model(args)
+    parallelize(model, dims, cfg, run.compile)
+    model.to_empty(device="cpu")
+    init_weights(model, 0)
+    opt = build_optimizer(model, cfg.optimizer, "cpu")
+    sched = build_lr_scheduler(opt, cfg.lr_scheduler, 1000)
+    loss = TokenLoss(run.loss_chunk, compiled=run.compile)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, args.vocab_size, (a.batch, a.seq + 1), generator=g)
+    batch = Batch(tokens[:, :-1], tokens[:, 1:], None, a.batch * a.seq)
+    return (lambda: train_step(model, opt, sched, [batch], run, loss).loss.item()), model, opt
+
+
 def child(row: dict, a: argparse.Namespace) -> dict:
     """Memory of one configuration, alone in this process (and its own step times)."""
     import torch
@@ -76,7 +119,7 @@ def child(row: dict, a: argparse.Namespace) -> dict:
     from shardwise.observe.memory import peak_memory_gib
     from shardwise.optim.adamw import state_bytes_per_param
 
-    step, model, opt = build(row, a)
+    step, model, opt = (trainer_step if "cache" in row else build)(row, a)
     times = []
     for i in range(a.warmup + a.steps):
         t = time.perf_counter()
@@ -100,7 +143,7 @@ def child(row: dict, a: argparse.Namespace) -> dict:
 def time_child(table: list[dict], a: argparse.Namespace) -> list[dict]:
     """Step times of several configurations in one process, their steps interleaved (A B C A B C
     ...), so a slow spell of a shared host hits them all alike."""
-    built = [build(row, a)[0] for row in table]
+    built = [(trainer_step if "cache" in row else build)(row, a)[0] for row in table]
     for step in built:
         for _ in range(a.warmup):
             step()
@@ -125,6 +168,12 @@ def rows(suite: str, a: argparse.Namespace) -> list[tuple[str, dict]]:
                  {**base, "vocab": v, "dim": 256, "layers": 2, "chunk": c})
                 for v in VOCABS for c in (0, a.chunk)]
     body = {**base, "vocab": 8192, "chunk": a.chunk}  # a deeper body so the blocks dominate
+    if suite == "trainer":
+        settings = (("before: plain loss, C-library malloc, eager", "plain", False, False),
+                    ("defaults: fused loss, cached malloc, eager", "auto", True, False),
+                    ("defaults, compiled", "auto", True, True))
+        return [(label, {**base, "loss": loss, "cache": cache, "compile": comp})
+                for label, loss, cache, comp in settings]
     if suite == "optimizer":
         return [(f"AdamW {d} moments", {**body, "state_dtype": d}) for d in ("fp32", "bf16")]
     if suite == "ac":
@@ -144,7 +193,8 @@ def shape(row: dict, seq: int):  # noqa: ANN201 -- ModelArgs
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--suite", default="all", choices=["all", "loss", "optimizer", "ac", "compile"])
+    p.add_argument("--suite", default="all", choices=["all", "loss", "optimizer", "ac", "compile", "trainer"])
+    p.add_argument("--preset", default="125m", help="model of the trainer suite")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--batch", type=int, default=4)
@@ -166,14 +216,21 @@ def main() -> None:
     print(f"{a.device}, {a.dtype}, {a.batch} x {a.seq} = {a.batch * a.seq} tokens per step, median of "
           f"{a.steps} steps after {a.warmup} warm-up\n")
     suites = ["loss", "optimizer", "ac", "compile"] if a.suite == "all" else [a.suite]
-    args = [f"--{k}={getattr(a, k)}" for k in ("device", "dtype", "batch", "seq", "steps", "warmup")]
+    keys = ("device", "dtype", "batch", "seq", "steps", "warmup", "preset")
+    args = [f"--{k}={getattr(a, k)}" for k in keys]
     for suite in suites:
         table = rows(suite, a)
         r0 = table[0][1]
         from shardwise.observe.flops import num_params
 
-        print(f"### {suite}: body dim {r0['dim']} x {r0['layers']} blocks, vocab {r0['vocab']:,}, "
-              f"{num_params(shape(r0, a.seq)) / 1e6:.1f}M parameters\n")
+        if suite == "trainer":
+            from shardwise.models import PRESETS
+
+            print(f"### trainer: the {a.preset} preset, {num_params(PRESETS[a.preset]) / 1e6:.1f}M "
+                  "parameters, bf16, train_step on one rank\n")
+        else:
+            print(f"### {suite}: body dim {r0['dim']} x {r0['layers']} blocks, vocab {r0['vocab']:,}, "
+                  f"{num_params(shape(r0, a.seq)) / 1e6:.1f}M parameters\n")
         print("| configuration | peak RSS (GiB) | tensor peak (GiB) | step time (s) | CPU time (s) | "
               "optimizer bytes/param |")
         print("|---|---|---|---|---|---|")
@@ -182,7 +239,8 @@ def main() -> None:
             argv = [sys.executable, __file__, "--child", json.dumps(row), *args]
             out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
             results.append(json.loads(out.strip().splitlines()[-1]))
-        if suite != "loss":  # times from one process, steps interleaved (memory stays per process)
+        if suite not in ("loss", "trainer"):  # times from one process, steps interleaved
+            # (memory stays per process; the trainer's rows set the process's malloc: one each)
             argv = [sys.executable, __file__, "--time-child", json.dumps([r for _, r in table]), *args]
             out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
             for r, t in zip(results, json.loads(out.strip().splitlines()[-1]), strict=True):
@@ -193,7 +251,13 @@ def main() -> None:
             print(f"| {label} | {r['peak_gib']:.2f} | {tensor} | {r['step_s']:.2f} | {cpu} | "
                   f"{r['state_bytes_per_param']:.1f} |", flush=True)
         print()
-        if suite == "loss":
+        if suite == "trainer":
+            for (label, _), r in zip(table[1:], results[1:], strict=True):
+                tensor = (f", tensor peak {r['tensor_peak_gib'] / results[0]['tensor_peak_gib']:.3f}x"
+                          if r["tensor_peak_gib"] else "")
+                print(f"{label}: peak RSS {r['peak_gib'] / results[0]['peak_gib']:.3f}x{tensor}, step "
+                      f"time {r['step_s'] / results[0]['step_s']:.2f}x of {table[0][0]}")
+        elif suite == "loss":
             for i, vocab in enumerate(VOCABS):
                 plain, chunked = results[2 * i], results[2 * i + 1]
                 print(f"vocab {vocab:,}: peak {chunked['peak_gib'] / plain['peak_gib']:.2f}x of plain, "

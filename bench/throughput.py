@@ -55,6 +55,9 @@ def bench_preset(name: str, steps: int, warmup: int, peak: float, profile: int =
                  compile_blocks: str = "auto") -> dict[str, float]:
     batch, seq = SHAPES[name]
     args = PRESETS[name]
+    # A fresh Dynamo per preset, as a training run has: a second model's shapes would otherwise hit
+    # the first one's cache entries and recompile with dynamic shapes (automatic dynamic).
+    torch._dynamo.reset()
     cfg = Config()
     cfg.training.global_batch, cfg.training.seq_len = batch, seq
     cfg.training.steps = LONG_RUN  # what compile.enabled=auto decides for a training run

@@ -164,6 +164,10 @@ class ParallelConfig:
     """interleaved1f1b: stages per rank (zbv and dualpipev always use 2, gpipe and 1f1b 1)."""
     loss_parallel: bool = True
     """With tp > 1: keep logits vocab-sharded and compute the cross-entropy without gathering them."""
+    async_tp: bool = False
+    """With tp > 1 on CUDA/NCCL and compile: torch's micro-pipelined TP over symmetric memory (the
+    all-gather and reduce-scatter split into chunks that overlap the matmuls; an inductor pass).
+    Written, not yet run on a GPU; refused on CPU/gloo."""
     cp_load_balance: bool = True
     """With cp > 1: each rank gets a head and a tail chunk, so causal attention work is even."""
     cp_rotate_method: Literal["allgather", "alltoall"] = "allgather"
@@ -206,6 +210,10 @@ class Float8Config:
     """Linears with (local) in/out features below this (or not multiples of 16) stay high precision."""
     fsdp_all_gather: bool = False
     """FSDP all-gathers weights already cast to float8 (scales from one all-reduce per step)."""
+    recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """Scaling: one scale per tensor, or one per row (torchao's rowwise recipe: inputs, weights and
+    output gradients in E4M3 with power-of-2 scales per row; more accurate, CUDA needs SM90+ for its
+    rowwise _scaled_mm). Rowwise has no float8 FSDP all-gather."""
 
 
 @dataclass

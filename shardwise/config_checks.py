@@ -70,6 +70,9 @@ def validate(cfg: Config) -> None:
     if (cfg.debug.comm or cfg.debug.memory) and cfg.debug.trace_step > cfg.training.steps:
         raise ConfigError(f"debug.trace_step={cfg.debug.trace_step} exceeds training.steps="
                           f"{cfg.training.steps}: nothing would be recorded")
+    if cfg.float8.enabled and cfg.float8.recipe == "rowwise" and cfg.float8.fsdp_all_gather:
+        raise ConfigError("float8.recipe=rowwise has no float8 FSDP all-gather (torchao gathers "
+                          "tensorwise-scaled weights only): set float8.fsdp_all_gather=false")
     for dim, spec in cfg.parallel.backend_override.items():
         parse_backend_spec(dim, spec)
 

@@ -68,6 +68,7 @@ def resolve_run(cfg: Config, world_size: int, detect_device: bool = True) -> Res
                           "attention is causal-only): set data.document_mask=false or cp=1")
     device_type = shardwise.device.device_type(cfg.run.device) if detect_device else cfg.run.device
     compiled, why = compile_run(cfg, dims, device_type, toolchain=detect_device)
+    check_async_tp(cfg, dims, device_type, compiled)
     return ResolvedRun(cfg, dims, args, micro_batch_size(cfg.training, dims.dp), micro_batches,
                        loss_chunk_tokens(cfg.training, args.vocab_size, dims.pp, dims.tp),
                        cfg.training.mixed_precision, device_type, compiled, why)
@@ -80,6 +81,21 @@ first step takes 13.9 s compiling with an empty inductor cache (3.4 s from the c
 eager, and the steady state gains 7% (5,616 vs 5,254 tokens/s, 0.05 s of a 0.8 s step), so a cold
 compile breaks even after about 250 steps. A bigger model saves more per step for the same compile
 (blocks share one graph: the 125m saves about 1 s per step), so it pays sooner."""
+
+
+def check_async_tp(cfg: Config, dims: ParallelDims, device_type: str, compiled: bool) -> None:
+    """parallel.async_tp: micro-pipelined TP is an inductor pass over symmetric memory (CUDA, NCCL)."""
+    if not cfg.parallel.async_tp:
+        return
+    if dims.tp == 1:
+        raise ConfigError("parallel.async_tp needs parallel.tp > 1 (it overlaps TP's collectives): "
+                          "set parallel.tp or parallel.async_tp=false")
+    if device_type == "cpu" or cfg.parallel.backend == "gloo":  # (the planner may pass "auto")
+        raise ConfigError(f"parallel.async_tp needs CUDA GPUs and NCCL (symmetric memory); this run "
+                          f"is {device_type}/{cfg.parallel.backend}: set parallel.async_tp=false")
+    if not compiled:
+        raise ConfigError("parallel.async_tp needs compile.enabled=true (the micro-pipelining is an "
+                          "inductor pass over the compiled blocks): set it, or parallel.async_tp=false")
 
 
 class _Degrees(Protocol):  # ParallelDims, or a planner Layout

@@ -25,6 +25,7 @@ at import).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import sys
@@ -123,7 +124,7 @@ def float8_summary(model: nn.Module, cfg: Float8Config, tp: int) -> str:
     per_block = lambda name: re.sub(r"^layers\.\d+\.", "layers.<i>.", name)  # noqa: E731
     converted = Counter(per_block(g) for g in groups)
     left = Counter((per_block(k), why) for k, why in kept.items())
-    return (f"float8: {linears} linears in {len(groups)} groups run in float8 ("
+    return (f"float8: {linears} linears in {len(groups)} groups run in float8, {cfg.recipe} scaling ("
             + ", ".join(f"{g} x{n}" for g, n in converted.items()) + "); kept in high precision: "
             + "; ".join(f"{g} x{n}: {why}" for (g, why), n in left.items()))
 
@@ -142,10 +143,15 @@ def apply_float8(model: nn.Module, cfg: Float8Config, tp: int, device_type: str)
     if device_type == "cuda" and torch.cuda.get_device_capability() < (8, 9):
         raise ConfigError(f"float8.enabled needs a GPU of compute capability >= 8.9 (this one is "
                           f"{torch.cuda.get_device_capability()}): set float8.enabled=false")
+    if device_type == "cuda" and cfg.recipe == "rowwise" and torch.cuda.get_device_capability() < (9, 0):
+        raise ConfigError("float8.recipe=rowwise needs a GPU of compute capability >= 9.0 (the "
+                          "rowwise _scaled_mm): set float8.recipe=tensorwise")
     ao = _torchao()
     groups = float8_groups(model, cfg, tp)
-    config = ao.Float8LinearConfig(enable_fsdp_float8_all_gather=cfg.fsdp_all_gather,
-                                   emulate=device_type != "cuda")
+    # The recipe's casts (rowwise: per-row E4M3 with power-of-2 scales), then this run's settings.
+    config = dataclasses.replace(ao.Float8LinearConfig.from_recipe_name(cfg.recipe),
+                                 enable_fsdp_float8_all_gather=cfg.fsdp_all_gather,
+                                 emulate=device_type != "cuda")
 
     def keep(module: nn.Module, fqn: str) -> bool:
         return any(fqn.startswith(g + ".") and fqn.count(".") == g.count(".") + 1 for g in groups)
@@ -162,11 +168,18 @@ def tp_styles(parent: nn.Module, col: str, float8_comm: bool) -> tuple[type, typ
     gloo has no float8 dtypes, so there the input is all-gathered in high precision and cast after
     the gather: every rank then computes the amax over the same full tensor, which gives the same
     single scale (at twice the all-gather bytes)."""
-    if float8_comm and is_float8(getattr(parent, col)):
+    if float8_comm and is_float8(getattr(parent, col)) and tensorwise(getattr(parent, col)):
         import torchao.float8.float8_tensor_parallel as tp  # already loaded with torchao
 
         return tp.Float8ColwiseParallel, tp.Float8RowwiseParallel, tp.PrepareFloat8ModuleInput
     return ColwiseParallel, RowwiseParallel, PrepareModuleInput
+
+
+def tensorwise(linear: nn.Module) -> bool:
+    """A float8 linear with one scale per tensor (torchao's float8 TP styles cast and gather only
+    those; a rowwise linear is gathered in high precision and cast after)."""
+    ao = _torchao()
+    return linear.config.cast_config_input.scaling_granularity is ao.ScalingGranularity.TENSORWISE
 
 
 def gathers_float8(model: nn.Module, cfg: Float8Config) -> bool:

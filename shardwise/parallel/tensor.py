@@ -16,6 +16,8 @@ cast to float8 on its sequence shard, with the amax reduced over tp, and all-gat
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -41,6 +43,8 @@ def full_value(t: torch.Tensor) -> torch.Tensor:
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> None:
     """Shard ``model`` over the 1-D ``tp`` mesh in place (call before FSDP)."""
+    if cfg.async_tp:
+        enable_async_tp(mesh)
     float8_comm = dist.get_backend(mesh.get_group()) != "gloo"  # gloo has no float8 dtypes
     parallelize_module(model, mesh, {
         # Vocab-sharded lookup; the partial sums are reduce-scattered into sequence shards.
@@ -83,3 +87,20 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> None:
             "ffn_norm": SequenceParallel(),
             **ffn_plan,
         })
+
+
+def enable_async_tp(mesh: DeviceMesh) -> None:
+    """torch's micro-pipelined TP: inductor rewrites each all-gather -> matmul and matmul ->
+    reduce-scatter of the compiled blocks into chunked collectives over symmetric memory that
+    overlap the matmul's chunks (torch._inductor.config._micro_pipeline_tp). Older torch needs the
+    TP group registered for symmetric memory; 2.13 does it by itself and deprecates the call.
+    Checked before (resolve.check_async_tp): CUDA, NCCL, compile. Written, not yet run on a GPU."""
+    import torch._inductor.config as inductor_config
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    inductor_config._micro_pipeline_tp = True
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # (deprecated where not needed)
+            enable(mesh.get_group().group_name)

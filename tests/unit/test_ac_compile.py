@@ -101,3 +101,36 @@ def test_compile_with_selective_checkpointing_matches_eager(plain: tuple):
     for name, p in m.named_parameters():
         torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
     assert all(b._compiled_call_impl is not None for b in m.layers.values())
+
+
+@pytest.mark.parametrize("loss_chunk", [0, 256], ids=["plain-loss", "fused-loss"])
+def test_the_compiled_step_has_no_graph_breaks(one_rank_group: None, loss_chunk: int):
+    """The trainer's compiled path -- blocks under FSDP in bf16, then the plain loss or the fused
+    loss's softmax pass -- compiles without one graph break: one graph for every block (they share
+    it) and one for the loss, and a second step compiles nothing new."""
+    from torch._dynamo.utils import counters
+
+    from shardwise.config import Config
+    from shardwise.data.dataset import Batch
+    from shardwise.ops.loss import TokenLoss
+    from shardwise.parallel.dims import ParallelDims
+    from shardwise.parallel.parallelize import parallelize
+
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = Config()
+    cfg.training.mixed_precision = "bf16"
+    dims = ParallelDims.from_config(cfg.parallel, 1)
+    dims.build_mesh("cpu")
+    m = build_model(ARGS)
+    parallelize(m, dims, cfg, compiled=True)
+    m.to_empty(device="cpu")
+    init_weights(m, 0)
+    loss = TokenLoss(loss_chunk, compiled=True)
+    batch = Batch(TOKENS, TOKENS.roll(-1, 1), None, TOKENS.numel())
+    for _ in range(2):
+        loss(m, batch, backward_over=torch.tensor(TOKENS.numel()))
+        if _ == 0:
+            graphs = counters["stats"]["unique_graphs"]
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert graphs == counters["stats"]["unique_graphs"] == 2  # the blocks' graph and the loss's

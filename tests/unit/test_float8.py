@@ -55,13 +55,14 @@ def test_disabled_converts_nothing():
     assert not any(is_float8(mod) for mod in m.modules())
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_close_to_high_precision_forward_and_backward(dtype: torch.dtype):
+def test_close_to_high_precision_forward_and_backward(dtype: torch.dtype, recipe: str):
     """float8 (3 mantissa bits for E4M3) loses precision in every GEMM: the loss and gradients are
     near the high-precision ones, and measurably not equal to them (the casts really happen)."""
     ref = build_model(ARGS, device="cpu")
     init_weights(ref, 0)
-    f8 = converted()
+    f8 = converted(cfg=dataclasses.replace(CFG, recipe=recipe))
     losses, grads = [], []
     for m in (ref, f8):
         m.to(dtype)
@@ -76,6 +77,27 @@ def test_close_to_high_precision_forward_and_backward(dtype: torch.dtype):
         assert err < 0.15, name
         if ".wq." in name or ".w1." in name:
             assert err > 1e-3, name  # float8 rounding is visible
+
+
+def test_rowwise_scales_each_row():
+    """float8.recipe=rowwise converts to torchao's rowwise linears, which give each row its own
+    scale: with weight rows 2^-18 apart in magnitude, the small rows' outputs keep E4M3's relative
+    precision, where one tensor-wide scale pushes them into its subnormals."""
+    from shardwise.parallel.float8 import tensorwise
+
+    torch.manual_seed(0)
+    x = torch.randn(128, ARGS.dim)
+    errs = {}
+    for recipe in ("tensorwise", "rowwise"):
+        m = converted(cfg=dataclasses.replace(CFG, recipe=recipe))
+        lin = m.layers["0"].attention.wq
+        assert is_float8(lin) and tensorwise(lin) == (recipe == "tensorwise")
+        with torch.no_grad():
+            lin.weight[16:] *= 2.0**-18
+            want = x @ lin.weight.t()
+        out = lin(x)
+        errs[recipe] = ((out[:, 16:] - want[:, 16:]).norm() / want[:, 16:].norm()).item()
+    assert errs["rowwise"] < 0.1 < errs["tensorwise"], errs
 
 
 def test_precomputed_scales_are_16_byte_aligned(one_rank_group: None):
@@ -118,7 +140,7 @@ def test_the_log_says_what_float8_converts_and_converting_nothing_is_an_error(ca
                       ["--float8.enabled=true", f"--run.dir={tmp_path}", "--compile.enabled=false"])
     check_layout(cfg, 1)
     line = capsys.readouterr().out.strip()
-    assert line.startswith("notice: float8: 42 linears in 12 groups run in float8 "
+    assert line.startswith("notice: float8: 42 linears in 12 groups run in float8, tensorwise scaling "
                            "(layers.<i>.attention x6")
     assert "layers.<i>.feed_forward.router x5: the MoE router" in line
     assert "output x1: the output head" in line
