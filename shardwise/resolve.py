@@ -69,8 +69,10 @@ def resolve_run(cfg: Config, world_size: int, detect_device: bool = True) -> Res
     device_type = shardwise.device.device_type(cfg.run.device) if detect_device else cfg.run.device
     compiled, why = compile_run(cfg, dims, device_type, toolchain=detect_device)
     check_async_tp(cfg, dims, device_type, compiled)
-    return ResolvedRun(cfg, dims, args, micro_batch_size(cfg.training, dims.dp), micro_batches,
-                       loss_chunk_tokens(cfg.training, args.vocab_size, dims.pp, dims.tp),
+    micro_batch = micro_batch_size(cfg.training, dims.dp)
+    return ResolvedRun(cfg, dims, args, micro_batch, micro_batches,
+                       loss_chunk_tokens(cfg.training, args.vocab_size, dims.pp, dims.tp,
+                                         micro_batch * cfg.training.seq_len // dims.cp),
                        cfg.training.mixed_precision, device_type, compiled, why)
 
 
@@ -134,9 +136,16 @@ FUSED_LOSS_LOGITS = 2**25
 chunk's matmuls stay large (CPU, 125m head, compiled pass: chunks of 1,024 tokens 1.12 s, of 4,096
 0.97 s, for one chunk's logits instead of four)."""
 
+FUSED_LOSS_MAX_CHUNKS = 4
+"""... but a micro-batch is cut into at most this many chunks: at a 128k vocabulary 2^25 logits are
+261 tokens, and the 32 chunks of a 4 x 2048 micro-batch cost a Llama-3.2-1B step on an H100 14%
+(45.4k tokens/s against 53.0k with 4 chunks of 2,048 tokens, BENCHMARKS.md): per-chunk launches and
+narrow GEMMs. Four chunks still hold a quarter of the logits the plain loss holds."""
 
-def loss_chunk_tokens(t: TrainingConfig, vocab_size: int, pp: int, tp: int = 1) -> int:
-    """Tokens per chunk of the fused loss, or 0 for the plain loss (training.loss, training.loss_chunk).
+
+def loss_chunk_tokens(t: TrainingConfig, vocab_size: int, pp: int, tp: int = 1, tokens: int = 0) -> int:
+    """Tokens per chunk of the fused loss, or 0 for the plain loss (training.loss, training.loss_chunk);
+    ``tokens``: those of one micro-batch on this rank (the chunks split them).
     ``auto`` is fused where the fused op computes its gradients in forward: not under pipeline
     parallel (refused there) nor tensor parallel (the vocab-parallel op recomputes the logits in
     backward, a memory saving rather than a speed-up: it runs when asked for)."""
@@ -152,7 +161,7 @@ def loss_chunk_tokens(t: TrainingConfig, vocab_size: int, pp: int, tp: int = 1) 
         return 0
     if pp > 1 or (tp > 1 and t.loss == "auto" and not t.loss_chunk):
         return 0
-    return t.loss_chunk or max(1, FUSED_LOSS_LOGITS // vocab_size)
+    return t.loss_chunk or max(1, FUSED_LOSS_LOGITS // vocab_size, -(-tokens // FUSED_LOSS_MAX_CHUNKS))
 
 
 def micro_batches_per_rank(t: TrainingConfig, dp: int) -> int:

@@ -24,8 +24,9 @@ from shardwise.models.moe import MoE
 from shardwise.ops.chunked_ce import chunked_linear_cross_entropy
 
 
-def rope_frequencies(args: ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
-    """Complex rotations ``exp(i * pos * freq)`` for every position: (max_seq_len, head_dim // 2)."""
+def rope_table(args: ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
+    """The rotation of every position: (max_seq_len, head_dim // 2, 2) fp32, ``[..., 0]`` the cosine
+    and ``[..., 1]`` the sine of ``pos * freq`` (the angles are computed in float64)."""
     d = args.head_dim
     freqs = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float64) / d))
     if args.rope_scaling_factor != 1.0:
@@ -41,17 +42,27 @@ def rope_frequencies(args: ModelArgs, device: torch.device | str | None = None) 
                             torch.where(wavelen > low_wavelen, freqs / args.rope_scaling_factor, blended))
     t = torch.arange(args.max_seq_len, device=device, dtype=torch.float64)
     angles = torch.outer(t, freqs)  # (S, D/2)
-    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1).float()  # (S, D/2, 2)
 
 
-def apply_rope(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent channel pairs of ``x`` (B, S, H, D) by ``freqs_cis`` (S, D/2) or (B, S, D/2).
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent channel pairs of ``x`` (B, S, H, D) by ``rope`` (S, D/2, 2) or (B, S, D/2, 2),
+    a :func:`rope_table` slice.
 
     Pairs are interleaved (channels 2i, 2i+1), Meta's Llama convention; the rotation runs in fp32.
+    Eager, one complex multiply is the fewest kernels; compiled, the same product in real arithmetic,
+    which inductor fuses with the casts around it (it generates no code for complex ops and would
+    run that multiply as an eager kernel in the middle of the graph). Both round the same products
+    of fp32 numbers (test_model checks them against each other).
     """
-    xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (B, S, H, D/2)
-    f = freqs_cis.unsqueeze(-2) if freqs_cis.dim() == 3 else freqs_cis[None, :, None, :]
-    return torch.view_as_real(xc * f).flatten(-2).type_as(x)
+    r = (rope.unsqueeze(-3) if rope.dim() == 4 else rope[None, :, None]).float()  # (B|1, S, 1, D/2, 2)
+    pairs = x.float().unflatten(-1, (-1, 2))  # (B, S, H, D/2, 2)
+    if torch.compiler.is_compiling():
+        (x0, x1), (cos, sin) = pairs.unbind(-1), r.unbind(-1)
+        out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    else:
+        out = torch.view_as_real(torch.view_as_complex(pairs) * torch.view_as_complex(r))
+    return out.flatten(-2).type_as(x)
 
 
 class AttentionCore(nn.Module):
@@ -77,7 +88,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor,
+    def forward(self, x: torch.Tensor, rope: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
         b, s, _ = x.shape
         # view(b, s, -1, head_dim): the head count follows the local shard under tensor parallel.
@@ -86,8 +97,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim)  # (B, S, Hkv, D)
         # The table covers every position (or was indexed by explicit positions); take the length
         # attention actually sees, which under sequence parallel is the gathered one.
-        freqs_cis = freqs_cis[:s] if freqs_cis.dim() == 2 else freqs_cis
-        q, k = apply_rope(q, freqs_cis), apply_rope(k, freqs_cis)
+        rope = rope[:s] if rope.dim() == 3 else rope
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
         out = self.core(q, k, v, mask)  # (B, H, S, D)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))  # (B, S, dim)
@@ -103,9 +114,9 @@ class TransformerBlock(nn.Module):
         self.feed_forward: nn.Module = (MoE(args, **moe) if args.is_moe_layer(layer_id)
                                         else FeedForward(args.dim, args.ffn_hidden_dim))
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor,
+    def forward(self, x: torch.Tensor, rope: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis, mask)
+        h = x + self.attention(self.attention_norm(x), rope, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -138,7 +149,7 @@ class Transformer(nn.Module):
         # Tied embeddings reuse tok_embeddings.weight in forward: one parameter, nothing to re-tie
         # after to_empty() or sharding.
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.register_buffer("freqs_cis", rope_frequencies(args), persistent=False)
+        self.register_buffer("rope", rope_table(args), persistent=False)
         # The sequence positions this rank's tokens hold, when context parallel shards the
         # sequence; init_weights then keeps only those rows of the RoPE table.
         self.rope_positions: torch.Tensor | None = None
@@ -157,11 +168,11 @@ class Transformer(nn.Module):
 
         A pipeline stage without the embedding takes hidden states (B, S, dim) instead of tokens,
         and one without the head returns hidden states."""
-        freqs = self.freqs_cis[positions] if positions is not None else self.freqs_cis
+        rope = self.rope[positions] if positions is not None else self.rope
         mask = document_mask(doc_ids, self._causal_mask(doc_ids)) if doc_ids is not None else None
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, S, dim)
         for layer in self.layers.values():
-            h = layer(h, freqs, mask)
+            h = layer(h, rope, mask)
         if self.norm is None:
             return h
         h = self.norm(h)
@@ -231,10 +242,10 @@ def init_weights(model: Transformer, seed: int) -> None:
         if isinstance(m, MoE):
             m.router.expert_bias.zero_()
             m.tokens_per_expert.zero_()
-    freqs = rope_frequencies(model.args, device=model.freqs_cis.device)
+    rope = rope_table(model.args, device=model.rope.device)
     if model.rope_positions is not None:
-        freqs = freqs[model.rope_positions.to(freqs.device)]  # (S/cp, D/2): this cp rank's rows
-    model.freqs_cis = freqs
+        rope = rope[model.rope_positions.to(rope.device)]  # (S/cp, D/2, 2): this cp rank's rows
+    model.rope = rope
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

@@ -184,11 +184,18 @@ def _grouped_mm(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:  # no
     return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
 
 
+def _addmm(self_shape: tuple, a_shape: tuple, b_shape: tuple, *args, **kwargs) -> int:  # noqa: ANN002, ANN003
+    """FlopCounterMode formula of ``acc.addmm_(a, b)``: the product's multiply-adds."""
+    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+
 def flop_counter_formulas() -> dict:
     """``custom_mapping`` for ``torch.utils.flop_counter.FlopCounterMode``."""
     aten = torch.ops.aten
+    # (torch counts addmm but not its in-place form, which the fused loss accumulates with)
     formulas = {aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu,
-                aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward}
+                aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward,
+                aten.addmm_: _addmm}
     if hasattr(aten, "_grouped_mm"):
         formulas[aten._grouped_mm] = _grouped_mm
     return formulas

@@ -140,8 +140,8 @@ class StageView(nn.Module):
         self.output = part.output if last else None
 
     @property
-    def freqs_cis(self) -> torch.Tensor:  # the part's RoPE table (init_weights replaces it)
-        return self._part[0].freqs_cis
+    def rope(self) -> torch.Tensor:  # the part's RoPE table (init_weights replaces it)
+        return self._part[0].rope
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return type(self._part[0]).forward(self, tokens)

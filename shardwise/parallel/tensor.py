@@ -76,7 +76,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> None:
         col, row, prepare = tp_styles(block.attention, "wq", float8_comm)
         parallelize_module(block, mesh, {
             "attention_norm": SequenceParallel(),
-            # (x, freqs_cis, mask): gather x over the sequence (all-gather over tp); RoPE table and
+            # (x, rope, mask): gather x over the sequence (all-gather over tp); RoPE table and
             # document mask are plain tensors, the same on every rank.
             "attention": prepare(input_layouts=(Shard(1), None, None),
                                  desired_input_layouts=(Replicate(), None, None)),

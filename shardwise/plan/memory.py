@@ -78,9 +78,10 @@ class Shape:
 
 def shape_of(cfg: Config, layout: Layout) -> Shape:
     args = model_args(cfg.model)
-    return Shape(args, layout.micro_batch, cfg.training.seq_len // layout.cp, layout.tp, layout.cp,
-                 layout.ep, BYTES[cfg.training.mixed_precision],
-                 loss_chunk_tokens(cfg.training, args.vocab_size, layout.pp, layout.tp))
+    seq = cfg.training.seq_len // layout.cp
+    chunk = loss_chunk_tokens(cfg.training, args.vocab_size, layout.pp, layout.tp, layout.micro_batch * seq)
+    return Shape(args, layout.micro_batch, seq, layout.tp, layout.cp, layout.ep,
+                 BYTES[cfg.training.mixed_precision], chunk)
 
 
 def _norm(s: Shape, tokens: int) -> int:
@@ -343,8 +344,11 @@ def step_memory(cfg: Config, layout: Layout, st: RankStates) -> RankMemory:
         _pipeline_timeline(tl, cfg, layout, st, s, m, per_block, full_block, acts, gather)
     else:
         order = list(st.layers)
-        sig = {i: (per_block[i], full_block[i], tuple((u.numel, u.reshard) for u in units.get(i, [])))
-               for i in order}
+        # One-unit model (parallel/fsdp.py one_unit): the root gathers every block with itself; a
+        # block's gradients appear in its backward and wait for the root's reduce at the end.
+        held = {i: n for u in units.get(None, []) for i, n in u.blocks}
+        sig = {i: (per_block[i], full_block[i], tuple((u.numel, u.reshard) for u in units.get(i, [])),
+                   held.get(i, 0)) for i in order}
         ends = acts["embedding"]  # (the RoPE table attention saves is the model's buffer)
         # Micro-batches after the second repeat it exactly (gradients exist from the first on).
         for mb in range(min(m, 2)):
@@ -368,6 +372,7 @@ def step_memory(cfg: Config, layout: Layout, st: RankStates) -> RankMemory:
                 events = _gather_events([u for u in us if u.reshard], e) + [("recompute", recompute)]
                 # the weight gradients appear while the block's gradient temporaries are alive
                 events += [("unsharded grads", e * u.numel) for u in us]
+                events += [("unsharded grads", e * held[i])] if i in held else []
                 events += [("backward temporaries", temps), ("backward temporaries", -temps)]
                 events += _reduce_events(us, e, red, first) + [("recompute", -recompute),
                                                                ("activations", -per_block[i])]
@@ -375,7 +380,8 @@ def step_memory(cfg: Config, layout: Layout, st: RankStates) -> RankMemory:
                 tl.run(events, len(run), f"backward {_span(run)}" + tag)
             tl.add("activations", -ends, "backward root" + tag)
             root = units.get(None, [])
-            tl.run([("unsharded grads", e * u.numel) for u in root] + _reduce_events(root, e, red, first)
+            own = [e * (u.numel - sum(n for _, n in u.blocks)) for u in root]  # held blocks' are there
+            tl.run([("unsharded grads", n) for n in own] + _reduce_events(root, e, red, first)
                    + [("unsharded params", -e * u.numel) for u in root], 1, "backward root" + tag)
     saved = tl.peak_parts.get("activations", 0)
     return RankMemory(st.pp_rank, st.params, st.grads, st.optimizer, saved, tl.peak, tl.where,
@@ -404,12 +410,15 @@ def _gather_events(units: list, e: int) -> list[tuple[str, int]]:
 
 def _reduce_events(units: list, e: int, red: int, first: bool) -> list[tuple[str, int]]:
     """A reduce-scatter of the unsharded gradients (already counted): its reduce-dtype input buffer,
-    and on the first micro-batch the sharded gradient it allocates."""
+    and on the first micro-batch the sharded gradient it allocates -- while the unsharded gradients
+    are still alive (FSDP2 drops its references after the copy-in, autograd's go after the
+    collective: measured with one unit holding the whole model, where the order sets the peak).
+    Later micro-batches reduce into a new output that is then added to the sharded gradient."""
     out = []
     for u in units:
-        out += [("fsdp buffers", red * u.numel), ("unsharded grads", -e * u.numel)]
-        if first:
-            out.append(("grads", 4 * u.numel // u.shard))
+        output = ("grads", 4 * u.numel // u.shard) if first else ("fsdp buffers", red * u.numel // u.shard)
+        out += [("fsdp buffers", red * u.numel), output, ("unsharded grads", -e * u.numel)]
+        out += [] if first else [("fsdp buffers", -output[1])]
         out.append(("fsdp buffers", -red * u.numel))
     return out
 

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from shardwise.config import Config, ConfigError
 from shardwise.models import ModelArgs, build_model, model_args
 from shardwise.parallel.build import build_stage
+from shardwise.parallel.fsdp import one_unit
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.pipeline import rank_stages, stage_layers
 from shardwise.plan.layout import Layout
@@ -59,6 +60,9 @@ class FsdpUnit:
     """Freed after forward and gathered again for backward."""
     layer: int | None
     """The block it belongs to; None for the root (embedding, final norm, output head)."""
+    blocks: tuple[tuple[int, int], ...] = ()
+    """The root of a one-unit model (parallel/fsdp.py one_unit): (layer, unsharded elements) of each
+    block it holds, whose gradients appear during that block's backward."""
 
 
 @dataclass(frozen=True)
@@ -152,9 +156,13 @@ def _read_states(model: nn.Module, cfg: Config, pp_rank: int) -> RankStates:
         kind = {"efsdp": "efsdp", "dp_shard_cp_tp": "moe"}.get(mesh_name, "dp_shard_cp")
         parts = name.split(".")
         layer = int(parts[1]) if len(parts) > 1 and parts[0] == "layers" else None
+        held = {id(fp.sharded_param) for fp in group.fsdp_params}
+        blocks = () if layer is not None else tuple(
+            (int(k), n) for k, block in model.layers.items()
+            if (n := sum(_local_numel(p) for p in block.parameters() if id(p) in held)))
         units.append(FsdpUnit(name if layer is not None else "(root)", padded, shard, kind,
                               getattr(info, "replicate_mesh_size", 1),
-                              group.post_forward_mesh_info is not None, layer))
+                              group.post_forward_mesh_info is not None, layer, blocks))
     layers = tuple(int(k) for k in model.layers)
     return RankStates(pp_rank, 4 * numel, 4 * numel, optimizer_bytes_per_element(cfg) * numel,
                       tuple(units), layers, model.tok_embeddings is not None,
@@ -245,7 +253,9 @@ def _rank_states(cfg: Config, layout: Layout, args: ModelArgs, shapes: dict, pp_
     moe_shard = layout.dp_shard * layout.cp * layout.tp
     fsdp = layout.dp_shard * layout.cp
     mode = cfg.parallel.reshard_after_forward
+    single = one_unit(fsdp * layout.dp_replicate, layout.pp)
     numel, units = 0, []
+    held: list[tuple[int, int]] = []  # one unit: (layer, elements) the root holds
 
     sizes: dict[tuple, tuple[int, int]] = {}  # blocks of a kind shard alike
 
@@ -257,8 +267,12 @@ def _rank_states(cfg: Config, layout: Layout, args: ModelArgs, shapes: dict, pp_
             sizes[key] = _shard_numel(params, layout, shard, moe_ffn)
         local, padded = sizes[key]
         numel += local
-        if params:
-            units.append(FsdpUnit(name, padded, shard, group, layout.dp_replicate, reshard, layer))
+        if params and single and group == "dp_shard_cp" and layer is not None:  # (padded == local)
+            held.append((layer, padded))
+        elif params:
+            blocks = tuple(held) if layer is None else ()
+            units.append(FsdpUnit(name, padded + sum(n for _, n in blocks), shard, group,
+                                  layout.dp_replicate, reshard, layer, blocks))
 
     for i in layers:
         # apply_fsdp: the last block of the rank stays gathered for backward; pipeline ranks keep all
@@ -269,11 +283,15 @@ def _rank_states(cfg: Config, layout: Layout, args: ModelArgs, shapes: dict, pp_
         if kind == "moe":
             experts = [(n, sh) for n, sh in ffn if n.startswith("feed_forward.experts.")]
             rest = [(n, sh) for n, sh in ffn if not n.startswith("feed_forward.experts.")]
-            if layout.ep > 1:
-                unit(f"layers.{i}.feed_forward.experts", experts, moe_shard // layout.ep, "efsdp",
-                     reshard, i, moe_ffn=True)
-                experts = []
-            unit(f"layers.{i}.feed_forward", rest + experts, moe_shard, "moe", reshard, i, moe_ffn=True)
+            if single and moe_shard == 1:  # the root holds the MoE feed-forward too
+                block += ffn
+            else:
+                if layout.ep > 1:
+                    unit(f"layers.{i}.feed_forward.experts", experts, moe_shard // layout.ep, "efsdp",
+                         reshard, i, moe_ffn=True)
+                    experts = []
+                unit(f"layers.{i}.feed_forward", rest + experts, moe_shard, "moe", reshard, i,
+                     moe_ffn=True)
         else:
             block += ffn
         unit(f"layers.{i}", block, fsdp, "dp_shard_cp", reshard, i)

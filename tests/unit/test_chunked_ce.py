@@ -25,9 +25,9 @@ def run(fn, hidden, weight, labels, reduction, **kw):  # noqa: ANN001, ANN201
     """(loss, d hidden, d weight) with a random upstream gradient for ``none``."""
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     loss = fn(h, w, labels, reduction=reduction, ignore_index=IGNORE, **kw)
-    upstream = torch.ones(loss.shape, dtype=loss.dtype)
+    upstream = torch.ones(loss.shape, dtype=loss.dtype, device=loss.device)
     if reduction == "none":
-        upstream = torch.randn(loss.shape, generator=torch.Generator().manual_seed(1)).to(loss.dtype)
+        upstream = torch.randn(loss.shape, generator=torch.Generator().manual_seed(1)).to(loss)
     (loss * upstream).sum().backward()
     return loss.detach(), h.grad, w.grad
 
@@ -138,7 +138,7 @@ def test_summed_loss_computes_the_head_once():
         calls = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
                 CountMM.calls += 1
             return func(*args, **(kwargs or {}))
 

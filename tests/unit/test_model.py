@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.models import PRESETS, ModelArgs, Transformer, build_model, init_weights
-from shardwise.models.llama import apply_rope, document_mask, rope_frequencies
+from shardwise.models.llama import apply_rope, document_mask, rope_table
 from shardwise.observe.flops import num_params
 from tests.conftest import require
 
@@ -30,7 +30,7 @@ def test_rope_matches_rotation_of_each_channel_pair():
     args = dataclasses.replace(TINY, rope_theta=10000.0)
     d = args.head_dim
     x = torch.randn(2, 5, 3, d, dtype=torch.float64).float()
-    out = apply_rope(x, rope_frequencies(args)[:5])
+    out = apply_rope(x, rope_table(args)[:5])
     for pos in range(5):
         for i in range(d // 2):
             theta = pos * 10000.0 ** (-2 * i / d)
@@ -42,7 +42,7 @@ def test_rope_matches_rotation_of_each_channel_pair():
 
 
 def test_rope_scores_depend_only_on_relative_position():
-    freqs = rope_frequencies(TINY)
+    freqs = rope_table(TINY)
     q, k = torch.randn(1, 1, 1, TINY.head_dim), torch.randn(1, 1, 1, TINY.head_dim)
 
     def score(m: int, n: int) -> torch.Tensor:
@@ -54,7 +54,8 @@ def test_rope_scores_depend_only_on_relative_position():
 
 def test_llama31_rope_scaling_matches_published_rule():
     args = dataclasses.replace(PRESETS["8b"], max_seq_len=4)
-    got = rope_frequencies(args)[1].angle()  # position 1: the angle is the frequency itself
+    cos, sin = rope_table(args)[1].unbind(-1)
+    got = torch.atan2(sin, cos)  # position 1: the angle is the frequency itself
     d = args.head_dim
     for i, f in enumerate(1.0 / args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)):
         f = float(f)
@@ -67,6 +68,30 @@ def test_llama31_rope_scaling_matches_published_rule():
             smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
             want = (1 - smooth) * f / 8.0 + smooth * f
         assert abs(float(got[i]) - want) <= 1e-6 * max(want, 1e-3), (i, float(got[i]), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("positions", [False, True])
+def test_compiled_rope_matches_eager(dtype, positions):
+    """The compiled rotation (real arithmetic, fused by inductor) against the eager one (a complex
+    multiply), forward and input gradient, for the shared table and per-sequence positions."""
+    torch._dynamo.reset()
+    table = rope_table(TINY)
+    rope = table[torch.randint(0, TINY.max_seq_len, (2, 7))] if positions else table[:7]
+    x = torch.randn(2, 7, 3, TINY.head_dim, dtype=dtype, requires_grad=True)
+    grad = torch.randn(2, 7, 3, TINY.head_dim, dtype=dtype)
+    outs = []
+    for fn in (apply_rope, torch.compile(apply_rope, fullgraph=True)):
+        out = fn(x, rope)
+        (g,) = torch.autograd.grad(out, x, grad)
+        outs.append((out, g))
+    tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    for eager, compiled in zip(*outs, strict=True):
+        assert eager.dtype == compiled.dtype == dtype
+        torch.testing.assert_close(compiled, eager, **tol)
+    # ... and bf16 rounds the same fp32 products: at most one bf16 step apart
+    if dtype == torch.bfloat16:
+        assert ((outs[0][0].float() - outs[1][0].float()).abs() <= outs[0][0].float().abs() * 2**-7).all()
 
 
 def test_attention_is_causal():

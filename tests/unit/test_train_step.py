@@ -42,8 +42,10 @@ class Reference:
 
     def __init__(self, model: torch.nn.Module, args, min_lr_ratio: float) -> None:  # noqa: ANN001
         transformers = require("transformers")
+        params = _hf_params(model, args)
         self.hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config(args, "fp32")))
-        self.hf.load_state_dict(_hf_params(model, args))
+        self.hf.to(next(iter(params.values())).device)
+        self.hf.load_state_dict(params)
         self.start = {k: v.detach().clone() for k, v in self.hf.named_parameters()}
         self.moments = {k: (torch.zeros_like(v), torch.zeros_like(v)) for k, v in self.hf.named_parameters()}
         self.min_lr_ratio = min_lr_ratio
@@ -78,8 +80,9 @@ class Reference:
         return float(loss), norm, lr, coef
 
 
-def trainer(data_cache: str, loss: str = "auto"):  # noqa: ANN201
-    """The trainer's own pieces on one rank: model, optimizer, schedule, data (inside one_rank_pg)."""
+def trainer(data_cache: str, loss: str = "auto", device: str = "cpu"):  # noqa: ANN201
+    """The trainer's own pieces on one rank: model, optimizer, schedule, data (inside one_rank_pg,
+    or a one-rank NCCL group on a GPU)."""
     cfg = load_config(ROOT / "configs" / "debug.toml", [
         "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
         "--model.multiple_of=16", "--training.seq_len=64", "--training.global_batch=8",
@@ -87,13 +90,13 @@ def trainer(data_cache: str, loss: str = "auto"):  # noqa: ANN201
         "--training.mixed_precision=fp32", f"--training.steps={STEPS}",
         f"--training.max_grad_norm={MAX_NORM}", f"--optimizer.lr={PEAK_LR}", f"--optimizer.weight_decay={WD}",
         f"--lr_scheduler.warmup_steps={WARMUP}", f"--data.cache_dir={data_cache}",
-        "--debug.deterministic=true", f"--training.loss={loss}"])
+        "--debug.deterministic=true", f"--training.loss={loss}", f"--run.device={device}"])
     run = resolve_run(cfg, 1)
-    run.dims.build_mesh("cpu")
-    model = build_rank_model(run, "cpu")
-    optimizer = build_optimizer(model, cfg.optimizer, "cpu")
+    run.dims.build_mesh(device)
+    model = build_rank_model(run, device)
+    optimizer = build_optimizer(model, cfg.optimizer, device)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, STEPS)
-    loader, _ = build_data(run, torch.device("cpu"))
+    loader, _ = build_data(run, torch.device(device))
     return cfg, run.model, run, model, optimizer, scheduler, loader
 
 
