@@ -50,7 +50,7 @@ def build(row: dict, a: argparse.Namespace) -> tuple:
     model = build_model(shape(row, a.seq), device=device)
     if dtype != torch.float32:
         model.to(dtype)
-    init_weights(model, 0)  # (after the cast: it rebuilds the complex RoPE table)
+    init_weights(model, 0)  # (after the cast: it rebuilds the fp32 RoPE table)
     apply_ac(model, ActivationCheckpointConfig(mode=row["ac"]))
     apply_compile(model, row["compile"])
     opt = build_optimizer(model, OptimizerConfig(lr=1e-4, state_dtype=row["state_dtype"]), a.device)
@@ -97,7 +97,8 @@ def trainer_step(row: dict, a: argparse.Namespace) -> tuple:
     cfg.training.mixed_precision, cfg.training.loss = "bf16", row["loss"]
     dims = ParallelDims.from_config(cfg.parallel, 1)
     dims.build_mesh("cpu")
-    run = ResolvedRun(cfg, dims, args, a.batch, 1, loss_chunk_tokens(cfg.training, args.vocab_size, 1),
+    chunk = loss_chunk_tokens(cfg.training, args.vocab_size, 1, 1, a.batch * a.seq)
+    run = ResolvedRun(cfg, dims, args, a.batch, 1, chunk,
                       "bf16", "cpu", compile=row["compile"])
     model = build_model(args)
     parallelize(model, dims, cfg, run.compile)

@@ -20,11 +20,16 @@ the difference that setting alone makes.
     python bench/throughput.py                      # debug (8 x 2048) and 125m (4 x 1024)
     python bench/throughput.py --presets debug --steps 3
     python bench/throughput.py --presets 125m --profile 25   # and the top 25 ops of one step
+    python bench/throughput.py --device cuda --presets 1b --shape 4 2048 --float8 rowwise   # a GPU
+
+On a GPU the peak is the measured bf16 GEMM of 8192^2 matrices, the steps end with a synchronizing
+``.item()`` in both variants, and the allocator switch does not apply (no "plain + cached" row).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -47,14 +52,16 @@ from shardwise.parallel.parallelize import parallelize
 from shardwise.resolve import ResolvedRun, compile_run, loss_chunk_tokens
 from shardwise.train import train_step
 
-SHAPES = {"debug": (8, 2048), "125m": (4, 1024)}  # (sequences per step, sequence length)
+SHAPES = {"debug": (8, 2048), "125m": (4, 1024)}  # (sequences per step, sequence length) on CPU
 LONG_RUN = 1000  # training.steps of the run whose steady state this measures (compile.enabled=auto)
 
 
 def bench_preset(name: str, steps: int, warmup: int, peak: float, profile: int = 0,
-                 compile_blocks: str = "auto") -> dict[str, float]:
-    batch, seq = SHAPES[name]
-    args = PRESETS[name]
+                 compile_blocks: str = "auto", device: str = "cpu", shape: tuple[int, int] | None = None,
+                 float8: str = "off", loss_kind: str = "auto", loss_chunk: int = 0) -> dict[str, float]:
+    batch, seq = shape or SHAPES[name]
+    args = dataclasses.replace(PRESETS[name], max_seq_len=max(seq, PRESETS[name].max_seq_len))
+    cpu = device == "cpu"
     # A fresh Dynamo per preset, as a training run has: a second model's shapes would otherwise hit
     # the first one's cache entries and recompile with dynamic shapes (automatic dynamic).
     torch._dynamo.reset()
@@ -62,27 +69,32 @@ def bench_preset(name: str, steps: int, warmup: int, peak: float, profile: int =
     cfg.training.global_batch, cfg.training.seq_len = batch, seq
     cfg.training.steps = LONG_RUN  # what compile.enabled=auto decides for a training run
     cfg.compile.enabled = {"auto": "auto", "true": True, "false": False}[compile_blocks]
-    device = torch.device("cpu")
+    cfg.training.loss, cfg.training.loss_chunk = loss_kind, loss_chunk
+    cfg.float8.enabled, cfg.float8.recipe = float8 != "off", "tensorwise" if float8 == "off" else float8
     dims = ParallelDims.from_config(cfg.parallel, 1)
-    dims.build_mesh("cpu")
+    dims.build_mesh(device)
     corpus = open_corpus(cfg.data, load_tokenizer(""))
-    loader = PackedLoader(corpus.train, seq, batch, batch, 0, 1, seed=0, document_mask=False)
+    # The shipped tokenizer's ids index any preset's vocabulary; a larger preset simply never sees
+    # its upper rows (the GEMMs and the loss are the preset's full size all the same).
+    loader = PackedLoader(corpus.train, seq, batch, batch, 0, 1, seed=0, document_mask=False,
+                          device=device)
     batches = [loader.next_step() for _ in range(warmup + steps)]
 
-    compiled = compile_run(cfg, dims, "cpu")[0]
+    compiled = compile_run(cfg, dims, device)[0]
     run = ResolvedRun(cfg, dims, args, micro_batch=batch, micro_batches=1,
-                      loss_chunk=loss_chunk_tokens(cfg.training, args.vocab_size, 1), precision="bf16",
-                      device_type="cpu", compile=compiled)
+                      loss_chunk=loss_chunk_tokens(cfg.training, args.vocab_size, 1, 1, batch * seq),
+                      precision="bf16",
+                      device_type=device, compile=compiled)
     loss = TokenLoss(run.loss_chunk, compiled=run.compile)
     ours = build_model(args)
     cfg.training.mixed_precision = "bf16"
     parallelize(ours, dims, cfg, run.compile)
     ours.to_empty(device=device)
     init_weights(ours, 0)
-    opt = build_optimizer(ours, cfg.optimizer, "cpu")
+    opt = build_optimizer(ours, cfg.optimizer, device)
     sched = build_lr_scheduler(opt, cfg.lr_scheduler, warmup + steps)
 
-    plain = build_model(args, device="cpu")
+    plain = build_model(args, device=device)
     init_weights(plain, 0)
     popt = torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=True)
 
@@ -91,8 +103,9 @@ def bench_preset(name: str, steps: int, warmup: int, peak: float, profile: int =
 
     def step_plain(mbs, cached_malloc: bool = False):
         (b,) = mbs
-        keep_freed_cpu_memory(cached_malloc)  # a hand-written loop gets the C library's malloc
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        if cpu:
+            keep_freed_cpu_memory(cached_malloc)  # a hand-written loop gets the C library's malloc
+        with torch.autocast(device, dtype=torch.bfloat16):
             logits = plain(b.inputs)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), b.labels.flatten(), ignore_index=IGNORE_INDEX)
         loss.backward()
@@ -100,82 +113,130 @@ def bench_preset(name: str, steps: int, warmup: int, peak: float, profile: int =
         popt.step()
         popt.zero_grad(set_to_none=True)
         loss.item()
-        keep_freed_cpu_memory(True)
+        if cpu:
+            keep_freed_cpu_memory(True)
 
-    times: dict[str, list[float]] = {"shardwise": [], "plain": [], "plain_cached": []}
+    times: dict[str, list[float]] = {"shardwise": [], "plain": []}
+    if cpu:
+        times["plain_cached"] = []
     first: dict[str, float] = {}  # the first step of each (the compile, if any, is in it)
+    # GPU: the step's peak above what was allocated when it started (both models' states are
+    # resident; gradients, activations and temporaries are what a step adds), max over the steps
+    rise: dict[str, float] = {}
     # shardwise runs right after the plain loop, whose C-library malloc gave the cached memory
     # back to the OS: its step pays that (the order is against shardwise, not for it).
     variants = (("plain_cached", lambda mbs: step_plain(mbs, cached_malloc=True)),
-                ("plain", step_plain), ("shardwise", step_ours))
+                ("plain", step_plain), ("shardwise", step_ours))[0 if cpu else 1:]
     for i, mbs in enumerate(batches):
         for label, fn in variants:
+            if not cpu:
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
             t0 = time.perf_counter()
             fn(mbs)
+            if not cpu:
+                rise[label] = max(rise.get(label, 0.0), (torch.cuda.max_memory_allocated() - base) / 2**30)
             if i >= warmup:
                 times[label].append(time.perf_counter() - t0)
             elif i == 0:
                 first[label] = time.perf_counter() - t0
     fpt = flops_per_token(args, seq)
     out = {"params_m": num_params(args) / 1e6, "tokens_per_step": batch * seq, "compiled": compiled,
-           "shardwise_first_s": first["shardwise"], "plain_first_s": first["plain"]}
+           "shardwise_first_s": first["shardwise"], "plain_first_s": first["plain"],
+           **{f"{label}_rise_gib": r for label, r in rise.items()}}
     for label, ts in times.items():
         tps = batch * seq / statistics.median(ts)
         out[f"{label}_tps"] = tps
         out[f"{label}_mfu"] = tps * fpt / (peak * 1e12)
     out["ratio"] = out["shardwise_tps"] / out["plain_tps"]
-    out["ratio_cached"] = out["shardwise_tps"] / out["plain_cached_tps"]
+    if cpu:
+        out["ratio_cached"] = out["shardwise_tps"] / out["plain_cached_tps"]
     if profile:
-        print_profile(name, lambda: step_ours(batches[-1]), profile)
+        print_profile(name, lambda: step_ours(batches[-1]), profile, device)
     return out
 
 
-def print_profile(name: str, step: Callable[[], None], rows: int) -> None:
-    """Top ops (self CPU time) of one shardwise step, after the timed ones."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+def print_profile(name: str, step: Callable[[], None], rows: int, device: str = "cpu") -> None:
+    """Top ops of one shardwise step, after the timed ones, by self CPU time; on a GPU also the top
+    kernels and how much of the step's wall time the GPU was busy (the rest is host overhead)."""
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
         t0 = time.perf_counter()
         step()
         wall = time.perf_counter() - t0
     events = prof.key_averages()
-    total = sum(e.self_cpu_time_total for e in events) / 1e6
-    print(f"\n{name}: one shardwise step, {wall:.2f} s wall under the profiler (ops' self time sums "
-          f"to {total:.2f} s)\n")
-    print("| op | calls | self s | share |")
-    print("|---|---|---|---|")
-    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:rows]:
-        s = e.self_cpu_time_total / 1e6
-        print(f"| {e.key} | {e.count} | {s:.3f} | {100 * s / total:.1f}% |")
+    tables = [("op", "self CPU", [e for e in events if e.self_cpu_time_total > 0], "self_cpu_time_total")]
+    if device == "cuda":
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.self_device_time_total for e in kernels) / 1e6
+        print(f"\n{name}: one shardwise step, {wall:.3f} s wall under the profiler; GPU kernels "
+              f"{busy:.3f} s ({100 * busy / wall:.0f}% of the wall time)")
+        tables.insert(0, ("kernel", "GPU", kernels, "self_device_time_total"))
+    for what, clock, evs, attr in tables:
+        total = sum(getattr(e, attr) for e in evs) / 1e6
+        print(f"\n{name}: top {what}s by {clock} time ({total:.3f} s in all, {wall:.3f} s wall)\n")
+        print(f"| {what} | calls | {clock} s | share |")
+        print("|---|---|---|---|")
+        for e in sorted(evs, key=lambda e: -getattr(e, attr))[:rows]:
+            s = getattr(e, attr) / 1e6
+            print(f"| {e.key[:90]} | {e.count} | {s:.4f} | {100 * s / total:.1f}% |")
     print()
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--presets", nargs="+", default=["debug", "125m"], choices=list(SHAPES))
+    p.add_argument("--presets", nargs="+", default=["debug", "125m"], choices=list(PRESETS))
+    p.add_argument("--shape", nargs=2, type=int, metavar=("SEQUENCES", "SEQ_LEN"),
+                   help="tokens per step (default: debug 8 x 2048, 125m 4 x 1024)")
     p.add_argument("--steps", type=int, default=6, help="measured steps per variant")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--compile", choices=("auto", "true", "false"), default="auto",
                    help=f"shardwise's compile.enabled (auto: as a run of {LONG_RUN} steps resolves it)")
+    p.add_argument("--loss", choices=("auto", "fused", "plain"), default="auto",
+                   help="shardwise's training.loss (the plain loop always uses logits + cross-entropy)")
+    p.add_argument("--loss-chunk", type=int, default=0, help="shardwise's training.loss_chunk")
+    p.add_argument("--float8", choices=("off", "tensorwise", "rowwise"), default="off",
+                   help="shardwise's float8 recipe (the plain loop stays bf16)")
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
                    help="also profile one shardwise step per preset and print its top ROWS ops")
     a = p.parse_args()
-    init_distributed("cpu")
-    # The peak is measured here, beside the steps, not read from the cache: the same machine
-    # name can hide another CPU from one session to the next.
-    peak = max(measure_gemm_tflops(torch.bfloat16, torch.device("cpu"), n) for n in (1024, 2048))
-    source = "bf16 GEMM measured in this run"
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, MFU peak {peak:.3f} TFLOP/s "
-          f"({source})\n")
-    print("| preset | params | tokens/step | shardwise tok/s | plain tok/s | shardwise / plain | "
-          "shardwise MFU | plain MFU | plain + cached malloc tok/s | shardwise / that | compiled | "
-          "first step s: shardwise, plain |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in a.presets:
-        r = bench_preset(name, a.steps, a.warmup, peak, a.profile, a.compile)
-        b, s = SHAPES[name]
+        if a.shape is None and name not in SHAPES:
+            p.error(f"--presets {name} needs --shape SEQUENCES SEQ_LEN (defaults: {', '.join(SHAPES)})")
+    init_distributed(a.device)
+    dev = torch.device(a.device)
+    # The peak is measured here, beside the steps, not read from the cache: the same machine
+    # name can hide another CPU (or another clock) from one session to the next.
+    sizes = (1024, 2048) if a.device == "cpu" else (8192,)
+    peak = max(measure_gemm_tflops(torch.bfloat16, dev, n) for n in sizes)
+    where = (f"{torch.get_num_threads()} threads" if a.device == "cpu"
+             else torch.cuda.get_device_name(dev))
+    print(f"torch {torch.__version__}, {where}, MFU peak {peak:.3f} TFLOP/s (bf16 GEMM measured in "
+          f"this run), float8 {a.float8}, loss {a.loss}\n")
+    cpu = a.device == "cpu"
+    head = ["preset", "params", "tokens/step", "shardwise tok/s", "plain tok/s", "shardwise / plain",
+            "shardwise MFU", "plain MFU"]
+    head += ["plain + cached malloc tok/s", "shardwise / that"] if cpu else []
+    head += ["compiled", "first step s: shardwise, plain"]
+    head += [] if cpu else ["step peak GiB above its start: shardwise, plain"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for name in a.presets:
+        shape = tuple(a.shape) if a.shape else None
+        r = bench_preset(name, a.steps, a.warmup, peak, a.profile, a.compile, a.device, shape, a.float8,
+                         a.loss, a.loss_chunk)
+        b, s = shape or SHAPES[name]
         cells = [name, f"{r['params_m']:.1f}M", f"{b}x{s}", f"{r['shardwise_tps']:,.0f}",
                  f"{r['plain_tps']:,.0f}", f"{r['ratio']:.3f}", f"{100 * r['shardwise_mfu']:.1f}%",
-                 f"{100 * r['plain_mfu']:.1f}%", f"{r['plain_cached_tps']:,.0f}", f"{r['ratio_cached']:.3f}",
-                 "yes" if r["compiled"] else "no", f"{r['shardwise_first_s']:.1f}, {r['plain_first_s']:.1f}"]
+                 f"{100 * r['plain_mfu']:.1f}%"]
+        if cpu:
+            cells += [f"{r['plain_cached_tps']:,.0f}", f"{r['ratio_cached']:.3f}"]
+        cells += ["yes" if r["compiled"] else "no", f"{r['shardwise_first_s']:.1f}, {r['plain_first_s']:.1f}"]
+        if not cpu:
+            cells.append(f"{r['shardwise_rise_gib']:.2f}, {r['plain_rise_gib']:.2f}")
         print("| " + " | ".join(cells) + " |", flush=True)
 
 
