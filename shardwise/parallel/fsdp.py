@@ -28,17 +28,25 @@ def mixed_precision_policy(mixed_precision: str, reduce_dtype: str) -> MixedPrec
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=DTYPES[reduce_dtype])
 
 
-def one_unit(fsdp_ranks: int, pp: int) -> bool:
+ONE_UNIT_DEVICES = ("cuda",)
+"""Devices where a one-rank FSDP mesh wraps the model as one unit (:func:`one_unit`)."""
+
+
+def one_unit(fsdp_ranks: int, pp: int, device_type: str) -> bool:
     """Whether FSDP wraps the whole model as one unit (the root): when its mesh has one rank (no data
-    parallel; ``fsdp_ranks`` counts dp_replicate x dp_shard x cp) and there is no pipeline.
+    parallel; ``fsdp_ranks`` counts dp_replicate x dp_shard x cp), there is no pipeline, and the
+    device is a GPU.
 
     Per-block units exist to overlap each block's all-gather and reduce-scatter with compute and to
     free each block's gathered copy after use. On one rank there is nothing to gather or reduce --
-    FSDP only casts the parameters to the compute dtype and the gradients back -- and each unit costs
-    hooks, stream syncs and copies: on an H100 the 125m preset ran 1.8x faster as one unit (181k ->
-    323k tokens/s, BENCHMARKS.md). One unit casts every parameter once per step and keeps the
-    compute-dtype copy until backward ends, as autocast keeps its cast weights for backward."""
-    return fsdp_ranks == 1 and pp == 1
+    FSDP only casts the parameters to the compute dtype and the gradients back -- and on a GPU each
+    unit's hooks, stream syncs and copies are host time the kernels wait for: the 125m preset ran
+    1.8x faster on an H100 as one unit (181k -> 323k tokens/s, BENCHMARKS.md). One unit keeps the
+    compute-dtype copy of the parameters until backward ends (as autocast keeps its cast weights)
+    and reduces all gradients at once at the end. On a CPU the step is compute-bound, so one unit
+    gains nothing there and its whole-model reduce buffers cost memory (125m, bf16: no faster, peak
+    RSS 5.3 -> 6.4 GiB): CPUs keep per-block units."""
+    return fsdp_ranks == 1 and pp == 1 and device_type in ONE_UNIT_DEVICES
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig,
@@ -56,7 +64,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig,
     # A block's hidden-state input is already in the compute dtype (the root's embedding produced
     # it); casting its floating inputs would only round the fp32 RoPE table to bf16.
     block_mp = dataclasses.replace(mp_policy, cast_forward_inputs=False)
-    single = one_unit(mesh.size(), cfg.pp)
+    single = one_unit(mesh.size(), cfg.pp, mesh.device_type)
     for i, block in enumerate(layers):
         if cfg.reshard_after_forward == "never":
             reshard = False

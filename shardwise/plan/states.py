@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+import shardwise.device
 from shardwise.config import Config, ConfigError
 from shardwise.models import ModelArgs, build_model, model_args
 from shardwise.parallel.build import build_stage
@@ -229,6 +230,12 @@ def _shard_numel(params: list[tuple[str, tuple[int, ...]]], layout: Layout, shar
     return local, padded
 
 
+def planned_device(cfg: Config) -> str:
+    """The device type the plan is for: run.device, or with ``auto`` this machine's (so a one-rank
+    layout planned on a CPU machine gets the CPU's FSDP units; --run.device cuda plans a GPU's)."""
+    return cfg.run.device if cfg.run.device != "auto" else shardwise.device.device_type("auto")
+
+
 def shape_states(cfg: Config, layout: Layout, shapes: dict | None = None) -> list[RankStates]:
     """Per pipeline rank, the states and FSDP units :func:`built_states` would find, from shapes.
     ``shapes``: :func:`_param_shapes` of the model, when the caller costs many layouts."""
@@ -253,7 +260,7 @@ def _rank_states(cfg: Config, layout: Layout, args: ModelArgs, shapes: dict, pp_
     moe_shard = layout.dp_shard * layout.cp * layout.tp
     fsdp = layout.dp_shard * layout.cp
     mode = cfg.parallel.reshard_after_forward
-    single = one_unit(fsdp * layout.dp_replicate, layout.pp)
+    single = one_unit(fsdp * layout.dp_replicate, layout.pp, planned_device(cfg))
     numel, units = 0, []
     held: list[tuple[int, int]] = []  # one unit: (layer, elements) the root holds
 

@@ -18,6 +18,7 @@ from shardwise.observe.flops import attention_pairs, executed_flops
 from shardwise.observe.memory import SavedActivations
 from shardwise.ops.loss import TokenLoss
 from shardwise.optim.adamw import build_optimizer
+from shardwise.parallel import fsdp
 from shardwise.parallel.build import build_rank_model
 from shardwise.plan.comm import group_members
 from shardwise.plan.cost import rank_time
@@ -51,6 +52,13 @@ LAYOUTS = [
 ]
 
 
+@pytest.fixture
+def gpu_units(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FSDP units as on a GPU: a one-rank mesh wraps the model as one unit (parallel/fsdp.py
+    one_unit), here on the CPU so the trainer's and the planner's one-unit paths run in make test."""
+    monkeypatch.setattr(fsdp, "ONE_UNIT_DEVICES", ("cuda", "cpu"))
+
+
 @pytest.mark.parametrize("path,world,overrides", LAYOUTS)
 def test_shape_states_equal_the_built_model(path: str, world: int, overrides: list[str]):
     """Per pipeline rank: parameter, gradient and optimizer bytes, and every FSDP unit (padded size,
@@ -64,6 +72,26 @@ def test_shape_states_equal_the_built_model(path: str, world: int, overrides: li
         assert (b.layers, b.has_embedding, b.has_head) == (s.layers, s.has_embedding, s.has_head)
         assert sorted(b.units, key=str) == sorted(s.units, key=str)
         assert b.params > 0
+
+
+@pytest.mark.parametrize("path,world,overrides", [
+    (DEBUG, 1, []), (DEBUG, 2, ["--parallel.tp=2"]), (MOE, 1, []),
+    (MOE, 2, ["--parallel.tp=2", "--parallel.ep=2"]),  # the MoE feed-forward's mesh spans the tp ranks
+    (DEBUG, 2, ["--parallel.dp_shard=2"])])  # data parallel: per-block units as before
+def test_one_unit_states_equal_the_built_model(gpu_units: None, path: str, world: int, overrides: list[str]):
+    cfg = load_config(path, overrides)
+    built, shaped = built_states(cfg, world), shape_states(cfg, Layout.from_config(cfg, world))
+    for b, s in zip(built, shaped, strict=True):
+        assert (b.params, b.grads, b.optimizer) == (s.params, s.grads, s.optimizer)
+        assert sorted(b.units, key=str) == sorted(s.units, key=str)
+    (root,) = [u for u in built[0].units if u.layer is None]
+    blocks = [u for u in built[0].units if u.layer is not None and u.group == "dp_shard_cp"]
+    n_layers = model_args(cfg.model).n_layers
+    if "--parallel.dp_shard=2" in overrides:  # data parallel: per-block units
+        assert not root.blocks and len(blocks) == n_layers
+    else:  # the root holds every block; only a feed-forward on a wider mesh stays a unit of its own
+        assert not blocks and [i for i, _ in root.blocks] == list(range(n_layers))
+        assert len(built[0].units) == 1 or "--parallel.ep=2" in overrides
 
 
 def test_states_count_local_shards():
@@ -129,10 +157,15 @@ def test_activations_equal_saved_tensors(one_rank, path: str, overrides: list[st
                                        ["--activation_checkpoint.mode=full"],
                                        ["--activation_checkpoint.mode=selective"],
                                        ["--training.loss_chunk=128"], ["--training.micro_batch=1"]])
-def test_peak_matches_memtracker(one_rank, overrides: list[str]):
+@pytest.mark.parametrize("units", ["per-block", "one"])
+def test_peak_matches_memtracker(one_rank, overrides: list[str], units: str, monkeypatch: pytest.MonkeyPatch):
     """The timeline's peak of a steady-state step (optimizer states allocated) is within 3% (6% for
-    full checkpointing) of torch's MemTracker peak of live tensors for the same step."""
+    full checkpointing) of torch's MemTracker peak of live tensors for the same step; with the
+    CPU's per-block FSDP units and with a GPU's one unit (parallel/fsdp.py one_unit)."""
     from torch.distributed._tools.mem_tracker import MemTracker
+
+    if units == "one":
+        monkeypatch.setattr(fsdp, "ONE_UNIT_DEVICES", ("cuda", "cpu"))
 
     from shardwise.observe.memory import _StepMemTracker
 

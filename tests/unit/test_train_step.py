@@ -80,14 +80,14 @@ class Reference:
         return float(loss), norm, lr, coef
 
 
-def trainer(data_cache: str, loss: str = "auto", device: str = "cpu"):  # noqa: ANN201
+def trainer(data_cache: str, loss: str = "auto", device: str = "cpu", precision: str = "fp32"):  # noqa: ANN201
     """The trainer's own pieces on one rank: model, optimizer, schedule, data (inside one_rank_pg,
     or a one-rank NCCL group on a GPU)."""
     cfg = load_config(ROOT / "configs" / "debug.toml", [
         "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
         "--model.multiple_of=16", "--training.seq_len=64", "--training.global_batch=8",
         "--training.micro_batch=2",  # 4 accumulated micro-batches: the normalization spans them
-        "--training.mixed_precision=fp32", f"--training.steps={STEPS}",
+        f"--training.mixed_precision={precision}", f"--training.steps={STEPS}",
         f"--training.max_grad_norm={MAX_NORM}", f"--optimizer.lr={PEAK_LR}", f"--optimizer.weight_decay={WD}",
         f"--lr_scheduler.warmup_steps={WARMUP}", f"--data.cache_dir={data_cache}",
         "--debug.deterministic=true", f"--training.loss={loss}", f"--run.device={device}"])
@@ -136,3 +136,26 @@ def test_the_reference_catches_a_wrong_token_count(data_cache: str):
         got = train_step(model, optimizer, scheduler, batches, run, TokenLoss(run.loss_chunk))
         assert float(got.loss) / loss == pytest.approx(2.0, rel=1e-2)
         assert float(got.grad_norm) / norm == pytest.approx(2.0, rel=1e-2)
+
+
+def test_one_fsdp_unit_trains_bit_identically(data_cache: str, monkeypatch: pytest.MonkeyPatch):
+    """The GPU's FSDP layout on one rank -- the whole model one unit (parallel/fsdp.py one_unit) --
+    against the CPU's per-block units: the same casts in the same places, so the same bits (bf16
+    compute, fp32 master weights, 3 steps with clipping and accumulation)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from shardwise.parallel import fsdp
+
+    runs = []
+    for devices in (("cuda",), ("cuda", "cpu")):
+        monkeypatch.setattr(fsdp, "ONE_UNIT_DEVICES", devices)
+        with one_rank_pg():
+            cfg, args, run, model, optimizer, scheduler, loader = trainer(data_cache, precision="bf16")
+            units = sum(isinstance(m, FSDPModule) for m in model.modules())
+            loss = TokenLoss(run.loss_chunk)
+            steps = [train_step(model, optimizer, scheduler, loader.next_step(), run, loss)
+                     for _ in range(STEPS)]
+            runs.append((units, [(float(r.loss), float(r.grad_norm)) for r in steps]))
+    (blocks, per_block), (one, whole) = runs
+    assert (blocks, one) == (args.n_layers + 1, 1)
+    assert per_block == whole
