@@ -181,16 +181,20 @@ def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
 
 def _convert_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("convert", help="HF safetensors <-> shardwise checkpoint", allow_abbrev=False,
-                       description="Export a checkpoint to a Hugging Face Llama folder (config.json + "
-                                   "safetensors), or import one as a weights-only checkpoint to start "
-                                   "training from with --checkpoint.path. Import takes the model config "
-                                   "(--config and --model.* overrides) and checks the HF config against it.")
+                       description="Export a checkpoint to a Hugging Face folder (config.json + "
+                                   "safetensors; Llama, Qwen3 or Qwen3-MoE by the model's shape), or "
+                                   "import one as a weights-only checkpoint to start training from. "
+                                   "Import reads the model shape from the folder's config.json and "
+                                   "writes a training config for it (--toml); with --config (and "
+                                   "--model.* overrides) it checks the HF config against that model.")
     way = p.add_mutually_exclusive_group(required=True)
     way.add_argument("--to-hf", metavar="CHECKPOINT", help="a step-<N> checkpoint directory to export")
-    way.add_argument("--from-hf", metavar="HF_DIR", help="an HF Llama folder to import")
+    way.add_argument("--from-hf", metavar="HF_DIR", help="an HF model folder to import")
     p.add_argument("--out", required=True, help="output folder (HF folder, or the new checkpoint)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="export dtype")
-    p.add_argument("--config", help="TOML preset giving the model (import only)")
+    p.add_argument("--config", help="TOML config: its other sections go into the written config "
+                                    "(import only); with model fields, they must match config.json")
+    p.add_argument("--toml", help="import: the training config to write (default: <out>.toml)")
 
 
 def cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -199,15 +203,30 @@ def cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
     from shardwise import convert
 
     if args.to_hf:
-        if overrides or args.config:
+        if overrides or args.config or args.toml:
             raise ConfigError("convert --to-hf reads the model config from the checkpoint's manifest: "
-                              "drop --config and overrides")
+                              "drop --config, --toml and overrides")
         files = convert.export_hf(Path(args.to_hf), Path(args.out), args.dtype)
         print(f"exported {args.to_hf} -> {args.out} ({len(files)} safetensors file(s), {args.dtype})")
         return 0
+    out = Path(args.out)
+    toml = Path(args.toml or f"{out}.toml")
+    if toml.exists():
+        raise ConfigError(f"{toml} exists and is not replaced: pass --toml with a new path")
     cfg = load_config(args.config, overrides)
-    out = convert.import_hf(Path(args.from_hf), Path(args.out), cfg.model)
-    print(f"imported {args.from_hf} -> {out}: train from it with --checkpoint.path={out}")
+    # The model comes from config.json unless the user named one (a preset or model fields).
+    from shardwise.config_types import read_toml
+
+    named = bool(args.config and "model" in read_toml(Path(args.config), "config file")) or any(
+        o.startswith("--model.") for o in overrides)
+    out, model = convert.import_hf(Path(args.from_hf), out, cfg.model if named else None)
+    cfg.model = model
+    cfg.checkpoint.path = str(out)
+    if not (args.config and cfg.data.tokenizer) and (Path(args.from_hf) / "tokenizer.json").is_file():
+        cfg.data.tokenizer = str(Path(args.from_hf) / "tokenizer.json")  # the model's own tokenizer
+    toml.write_text(cfg.to_toml())
+    print(f"imported {args.from_hf} -> {out} (model {model.name or 'from config.json'}); train from it: "
+          f"shardwise train --config {toml}")
     return 0
 
 

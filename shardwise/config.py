@@ -45,7 +45,9 @@ def _preset_overrides() -> type:
     fields += [(f.name, hints[f.name] | None, field(default=None)) for f in dataclasses.fields(ModelArgs)]
     return dataclasses.make_dataclass("ModelConfig", fields, namespace={
         "__module__": __name__, "docs_from": ModelArgs,
-        "name_doc": "Model preset (see shardwise/models/presets.py); the fields below override it when set."})
+        "name_doc": "Model preset (see shardwise/models/presets.py); the fields below override it when "
+                    "set. \"\" = no preset: the fields below, unset ones at their defaults (an imported "
+                    "Hugging Face model's TOML)."})
 
 
 ModelConfig = _preset_overrides()

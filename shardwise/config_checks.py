@@ -12,6 +12,7 @@ from typing import Any
 
 import shardwise.device
 from shardwise.config import Config, ConfigError, ModelConfig, read_config
+from shardwise.model_args import ModelArgs
 from shardwise.models import check_args, model_args
 from shardwise.models.presets import PRESETS
 from shardwise.parallel.dims import parse_backend_spec
@@ -113,10 +114,10 @@ def resolve_precision(cfg: Config, device: str | None = None) -> None:
 
 def resolve_model(cfg: Config) -> None:
     """Fill every unset model field from the named preset, so the saved config is complete."""
-    if cfg.model.name not in PRESETS:
+    if cfg.model.name and cfg.model.name not in PRESETS:
         raise ConfigError(f"model.name '{cfg.model.name}' is not a preset; choose one of "
-                          f"{', '.join(PRESETS)}")
-    preset = PRESETS[cfg.model.name]
+                          f"{', '.join(PRESETS)}, or \"\" to give every field in [model]")
+    preset = PRESETS[cfg.model.name] if cfg.model.name else ModelArgs()
     for f in dataclasses.fields(ModelConfig):
         if f.name != "name" and getattr(cfg.model, f.name) is None:
             setattr(cfg.model, f.name, getattr(preset, f.name))

@@ -26,6 +26,9 @@ class ModelArgs:
     """Llama-3 FFN width multiplier applied to 8/3*dim."""
     multiple_of: int = 256
     """FFN width is rounded up to a multiple of this."""
+    ffn_hidden_size: int = 0
+    """FFN (SwiGLU) width; 0 = Llama's rule from ffn_dim_multiplier and multiple_of. Set it for any
+    other width (an imported model's intermediate_size)."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
     rope_theta: float = 500000.0
@@ -44,6 +47,8 @@ class ModelArgs:
     """Share the input embedding with the output projection."""
     head_size: int = 0
     """Per-head width; 0 = dim / n_heads (Qwen3-style models decouple the two)."""
+    qk_norm: bool = False
+    """RMSNorm over each head's queries and keys before RoPE (Qwen3's QK-norm)."""
     n_experts: int = 0
     """Routed experts per MoE layer; 0 = dense model (see moe.py)."""
     moe_top_k: int = 2
@@ -76,6 +81,9 @@ class ModelArgs:
 
     @property
     def ffn_hidden_dim(self) -> int:
-        """Llama's SwiGLU width: 2/3 of 4*dim, times the multiplier, rounded up to multiple_of."""
+        """The SwiGLU width: ffn_hidden_size, or Llama's rule -- 2/3 of 4*dim, times the multiplier,
+        rounded up to multiple_of."""
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
         hidden = int(self.ffn_dim_multiplier * int(2 * 4 * self.dim / 3))
         return self.multiple_of * math.ceil(hidden / self.multiple_of)

@@ -147,7 +147,7 @@ class Session:
         self.logger.close()
         if self.env.rank == 0 and cfg.metrics.plot and (self.run_dir / "metrics.jsonl").stat().st_size:
             plot_loss(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png",
-                      f"{cfg.model.name} — {self.run_dir}")
+                      f"{cfg.model.name or 'custom'} — {self.run_dir}")
             print(f"run directory: {self.run_dir} (config.toml, metrics.jsonl, tb/, loss.png, checkpoints/)")
         dist.barrier()
         dist.destroy_process_group()
@@ -269,5 +269,6 @@ def shared_peak(device: torch.device, cfg: Config) -> float:
 def describe(run: ResolvedRun, start: int) -> str:
     args, t = run.model, run.cfg.training
     active = f", {num_params(args, active=True) / 1e6:.1f}M active" if args.n_experts else ""
-    return (f"model {run.cfg.model.name}: {num_params(args) / 1e6:.1f}M params{active} | {run} | "
+    name = run.cfg.model.name or "custom"
+    return (f"model {name}: {num_params(args) / 1e6:.1f}M params{active} | {run} | "
             f"steps {start + 1}..{t.steps}")

@@ -17,10 +17,11 @@ __all__ = ["PRESETS", "ModelArgs", "Transformer", "build_model", "check_args", "
 
 def model_args(cfg: Any) -> ModelArgs:
     """The model a ``[model]`` config section (shardwise.config.ModelConfig) describes: the preset
-    named by ``cfg.name`` with every field set in ``cfg`` applied over it."""
+    named by ``cfg.name`` (none: ``""``, ModelArgs' defaults) with every field set in ``cfg`` applied
+    over it."""
     overrides = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
                  if f.name != "name" and getattr(cfg, f.name) is not None}
-    return dataclasses.replace(PRESETS[cfg.name], **overrides)
+    return dataclasses.replace(PRESETS[cfg.name] if cfg.name else ModelArgs(), **overrides)
 
 
 def check_args(args: ModelArgs) -> None:
@@ -32,6 +33,8 @@ def check_args(args: ModelArgs) -> None:
             raise ConfigError(f"model.head_size={args.head_size} must be even (RoPE rotates pairs)")
     elif args.dim % args.n_heads or (args.dim // args.n_heads) % 2:
         raise ConfigError(f"model.dim={args.dim} must be n_heads={args.n_heads} times an even head dim")
+    if args.ffn_hidden_size < 0:
+        raise ConfigError(f"model.ffn_hidden_size={args.ffn_hidden_size} must be >= 0 (0: Llama's rule)")
     if args.n_experts:
         if args.moe_hidden_dim <= 0:
             raise ConfigError("model.n_experts > 0 needs model.moe_hidden_dim > 0 (the expert width)")

@@ -87,6 +87,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        # Qwen3's QK-norm: one RMSNorm over head_dim, shared by every head (of q; of k).
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
@@ -95,6 +98,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim)  # (B, S, H, D)
         k = self.wk(x).view(b, s, -1, self.head_dim)  # (B, S, Hkv, D)
         v = self.wv(x).view(b, s, -1, self.head_dim)  # (B, S, Hkv, D)
+        if self.q_norm is not None:  # per head, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
         # The table covers every position (or was indexed by explicit positions); take the length
         # attention actually sees, which under sequence parallel is the gathered one.
         rope = rope[:s] if rope.dim() == 3 else rope

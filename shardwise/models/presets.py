@@ -27,12 +27,16 @@ PRESETS: dict[str, ModelArgs] = {
     "moe-debug": ModelArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=16, vocab_size=2048,
                            multiple_of=256, max_seq_len=2048, n_experts=8, moe_top_k=2,
                            moe_hidden_dim=256, n_shared_experts=1, n_dense_layers=1),
-    # Qwen3-30B-A3B's shape (48 blocks, 128 experts, top-8, expert width 768, head width 128 with
-    # dim 2048, GQA 32/4); QK-norm is not modelled. 30.5B parameters, 3.3B active per token.
+    # Qwen3-0.6B: QK-norm, head width 128 with dim 1024 (GQA 16/8), FFN 3072, tied embeddings.
+    "qwen3-0.6b": ModelArgs(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_size=128,
+                            ffn_hidden_size=3072, vocab_size=151936, max_seq_len=40960,
+                            rope_theta=1000000.0, norm_eps=1e-6, tie_embeddings=True, qk_norm=True),
+    # Qwen3-30B-A3B: 48 blocks of QK-norm attention (head width 128 with dim 2048, GQA 32/4) and 128
+    # experts (top-8, width 768). 30.5B parameters, 3.3B active per token.
     "qwen3-30b-a3b": ModelArgs(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_size=128,
-                               vocab_size=151936, multiple_of=256, max_seq_len=40960,
+                               vocab_size=151936, ffn_hidden_size=6144, max_seq_len=40960,
                                rope_theta=1000000.0, norm_eps=1e-6, n_experts=128, moe_top_k=8,
-                               moe_hidden_dim=768, moe_aux_coef=0.001),
+                               moe_hidden_dim=768, moe_aux_coef=0.001, qk_norm=True),
     # Llama 3.1 8B / 70B / 405B: RoPE scaling factor 8.
     "8b": ModelArgs(**_LLAMA3, dim=4096, n_layers=32, n_heads=32, ffn_dim_multiplier=1.3,
                     rope_scaling_factor=8.0, max_seq_len=131072),

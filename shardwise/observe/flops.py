@@ -48,7 +48,7 @@ def num_params(args: ModelArgs, include_embedding: bool = True, active: bool = F
     n_moe = sum(args.is_moe_layer(i) for i in range(L))
     experts = args.moe_top_k if active else args.n_experts
     moe_mlp = d * args.n_experts + 3 * d * args.moe_hidden_dim * (experts + args.n_shared_experts)
-    norms = 2 * d
+    norms = 2 * d + (2 * args.head_dim if args.qk_norm else 0)
     total = L * (attn + norms) + (L - n_moe) * dense_mlp + n_moe * moe_mlp + d  # + final norm
     emb = args.vocab_size * d
     head = 0 if args.tie_embeddings else emb
@@ -63,7 +63,8 @@ def _attention_params(args: ModelArgs) -> int:
 def matmul_params(args: ModelArgs) -> int:
     """Parameters that take part in a matmul for one token (active experts; the output head, but
     not an untied input embedding, which is a lookup; not the norms)."""
-    n = num_params(args, include_embedding=False, active=True) - (2 * args.n_layers + 1) * args.dim
+    norms = args.n_layers * (2 * args.dim + (2 * args.head_dim if args.qk_norm else 0)) + args.dim
+    n = num_params(args, include_embedding=False, active=True) - norms
     if args.tie_embeddings:
         n += args.vocab_size * args.dim  # the shared table does the output matmul
     return n

@@ -86,6 +86,11 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> None:
             "attention.wo": row(output_layouts=Shard(1)),  # reduce-scatter over tp
             "ffn_norm": SequenceParallel(),
             **ffn_plan,
+            # QK-norm runs on this rank's heads (dim 2 of (B, S, H/tp, D)): its weight is replicated
+            # and its gradient, a partial sum over the local heads, is summed over tp.
+            **({"attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+                "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)}
+               if block.attention.q_norm is not None else {}),
         })
 
 

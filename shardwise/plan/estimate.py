@@ -71,7 +71,8 @@ def format_estimate(est: Estimate) -> str:
     cfg, lay, hw = est.cfg, est.layout, est.hardware
     args = model_args(cfg.model)
     t = cfg.training
-    lines = [f"model {cfg.model.name} ({num_params(args) / 1e9:.3g}B params), {t.global_batch} x {t.seq_len} "
+    name = cfg.model.name or "custom"
+    lines = [f"model {name} ({num_params(args) / 1e9:.3g}B params), {t.global_batch} x {t.seq_len} "
              f"tokens/step, {t.mixed_precision}, optimizer states {cfg.optimizer.state_dtype}",
              f"layout {lay} on {lay.world} ranks ({lay.micro_batches(t.global_batch)} micro-batch(es) per "
              f"rank), hardware {hw.name}: {hw.description}", ""]

@@ -97,10 +97,13 @@ def dense_ffn(s: Shape, tokens: int, hidden: int) -> int:
 
 
 def attention(s: Shape) -> int:
-    """Attention block after the norm: gathered input, q, k (post-RoPE), v, out, log-sum-exp."""
+    """Attention block after the norm: gathered input, q, k (post-RoPE), v, out, log-sum-exp; with
+    QK-norm, its two norms."""
     a, t = s.args, s.tokens
     hq, hkv, dh = a.n_heads // s.tp, a.n_kv_heads // s.tp, a.head_dim
     out = s.e * t * a.dim + s.e * t * dh * (2 * hq + 2 * hkv) + 4 * s.mb * hq * s.seq
+    if a.qk_norm:  # RMSNorm per head of q and k, as _norm: fp32 input, normalized, 1/rms, weight copy
+        out += 8 * t * dh * (hq + hkv) + 4 * t * (hq + hkv) + (8 * dh if s.e < 4 else 0)
     if s.cp > 1:  # ring attention's output is (B, H, S, D): the projection input is a copy
         out += s.e * t * hq * dh
     return out

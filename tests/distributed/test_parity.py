@@ -177,6 +177,28 @@ def test_unmasked_layout_matches_single_rank(layout: str, reference_unmasked: Pa
     check_same_run(reference_unmasked, run_dir, layout)
 
 
+# Qwen3's attention: QK-norm (a per-head RMSNorm that tensor parallel runs on each rank's heads, its
+# weight's gradient summed over tp), head width 32 at dim 64, an FFN width Llama's rule cannot give.
+QWEN3_ARGS = ["--model.qk_norm=true", "--model.head_size=32", "--model.ffn_hidden_size=96"]
+QWEN3_LAYOUTS = {
+    "qwen3_tp2": ["--nproc=2", "--parallel.tp=2"],
+    "qwen3_fsdp2_tp2": ["--nproc=4", "--parallel.dp_shard=2", "--parallel.tp=2"],
+    "qwen3_fsdp2": ["--nproc=2", "--parallel.dp_shard=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def reference_qwen3(tmp_path_factory: pytest.TempPathFactory, data_cache: str) -> Path:
+    return train(tmp_path_factory.mktemp("ref_qwen3"), "ref", data_cache, *QWEN3_ARGS)
+
+
+@pytest.mark.parametrize("layout", layouts(QWEN3_LAYOUTS, {"qwen3_fsdp2_tp2", "qwen3_fsdp2"}))
+def test_qwen3_layout_matches_single_rank(layout: str, reference_qwen3: Path, tmp_path: Path,
+                                          data_cache: str):
+    run_dir = train(tmp_path, layout, data_cache, *QWEN3_ARGS, *QWEN3_LAYOUTS[layout])
+    check_same_run(reference_qwen3, run_dir, layout)
+
+
 # Schedules with 2 stages of one block per rank (looped or V-shaped): a 4-block model, its own
 # reference, 4 micro-batches of 2 sequences.
 MULTI_STAGE = ["--data.document_mask=false", "--model.n_layers=4", "--training.micro_batch=2"]

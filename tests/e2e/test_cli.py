@@ -241,3 +241,32 @@ def test_wandb_offline_run_is_written(tmp_path: Path, data_cache: str):
     (record,) = runs[0].glob("run-*.wandb")
     data = record.read_bytes()  # W&B's binary log of the run: our metric names are in it
     assert len(data) > 1000 and b"grad_norm" in data and b"exec_util" in data and b"loss" in data
+
+
+def test_hf_folder_to_training_and_back_with_no_model_flags(tmp_path: Path, data_cache: str):
+    """A Qwen3 folder that transformers made: `convert --from-hf` reads its shape from config.json and
+    writes a config that trains as is; the trained checkpoint exports back to a folder transformers
+    loads as Qwen3. A second import onto the same config file is refused, the file untouched."""
+    transformers = require("transformers")
+    hf_cfg = transformers.Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      vocab_size=2048, max_position_embeddings=128, tie_word_embeddings=True)
+    transformers.Qwen3ForCausalLM(hf_cfg).save_pretrained(tmp_path / "qwen3")
+    ckpt, toml = tmp_path / "init" / "step-0", tmp_path / "init" / "step-0.toml"
+    out = run_cli(["convert", "--from-hf", str(tmp_path / "qwen3"), "--out", str(ckpt)]).stdout
+    assert f"train from it: shardwise train --config {toml}" in out
+    written = toml.read_text()
+    assert 'name = ""' in written and "qk_norm = true" in written and "ffn_hidden_size = 96" in written
+    run_dir = tmp_path / "run"
+    run_cli(["train", "--config", str(toml), f"--run.dir={run_dir}", f"--data.cache_dir={data_cache}",
+             "--training.steps=2", "--training.seq_len=64", "--training.global_batch=4",
+             "--eval.interval=0", "--metrics.progress=false", "--compile.enabled=false"])
+    assert len(metrics(run_dir)) >= 1
+    run_cli(["convert", "--to-hf", str(run_dir / "checkpoints" / "step-2"), "--out", str(tmp_path / "back"),
+             "--dtype", "fp32"])
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")).__name__ == \
+        "Qwen3ForCausalLM"
+    again = run_cli(["convert", "--from-hf", str(tmp_path / "qwen3"), "--out", str(tmp_path / "x"),
+                     "--toml", str(toml)], check=False)
+    assert again.returncode == 2 and again.stderr.count("\n") == 1 and "is not replaced" in again.stderr
+    assert toml.read_text() == written

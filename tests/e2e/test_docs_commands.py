@@ -107,13 +107,12 @@ HOW: dict[str, Check] = {
     # for by a 2-step run's checkpoint), import it back, train from it.
     "shardwise convert --to-hf runs/debug/checkpoints/step-100 --out hf/ --dtype bf16": Check(
         reason="runs as the first step of the sequence below"),
-    "shardwise convert --from-hf hf/ --out init/step-0 --config configs/debug.toml": Check(
+    "shardwise convert --from-hf hf/ --out init/step-0": Check(
         reason="runs as the second step of the sequence below"),
-    "shardwise train --config configs/debug.toml --checkpoint.path init/step-0 "
-    "--run.dir runs/from-hf": Check(TRAIN, setup=(
+    "shardwise train --config init/step-0.toml --run.dir runs/from-hf": Check(TRAIN, setup=(
         _DEBUG_RUN, "mv runs/debug/checkpoints/step-2 runs/debug/checkpoints/step-100",
         "shardwise convert --to-hf runs/debug/checkpoints/step-100 --out hf/ --dtype bf16",
-        "shardwise convert --from-hf hf/ --out init/step-0 --config configs/debug.toml")),
+        "shardwise convert --from-hf hf/ --out init/step-0")),
     # docs/observability.md
     "shardwise report runs/debug": Check(setup=(_DEBUG_RUN,)),
     "shardwise report runs/smoke runs/fsdp4 --out runs/compare --screenshot": Check(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -38,25 +39,79 @@ def test_rope_permutation_round_trips():
     assert not torch.equal(convert.to_rotate_half(w, 4), w)
 
 
-@pytest.mark.parametrize("tie,scaling", [(False, 1.0), (True, 8.0)])
-def test_export_loads_in_transformers_with_equal_logits(tmp_path: Path, tie: bool, scaling: float):
+# Each family the converter speaks: Llama (GQA; tied with Llama-3.1 RoPE scaling), Qwen3 (QK-norm,
+# head width decoupled from dim, an FFN width Llama's rule cannot give), Qwen3-MoE (a dense first
+# block, then experts).
+FAMILIES = {
+    "llama-gqa": MODEL,
+    "llama-tied-scaled": dataclasses.replace(MODEL, tie_embeddings=True, rope_scaling_factor=8.0),
+    "qwen3": dataclasses.replace(MODEL, qk_norm=True, head_size=32, ffn_hidden_size=96,
+                                 rope_theta=1000000.0, norm_eps=1e-6),
+    "qwen3-tied": dataclasses.replace(MODEL, qk_norm=True, tie_embeddings=True, ffn_hidden_size=80),
+    "qwen3-moe": dataclasses.replace(MODEL, name="moe-debug", qk_norm=True, head_size=8, n_experts=4,
+                                     moe_top_k=2, moe_hidden_dim=32, n_shared_experts=0,
+                                     n_dense_layers=1, ffn_hidden_size=48),
+}
+HF_CLASS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+def assert_same_logits(ours: torch.nn.Module, hf: torch.nn.Module, vocab: int = 256) -> None:
+    """fp32 logits within 1e-4 of the largest logit's magnitude, on random tokens."""
+    tokens = torch.randint(0, vocab, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ours(tokens), hf(tokens).logits
+    assert ((a - b).abs().max() / b.abs().max()).item() < 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_export_loads_in_transformers_with_equal_logits(tmp_path: Path, family: str):
     transformers = require("transformers")
-    cfg = dataclasses.replace(MODEL, tie_embeddings=tie, rope_scaling_factor=scaling)
-    path, ours = saved_model(tmp_path, cfg)
+    path, ours = saved_model(tmp_path, FAMILIES[family])
     checkpoint.verify(path)
     out = tmp_path / "hf"
     convert.export_hf(path, out, dtype="fp32")
-    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
-    hf = transformers.LlamaForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32).eval()
-    tokens = torch.randint(0, 256, (2, 40))
-    with torch.no_grad():
-        torch.testing.assert_close(ours(tokens), hf(tokens).logits, atol=2e-5, rtol=2e-5)
+    config = json.loads((out / "config.json").read_text())
+    assert config["torch_dtype"] == "float32"
+    assert config["architectures"] == [HF_CLASS[config["model_type"]]]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32).eval()
+    assert type(hf).__name__ == HF_CLASS[config["model_type"]]
+    assert_same_logits(ours.eval(), hf)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_import_of_a_transformers_model_needs_no_model_config(tmp_path: Path, family: str):
+    """A model transformers made and saved itself (its own init, its own file layout) imports with
+    the shape read from config.json alone and computes the same logits."""
+    transformers = require("transformers")
+    args = model_args(_resolved(FAMILIES[family]))
+    config_cls = getattr(transformers, HF_CLASS[convert.hf_family(args)].replace("ForCausalLM", "Config"))
+    hf_cfg = convert.hf_config(args, "fp32")
+    torch.manual_seed(0)
+    # (a deep copy: transformers 5 writes rope_theta into the rope_scaling dict it is given)
+    hf = getattr(transformers, HF_CLASS[convert.hf_family(args)])(config_cls(**copy.deepcopy(hf_cfg))).eval()
+    hf.save_pretrained(tmp_path / "made-by-hf")
+    out, model_cfg = convert.import_hf(tmp_path / "made-by-hf", tmp_path / "imported")
+    assert convert.hf_config(model_args(model_cfg), "fp32") == hf_cfg  # the same shape
+    ours = build_model(model_args(model_cfg))
+    ours.to_empty(device="cpu")
+    init_weights(ours, 0)  # (every weight is then loaded: the RoPE table is what init builds)
+    checkpoint.load_model_only(out, ours)
+    assert_same_logits(ours.eval(), hf)
+
+
+def _resolved(cfg: ModelConfig) -> ModelConfig:
+    from shardwise.config import Config
+    from shardwise.config_checks import resolve_model
+
+    full = Config(model=dataclasses.replace(cfg))
+    resolve_model(full)
+    return full.model
 
 
 def test_hf_round_trip_is_lossless(tmp_path: Path):
     path, ours = saved_model(tmp_path)
     convert.export_hf(path, tmp_path / "hf", dtype="fp32")
-    back = convert.import_hf(tmp_path / "hf", tmp_path / "back", MODEL)
+    back, _ = convert.import_hf(tmp_path / "hf", tmp_path / "back", MODEL)
     checkpoint.verify(back)
     assert checkpoint.model_only(back)
     again = build_model(model_args(MODEL))
@@ -79,7 +134,65 @@ def test_hf_round_trip_is_lossless(tmp_path: Path):
 def test_import_checks_the_hf_config_against_the_model(tmp_path: Path):
     path, _ = saved_model(tmp_path)
     convert.export_hf(path, tmp_path / "hf", dtype="fp32")
-    with pytest.raises(ConfigError, match="HF config hidden_size=64 but model.dim gives 128"):
+    with pytest.raises(ConfigError, match=r"HF config gives model.dim=64 but the model config has 128"):
         convert.import_hf(tmp_path / "hf", tmp_path / "x", dataclasses.replace(MODEL, dim=128))
     with pytest.raises(ConfigError, match="has no config.json"):
         convert.import_hf(tmp_path, tmp_path / "x", MODEL)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"model_type": "mistral"}, "model_type 'mistral' is not supported"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),
+    ({"attention_bias": True}, "attention_bias=True is not supported"),
+    ({"model_type": "qwen3", "use_sliding_window": True}, "use_sliding_window=True is not supported"),
+    ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+      "mlp_only_layers": [1]}, r"dense blocks other than the first \(mlp_only_layers=\[1\]"),
+])
+def test_unsupported_hf_configs_get_one_line_errors(change: dict, message: str):
+    config = {**convert.hf_config(model_args(_resolved(MODEL)), "fp32"), **change}
+    with pytest.raises(ConfigError, match=message):
+        convert.args_from_hf(config)
+
+
+def test_shapes_that_have_no_hf_family_are_refused_on_export():
+    moe = model_args(_resolved(dataclasses.replace(MODEL, name="moe-debug")))  # no QK-norm, a shared expert
+    with pytest.raises(ConfigError, match="covers the Qwen3-MoE layout.*model.qk_norm=false"):
+        convert.hf_config(moe, "fp32")
+    with pytest.raises(ConfigError, match="model.n_shared_experts=1"):
+        convert.hf_config(dataclasses.replace(moe, qk_norm=True), "fp32")
+
+
+def test_import_reads_each_family_back_to_the_same_shape():
+    """config.json -> ModelArgs -> config.json is the identity on every family here."""
+    for cfg in FAMILIES.values():
+        args = model_args(_resolved(cfg))
+        config = convert.hf_config(args, "bf16")
+        assert convert.hf_config(convert.args_from_hf(config), "bf16") == config
+
+
+def test_fused_expert_layout_imports_like_the_per_expert_one(tmp_path: Path):
+    """transformers 5's in-memory layout, if a folder holds it (mlp.experts.gate_up_proj (E, 2h, d),
+    mlp.experts.down_proj (E, d, h)), imports to the same weights as the per-expert Hub layout."""
+    from safetensors.torch import load_file, save_file
+
+    path, _ = saved_model(tmp_path, FAMILIES["qwen3-moe"])
+    convert.export_hf(path, tmp_path / "hub", dtype="fp32")
+    state = load_file(str(tmp_path / "hub" / "model.safetensors"))
+    fused = {k: v for k, v in state.items() if ".mlp.experts." not in k}
+    prefix, n = "model.layers.1.mlp.experts", 4
+    fused[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([state[f"{prefix}.{e}.gate_proj.weight"],
+                                                              state[f"{prefix}.{e}.up_proj.weight"]])
+                                                   for e in range(n)])
+    fused[f"{prefix}.down_proj"] = torch.stack([state[f"{prefix}.{e}.down_proj.weight"] for e in range(n)])
+    (tmp_path / "fused").mkdir()
+    (tmp_path / "fused" / "config.json").write_text((tmp_path / "hub" / "config.json").read_text())
+    save_file(fused, str(tmp_path / "fused" / "model.safetensors"))
+    loaded = []
+    for folder in ("hub", "fused"):
+        out, cfg = convert.import_hf(tmp_path / folder, tmp_path / f"ckpt-{folder}")
+        model = build_model(model_args(cfg))
+        model.to_empty(device="cpu")
+        checkpoint.load_model_only(out, model)
+        loaded.append(model.state_dict())
+    for k, v in loaded[0].items():
+        assert torch.equal(loaded[1][k], v), k

@@ -209,6 +209,14 @@ def test_large_presets_have_published_parameter_counts(name: str, billions: floa
     assert num_params(PRESETS[name]) / 1e9 == pytest.approx(billions, rel=2e-3)
 
 
+def test_qwen3_small_preset_has_its_published_sizes():
+    """Qwen3-0.6B's model card: 0.6B parameters, 0.44B without the (tied) embedding."""
+    args = PRESETS["qwen3-0.6b"]
+    assert args.qk_norm and args.tie_embeddings and args.head_dim == 128 and args.ffn_hidden_dim == 3072
+    assert num_params(args) / 1e9 == pytest.approx(0.6, rel=1e-2)
+    assert num_params(args, include_embedding=False) / 1e9 == pytest.approx(0.44, rel=1e-2)
+
+
 def test_cross_entropy_reference_on_logits():
     """The trainer's loss is the standard one: sum over valid tokens of -log softmax."""
     model = tiny_model()

@@ -133,6 +133,8 @@ SMALL = ["--training.global_batch=2", "--training.seq_len=256", "--compile.enabl
     (DEBUG, ["--training.mixed_precision=bf16"]),  # (pinned: `auto` is fp32 on an AVX2 host)
     (DEBUG, ["--training.mixed_precision=fp32"]),
     (DEBUG, ["--model.n_kv_heads=4"]),
+    (DEBUG, ["--model.qk_norm=true", "--model.n_kv_heads=4", "--training.mixed_precision=bf16"]),
+    (DEBUG, ["--model.qk_norm=true", "--training.mixed_precision=fp32"]),
     (DEBUG, ["--training.loss_chunk=128"]),
     (DEBUG, ["--activation_checkpoint.mode=full"]),
     (DEBUG, ["--activation_checkpoint.mode=layer", "--activation_checkpoint.every=3"]),
