@@ -110,8 +110,8 @@ class TrainingConfig:
     tensor parallel (there the vocab-parallel fused op recomputes the logits: a memory saving)."""
     loss_chunk: int = 0
     """Tokens per chunk of the fused loss; 0 = sized from the vocabulary (2^25 logits a chunk:
-    1,048 tokens at a 32,000 vocabulary, 261 at 128,256) but at most 4 chunks per micro-batch,
-    split into equal chunks."""
+    1,048 tokens at a 32,000 vocabulary, 261 at 128,256) but at most 4 chunks per micro-batch
+    unless that takes over 2^28 logits a chunk, split into equal chunks."""
     nonfinite: Literal["stop", "skip"] = "stop"
     """NaN/inf gradient norm: stop (exit 2 before the update, the last checkpoint stays the last good
     state) or skip (drop the update; metrics count skipped_steps)."""

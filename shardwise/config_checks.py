@@ -33,12 +33,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 device: str | None = None) -> Config:
     """Defaults <- TOML file <- CLI overrides (:func:`read_config`), then the preset, the checks, and
     ``auto`` resolved for ``device`` ("cpu" / "cuda"; None = this machine's per ``run.device``, the
-    planner passes its own)."""
+    planner passes the device it plans for, which then also fills ``run.device=auto``)."""
     cfg = read_config(path, overrides)
     resolve_model(cfg)
     validate(cfg)
     clamp_warmup(cfg)
     resolve_precision(cfg, device)
+    if device is not None and cfg.run.device == "auto":
+        cfg.run.device = device
     return cfg
 
 

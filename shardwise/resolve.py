@@ -140,7 +140,12 @@ FUSED_LOSS_MAX_CHUNKS = 4
 """... but a micro-batch is cut into at most this many chunks: at a 128k vocabulary 2^25 logits are
 261 tokens, and the 32 chunks of a 4 x 2048 micro-batch cost a Llama-3.2-1B step on an H100 14%
 (45.4k tokens/s against 53.0k with 4 chunks of 2,048 tokens, BENCHMARKS.md): per-chunk launches and
-narrow GEMMs. Four chunks still hold a quarter of the logits the plain loss holds."""
+narrow GEMMs. Four chunks still hold a quarter of the logits the plain loss holds ..."""
+
+FUSED_LOSS_MAX_LOGITS = 2**28
+"""... and a chunk that floor makes holds at most this many logits (512 MiB in bf16, the 1B
+measurement's chunk): a large vocabulary times a long micro-batch (Qwen3's 151,936 x 8 x 4,096)
+gets more chunks rather than gigabytes of logits."""
 
 
 def loss_chunk_tokens(t: TrainingConfig, vocab_size: int, pp: int, tp: int = 1, tokens: int = 0) -> int:
@@ -161,7 +166,8 @@ def loss_chunk_tokens(t: TrainingConfig, vocab_size: int, pp: int, tp: int = 1, 
         return 0
     if pp > 1 or (tp > 1 and t.loss == "auto" and not t.loss_chunk):
         return 0
-    return t.loss_chunk or max(1, FUSED_LOSS_LOGITS // vocab_size, -(-tokens // FUSED_LOSS_MAX_CHUNKS))
+    floor = min(-(-tokens // FUSED_LOSS_MAX_CHUNKS), FUSED_LOSS_MAX_LOGITS // vocab_size)
+    return t.loss_chunk or max(1, FUSED_LOSS_LOGITS // vocab_size, floor)
 
 
 def micro_batches_per_rank(t: TrainingConfig, dp: int) -> int:

@@ -26,6 +26,25 @@ def test_every_preset_file_parses_and_round_trips(path: Path, tmp_path: Path):
     assert load_config(saved) == cfg
 
 
+# The world each shipped config is written for (its header comment says how to launch it).
+WORLDS = {"debug": 1, "moe-debug": 2, "125m": 1, "1b": 8, "8b": 8, "70b": 256, "405b": 512,
+          "qwen3-0.6b": 1, "qwen3-30b-a3b": 8}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_preset_file_fits_its_world_on_h100s(path: Path):
+    """``shardwise estimate`` of each shipped config on the GPUs it is written for: the layout
+    resolves (degrees, batch split, pipeline schedule) and its per-GPU peak fits an 80 GB H100."""
+    from shardwise.plan.estimate import GiB, estimate
+    from shardwise.plan.hardware import load_hardware
+
+    assert path.stem in WORLDS, f"give {path.name}'s world size in WORLDS"
+    cfg = load_config(path, device="cuda")  # planned for GPUs, from this machine
+    est = estimate(cfg, WORLDS[path.stem], load_hardware("h100"), exact=False)
+    assert est.fits, f"{path.name}: peak {est.peak / GiB:.1f} GiB"
+    assert est.tokens_per_s_per_device > 0
+
+
 def test_overrides_are_typed():
     cfg = load_config(None, ["--training.steps=7", "--lr_scheduler.warmup_steps=2",
                              "--training.mixed_precision", "fp32",
