@@ -238,6 +238,14 @@ class CheckpointConfig:
     """none (training waits), thread or process (training goes on once the state is in host memory)."""
     verify_checksums: bool = True
     """Check every file's SHA-256 against the manifest before loading (sizes are always checked)."""
+    initial_hf: str = ""
+    """Start from a Hugging Face folder's weights (Llama, Qwen3, Qwen3-MoE; any layout): its
+    config.json gives the [model] section, its tokenizer.json the tokenizer unless data.tokenizer is
+    set. Each rank reads its shards from the safetensors (no copy on disk); a resume goes on from the
+    run's own checkpoints."""
+    export_hf: bool = False
+    """Also write each saved checkpoint as a Hugging Face folder (bf16) in run.dir/hf/step-<N>
+    (rank 0 gathers the model in host memory; keep_latest_k removes it with its checkpoint)."""
 
 
 @dataclass

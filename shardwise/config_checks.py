@@ -12,6 +12,7 @@ from typing import Any
 
 import shardwise.device
 from shardwise.config import Config, ConfigError, ModelConfig, read_config
+from shardwise.hf_config import args_from_hf, model_config_of, read_hf_config
 from shardwise.model_args import ModelArgs
 from shardwise.models import check_args, model_args
 from shardwise.models.presets import PRESETS
@@ -35,6 +36,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     ``auto`` resolved for ``device`` ("cpu" / "cuda"; None = this machine's per ``run.device``, the
     planner passes the device it plans for, which then also fills ``run.device=auto``)."""
     cfg = read_config(path, overrides)
+    model_from_hf(cfg)
     resolve_model(cfg)
     validate(cfg)
     clamp_warmup(cfg)
@@ -112,6 +114,24 @@ def resolve_precision(cfg: Config, device: str | None = None) -> None:
     device = device or shardwise.device.device_type(cfg.run.device)
     fast = device != "cpu" or shardwise.device.cpu_has_native_bf16()
     cfg.training.mixed_precision = "bf16" if fast else "fp32"
+
+
+def model_from_hf(cfg: Config) -> None:
+    """checkpoint.initial_hf: the [model] section from the folder's config.json (the shape its weights
+    have), and its tokenizer.json unless data.tokenizer names one."""
+    folder = cfg.checkpoint.initial_hf
+    if not folder:
+        return
+    if cfg.checkpoint.path:
+        raise ConfigError("checkpoint.initial_hf and checkpoint.path both name starting weights: keep one")
+    args = args_from_hf(read_hf_config(Path(folder)))
+    if cfg.model.name in PRESETS and model_args(cfg.model) != args:
+        notice(f"checkpoint.initial_hf: the model is {folder}'s (its config.json), not the [model] "
+               f"section's ({cfg.model.name})")
+    model = model_config_of(args)
+    cfg.model = model
+    if not cfg.data.tokenizer and (Path(folder) / "tokenizer.json").is_file():
+        cfg.data.tokenizer = str(Path(folder) / "tokenizer.json")
 
 
 def resolve_model(cfg: Config) -> None:

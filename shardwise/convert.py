@@ -18,17 +18,25 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardwise.checkpoint import CheckpointError, load_model_only, read_manifest, save_model_only
 from shardwise.config import ConfigError, ModelConfig
-from shardwise.models import ModelArgs, build_model, check_args, model_args
-from shardwise.models.presets import PRESETS
+from shardwise.hf_config import (  # (hf_family: re-exported for the tests)
+    args_from_hf,
+    check_hf_config,
+    hf_config,
+    hf_family,  # noqa: F401
+    model_config_of,
+    read_hf_config,
+)
+from shardwise.models import ModelArgs, build_model, model_args
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _SHARD_BYTES = 5 << 30  # split safetensors files at this size, as HF's save_pretrained does
@@ -48,7 +56,6 @@ _DENSE_FFN = {"feed_forward.w1.weight": "mlp.gate_proj.weight",
 _ROUTER = {"feed_forward.router.gate.weight": "mlp.gate.weight"}
 _EXPERTS = {"feed_forward.experts.w1": "gate_proj", "feed_forward.experts.w3": "up_proj",
             "feed_forward.experts.w2": "down_proj"}  # ours (E, in, out); HF experts.<e>.<name> (out, in)
-_CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def to_rotate_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -127,136 +134,6 @@ def from_hf_state(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, 
     return dict(from_hf_tensors(get, args))
 
 
-def hf_family(args: ModelArgs) -> str:
-    """The HF ``model_type`` a shape exports as (one-line error for a shape none of them has)."""
-    if not args.n_experts:
-        return "qwen3" if args.qk_norm else "llama"
-    why = ("model.qk_norm=false" if not args.qk_norm else
-           f"model.n_shared_experts={args.n_shared_experts}" if args.n_shared_experts else
-           f"model.moe_score={args.moe_score}" if args.moe_score != "softmax" else
-           f"model.moe_route_scale={args.moe_route_scale}" if args.moe_route_scale != 1.0 else "")
-    if why:
-        raise ConfigError(f"HF export of MoE models covers the Qwen3-MoE layout (QK-norm, softmax "
-                          f"routing, no shared expert, route scale 1); this model has {why}")
-    return "qwen3_moe"
-
-
-def hf_config(args: ModelArgs, dtype: str) -> dict[str, Any]:
-    """``config.json`` of the HF class with ``args``'s shape (:func:`hf_family`)."""
-    family = hf_family(args)
-    cfg: dict[str, Any] = {
-        "architectures": [_CLASSES[family]], "model_type": family, "hidden_size": args.dim,
-        "intermediate_size": args.ffn_hidden_dim, "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim, "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps,
-        "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": args.tie_embeddings,
-        "hidden_act": "silu", "attention_bias": False, "rope_theta": args.rope_theta,
-        "torch_dtype": {"bf16": "bfloat16", "fp32": "float32"}[dtype],
-    }
-    if family == "llama":
-        cfg["mlp_bias"] = False
-    else:
-        cfg["use_sliding_window"] = False
-    if family == "qwen3_moe":
-        cfg.update(num_experts=args.n_experts, num_experts_per_tok=args.moe_top_k,
-                   moe_intermediate_size=args.moe_hidden_dim, norm_topk_prob=args.moe_route_norm,
-                   decoder_sparse_step=1, mlp_only_layers=list(range(args.n_dense_layers)),
-                   router_aux_loss_coef=args.moe_aux_coef, output_router_logits=False)
-    if args.rope_scaling_factor != 1.0:
-        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": args.rope_scaling_factor,
-                               "low_freq_factor": args.rope_low_freq_factor,
-                               "high_freq_factor": args.rope_high_freq_factor,
-                               "original_max_position_embeddings": args.rope_original_max_seq_len}
-    return cfg
-
-
-def _rope(hf: dict[str, Any]) -> tuple[dict[str, Any], str, float]:
-    """(rope scaling dict, its type, rope theta) of an HF config (transformers 4 and 5 spellings)."""
-    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    return rope, kind, float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
-
-
-def args_from_hf(hf: dict[str, Any]) -> ModelArgs:
-    """The model shape of an HF ``config.json`` (Llama, Qwen3, Qwen3-MoE), or a one-line error
-    naming what this model family cannot represent."""
-    kind = hf.get("model_type")
-    if kind not in _CLASSES:
-        raise ConfigError(f"HF model_type '{kind}' is not supported: convert reads "
-                          f"{', '.join(_CLASSES)} (Llama, Qwen3 and Qwen3-MoE checkpoints)")
-    for key, bad in (("hidden_act", hf.get("hidden_act", "silu") != "silu"),
-                     ("attention_bias", bool(hf.get("attention_bias"))),
-                     ("mlp_bias", bool(hf.get("mlp_bias"))),
-                     ("use_sliding_window", bool(hf.get("use_sliding_window")))):
-        if bad:
-            raise ConfigError(f"HF config {key}={hf.get(key)} is not supported (SwiGLU with silu, no "
-                              "biases, full attention)")
-    rope, rope_type, theta = _rope(hf)
-    if rope_type not in ("default", "llama3"):
-        raise ConfigError(f"HF config rope type '{rope_type}' is not supported (default and llama3 are)")
-    dim, heads = hf["hidden_size"], hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or dim // heads
-    fields: dict[str, Any] = dict(
-        dim=dim, n_layers=hf["num_hidden_layers"], n_heads=heads,
-        n_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_size=0 if head_dim * heads == dim else head_dim, vocab_size=hf["vocab_size"],
-        ffn_hidden_size=hf["intermediate_size"], norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta, max_seq_len=hf.get("max_position_embeddings", 2048),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qk_norm=kind != "llama")
-    if rope_type == "llama3":
-        fields.update(rope_scaling_factor=float(rope["factor"]),
-                      rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-                      rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-                      rope_original_max_seq_len=int(rope["original_max_position_embeddings"]))
-    if kind == "qwen3_moe":
-        dense = list(hf.get("mlp_only_layers") or [])
-        if hf.get("decoder_sparse_step", 1) != 1 or dense != list(range(len(dense))):
-            raise ConfigError("HF Qwen3-MoE config with dense blocks other than the first "
-                              f"(mlp_only_layers={dense}, decoder_sparse_step="
-                              f"{hf.get('decoder_sparse_step')}) is not supported")
-        fields.update(n_experts=hf.get("num_experts") or hf["num_local_experts"],  # (transformers 5)
-                      moe_top_k=hf["num_experts_per_tok"],
-                      moe_hidden_dim=hf["moe_intermediate_size"],
-                      moe_route_norm=bool(hf.get("norm_topk_prob", False)), moe_score="softmax",
-                      moe_aux_coef=float(hf.get("router_aux_loss_coef", 0.001)), n_dense_layers=len(dense))
-    args = ModelArgs(**fields)
-    check_args(args)
-    return args
-
-
-def model_config_of(args: ModelArgs) -> ModelConfig:
-    """A ``[model]`` section that gives ``args`` by itself: every field set, and the name of a preset
-    with the same HF shape where there is one (else "", none)."""
-    def same(preset: ModelArgs) -> bool:
-        try:
-            return hf_config(preset, "fp32") == hf_config(args, "fp32")
-        except ConfigError:  # a preset with no HF family
-            return False
-
-    name = next((n for n, p in PRESETS.items() if same(p)), "")
-    return ModelConfig(name=name, **dataclasses.asdict(args))
-
-
-def check_hf_config(hf: dict[str, Any], args: ModelArgs) -> None:
-    """One-line error for the first field where an HF config's shape differs from ``args``."""
-    theirs = args_from_hf(hf)
-    for f in dataclasses.fields(ModelArgs):
-        a, b = getattr(theirs, f.name), getattr(args, f.name)
-        if f.name.startswith("moe_") and not args.n_experts or f.name == "max_seq_len":
-            continue  # (a dense model's MoE knobs are inert; any RoPE table length is a choice)
-        if f.name in ("multiple_of", "ffn_dim_multiplier", "ffn_hidden_size", "head_size"):
-            continue  # compared through what they give: the FFN width and the head width below
-        if (math.isclose(a, b) if isinstance(a, float) else a == b):
-            continue
-        raise ConfigError(f"HF config gives model.{f.name}={a} but the model config has {b}: set "
-                          f"--model.{f.name}={a}, or drop --config to take the shape from config.json")
-    for what, a, b in (("ffn_hidden_size", theirs.ffn_hidden_dim, args.ffn_hidden_dim),
-                       ("head_size", theirs.head_dim, args.head_dim)):
-        if a != b:
-            raise ConfigError(f"HF config gives model.{what}={a} but the model config gives {b}: set "
-                              f"--model.{what}={a}, or drop --config to take the shape from config.json")
-
-
 def export_hf(checkpoint: Path, out: Path, dtype: str = "bf16") -> list[Path]:
     """Write ``out/config.json`` and safetensors (sharded above 5 GiB) from a shardwise checkpoint,
     converting and writing one shard at a time (the model in fp32 plus one shard in memory)."""
@@ -307,12 +184,10 @@ class HFFolder:
     def __init__(self, folder: Path) -> None:
         from safetensors import SafetensorError, safe_open
 
-        if not (folder / "config.json").is_file():
-            raise ConfigError(f"'{folder}' has no config.json: pass an HF model folder")
+        self.config = read_hf_config(folder)
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise ConfigError(f"'{folder}' has no .safetensors files (only safetensors weights are read)")
-        self.config = json.loads((folder / "config.json").read_text())
         self._files, self._where = [], {}
         for f in files:
             try:
@@ -342,6 +217,30 @@ class HFFolder:
         gate_up = self[f"{prefix}.gate_up_proj"][e]  # (2h, d)
         half = gate_up.shape[0] // 2
         return gate_up[:half] if proj == "gate_proj" else gate_up[half:]
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, folder: Path, args: ModelArgs) -> None:
+    """Fill this rank's parameters (any layout: FSDP, TP and EP shards, pipeline stages) from an HF
+    folder of ``args``'s shape: each parameter's full tensor is read and converted, and the rank
+    keeps its shard -- the split :func:`shardwise.models.init_weights` makes, one full tensor at a
+    time. Buffers (the RoPE table, MoE routing state) stay as init built them."""
+    hf = HFFolder(folder)
+    check_hf_config(hf.config, args)
+    names, experts = hf_names(args), expert_names(args)
+    for name, p in model.named_parameters():
+        if name in names:
+            full = _rope_rows(name, hf[names[name]], args, from_rotate_half)
+        else:
+            full = torch.stack([hf.expert(n).t() for n in experts[name]])
+        if tuple(full.shape) != tuple(p.shape):
+            raise ConfigError(f"HF tensor for '{name}' has shape {tuple(full.shape)}, this model needs "
+                              f"{tuple(p.shape)}")
+        local = p.to_local() if isinstance(p, DTensor) else p
+        full = full.to(device=local.device, dtype=local.dtype)
+        if isinstance(p, DTensor):  # every rank read the same tensor: each keeps its shard, no comm
+            full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+        local.copy_(full)
 
 
 def read_hf(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -41,7 +41,7 @@ LOCK_ENV = "SHARDWISE_RUN_LOCK"
 
 # What a training run writes into run.dir, and so what run.overwrite=true removes (config.toml is
 # rewritten by every run). Anything else in the directory -- reports, your own files -- is kept.
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "loss.png", "memory_breakdown.json",
+RUN_OUTPUTS = ("checkpoints", "hf", "metrics.jsonl", "tb", "loss.png", "memory_breakdown.json",
                "memory_peak.json", "comm.json", "traces", "wandb", "config.*.toml")
 
 

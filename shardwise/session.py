@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise import checkpoint, rundir
+from shardwise import checkpoint, convert, rundir
 from shardwise.config import Config
 from shardwise.data.dataset import Batch, Corpus, PackedLoader, check_vocab, open_corpus
 from shardwise.data.tokenizer import load_tokenizer
@@ -120,9 +121,14 @@ class Session:
         return {**metrics, **self.loader.mix_metrics()}
 
     def save(self, step: int, stopping: bool) -> None:
-        path = self.ckpt.save(step, self.model, self.optimizer, self.scheduler, self.loader, block=stopping)
-        how = "saved" if self.run.cfg.checkpoint.async_mode == "none" or stopping else "saving"
+        export = self.run.cfg.checkpoint.export_hf  # (it reads the committed checkpoint: wait for it)
+        path = self.ckpt.save(step, self.model, self.optimizer, self.scheduler, self.loader,
+                              block=stopping or export)
+        how = "saved" if self.run.cfg.checkpoint.async_mode == "none" or stopping or export else "saving"
         self.logger.message(f"{how} checkpoint {path} (training blocked {self.ckpt.blocked_s:.2f} s)")
+        if export and self.env.rank == 0:
+            self.logger.message(export_hf_folder(path, self.run_dir / "hf"))
+
 
     def report_first_step(self, memory: dict[str, int]) -> None:
         """After the first step: the time to it (start-up, and the compile it paid); every rank's
@@ -169,6 +175,10 @@ def open_session(run: ResolvedRun, env: DistEnv, run_dir: Path, ckpt_group: dist
     ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", cfg.checkpoint, manifest_info(run), ckpt_group)
     stop = StopRequest(stop_group)  # SIGTERM/SIGINT: finish the step, save, exit 0
     start = resume(cfg, run_dir, model, optimizer, scheduler, loader)
+    if start == 0 and cfg.checkpoint.initial_hf:  # a fresh start from a Hugging Face folder
+        convert.load_hf_weights(model, Path(cfg.checkpoint.initial_hf), run.model)
+        if env.rank == 0:
+            print(f"loaded the weights of {cfg.checkpoint.initial_hf}", flush=True)
     if env.rank == 0:  # the run starts: its resolved config joins run.dir
         rundir.write_config(run_dir, cfg.to_toml())
     if cfg.checkpoint.save_initial and start == 0:
@@ -185,6 +195,24 @@ def open_session(run: ResolvedRun, env: DistEnv, run_dir: Path, ckpt_group: dist
                    Evaluator(run, corpus, loss, env.device, pipe, shard), logger, throughput, stop,
                    StepProfiler(cfg.profile, run_dir, env.rank, env.device, start + 1), routing,
                    gathers_float8(model, cfg.float8), start, started)
+
+
+def export_hf_folder(checkpoint_dir: Path, hf_dir: Path) -> str:
+    """checkpoint.export_hf (rank 0): ``checkpoint_dir`` as a Hugging Face folder in ``hf_dir`` under
+    the same name; then the exports whose checkpoint keep_latest_k retired go with it. An existing
+    folder is never replaced. Returns the line to log."""
+    out = hf_dir / checkpoint_dir.name
+    if out.exists():
+        return f"warning: {out} exists and is not replaced: no HF export of {checkpoint_dir.name}"
+    t0 = time.perf_counter()
+    staging = hf_dir / f"{checkpoint_dir.name}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)  # (an interrupted export of this step)
+    convert.export_hf(checkpoint_dir, staging, "bf16")
+    staging.rename(out)
+    for old in hf_dir.glob("step-*"):
+        if old.name.removeprefix("step-").isdigit() and not (checkpoint_dir.parent / old.name).exists():
+            shutil.rmtree(old)  # its checkpoint was retired (checkpoint.keep_latest_k)
+    return f"exported {checkpoint_dir.name} as a Hugging Face folder {out} ({time.perf_counter() - t0:.1f} s)"
 
 
 def build_data(run: ResolvedRun, device: torch.device) -> tuple[PackedLoader, Corpus]:

@@ -75,7 +75,7 @@ def test_overwrite_keeps_the_checkpoint_it_loads(finished: Path, tmp_path: Path,
 
 def test_overwrite_removes_exactly_the_run_outputs(tmp_path: Path):
     run_dir = tmp_path / "run"
-    for name in ("checkpoints/step-1", "tb", "traces", "wandb", "report", "mine"):
+    for name in ("checkpoints/step-1", "hf/step-1", "tb", "traces", "wandb", "report", "mine"):
         (run_dir / name).mkdir(parents=True)
     for name in ("metrics.jsonl", "loss.png", "comm.json", "memory_peak.json", "memory_breakdown.json",
                  "config.toml", "config.20260101-000000.toml", "notes.txt"):

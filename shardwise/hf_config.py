@@ -1,0 +1,158 @@
+"""The model shape of a Hugging Face ``config.json`` and back, for the families :mod:`shardwise.convert`
+speaks (Llama, Qwen3, Qwen3-MoE). Plain data: the config checks use it to take a run's model from an
+HF folder (``checkpoint.initial_hf``) without loading the converter."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from shardwise.config import ConfigError, ModelConfig
+from shardwise.models import ModelArgs, check_args
+from shardwise.models.presets import PRESETS
+
+_CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+def read_hf_config(folder: Path) -> dict[str, Any]:
+    """An HF model folder's ``config.json`` (one-line error when it has none)."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"'{folder}' has no config.json: pass a Hugging Face model folder")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"'{path}' is not readable JSON ({e})") from None
+
+
+def hf_family(args: ModelArgs) -> str:
+    """The HF ``model_type`` a shape exports as (one-line error for a shape none of them has)."""
+    if not args.n_experts:
+        return "qwen3" if args.qk_norm else "llama"
+    why = ("model.qk_norm=false" if not args.qk_norm else
+           f"model.n_shared_experts={args.n_shared_experts}" if args.n_shared_experts else
+           f"model.moe_score={args.moe_score}" if args.moe_score != "softmax" else
+           f"model.moe_route_scale={args.moe_route_scale}" if args.moe_route_scale != 1.0 else "")
+    if why:
+        raise ConfigError(f"HF export of MoE models covers the Qwen3-MoE layout (QK-norm, softmax "
+                          f"routing, no shared expert, route scale 1); this model has {why}")
+    return "qwen3_moe"
+
+
+def hf_config(args: ModelArgs, dtype: str) -> dict[str, Any]:
+    """``config.json`` of the HF class with ``args``'s shape (:func:`hf_family`)."""
+    family = hf_family(args)
+    cfg: dict[str, Any] = {
+        "architectures": [_CLASSES[family]], "model_type": family, "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden_dim, "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim, "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps,
+        "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": args.tie_embeddings,
+        "hidden_act": "silu", "attention_bias": False, "rope_theta": args.rope_theta,
+        "torch_dtype": {"bf16": "bfloat16", "fp32": "float32"}[dtype],
+    }
+    if family == "llama":
+        cfg["mlp_bias"] = False
+    else:
+        cfg["use_sliding_window"] = False
+    if family == "qwen3_moe":
+        cfg.update(num_experts=args.n_experts, num_experts_per_tok=args.moe_top_k,
+                   moe_intermediate_size=args.moe_hidden_dim, norm_topk_prob=args.moe_route_norm,
+                   decoder_sparse_step=1, mlp_only_layers=list(range(args.n_dense_layers)),
+                   router_aux_loss_coef=args.moe_aux_coef, output_router_logits=False)
+    if args.rope_scaling_factor != 1.0:
+        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": args.rope_scaling_factor,
+                               "low_freq_factor": args.rope_low_freq_factor,
+                               "high_freq_factor": args.rope_high_freq_factor,
+                               "original_max_position_embeddings": args.rope_original_max_seq_len}
+    return cfg
+
+
+def _rope(hf: dict[str, Any]) -> tuple[dict[str, Any], str, float]:
+    """(rope scaling dict, its type, rope theta) of an HF config (transformers 4 and 5 spellings)."""
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    return rope, kind, float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
+
+
+def args_from_hf(hf: dict[str, Any]) -> ModelArgs:
+    """The model shape of an HF ``config.json`` (Llama, Qwen3, Qwen3-MoE), or a one-line error
+    naming what this model family cannot represent."""
+    kind = hf.get("model_type")
+    if kind not in _CLASSES:
+        raise ConfigError(f"HF model_type '{kind}' is not supported: convert reads "
+                          f"{', '.join(_CLASSES)} (Llama, Qwen3 and Qwen3-MoE checkpoints)")
+    for key, bad in (("hidden_act", hf.get("hidden_act", "silu") != "silu"),
+                     ("attention_bias", bool(hf.get("attention_bias"))),
+                     ("mlp_bias", bool(hf.get("mlp_bias"))),
+                     ("use_sliding_window", bool(hf.get("use_sliding_window")))):
+        if bad:
+            raise ConfigError(f"HF config {key}={hf.get(key)} is not supported (SwiGLU with silu, no "
+                              "biases, full attention)")
+    rope, rope_type, theta = _rope(hf)
+    if rope_type not in ("default", "llama3"):
+        raise ConfigError(f"HF config rope type '{rope_type}' is not supported (default and llama3 are)")
+    dim, heads = hf["hidden_size"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or dim // heads
+    fields: dict[str, Any] = dict(
+        dim=dim, n_layers=hf["num_hidden_layers"], n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_size=0 if head_dim * heads == dim else head_dim, vocab_size=hf["vocab_size"],
+        ffn_hidden_size=hf["intermediate_size"], norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta, max_seq_len=hf.get("max_position_embeddings", 2048),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qk_norm=kind != "llama")
+    if rope_type == "llama3":
+        fields.update(rope_scaling_factor=float(rope["factor"]),
+                      rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+                      rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+                      rope_original_max_seq_len=int(rope["original_max_position_embeddings"]))
+    if kind == "qwen3_moe":
+        dense = list(hf.get("mlp_only_layers") or [])
+        if hf.get("decoder_sparse_step", 1) != 1 or dense != list(range(len(dense))):
+            raise ConfigError("HF Qwen3-MoE config with dense blocks other than the first "
+                              f"(mlp_only_layers={dense}, decoder_sparse_step="
+                              f"{hf.get('decoder_sparse_step')}) is not supported")
+        fields.update(n_experts=hf.get("num_experts") or hf["num_local_experts"],  # (transformers 5)
+                      moe_top_k=hf["num_experts_per_tok"],
+                      moe_hidden_dim=hf["moe_intermediate_size"],
+                      moe_route_norm=bool(hf.get("norm_topk_prob", False)), moe_score="softmax",
+                      moe_aux_coef=float(hf.get("router_aux_loss_coef", 0.001)), n_dense_layers=len(dense))
+    args = ModelArgs(**fields)
+    check_args(args)
+    return args
+
+
+def model_config_of(args: ModelArgs) -> ModelConfig:
+    """A ``[model]`` section that gives ``args`` by itself: every field set, and the name of a preset
+    with the same HF shape where there is one (else "", none)."""
+    def same(preset: ModelArgs) -> bool:
+        try:
+            return hf_config(preset, "fp32") == hf_config(args, "fp32")
+        except ConfigError:  # a preset with no HF family
+            return False
+
+    name = next((n for n, p in PRESETS.items() if same(p)), "")
+    return ModelConfig(name=name, **dataclasses.asdict(args))
+
+
+def check_hf_config(hf: dict[str, Any], args: ModelArgs) -> None:
+    """One-line error for the first field where an HF config's shape differs from ``args``."""
+    theirs = args_from_hf(hf)
+    for f in dataclasses.fields(ModelArgs):
+        a, b = getattr(theirs, f.name), getattr(args, f.name)
+        if f.name.startswith("moe_") and not args.n_experts or f.name == "max_seq_len":
+            continue  # (a dense model's MoE knobs are inert; any RoPE table length is a choice)
+        if f.name in ("multiple_of", "ffn_dim_multiplier", "ffn_hidden_size", "head_size"):
+            continue  # compared through what they give: the FFN width and the head width below
+        if (math.isclose(a, b) if isinstance(a, float) else a == b):
+            continue
+        raise ConfigError(f"HF config gives model.{f.name}={a} but the model config has {b}: set "
+                          f"--model.{f.name}={a}, or drop --config to take the shape from config.json")
+    for what, a, b in (("ffn_hidden_size", theirs.ffn_hidden_dim, args.ffn_hidden_dim),
+                       ("head_size", theirs.head_dim, args.head_dim)):
+        if a != b:
+            raise ConfigError(f"HF config gives model.{what}={a} but the model config gives {b}: set "
+                              f"--model.{what}={a}, or drop --config to take the shape from config.json")

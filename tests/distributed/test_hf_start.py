@@ -1,0 +1,77 @@
+"""Training from a Hugging Face folder (checkpoint.initial_hf) on any layout, and writing one at each
+save (checkpoint.export_hf)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import TINY_ARGS, metrics, require, run_cli
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.fixture(scope="module")
+def qwen3_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small Qwen3 (QK-norm, GQA, head width 32 at dim 64, untied) that transformers made and saved."""
+    transformers = require("transformers")
+    folder = tmp_path_factory.mktemp("hf") / "qwen3"
+    cfg = transformers.Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=2048,
+                                   max_position_embeddings=128, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(folder)
+    return folder
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+# The model comes from the folder: the tiny-model flags of TINY_ARGS are overridden by it.
+START = [a for a in TINY_ARGS if not a.startswith("--model.")] + ["--training.seq_len=64"]
+
+
+@pytest.mark.parametrize("layout", [[], ["--nproc=4", "--parallel.dp_shard=2", "--parallel.tp=2"],
+                                    ["--nproc=2", "--parallel.pp=2", "--training.micro_batch=2",
+                                     "--data.document_mask=false"]],
+                         ids=["1-rank", "fsdp2_tp2", "pp2"])
+def test_every_layout_starts_from_the_folders_weights(layout: list[str], qwen3_folder: Path, tmp_path: Path,
+                                                      data_cache: str):
+    """Each rank keeps its shards of the folder's tensors: the step-0 checkpoint the run saves exports
+    back to exactly the folder's tensors (fp32), whatever the layout."""
+    run_dir = tmp_path / "run"
+    out = run_cli(["train", *START, f"--run.dir={run_dir}", f"--data.cache_dir={data_cache}",
+                   f"--checkpoint.initial_hf={qwen3_folder}", "--checkpoint.save_initial=true",
+                   "--training.steps=1", *layout]).stdout
+    assert f"loaded the weights of {qwen3_folder}" in out
+    run_cli(["convert", "--to-hf", str(run_dir / "checkpoints" / "step-0"), "--out", str(tmp_path / "back"),
+             "--dtype", "fp32"])
+    want, got = _tensors(qwen3_folder), _tensors(tmp_path / "back")
+    assert got.keys() == want.keys()
+    for name, t in want.items():
+        assert torch.equal(got[name], t.float()), name
+
+
+def test_each_save_writes_a_folder_transformers_loads(qwen3_folder: Path, tmp_path: Path, data_cache: str):
+    """export_hf with keep_latest_k=1: hf/step-<N> beside each kept checkpoint, loadable as Qwen3; the
+    export of a retired checkpoint goes with it."""
+    transformers = require("transformers")
+    run_dir = tmp_path / "run"
+    run_cli(["train", *START, f"--run.dir={run_dir}", f"--data.cache_dir={data_cache}",
+             f"--checkpoint.initial_hf={qwen3_folder}", "--checkpoint.export_hf=true",
+             "--checkpoint.interval=1", "--checkpoint.keep_latest_k=1", "--training.steps=2",
+             "--nproc=2", "--parallel.dp_shard=2"])
+    assert sorted(p.name for p in (run_dir / "hf").iterdir()) == ["step-2"]
+    assert json.loads((run_dir / "hf" / "step-2" / "config.json").read_text())["model_type"] == "qwen3"
+    model = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "hf" / "step-2")
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    assert len(metrics(run_dir)) >= 1
