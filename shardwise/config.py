@@ -56,11 +56,20 @@ ModelConfig = _preset_overrides()
 @dataclass
 class DataConfig:
     path: str = ""
-    """Training text: a .txt/.jsonl/.json/.parquet file or a folder of them; empty = shipped KJV corpus."""
+    """Training text: a .txt/.jsonl/.json/.parquet file or a folder of them; empty = the shipped KJV
+    corpus (data.format=chat: the shipped chat set made from it)."""
     tokenizer: str = ""
-    """A tokenizer.json (HF tokenizers), 'byte' for the byte-level fallback, or empty = shipped BPE."""
+    """A tokenizer.json or a Hugging Face tokenizer folder (tokenizer.json with tokenizer_config.json:
+    its bos/eos/pad tokens and chat template), 'byte' for the byte-level fallback, or empty = the
+    shipped BPE (with a chat template)."""
     text_field: str = "text"
     """Column holding the text in .jsonl/.json/.parquet data."""
+    format: Literal["text", "chat"] = "text"
+    """text: each row's data.text_field is a document; chat: each row's data.messages_field is a
+    conversation, rendered with the tokenizer's chat template, the loss on assistant tokens only,
+    each conversation its own document (data.document_mask is then on)."""
+    messages_field: str = "messages"
+    """Column holding the conversation (a list of {role, content}) when data.format=chat."""
     txt_sample_by: Literal["paragraph", "line", "document"] = "paragraph"
     """How .txt files split into documents: paragraph (blank lines), line, or document (whole file)."""
     val_fraction: float = 0.02

@@ -39,6 +39,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     model_from_hf(cfg)
     resolve_model(cfg)
     validate(cfg)
+    if cfg.data.format == "chat" and not cfg.data.document_mask:
+        notice("data.format=chat: data.document_mask is on (each conversation attends to itself only)")
+        cfg.data.document_mask = True
     clamp_warmup(cfg)
     resolve_precision(cfg, device)
     if device is not None and cfg.run.device == "auto":

@@ -43,11 +43,15 @@ class Stream(Protocol):
     def window(self, i: int, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
 
 
-def _window(toks: np.ndarray, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(inputs, labels, doc ids from 0) of a window's S + 1 tokens and their documents."""
+def _window(toks: np.ndarray, docs: np.ndarray, mask: np.ndarray | None = None
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(inputs, labels, doc ids from 0) of a window's S + 1 tokens and their documents; with a loss
+    ``mask`` (chat: 1 on assistant tokens) a label the mask leaves out is ignored too."""
     toks = toks.astype(np.int64)
     labels = toks[1:].copy()
     labels[docs[1:] != docs[:-1]] = IGNORE_INDEX  # next token starts another document
+    if mask is not None:
+        labels[mask[1:] == 0] = IGNORE_INDEX  # a prompt token: not predicted, not counted
     return toks[:-1], labels, (docs[:-1] - docs[0]).astype(np.int32)
 
 
@@ -71,7 +75,15 @@ class ShardStream:
     """The memory-mapped shards of one split of one prepared source, read as one stream."""
 
     def __init__(self, prefixes: list[Path]) -> None:
-        self.shards = [s for s in map(Shard, prefixes) if s.n_tokens]
+        kept = [(p, s) for p, s in ((p, Shard(p)) for p in prefixes) if s.n_tokens]
+        self.shards = [s for _, s in kept]
+        # Chat shards carry a loss mask, one byte per token, in a shard of its own beside them.
+        masked = [Path(f"{p}.mask.idx").exists() for p, _ in kept]
+        self.masks = [Shard(Path(f"{p}.mask")) for p, _ in kept] if any(masked) else None
+        if self.masks is not None and (not all(masked) or any(
+                m.n_tokens != s.n_tokens for m, s in zip(self.masks, self.shards, strict=True))):
+            raise ShardError(f"the loss masks of '{prefixes[0].parent}' do not match its shards: prepare "
+                             "it again")
         sizes = [s.n_tokens for s in self.shards]
         self._first = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # (n_shards + 1,)
         docs = [s.n_docs for s in self.shards]
@@ -83,15 +95,17 @@ class ShardStream:
 
     def window(self, i: int, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         lo, hi = i * seq_len, i * seq_len + seq_len + 1
-        toks, docs = [], []
+        toks, docs, masks = [], [], []
         k = int(np.searchsorted(self._first, lo, side="right")) - 1
         while lo < hi:  # a window may span the end of one shard and the start of the next
             shard, base = self.shards[k], int(self._first[k])
             a, b = lo - base, min(hi, int(self._first[k + 1])) - base
             toks.append(shard.tokens[a:b])
             docs.append(shard.doc_of(np.arange(a, b)) + self._first_doc[k])
+            if self.masks is not None:
+                masks.append(self.masks[k].tokens[a:b])
             lo, k = base + b, k + 1
-        return _window(np.concatenate(toks), np.concatenate(docs))
+        return _window(np.concatenate(toks), np.concatenate(docs), np.concatenate(masks) if masks else None)
 
     def max_token(self) -> int:
         return max((s.max_token() for s in self.shards), default=-1)

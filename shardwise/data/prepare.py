@@ -59,7 +59,7 @@ def is_validation(text: str, fraction: float) -> bool:
 
 def settings(source: Source, cfg: DataConfig, tokenizer: Tokenizer, val_fraction: float) -> dict[str, Any]:
     """Everything the shards of ``source`` depend on (and nothing they do not, e.g. the workers)."""
-    return {"format": FORMAT, "kind": source.kind, "text_field": source.text_field,
+    return {"format": FORMAT, "kind": source.kind, "text_field": source.text_field, "data_format": cfg.format,
             "txt_sample_by": cfg.txt_sample_by, "val_fraction": val_fraction,
             "shard_mb": cfg.shard_mb, "tokenizer": tokenizer.fingerprint,
             "vocab_size": tokenizer.vocab_size, "bos": tokenizer.bos_id, "eos": tokenizer.eos_id,
@@ -159,6 +159,10 @@ def shard_done(where: Path, index: int, fingerprint: str) -> dict[str, Any] | No
             p = where / "shards" / f"{index:05d}.{part}{ext}"
             if not p.exists() or p.stat().st_size != rec[part][key]:
                 return None
+        mask = where / "shards" / f"{index:05d}.{part}.mask.bin"  # (chat: one byte per token)
+        if "assistant_tokens" in rec[part] and (not mask.exists()
+                                                or mask.stat().st_size != rec[part]["tokens"]):
+            return None
     return rec if rec.get("tokenizer") == fingerprint else None
 
 
@@ -193,7 +197,8 @@ def _prepare_source(source: Source, where: Path, sets: dict[str, Any], cfg: Data
     workers = max(1, min(workers, -(-raw // chunk)))  # no pool for one shard's worth
     job = dict(out=str(shards), kind=source.kind, text_field=source.text_field,
                sample_by=cfg.txt_sample_by, val_fraction=sets["val_fraction"],
-               dtype=str(token_dtype(tokenizer.vocab_size)), skip_bad=cfg.skip_bad_rows)
+               dtype=str(token_dtype(tokenizer.vocab_size)), skip_bad=cfg.skip_bad_rows,
+               chat=cfg.format == "chat")
     counts = dict(docs=0, tokens=0, val_docs=0, val_tokens=0, empty=0, bad_rows=0, max_token=-1)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"prepare {source.name}", disable=quiet,
                mininterval=1.0, file=sys.stderr, dynamic_ncols=True, delay=2.0)
@@ -205,6 +210,9 @@ def _prepare_source(source: Source, where: Path, sets: dict[str, Any], cfg: Data
                      ("empty", rec["empty"]), ("bad_rows", rec["bad_rows"])):
             counts[k] += v
         counts["max_token"] = max(counts["max_token"], rec["max_token"])
+        for part, key in (("train", "assistant_tokens"), ("val", "val_assistant_tokens")):
+            if "assistant_tokens" in rec[part]:  # chat: the tokens the loss counts
+                counts[key] = counts.get(key, 0) + rec[part]["assistant_tokens"]
         for msg in rec["bad_examples"]:
             bar.write(f"skipped: {msg}")
         rate = (counts["tokens"] + counts["val_tokens"]) / max(time.perf_counter() - start, 1e-9)
@@ -279,39 +287,62 @@ def _work(index: int, unit: Unit, payload: bytes | None, **job: Any) -> dict[str
     return write_shard(_TOKENIZER, index, unit, payload, **job)
 
 
+def _encoded(tokenizer: Tokenizer, batch: list[Any], chat: bool) -> Iterator[tuple[str, np.ndarray,
+                                                                                  np.ndarray | None]]:
+    """(hash key, document tokens, loss mask or None) of each document of ``batch``: a text is
+    ``[bos] + tokens + [eos]``; a conversation is what its chat template renders (the template writes
+    the special tokens), with 1 on its assistant tokens."""
+    if chat:
+        for conv, (ids, mask) in zip(batch, tokenizer.encode_chats(batch), strict=True):
+            yield json.dumps(conv, sort_keys=True), np.asarray(ids, np.int64), np.asarray(mask, np.uint8)
+        return
+    for text, ids in zip(batch, tokenizer.encode_batch(batch), strict=True):
+        doc = np.empty(len(ids) + 2, dtype=np.int64)
+        doc[0], doc[1:-1], doc[-1] = tokenizer.bos_id, ids, tokenizer.eos_id
+        yield text, doc, None
+
+
 def write_shard(tokenizer: Tokenizer, index: int, unit: Unit, payload: bytes | None, *, out: str,
                 kind: str, text_field: str, sample_by: str, val_fraction: float, dtype: str,
-                skip_bad: bool) -> dict[str, Any]:
-    """Tokenize one unit into shard ``index`` (train and held-out parts); the record, written last."""
+                skip_bad: bool, chat: bool = False) -> dict[str, Any]:
+    """Tokenize one unit into shard ``index`` (train and held-out parts; with ``chat`` also each
+    part's loss mask, ``.mask.bin/.idx``, one uint8 per token); the record, written last."""
     shards = Path(out)
     tmp = {part: shards / f".{index:05d}.{part}.tmp{os.getpid()}" for part in ("train", "val")}
     writers = {part: ShardWriter(p, np.dtype(dtype)) for part, p in tmp.items()}
+    masks = ({part: ShardWriter(Path(f"{p}.mask"), np.dtype(np.uint8)) for part, p in tmp.items()}
+             if chat else {})
+    assistant = {"train": 0, "val": 0}  # tokens the loss counts (chat)
     bad: list[str] | None = [] if skip_bad else None
     stats = {"empty": 0, "max_token": -1}
-    batch: list[str] = []
+    batch: list[Any] = []
 
     def flush() -> None:
-        encoded = tokenizer.encode_batch(batch)
         parts: dict[str, list[np.ndarray]] = {"train": [], "val": []}
-        for text, ids in zip(batch, encoded, strict=True):
-            doc = np.empty(len(ids) + 2, dtype=np.int64)
-            doc[0], doc[1:-1], doc[-1] = tokenizer.bos_id, ids, tokenizer.eos_id
-            parts["val" if is_validation(text, val_fraction) else "train"].append(doc)
+        mask_parts: dict[str, list[np.ndarray]] = {"train": [], "val": []}
+        for key, doc, mask in _encoded(tokenizer, batch, chat):
+            part = "val" if is_validation(key, val_fraction) else "train"
+            parts[part].append(doc)
+            if mask is not None:
+                mask_parts[part].append(mask)
+                assistant[part] += int(mask.sum())
             stats["max_token"] = max(stats["max_token"], int(doc.max()))
         if stats["max_token"] > np.iinfo(np.dtype(dtype)).max:  # the vocabulary's size was understated
             raise DataError(f"token id {stats['max_token']} does not fit the shards' {dtype}: the "
                             "tokenizer's vocabulary is larger than it reports")
         for part, docs in parts.items():
             writers[part].add(docs)
+            if chat:
+                masks[part].add(mask_parts[part])
         batch.clear()
 
     held = 0
-    for text in documents(unit, payload, kind, text_field, sample_by, bad):
-        if not text.strip():
+    for doc in documents(unit, payload, kind, text_field, sample_by, bad, chat):
+        if not chat and not doc.strip():
             stats["empty"] += 1
             continue
-        batch.append(text)
-        held += len(text)
+        batch.append(doc)
+        held += len(doc) if not chat else sum(len(m["content"]) for m in doc)
         if held >= _BATCH_CHARS:
             flush()
             held = 0
@@ -322,7 +353,12 @@ def write_shard(tokenizer: Tokenizer, index: int, unit: Unit, payload: bytes | N
                            "bad_rows": len(bad or []), "bad_examples": (bad or [])[:3]}
     for part, w in writers.items():
         rec[part] = w.close()
-        for ext in (".bin", ".idx"):
+        exts = (".bin", ".idx")
+        if chat:
+            masks[part].close()
+            rec[part]["assistant_tokens"] = assistant[part]
+            exts += (".mask.bin", ".mask.idx")
+        for ext in exts:
             os.replace(f"{tmp[part]}{ext}", shards / f"{index:05d}.{part}{ext}")
     _write_json(shards / f"{index:05d}.json", rec)
     return rec

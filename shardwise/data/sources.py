@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from shardwise.config import ConfigError, DataConfig
-from shardwise.data.tokenizer import SHIPPED_CORPUS
+from shardwise.data.chat import check_messages
+from shardwise.data.tokenizer import SHIPPED_CHAT, SHIPPED_CORPUS
 
 _KINDS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _COMPRESSED = (".gz", ".zst")
@@ -62,9 +63,10 @@ class Unit:
     whole: bool = False
 
 
-def files_of(path: str, key: str) -> tuple[str, tuple[Path, ...]]:
-    """(kind, files) that ``path`` names; a one-line error naming ``key`` when unusable."""
-    p = Path(path).expanduser() if path else SHIPPED_CORPUS
+def files_of(path: str, key: str, default: Path = SHIPPED_CORPUS) -> tuple[str, tuple[Path, ...]]:
+    """(kind, files) that ``path`` names (empty: ``default``); a one-line error naming ``key`` when
+    unusable."""
+    p = Path(path).expanduser() if path else default
     if not p.exists():
         raise ConfigError(f"{key} '{path}' does not exist: give a .txt/.jsonl/.json/.parquet file (or "
                           ".gz/.zst of one) or a folder of them")
@@ -89,10 +91,12 @@ def files_of(path: str, key: str) -> tuple[str, tuple[Path, ...]]:
 
 def resolve_sources(cfg: DataConfig) -> list[Source]:
     """The corpora to mix: ``data.sources`` tables, else ``data.path`` alone with weight 1."""
+    field = cfg.messages_field if cfg.format == "chat" else cfg.text_field
     if not cfg.sources:
-        kind, files = files_of(cfg.path, "data.path")
-        name = Path(cfg.path or SHIPPED_CORPUS).name.split(".")[0]
-        return [Source(name or "data", cfg.path, 1.0, kind, cfg.text_field, files)]
+        shipped = SHIPPED_CHAT if cfg.format == "chat" else SHIPPED_CORPUS
+        kind, files = files_of(cfg.path, "data.path", shipped)
+        name = Path(cfg.path or shipped).name.split(".")[0]
+        return [_checked(cfg, Source(name or "data", cfg.path, 1.0, kind, field, files), "data.path")]
     out: list[Source] = []
     for i, table in enumerate(cfg.sources):
         key = f"data.sources[{i}]"
@@ -108,12 +112,19 @@ def resolve_sources(cfg: DataConfig) -> list[Source]:
             raise ConfigError(f"{key}.weight must be > 0, got {weight}")
         kind, files = files_of(str(table["path"]), f"{key}.path")
         name = str(table.get("name") or Path(str(table["path"])).name.split(".")[0] or f"source{i}")
-        out.append(Source(name, str(table["path"]), weight, kind,
-                          str(table.get("text_field", cfg.text_field)), files))
+        out.append(_checked(cfg, Source(name, str(table["path"]), weight, kind,
+                                        str(table.get("text_field", field)), files), f"{key}.path"))
     names = [s.name for s in out]
     if len(set(names)) != len(names):
         raise ConfigError(f"data.sources names repeat ({', '.join(names)}): give each a distinct name=")
     return out
+
+
+def _checked(cfg: DataConfig, source: Source, key: str) -> Source:
+    if cfg.format == "chat" and source.kind == "text":
+        raise ConfigError(f"data.format=chat reads conversations from .jsonl/.json/.parquet rows; {key} "
+                          f"'{source.path or SHIPPED_CORPUS}' holds text files")
+    return source
 
 
 def is_compressed(f: Path | str) -> bool:
@@ -263,9 +274,10 @@ def row_number(unit: Unit, offset: int) -> int:
 
 
 def documents(unit: Unit, payload: bytes | None, kind: str, text_field: str, sample_by: str,
-              bad: list[str] | None) -> Iterator[str]:
-    """The unit's document texts. A row that cannot be read raises ``DataError`` (file and row), or
-    with ``bad`` given is skipped and described there."""
+              bad: list[str] | None, chat: bool = False) -> Iterator[Any]:
+    """The unit's document texts (``chat``: its conversations, each a list of messages). A row that
+    cannot be read raises ``DataError`` (file and row), or with ``bad`` given is skipped and
+    described there."""
     def fail(i: int, why: str) -> None:
         msg = f"data file '{unit.file}' row {row_number(unit, i)}: {why}"
         if bad is None:
@@ -273,7 +285,7 @@ def documents(unit: Unit, payload: bytes | None, kind: str, text_field: str, sam
         bad.append(msg)
 
     if kind == "parquet":
-        yield from _parquet_docs(unit, text_field, fail)
+        yield from _parquet_docs(unit, text_field, fail, chat)
         return
     if kind == "json" and unit.whole:
         raw = payload if payload is not None else Path(unit.file).read_bytes()
@@ -282,7 +294,7 @@ def documents(unit: Unit, payload: bytes | None, kind: str, text_field: str, sam
         except (ValueError, UnicodeDecodeError) as e:
             raise DataError(f"data file '{unit.file}' is not valid JSON: {e}") from None
         for i, row in enumerate(rows):
-            text, why = _field(row, text_field)
+            text, why = _field(row, text_field, chat)
             if why:
                 fail(i, why)
             else:
@@ -310,7 +322,7 @@ def documents(unit: Unit, payload: bytes | None, kind: str, text_field: str, sam
             except ValueError as e:
                 fail(i, f"not valid JSON ({e})")
                 continue
-            value, why = _field(row, text_field)
+            value, why = _field(row, text_field, chat)
             if why:
                 fail(i, why)
             else:
@@ -328,20 +340,23 @@ def documents(unit: Unit, payload: bytes | None, kind: str, text_field: str, sam
         yield from "".join(buf).split("\n\n")
 
 
-def _field(row: Any, text_field: str) -> tuple[str, str]:
-    """(``row[text_field]``, "") when it is a string, else ("", why not)."""
+def _field(row: Any, text_field: str, chat: bool = False) -> tuple[Any, str]:
+    """(``row[text_field]``, "") when it is a string (``chat``: a conversation), else ("", why not)."""
     if not isinstance(row, dict):
         return "", f"a JSON {type(row).__name__}, not an object"
     if text_field not in row:
         return "", (f"no '{text_field}' field (fields: {', '.join(list(row)[:8])}; set data.text_field "
                     "or the source's text_field)")
     value = row[text_field]
+    if chat:
+        why = check_messages(value)
+        return (value, "") if not why else ("", f"'{text_field}' is {why}")
     if isinstance(value, str):
         return value, ""
     return "", f"'{text_field}' is {type(value).__name__}, not a string"
 
 
-def _parquet_docs(unit: Unit, text_field: str, fail: Any) -> Iterator[str]:
+def _parquet_docs(unit: Unit, text_field: str, fail: Any, chat: bool = False) -> Iterator[Any]:
     import pyarrow.parquet as pq
 
     pf = pq.ParquetFile(unit.file)
@@ -351,8 +366,10 @@ def _parquet_docs(unit: Unit, text_field: str, fail: Any) -> Iterator[str]:
     i = 0
     for batch in pf.iter_batches(batch_size=4096, row_groups=[unit.start], columns=[text_field]):
         for value in batch.column(0).to_pylist():
-            if isinstance(value, str):
-                yield value
+            why = (check_messages(value) if chat else
+                   "" if isinstance(value, str) else f"{type(value).__name__}, not a string")
+            if why:
+                fail(i, f"'{text_field}' is {why}")
             else:
-                fail(i, f"'{text_field}' is {type(value).__name__}, not a string")
+                yield value
             i += 1

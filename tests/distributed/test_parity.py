@@ -264,11 +264,15 @@ def test_gradient_accumulation_4x1_equals_1x4(tmp_path: Path, data_cache: str):
     assert param_error(one, four) <= PARAM_RTOL
 
 
-@pytest.mark.parametrize("nproc,mixed", [(1, False), (2, False), (2, True)])
-def test_resume_continues_the_same_run(tmp_path: Path, data_cache: str, nproc: int, mixed: bool):
+@pytest.mark.parametrize("nproc,mixed,chat", [(1, False, False), (2, False, False), (2, True, False),
+                                              (2, False, True)])
+def test_resume_continues_the_same_run(tmp_path: Path, data_cache: str, nproc: int, mixed: bool, chat: bool):
     """Stop after step 4 and resume: steps 5..10 are bit-identical to the uninterrupted run. Mixed:
-    two weighted sources, the small one going round its epochs several times."""
+    two weighted sources, the small one going round its epochs several times. Chat: the shipped chat
+    set, the loss on assistant tokens."""
     layout = [f"--nproc={nproc}"] if nproc > 1 else []
+    if chat:
+        layout.append("--data.format=chat")
     if mixed:
         small = tmp_path / "small.jsonl"
         small.write_text("\n".join(json.dumps({"text": f"Psalm {i}: " + "praise ye the Lord. " * 8})

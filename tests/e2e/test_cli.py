@@ -270,3 +270,17 @@ def test_hf_folder_to_training_and_back_with_no_model_flags(tmp_path: Path, data
                      "--toml", str(toml)], check=False)
     assert again.returncode == 2 and again.stderr.count("\n") == 1 and "is not replaced" in again.stderr
     assert toml.read_text() == written
+
+
+def test_fine_tuning_on_chat_data_lowers_the_assistant_loss(tmp_path: Path, data_cache: str):
+    """configs/chat-debug.toml: the shipped chat set, the loss on assistant tokens only (test_chat.py
+    checks the counting); the training and held-out assistant-token losses fall."""
+    run_dir = tmp_path / "chat"
+    run_cli(["train", "--config", str(ROOT / "configs" / "chat-debug.toml"), f"--run.dir={run_dir}",
+             f"--data.cache_dir={data_cache}", "--training.steps=30", "--eval.interval=10",
+             "--metrics.progress=false", "--compile.enabled=false", "--checkpoint.interval=0"])
+    rows = metrics(run_dir)
+    losses = [r["loss"] for r in rows]
+    vals = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert losses[-1] < losses[0] - 1.0, losses
+    assert len(vals) == 3 and vals[-1] < vals[0], vals

@@ -127,6 +127,7 @@ HOW: dict[str, Check] = {
         reason="a long benchmark (calibration, then 14 layouts run for real); BENCHMARKS.md has its output"),
     "python bench/published.py --plan": Check(slow=True),
     # docs/data.md
+    "shardwise train --config configs/chat-debug.toml": Check(TRAIN),
     "shardwise prepare --config configs/debug.toml": Check(),
     "shardwise prepare --config configs/debug.toml --data.path corpus.jsonl --data.prepared_dir prepared":
         Check(setup=(_CORPUS,)),
