@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from shardwise.checkpoint import CheckpointError, load_model_only, read_manifest, save_model_only
+from shardwise.checkpoint import CheckpointError, ModelTensors, read_manifest, save_model_only
 from shardwise.config import ConfigError, ModelConfig
 from shardwise.hf_config import (  # (hf_family: re-exported for the tests)
     args_from_hf,
@@ -135,8 +135,9 @@ def from_hf_state(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, 
 
 
 def export_hf(checkpoint: Path, out: Path, dtype: str = "bf16") -> list[Path]:
-    """Write ``out/config.json`` and safetensors (sharded above 5 GiB) from a shardwise checkpoint,
-    converting and writing one shard at a time (the model in fp32 plus one shard in memory)."""
+    """Write ``out/config.json`` and safetensors (sharded above 5 GiB) from a shardwise checkpoint:
+    each tensor is read from the checkpoint, converted and added to the shard being built, which is
+    written when full (one tensor in fp32 plus one shard in memory, never the whole model)."""
     from safetensors.torch import save_file
 
     manifest = read_manifest(checkpoint)
@@ -144,11 +145,8 @@ def export_hf(checkpoint: Path, out: Path, dtype: str = "bf16") -> list[Path]:
         raise CheckpointError(f"checkpoint '{checkpoint}' records no model config in its manifest")
     args = model_args(ModelConfig(**manifest["model"]))
     config = hf_config(args, dtype)
-    model = build_model(args)
-    model.to_empty(device="cpu")
-    load_model_only(checkpoint, model)
-    state = model.state_dict()
-    if any(k.endswith("router.expert_bias") and v.any() for k, v in state.items()):
+    state = ModelTensors(checkpoint)
+    if any(k.endswith("router.expert_bias") and state[k].any() for k in state.specs):
         raise ConfigError("this checkpoint's experts are chosen with a routing bias (model.moe_balance="
                           "bias), which HF Qwen3-MoE does not have: its routing would differ")
     itemsize = _DTYPES[dtype].itemsize

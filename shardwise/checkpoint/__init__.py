@@ -34,6 +34,7 @@ from shardwise.checkpoint.manifest import (
     verify,
 )
 from shardwise.checkpoint.reader import (
+    ModelTensors,
     SafePlanner,
     SafeReader,
     check_compatible,
@@ -51,6 +52,7 @@ __all__ = [
     "CheckpointError",
     "Checkpointer",
     "SafePlanner",
+    "ModelTensors",
     "SafeReader",
     "check_compatible",
     "check_files",

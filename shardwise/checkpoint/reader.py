@@ -131,6 +131,26 @@ def read_model_tensors(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+class ModelTensors:
+    """Checkpoint ``path``'s model tensors read one at a time (each a plain full tensor): what
+    ``convert --to-hf`` streams from, holding one tensor of the model at a time, not all of it."""
+
+    def __init__(self, path: Path) -> None:
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.path = path
+        meta = SafeReader(str(path)).read_metadata()
+        self.specs = {k.removeprefix("model."): (tuple(v.size), v.properties.dtype)
+                      for k, v in meta.state_dict_metadata.items()
+                      if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shape, dtype = self.specs[name]
+        state = {name: torch.empty(shape, dtype=dtype)}
+        _dcp_load({"model": state}, self.path, no_dist=True)
+        return state[name]
+
+
 def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Global shape of every model tensor in checkpoint ``path`` (from DCP's metadata file)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata

@@ -95,7 +95,7 @@ HOW: dict[str, Check] = {
     "--compile.enabled true --float8.enabled true --optimizer.state_dtype bf16 --training.loss_chunk 1024 "
     "--run.dir runs/lean": train(),
     "sbatch examples/slurm.sbatch configs/debug.toml": Check(
-        reason="needs a Slurm cluster; its srun/torchrun line is the torchrun entry point tested above"),
+        reason="needs a Slurm cluster; test_multinode.py runs the script through stand-in srun/scontrol"),
     "shardwise train --config configs/debug.toml --training.steps 500 --training.mixed_precision fp32 "
     "--optimizer.lr 1e-3 --lr_scheduler.decay wsd --run.dir runs/mine": train(),
     "shardwise train --config configs/debug.toml --print-config": Check(),
