@@ -187,9 +187,24 @@ QWEN3_LAYOUTS = {
 }
 
 
+# ... and under the parallelisms that take no document mask, against an unmasked reference.
+QWEN3_UNMASKED_LAYOUTS = {
+    "qwen3_cp2": ["--nproc=2", "--parallel.cp=2"],
+    "qwen3_pp2": ["--nproc=2", "--parallel.pp=2", "--training.micro_batch=2"],
+}
+
+
 @pytest.fixture(scope="module")
 def reference_qwen3(tmp_path_factory: pytest.TempPathFactory, data_cache: str) -> Path:
     return train(tmp_path_factory.mktemp("ref_qwen3"), "ref", data_cache, *QWEN3_ARGS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(QWEN3_UNMASKED_LAYOUTS))
+def test_qwen3_unmasked_layout_matches_single_rank(layout: str, tmp_path: Path, data_cache: str):
+    extra = [*QWEN3_ARGS, "--data.document_mask=false"]
+    ref = train(tmp_path, "ref", data_cache, *extra)
+    check_same_run(ref, train(tmp_path, layout, data_cache, *extra, *QWEN3_UNMASKED_LAYOUTS[layout]), layout)
 
 
 @pytest.mark.parametrize("layout", layouts(QWEN3_LAYOUTS, {"qwen3_fsdp2_tp2", "qwen3_fsdp2"}))
