@@ -216,14 +216,14 @@ def cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_config(args.config, overrides)
     # The model comes from config.json unless the user named one (a preset or model fields).
     from shardwise.config_types import read_toml
+    from shardwise.hf_config import hf_tokenizer
 
     named = bool(args.config and "model" in read_toml(Path(args.config), "config file")) or any(
         o.startswith("--model.") for o in overrides)
     out, model = convert.import_hf(Path(args.from_hf), out, cfg.model if named else None)
     cfg.model = model
     cfg.checkpoint.path = str(out)
-    if not (args.config and cfg.data.tokenizer) and (Path(args.from_hf) / "tokenizer.json").is_file():
-        cfg.data.tokenizer = str(Path(args.from_hf) / "tokenizer.json")  # the model's own tokenizer
+    cfg.data.tokenizer = cfg.data.tokenizer or hf_tokenizer(Path(args.from_hf))  # the model's own
     toml.write_text(cfg.to_toml())
     print(f"imported {args.from_hf} -> {out} (model {model.name or 'from config.json'}); train from it: "
           f"shardwise train --config {toml}")

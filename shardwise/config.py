@@ -53,6 +53,11 @@ def _preset_overrides() -> type:
 ModelConfig = _preset_overrides()
 
 
+def model_label(model: Any) -> str:
+    """A [model] section's name in messages: its preset, or "custom" (no preset)."""
+    return model.name or "custom"
+
+
 @dataclass
 class DataConfig:
     path: str = ""

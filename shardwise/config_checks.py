@@ -12,7 +12,7 @@ from typing import Any
 
 import shardwise.device
 from shardwise.config import Config, ConfigError, ModelConfig, read_config
-from shardwise.hf_config import args_from_hf, model_config_of, read_hf_config
+from shardwise.hf_config import args_from_hf, hf_tokenizer, model_config_of, read_hf_config
 from shardwise.model_args import ModelArgs
 from shardwise.models import check_args, model_args
 from shardwise.models.presets import PRESETS
@@ -133,8 +133,7 @@ def model_from_hf(cfg: Config) -> None:
                f"section's ({cfg.model.name})")
     model = model_config_of(args)
     cfg.model = model
-    if not cfg.data.tokenizer and (Path(folder) / "tokenizer.json").is_file():
-        cfg.data.tokenizer = str(Path(folder) / "tokenizer.json")
+    cfg.data.tokenizer = cfg.data.tokenizer or hf_tokenizer(Path(folder))
 
 
 def resolve_model(cfg: Config) -> None:

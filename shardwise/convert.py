@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -116,22 +115,16 @@ def to_hf_state(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, to
     return dict(to_hf_tensors(state.__getitem__, args))
 
 
-def from_hf_tensors(get: Callable[[str], torch.Tensor], args: ModelArgs
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(our name, tensor) of every parameter, from ``get`` (HF name -> HF tensor), one at a time."""
-    for ours, hf in hf_names(args).items():
-        yield ours, _rope_rows(ours, get(hf), args, from_rotate_half)
-    for ours, hf_list in expert_names(args).items():
-        yield ours, torch.stack([get(hf).t() for hf in hf_list])
-
-
-def from_hf_state(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    def get(hf: str) -> torch.Tensor:
-        if hf not in state:
-            raise ConfigError(f"the HF checkpoint has no tensor '{hf}': is it a checkpoint of this "
-                              "model config?")
-        return state[hf]
-    return dict(from_hf_tensors(get, args))
+def from_hf_tensors(get: Callable[[str], torch.Tensor], args: ModelArgs,
+                    names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(our name, full tensor) of each parameter in ``names`` (default: every one), from ``get``
+    (HF name -> HF tensor), one at a time."""
+    one, experts = hf_names(args), expert_names(args)
+    for ours in [*one, *experts] if names is None else names:
+        if ours in one:
+            yield ours, _rope_rows(ours, get(one[ours]), args, from_rotate_half)
+        else:
+            yield ours, torch.stack([get(hf).t() for hf in experts[ours]])
 
 
 def export_hf(checkpoint: Path, out: Path, dtype: str = "bf16") -> list[Path]:
@@ -186,35 +179,28 @@ class HFFolder:
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise ConfigError(f"'{folder}' has no .safetensors files (only safetensors weights are read)")
-        self._files, self._where = [], {}
+        self._where = {}
         for f in files:
             try:
                 handle = safe_open(str(f), framework="pt")
             except (SafetensorError, OSError) as e:
                 raise ConfigError(f"'{f}' is not a readable safetensors file ({e})") from None
-            self._files.append(handle)
             self._where.update({k: handle for k in handle.keys()})  # noqa: SIM118 (a safe_open handle)
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._where
-
     def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self._where:
-            raise ConfigError(f"the HF checkpoint has no tensor '{name}': is it a "
-                              f"{self.config.get('model_type')} checkpoint of this shape?")
-        return self._where[name].get_tensor(name)
-
-    def expert(self, name: str) -> torch.Tensor:
-        """A per-expert matrix, also from transformers 5's fused layout (``mlp.experts.gate_up_proj``
-        (E, 2h, d) and ``mlp.experts.down_proj`` (E, d, h)) when the folder was saved that way."""
+        """A tensor by its HF name; a per-expert matrix also from transformers 5's fused layout
+        (``mlp.experts.gate_up_proj`` (E, 2h, d), ``mlp.experts.down_proj`` (E, d, h))."""
         if name in self._where:
-            return self[name]
-        prefix, e, proj = name.rsplit(".", 3)[0], int(name.split(".")[-3]), name.split(".")[-2]
-        if proj == "down_proj":
-            return self[f"{prefix}.down_proj"][e]
-        gate_up = self[f"{prefix}.gate_up_proj"][e]  # (2h, d)
-        half = gate_up.shape[0] // 2
-        return gate_up[:half] if proj == "gate_proj" else gate_up[half:]
+            return self._where[name].get_tensor(name)
+        if ".mlp.experts." in name:
+            prefix, e, proj = name.rsplit(".", 3)[0], int(name.split(".")[-3]), name.split(".")[-2]
+            if proj == "down_proj":
+                return self[f"{prefix}.down_proj"][e]
+            gate_up = self[f"{prefix}.gate_up_proj"][e]  # (2h, d)
+            half = gate_up.shape[0] // 2
+            return gate_up[:half] if proj == "gate_proj" else gate_up[half:]
+        raise ConfigError(f"the HF checkpoint has no tensor '{name}': is it a "
+                          f"{self.config.get('model_type')} checkpoint of this shape?")
 
 
 @torch.no_grad()
@@ -225,12 +211,9 @@ def load_hf_weights(model: nn.Module, folder: Path, args: ModelArgs) -> None:
     time. Buffers (the RoPE table, MoE routing state) stay as init built them."""
     hf = HFFolder(folder)
     check_hf_config(hf.config, args)
-    names, experts = hf_names(args), expert_names(args)
-    for name, p in model.named_parameters():
-        if name in names:
-            full = _rope_rows(name, hf[names[name]], args, from_rotate_half)
-        else:
-            full = torch.stack([hf.expert(n).t() for n in experts[name]])
+    params = dict(model.named_parameters())
+    for name, full in from_hf_tensors(hf.__getitem__, args, params):
+        p = params[name]
         if tuple(full.shape) != tuple(p.shape):
             raise ConfigError(f"HF tensor for '{name}' has shape {tuple(full.shape)}, this model needs "
                               f"{tuple(p.shape)}")
@@ -239,12 +222,6 @@ def load_hf_weights(model: nn.Module, folder: Path, args: ModelArgs) -> None:
         if isinstance(p, DTensor):  # every rank read the same tensor: each keeps its shard, no comm
             full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
         local.copy_(full)
-
-
-def read_hf(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(config.json, every tensor) of an HF model folder (tests; conversion streams through HFFolder)."""
-    f = HFFolder(folder)
-    return f.config, {k: f[k] for k in f._where}
 
 
 def import_hf(folder: Path, out: Path, model_cfg: ModelConfig | None = None) -> tuple[Path, ModelConfig]:
@@ -259,12 +236,9 @@ def import_hf(folder: Path, out: Path, model_cfg: ModelConfig | None = None) -> 
         args = model_args(model_cfg)
         check_hf_config(hf.config, args)
 
-    def get(name: str) -> torch.Tensor:
-        return hf.expert(name) if ".mlp.experts." in name else hf[name]
-
     expected = build_model(args).state_dict()
     ours = {}
-    for name, t in from_hf_tensors(get, args):
+    for name, t in from_hf_tensors(hf.__getitem__, args):
         if tuple(t.shape) != tuple(expected[name].shape):
             raise ConfigError(f"HF tensor for '{name}' has shape {tuple(t.shape)}, this model needs "
                               f"{tuple(expected[name].shape)}")

@@ -15,6 +15,9 @@ from shardwise.models import ModelArgs, check_args
 from shardwise.models.presets import PRESETS
 
 _CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+# ModelArgs fields that are training choices, not the function the weights compute: the RoPE
+# table's length and how MoE routing is balanced (the weight of the aux loss, the bias updates).
+_TRAINING_ONLY = ("max_seq_len", "moe_balance", "moe_aux_coef", "moe_bias_rate")
 
 
 def read_hf_config(folder: Path) -> dict[str, Any]:
@@ -26,6 +29,12 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"'{path}' is not readable JSON ({e})") from None
+
+
+def hf_tokenizer(folder: Path) -> str:
+    """``folder`` as a data.tokenizer when it holds a tokenizer.json (its tokenizer_config.json --
+    special tokens, chat template -- comes with it), else "" (the shipped tokenizer)."""
+    return str(folder) if (Path(folder) / "tokenizer.json").is_file() else ""
 
 
 def hf_family(args: ModelArgs) -> str:
@@ -143,8 +152,8 @@ def check_hf_config(hf: dict[str, Any], args: ModelArgs) -> None:
     theirs = args_from_hf(hf)
     for f in dataclasses.fields(ModelArgs):
         a, b = getattr(theirs, f.name), getattr(args, f.name)
-        if f.name.startswith("moe_") and not args.n_experts or f.name == "max_seq_len":
-            continue  # (a dense model's MoE knobs are inert; any RoPE table length is a choice)
+        if f.name.startswith("moe_") and not args.n_experts or f.name in _TRAINING_ONLY:
+            continue  # (a dense model's MoE knobs are inert; training choices are not the shape)
         if f.name in ("multiple_of", "ffn_dim_multiplier", "ffn_hidden_size", "head_size"):
             continue  # compared through what they give: the FFN width and the head width below
         if (math.isclose(a, b) if isinstance(a, float) else a == b):

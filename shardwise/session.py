@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise import checkpoint, convert, rundir
-from shardwise.config import Config
+from shardwise.config import Config, model_label
 from shardwise.data.dataset import Batch, Corpus, PackedLoader, check_vocab, open_corpus
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.device import DistEnv
@@ -129,7 +129,6 @@ class Session:
         if export and self.env.rank == 0:
             self.logger.message(export_hf_folder(path, self.run_dir / "hf"))
 
-
     def report_first_step(self, memory: dict[str, int]) -> None:
         """After the first step: the time to it (start-up, and the compile it paid); every rank's
         memory breakdown, which rank 0 prints and writes to memory_breakdown.json."""
@@ -153,7 +152,7 @@ class Session:
         self.logger.close()
         if self.env.rank == 0 and cfg.metrics.plot and (self.run_dir / "metrics.jsonl").stat().st_size:
             plot_loss(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png",
-                      f"{cfg.model.name or 'custom'} — {self.run_dir}")
+                      f"{model_label(cfg.model)} — {self.run_dir}")
             print(f"run directory: {self.run_dir} (config.toml, metrics.jsonl, tb/, loss.png, checkpoints/)")
         dist.barrier()
         dist.destroy_process_group()
@@ -297,6 +296,5 @@ def shared_peak(device: torch.device, cfg: Config) -> float:
 def describe(run: ResolvedRun, start: int) -> str:
     args, t = run.model, run.cfg.training
     active = f", {num_params(args, active=True) / 1e6:.1f}M active" if args.n_experts else ""
-    name = run.cfg.model.name or "custom"
-    return (f"model {name}: {num_params(args) / 1e6:.1f}M params{active} | {run} | "
+    return (f"model {model_label(run.cfg.model)}: {num_params(args) / 1e6:.1f}M params{active} | {run} | "
             f"steps {start + 1}..{t.steps}")

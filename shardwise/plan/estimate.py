@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.config import Config
+from shardwise.config import Config, model_label
 from shardwise.models import model_args
 from shardwise.observe.flops import flops_per_token, num_params
 from shardwise.plan.comm import Collective, step_collectives
@@ -71,9 +71,9 @@ def format_estimate(est: Estimate) -> str:
     cfg, lay, hw = est.cfg, est.layout, est.hardware
     args = model_args(cfg.model)
     t = cfg.training
-    name = cfg.model.name or "custom"
-    lines = [f"model {name} ({num_params(args) / 1e9:.3g}B params), {t.global_batch} x {t.seq_len} "
-             f"tokens/step, {t.mixed_precision}, optimizer states {cfg.optimizer.state_dtype}",
+    lines = [f"model {model_label(cfg.model)} ({num_params(args) / 1e9:.3g}B params), "
+             f"{t.global_batch} x {t.seq_len} tokens/step, {t.mixed_precision}, optimizer states "
+             f"{cfg.optimizer.state_dtype}",
              f"layout {lay} on {lay.world} ranks ({lay.micro_batches(t.global_batch)} micro-batch(es) per "
              f"rank), hardware {hw.name}: {hw.description}", ""]
     heads = [f"pp rank {m.pp_rank}" for m in est.memory]

@@ -16,7 +16,7 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass
 
-from shardwise.config import Config, ConfigError
+from shardwise.config import Config, ConfigError, model_label
 from shardwise.models import model_args
 from shardwise.plan.cost import step_time
 from shardwise.plan.estimate import Estimate, GiB, estimate
@@ -152,7 +152,7 @@ def plan_config(base: Config, seq: int, global_batch_tokens: int) -> Config:
 
 
 def format_plan(result: PlanResult, cfg: Config, gpus: int, hw: Hardware) -> str:
-    lines = [f"{result.considered} layouts of {cfg.model.name or 'custom'} on {gpus} x {hw.name}: "
+    lines = [f"{result.considered} layouts of {model_label(cfg.model)} on {gpus} x {hw.name}: "
              f"{len(result.ranked)} feasible"]
     for reason, n in result.dropped.most_common():
         lines.append(f"  dropped {n}: {reason}")

@@ -252,11 +252,18 @@ def test_hf_folder_to_training_and_back_with_no_model_flags(tmp_path: Path, data
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                       vocab_size=2048, max_position_embeddings=128, tie_word_embeddings=True)
     transformers.Qwen3ForCausalLM(hf_cfg).save_pretrained(tmp_path / "qwen3")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # a tokenizer of the folder's own
+        shutil.copy(ROOT / "shardwise" / "data" / "assets" / name, tmp_path / "qwen3" / name)
     ckpt, toml = tmp_path / "init" / "step-0", tmp_path / "init" / "step-0.toml"
     out = run_cli(["convert", "--from-hf", str(tmp_path / "qwen3"), "--out", str(ckpt)]).stdout
     assert f"train from it: shardwise train --config {toml}" in out
     written = toml.read_text()
     assert 'name = ""' in written and "qk_norm = true" in written and "ffn_hidden_size = 96" in written
+    assert tomllib.loads(written)["data"]["tokenizer"] == str(tmp_path / "qwen3")  # the folder's
+    byte = tmp_path / "byte.toml"  # ... unless the command line names another
+    run_cli(["convert", "--from-hf", str(tmp_path / "qwen3"), "--out", str(tmp_path / "b" / "step-0"),
+             "--toml", str(byte), "--data.tokenizer", "byte"])
+    assert tomllib.loads(byte.read_text())["data"]["tokenizer"] == "byte"
     run_dir = tmp_path / "run"
     run_cli(["train", "--config", str(toml), f"--run.dir={run_dir}", f"--data.cache_dir={data_cache}",
              "--training.steps=2", "--training.seq_len=64", "--training.global_batch=4",

@@ -131,6 +131,19 @@ def test_hf_round_trip_is_lossless(tmp_path: Path):
         assert t.dtype == torch.bfloat16 and torch.equal(t, want[name]), name
 
 
+def test_import_against_a_model_config_ignores_its_training_choices(tmp_path: Path):
+    """How MoE routing is balanced and the RoPE table's length are training choices: a config that
+    makes other ones still names the HF model's shape."""
+    cfg = FAMILIES["qwen3-moe"]
+    path, _ = saved_model(tmp_path, cfg)
+    convert.export_hf(path, tmp_path / "hf", dtype="fp32")
+    mine = dataclasses.replace(cfg, moe_balance="bias", moe_aux_coef=0.5, moe_bias_rate=0.1, max_seq_len=32)
+    _, model = convert.import_hf(tmp_path / "hf", tmp_path / "back", mine)
+    assert model.moe_balance == "bias" and model.max_seq_len == 32
+    with pytest.raises(ConfigError, match="HF config gives model.moe_top_k=2 but the model config has 3"):
+        convert.import_hf(tmp_path / "hf", tmp_path / "x", dataclasses.replace(cfg, moe_top_k=3))
+
+
 def test_import_checks_the_hf_config_against_the_model(tmp_path: Path):
     path, _ = saved_model(tmp_path)
     convert.export_hf(path, tmp_path / "hf", dtype="fp32")
