@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +112,9 @@ def _dcp_load(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
     the one-line :class:`CheckpointError`, not wrapped in DCP's per-rank report."""
     SafeReader(str(path)).read_metadata()  # a refusal here as itself (DCP would turn it into text)
     try:
-        dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner(path), no_dist=no_dist)
+        with warnings.catch_warnings():  # (no_dist: DCP warns that it assumes one process, as asked)
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner(path), no_dist=no_dist)
     except (Exception, CheckpointException) as e:
         ours = next((c for c in exception_chain(e) if isinstance(c, CheckpointError)), None)
         if ours is None:

@@ -14,6 +14,7 @@ import random
 import shutil
 import sys
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -279,7 +280,9 @@ def save_model_only(path: Path, state: dict[str, torch.Tensor], info: dict[str, 
     staging = path.with_name(path.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    dcp.save({"model": state}, checkpoint_id=str(staging), no_dist=True)
+    with warnings.catch_warnings():  # (DCP warns that it assumes one process, as asked)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": state}, checkpoint_id=str(staging), no_dist=True)
     files = {p.name: _file_record(p) for p in sorted(staging.iterdir())}
     _commit(staging, path, {"step": 0, "world_size": 1, "contents": ["model"], **info, "files": files})
 
