@@ -317,11 +317,10 @@ def _runs(layers: list[int], signature: dict[int, tuple]) -> list[list[int]]:
     return runs
 
 
-def step_memory(cfg: Config, layout: Layout, st: RankStates) -> RankMemory:
-    """Simulate one steady-state step of the rank with states ``st``; its peak and breakdown."""
-    s = shape_of(cfg, layout)
-    e, red = s.e, BYTES[cfg.parallel.fsdp_reduce_dtype] if s.e == 2 else 4
-    m = layout.micro_batches(cfg.training.global_batch)
+def _rank_activations(cfg: Config, s: Shape, st: RankStates) -> tuple[dict[int, int], dict[int, int],
+                                                                     dict[str, int]]:
+    """(saved bytes per block under checkpointing, without it, the rank's saved bytes by part) for
+    one micro-batch."""
     kinds = {}  # the formulas depend on the block's kind and checkpointing only
     per_block, full_block = {}, {}
     for i in st.layers:
@@ -332,6 +331,40 @@ def step_memory(cfg: Config, layout: Layout, st: RankStates) -> RankMemory:
     acts = {"blocks": sum(per_block.values()) + (rope_table(s, cfg) if st.layers else 0),
             "embedding": embedding_saved(s) if st.has_embedding else 0,
             "head": head_saved(s, cfg) if st.has_head else 0}
+    return per_block, full_block, acts
+
+
+def memory_floor(cfg: Config, layout: Layout, st: RankStates) -> int:
+    """A lower bound of :func:`step_memory`'s peak, without replaying the step: what is live when
+    the first backward starts, counting only allocations that nothing frees before it (parameter
+    and optimizer shards, the RoPE table, and one micro-batch's saved activations and loss
+    temporaries; under pp the gathered units and the warm-up forwards' activations). The planner
+    drops a layout whose floor is over capacity before timing its pipeline (most of the search's
+    cost on large models, where most layouts do not fit)."""
+    s = shape_of(cfg, layout)
+    per_block, _, acts = _rank_activations(cfg, s, st)
+    base = st.params + st.optimizer + rope_table(s, cfg)
+    if layout.pp == 1:
+        loss = loss_temporaries(s, cfg) if st.has_head else 0
+        return base + acts["embedding"] + sum(per_block.values()) + acts["head"] + loss
+    gathered = sum(s.e * u.numel for u in st.units)
+    n_stages = layout.pp * layout.stages_per_rank
+    per_stage = stage_layers(s.args.n_layers, n_stages)
+    warmup = 0
+    for kind, stage in schedule_actions(layout, layout.micro_batches(cfg.training.global_batch), st.pp_rank):
+        if kind != "F":
+            break
+        warmup += ((acts["embedding"] if stage == 0 else 0) + (acts["head"] if stage == n_stages - 1 else 0)
+                   + sum(per_block[i] for i in per_stage[stage]))
+    return base + gathered + warmup
+
+
+def step_memory(cfg: Config, layout: Layout, st: RankStates) -> RankMemory:
+    """Simulate one steady-state step of the rank with states ``st``; its peak and breakdown."""
+    s = shape_of(cfg, layout)
+    e, red = s.e, BYTES[cfg.parallel.fsdp_reduce_dtype] if s.e == 2 else 4
+    m = layout.micro_batches(cfg.training.global_batch)
+    per_block, full_block, acts = _rank_activations(cfg, s, st)
     units: dict[int | None, list] = {}
     for u in st.units:
         units.setdefault(u.layer, []).append(u)

@@ -6,8 +6,10 @@ dropped, with its reason counted, when the trainer would refuse it (degrees that
 model, the batch or the sequence; ``ParallelDims`` and the preflight checks decide, the same code
 ``shardwise train`` runs) or when its predicted peak memory exceeds the device's capacity. The rest
 are costed on shapes (:func:`~shardwise.plan.states.shape_states`, milliseconds each, pipeline ranks
-first and last only) and ranked by predicted tokens/s per device; the top ones are then estimated
-exactly (the real model on the fake process group, every pipeline rank).
+first and last only) and ranked by predicted tokens/s per device; the best ones are then estimated
+on every pipeline rank, the first (the one written out) from the real model on the fake process
+group. A layout whose memory floor (:func:`~shardwise.plan.memory.memory_floor`) is already over
+capacity is dropped before its step is replayed.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from shardwise.plan.cost import step_time
 from shardwise.plan.estimate import Estimate, GiB, estimate
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import Layout
-from shardwise.plan.memory import step_memory
+from shardwise.plan.memory import memory_floor, step_memory
 from shardwise.plan.states import _param_shapes, shape_states
 from shardwise.resolve import resolve_run
 
@@ -117,6 +119,9 @@ def plan(cfg: Config, gpus: int, hw: Hardware, top: int = 5, memory_fraction: fl
             # first and last bound the peak and the time during the search.
             states_cache[key] = states if len(states) <= 2 else [states[0], states[-1]]
         states = states_cache[key]
+        if max(memory_floor(c, layout, st) for st in states) > capacity:
+            dropped["memory over capacity"] += 1
+            continue
         peak = max(step_memory(c, layout, st).peak for st in states)
         if peak > capacity:
             dropped["memory over capacity"] += 1
@@ -124,7 +129,10 @@ def plan(cfg: Config, gpus: int, hw: Hardware, top: int = 5, memory_fraction: fl
         t = step_time(c, layout, states, hw)
         ranked.append(Candidate(layout, peak, t.tokens_per_s / gpus))
     ranked.sort(key=lambda x: -x.tokens_per_s_per_device)
-    exact = [estimate(x.layout.apply(cfg), gpus, hw, exact=exact_top, shapes=shapes) for x in ranked[:top]]
+    # The first is the one written out: its states come from the real model (tests hold the shape
+    # rules equal to it, so the others are costed from shapes -- a 405B build is about a second).
+    exact = [estimate(x.layout.apply(cfg), gpus, hw, exact=exact_top and i == 0, shapes=shapes)
+             for i, x in enumerate(ranked[:top])]
     return PlanResult(ranked, dropped, len(layouts), exact)
 
 

@@ -24,9 +24,9 @@ from shardwise.plan.comm import group_members
 from shardwise.plan.cost import rank_time
 from shardwise.plan.hardware import available, load_hardware
 from shardwise.plan.layout import Layout
-from shardwise.plan.memory import activations, step_memory
+from shardwise.plan.memory import activations, memory_floor, step_memory
 from shardwise.plan.schedule import in_flight, schedule_actions
-from shardwise.plan.search import parse_tokens, plan, plan_config
+from shardwise.plan.search import check_layout, enumerate_layouts, parse_tokens, plan, plan_config
 from shardwise.plan.states import built_states, shape_states
 from shardwise.resolve import resolve_run
 from tests.conftest import ROOT, one_rank_pg
@@ -300,6 +300,29 @@ def test_plan_with_float8_checks_layouts_without_building_the_model(monkeypatch:
     result = plan(cfg, 8, load_hardware("h100"), top=1, schedules=("1f1b",))
     assert result.ranked and result.considered > 50 and not calls
     assert "float8" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("path, world, overrides", [
+    (DEBUG, 8, ["--training.global_batch=16"]),
+    (MOE, 8, ["--training.global_batch=16"]),
+    (DEBUG, 32, ["--model.name=8b", "--training.seq_len=4096", "--training.global_batch=64"]),
+])
+def test_memory_floor_never_exceeds_the_peak(path: str, world: int, overrides: list[str]):
+    """The planner drops a layout whose memory floor is over capacity without replaying its step:
+    over every accepted candidate of a search (every schedule, micro-batch and checkpointing mode,
+    pipeline ranks first and last), the floor is at most the replayed peak -- and not a trivial
+    bound (over half the peak on average)."""
+    cfg = load_config(path, overrides)
+    ratios = []
+    for layout in enumerate_layouts(cfg, world, load_hardware("h100"), max_micro_batch=2):
+        if check_layout(cfg, layout):
+            continue
+        c = layout.apply(cfg)
+        for st in shape_states(c, layout):
+            floor, peak = memory_floor(c, layout, st), step_memory(c, layout, st).peak
+            assert floor <= peak, (str(layout), st.pp_rank, floor, peak)
+            ratios.append(floor / peak)
+    assert len(ratios) > 50 and sum(ratios) / len(ratios) > 0.5
 
 
 def test_parse_tokens():
