@@ -28,10 +28,11 @@ count.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -44,6 +45,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.pipelining.schedules import _add_send_recv, _add_unshard_reshard, _ComputationType
 
 from shardwise.models.moe import routing_not_counted
 from shardwise.parallel.tensor import full_value
@@ -184,6 +186,8 @@ class Pipe:
             self.schedule = SCHEDULES[schedule](self.stages, n_microbatches, loss_fn=self.loss,
                                                 scale_grads=False)
         self.is_first, self.is_last = 0 in ids, n_stages - 1 in ids
+        self.v_shaped = schedule in V_SHAPED
+        self._eval_order: dict | None = None  # (V_SHAPED: the forward-only order, built on first eval)
         # By default the last stage keeps every micro-batch's output (the logits) to return them
         # merged; the losses are all the trainer reads, so it asks for none of that memory.
         takes = inspect.signature(self.schedule.step).parameters
@@ -211,4 +215,33 @@ class Pipe:
     @torch.no_grad()
     def loss_sum(self, batches: list) -> torch.Tensor:
         """Summed token loss of the micro-batches, forward only."""
-        return self._run(self.schedule.eval, batches, 1.0)
+        with self._forward_only_order():
+            return self._run(self.schedule.eval, batches, 1.0)
+
+    @contextlib.contextmanager
+    def _forward_only_order(self) -> Iterator[None]:
+        """torch's ``eval()`` of a V-shaped schedule (ZB-V, DualPipeV) still walks its backward
+        actions, and where two stages sit on one rank it hands the later stage's (never computed)
+        input gradient to the earlier one, which raises (torch 2.13: "can't steal_bwd_input if this
+        stage doesn't have backward"). Evaluation runs the schedule's forward actions alone, in
+        their order, lowered with their sends and receives by torch's own passes; the training
+        order is put back afterwards."""
+        sched = self.schedule
+        if not self.v_shaped:
+            yield
+            return
+        train = sched.pipeline_order_with_comms
+        if self._eval_order is None:
+            forward = {rank: _add_unshard_reshard([x for a in actions if a is not None
+                                                   for x in (a.sub_actions or (a,))
+                                                   if x.computation_type == _ComputationType.FORWARD])
+                       for rank, actions in sched.pipeline_order.items()}
+            # (the lowering _prepare_schedule_with_comms runs, without its check that every stage
+            # has its backward)
+            self._eval_order = _add_send_recv(forward, lambda s: sched.stage_index_to_group_rank[s],
+                                              sched._num_stages)
+        sched.pipeline_order_with_comms = self._eval_order
+        try:
+            yield
+        finally:
+            sched.pipeline_order_with_comms = train

@@ -215,8 +215,10 @@ def test_qwen3_layout_matches_single_rank(layout: str, reference_qwen3: Path, tm
 
 
 # Schedules with 2 stages of one block per rank (looped or V-shaped): a 4-block model, its own
-# reference, 4 micro-batches of 2 sequences.
-MULTI_STAGE = ["--data.document_mask=false", "--model.n_layers=4", "--training.micro_batch=2"]
+# reference, 4 micro-batches of 2 sequences; evaluated at steps 5 and 10 (the V-shaped schedules'
+# eval runs a forward-only order of their own: parallel/pipeline.py Pipe._forward_only_order).
+MULTI_STAGE = ["--data.document_mask=false", "--model.n_layers=4", "--training.micro_batch=2",
+               "--eval.interval=5"]
 MULTI_STAGE_LAYOUTS = {
     "pp2_interleaved": ["--nproc=2", "--parallel.pp=2", "--parallel.pp_schedule=interleaved1f1b"],
     "pp2_interleaved_fsdp2": ["--nproc=4", "--parallel.pp=2", "--parallel.dp_shard=2",
@@ -240,6 +242,7 @@ def reference_4_layers(tmp_path_factory: pytest.TempPathFactory, data_cache: str
 def test_multi_stage_pipeline_matches_single_rank(layout: str, reference_4_layers: Path, tmp_path: Path,
                                                   data_cache: str):
     run_dir = train(tmp_path, layout, data_cache, *MULTI_STAGE, *MULTI_STAGE_LAYOUTS[layout])
+    assert sum("val_loss" in r for r in metrics(run_dir)) == 2
     check_same_run(reference_4_layers, run_dir, layout)
 
 
@@ -256,6 +259,8 @@ def check_same_run(reference: Path, run_dir: Path, layout: str) -> None:
     assert loss_diff <= LOSS_RTOL, f"{layout}: loss max rel diff {loss_diff:.2e}"
     assert norm_diff <= LOSS_RTOL, f"{layout}: grad-norm max rel diff {norm_diff:.2e}"
     assert ref[-1]["loss"] < ref[0]["loss"] - 0.2  # the run actually trains
+    vals = [r["val_loss"] for r in ref if "val_loss" in r]  # held-out loss, where the run evaluates
+    assert [r["val_loss"] for r in got if "val_loss" in r] == pytest.approx(vals, rel=LOSS_RTOL), layout
     # The parameters after 10 steps (not just losses) are the same.
     err = param_error(reference, run_dir)
     assert err <= PARAM_RTOL, f"{layout}: final params differ by {err:.2e} of the update"
