@@ -273,13 +273,13 @@ def _estimate_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
     from shardwise.plan.estimate import estimate, estimate_json, format_estimate
-    from shardwise.plan.hardware import load_hardware
+    from shardwise.plan.hardware import load_hardware, profile_device
     from shardwise.resolve import resolve_run
 
     if args.world < 1:
         raise ConfigError(f"--world must be >= 1, got {args.world}")
     # training.mixed_precision=auto resolves for the planned device, not for this machine.
-    cfg = load_config(args.config, overrides, device="cpu" if args.hardware == "local" else "cuda")
+    cfg = load_config(args.config, overrides, device=profile_device(args.hardware))
     # The trainer's own refusals, one line each (for the planned machine, not this one's device).
     resolve_run(cfg, args.world, detect_device=False)
     hw = load_hardware(args.hardware, cfg.data.cache_dir)
@@ -317,8 +317,17 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     import time
 
-    from shardwise.plan.hardware import load_hardware
-    from shardwise.plan.search import format_plan, layout_toml, parse_tokens, plan, plan_config
+    from shardwise.config_checks import notice
+    from shardwise.plan.hardware import load_hardware, profile_device
+    from shardwise.plan.search import (
+        format_plan,
+        layout_toml,
+        parse_tokens,
+        plan,
+        plan_config,
+        run_command,
+        why_nothing,
+    )
 
     if args.gpus < 1:
         raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
@@ -332,18 +341,25 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
             known = ", ".join(config.choices(key))
             raise ConfigError(f"{name}: unknown {', '.join(bad)}; choose from {known}")
     model = [f"--model.name={args.model}"] if args.model else []
-    cfg = load_config(args.config, model + overrides, device="cpu" if args.hardware == "local" else "cuda")
+    cfg = load_config(args.config, model + overrides, device=profile_device(args.hardware))
+    hw = load_hardware(args.hardware, cfg.data.cache_dir)
     seq = args.seq or cfg.training.seq_len
     tokens = (parse_tokens(args.global_batch_tokens) if args.global_batch_tokens
               else max(cfg.training.global_batch, args.gpus) * seq)
     cfg = plan_config(cfg, seq, tokens)
-    hw = load_hardware(args.hardware, cfg.data.cache_dir)
+    notes = []
+    if not cfg.data.path and not cfg.data.sources:
+        shipped = "chat set" if cfg.data.format == "chat" else "4 MB KJV corpus"
+        tokenizer = "" if cfg.data.tokenizer else " with the shipped 2048-token tokenizer"
+        notes.append(f"data.path is not set, so this config trains on the shipped {shipped}{tokenizer}: "
+                     "plan --config your.toml keeps your data, tokenizer, optimizer and checkpoint sections")
     start = time.perf_counter()
     result = plan(cfg, args.gpus, hw, args.top, args.memory_fraction, ac, schedules)
     print(format_plan(result, cfg, args.gpus, hw))
     print(f"({time.perf_counter() - start:.1f} s)")
     if not result.top:
-        print("no layout fits: add devices, shorten the sequence or shrink the batch", file=sys.stderr)
+        print(why_nothing(result, cfg, args.gpus, hw, args.memory_fraction, not args.global_batch_tokens),
+              file=sys.stderr)
         return 1
     if args.out:
         from pathlib import Path
@@ -351,28 +367,31 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         from shardwise.rundir import keep_aside
 
         if kept := keep_aside(Path(args.out)):
-            print(f"notice: the earlier {args.out} is kept as {kept}")
-        Path(args.out).write_text(layout_toml(result.top[0]))
-        print(f"best layout written to {args.out}: shardwise train --config {args.out} "
-              f"(on {args.gpus} ranks)")
+            notice(f"the earlier {args.out} is kept as {kept}")
+        Path(args.out).write_text(layout_toml(result.top[0], args.out, notes))
+        print(f"best layout written to {args.out}: {run_command(args.out, args.gpus, hw)}")
+    for n in notes:
+        notice(n)
     return 0
 
 
 def _calibrate_parser(sub: argparse._SubParsersAction) -> None:
-    sub.add_parser("calibrate", help="measure this machine for --hardware local", allow_abbrev=False,
+    p = sub.add_parser("calibrate", help="measure this machine for --hardware local", allow_abbrev=False,
                    description="Measure GEMM and attention throughput per dtype and thread count, "
                                "memory bandwidth, gloo collective bandwidth and latency among local "
                                "processes, and the host overhead of a step; save them as the 'local' "
                                "hardware profile (about two minutes).")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer sizes and shorter timings (about half a minute; noisier)")
 
 
-def cmd_calibrate(extra: list[str]) -> int:
+def cmd_calibrate(args: argparse.Namespace, extra: list[str]) -> int:
     from shardwise.plan.calibrate import calibrate
     from shardwise.plan.hardware import local_path
 
     cfg = load_config(None, extra)
     print("calibrating this machine ...", flush=True)
-    calibrate(cfg.data.cache_dir)
+    calibrate(cfg.data.cache_dir, quick=args.quick)
     print(f"saved {local_path(cfg.data.cache_dir)}: use --hardware local")
     return 0
 
@@ -407,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             return cmd_plan(args, rest)
         if args.command == "calibrate":
-            return cmd_calibrate(rest)
+            return cmd_calibrate(args, rest)
     except ConfigError as e:
         from shardwise.launch import rank_error
 

@@ -214,8 +214,12 @@ def collective_bandwidth(world: int) -> dict[str, float]:
     return r
 
 
-def calibrate(cache_dir: str = "~/.cache/shardwise", log: Callable[[str], None] = print) -> Hardware:
-    """Measure this machine and save it as the ``local`` profile."""
+def calibrate(cache_dir: str = "~/.cache/shardwise", log: Callable[[str], None] = print,
+              quick: bool = False) -> Hardware:
+    """Measure this machine and save it as the ``local`` profile. ``quick``: fewer GEMM widths,
+    shorter timings and 2 and 4 processes only (about a fifth of the time; noisier)."""
+    gemm_sizes, worlds = ((128, 512, 2048), (2, 4)) if quick else (GEMM_SIZES, WORLDS)
+    secs = 0.25 if quick else 1.0  # (of each measurement's default duration)
     cores = usable_cores()
     threads = sorted({1, cores})
     rates: dict[str, float] = {}
@@ -227,27 +231,27 @@ def calibrate(cache_dir: str = "~/.cache/shardwise", log: Callable[[str], None] 
             for name, dtype in DTYPES.items():
                 # fp32: every (in, out) pair of widths; bf16 (slow without native support on
                 # many CPUs) square weights only
-                pairs = itertools.product(GEMM_SIZES, repeat=2) if name == "fp32" else \
-                    ((w, w) for w in GEMM_SIZES)
+                pairs = itertools.product(gemm_sizes, repeat=2) if name == "fp32" else \
+                    ((w, w) for w in gemm_sizes)
                 for k, n in pairs:
-                    rates[f"{name}@{th}:{k}x{n}"] = gemm_tflops(dtype, k, n)
+                    rates[f"{name}@{th}:{k}x{n}"] = gemm_tflops(dtype, k, n, 0.2 * secs)
                 for hd in HEAD_DIMS:
-                    rates[f"attention_{name}@{th}:{hd}"] = attention_tflops(dtype, hd)
-            bandwidth[str(th)] = memory_gbs()
-            bandwidth[f"large@{th}"] = memory_gbs(large=True)
-            w = GEMM_SIZES[-2]
+                    rates[f"attention_{name}@{th}:{hd}"] = attention_tflops(dtype, hd, 0.2 * secs)
+            bandwidth[str(th)] = memory_gbs(seconds=0.3 * secs)
+            bandwidth[f"large@{th}"] = memory_gbs(large=True, seconds=0.3 * secs)
+            w = gemm_sizes[-2]
             log(f"  {th} thread(s): GEMM at width {w}: fp32 {rates[f'fp32@{th}:{w}x{w}']:.3f} TFLOP/s, bf16 "
                 f"{rates[f'bf16@{th}:{w}x{w}']:.3f}; attention at head dim 64: fp32 "
                 f"{rates[f'attention_fp32@{th}:64']:.3f}, bf16 {rates[f'attention_bf16@{th}:64']:.3f}; "
                 f"memory {bandwidth[str(th)]:.1f} GB/s ({bandwidth[f'large@{th}']:.1f} for outputs over "
                 "16 MiB)")
         torch.set_num_threads(1 if cores == 1 else cores)
-        per_block, per_step = host_overhead_ms()
+        per_block, per_step = host_overhead_ms(secs)
         log(f"  host overhead: {per_block:.2f} ms per block, {per_step:.2f} ms per step")
     finally:
         torch.set_num_threads(old_threads)
     coll, latency, per_tp_block = {}, [], 0.0
-    for w in WORLDS:
+    for w in worlds:
         r = collective_bandwidth(w)
         coll[str(w)] = r["bw_gbs"]
         latency.append(r["latency_s"])
@@ -257,7 +261,8 @@ def calibrate(cache_dir: str = "~/.cache/shardwise", log: Callable[[str], None] 
         if "tp_block_s" in r:
             per_tp_block = 1e3 * r["tp_block_s"]
     hw = Hardware(
-        name="local", description=f"this machine: {cores} CPU cores, measured by shardwise calibrate",
+        name="local", description=f"this machine: {cores} CPU cores, measured by shardwise calibrate"
+                                   + (" --quick" if quick else ""),
         memory_gib=_ram_gib(), memory_bw_gbs=bandwidth[str(max(threads))], gpus_per_node=cores,
         intra_node_bw_gbs=max(coll.values()), intra_node_latency_us=1e6 * statistics.median(latency),
         inter_node_bw_gbs=max(coll.values()), inter_node_latency_us=1e6 * statistics.median(latency),

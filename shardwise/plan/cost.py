@@ -69,6 +69,8 @@ class StepTime:
     tokens_per_s: float
     """Whole job."""
     extra: dict[str, float] = field(default_factory=dict)
+    """``compute``: the step's compute seconds where it is not the slowest rank's own (local ranks
+    sharing cores)."""
 
 
 def _gemms(s: Shape, cfg: Config, layer: int) -> list[tuple[float, int, int, bool, bool]]:
@@ -307,13 +309,34 @@ def collective_time(c: Collective, layout: Layout, hw: Hardware, pp_rank: int = 
 
 
 def step_time(cfg: Config, layout: Layout, states: list[RankStates], hw: Hardware) -> StepTime:
-    """The step time of the slowest pipeline rank plus the bubble, and the job's tokens/s."""
+    """The step time of the slowest pipeline rank plus the bubble, and the job's tokens/s. On local
+    ranks that outnumber the cores, a pipeline's step is :func:`shared_cores_pipeline`'s."""
     ranks = tuple(rank_time(cfg, layout, rank_states, hw) for rank_states in states)
     busy = max(r.busy for r in ranks)
     bubble = pipeline_bubble(cfg, layout, busy)
     step = busy + bubble
+    extra = {}
+    if hw.cores and layout.pp > 1 and layout.world > hw.cores and len(ranks) == layout.pp:
+        extra["compute"], bubble = shared_cores_pipeline(cfg, layout, ranks, hw)
+        step = extra["compute"] + bubble + max(r.exposed_comm for r in ranks)
     tokens = cfg.training.global_batch * cfg.training.seq_len
-    return StepTime(ranks, bubble, step, tokens / step)
+    return StepTime(ranks, bubble, step, tokens / step, extra)
+
+
+def shared_cores_pipeline(cfg: Config, layout: Layout, ranks: tuple[RankTime, ...],
+                          hw: Hardware) -> tuple[float, float]:
+    """(compute, bubble) seconds of a pipeline step on local ranks sharing fewer cores. Each rank's
+    compute is costed at its share of a core (all ranks busy at once), but a pipeline rank that
+    waits in the bubble gives its core to the others, so the cores do the step's total work
+    packed: the step is the larger of that total over the cores and the slowest stage's
+    critical path (its work, at a full core, plus the schedule's bubble)."""
+    share = min(1.0, hw.cores / layout.world)
+    alone = [share * sum(r.compute.values()) for r in ranks]  # a core to itself
+    packed = (layout.world // layout.pp) * sum(alone) / hw.cores
+    critical = max(alone) + pipeline_bubble(cfg, layout, max(alone))
+    slowest = max(sum(r.compute.values()) for r in ranks)
+    step = max(packed, critical)
+    return min(slowest, step), max(0.0, step - slowest)
 
 
 def pipeline_bubble(cfg: Config, layout: Layout, busy: float) -> float:

@@ -13,6 +13,7 @@ from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import Layout
 from shardwise.plan.memory import RankMemory, step_memory
 from shardwise.plan.states import RankStates, built_states, shape_states
+from shardwise.resolve import resolve_run
 
 GiB = 2**30
 
@@ -54,7 +55,10 @@ class Estimate:
 def estimate(cfg: Config, world: int, hw: Hardware, exact: bool = True,
              shapes: dict | None = None) -> Estimate:
     """Estimate ``cfg`` on ``world`` ranks of ``hw``. ``exact``: states from the real model built
-    on the fake process group (else from shapes, for searching many layouts)."""
+    on the fake process group (else from shapes, for searching many layouts). The run is resolved
+    first as the trainer resolves it (e.g. the pipeline's micro-batch when none is set), so what
+    is estimated is what ``shardwise train`` would run."""
+    resolve_run(cfg, world, detect_device=False)
     layout = Layout.from_config(cfg, world)
     states = built_states(cfg, world) if exact else shape_states(cfg, layout, shapes)
     memory = tuple(step_memory(cfg, layout, st) for st in states)
@@ -101,6 +105,9 @@ def format_estimate(est: Estimate) -> str:
         comm = sum(r.comm.values())
         lines.append(f"  pp rank {r.pp_rank}: compute {sum(r.compute.values()):.3f} ({comp}); "
                      f"communication {comm:.3f}, exposed {r.exposed_comm:.3f}")
+    if "compute" in st.extra:
+        lines.append(f"  {lay.world} ranks share {hw.cores} cores: ranks waiting in the bubble lend theirs, "
+                     f"so the step's compute is {st.extra['compute']:.3f} (cost.shared_cores_pipeline)")
     if lay.pp > 1:
         lines.append(f"  pipeline bubble {st.bubble:.3f}")
     mfu = f", MFU {100 * est.mfu:.1f}%" if est.mfu else ""

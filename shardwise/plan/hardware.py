@@ -189,6 +189,16 @@ def load_hardware(name: str, cache_dir: str = "~/.cache/shardwise") -> Hardware:
         raise ConfigError(f"hardware profile {path}: {e}") from None
 
 
+def profile_device(name: str) -> str:
+    """The device type a profile plans for: "cpu" for a measured machine (``local``, or a profile
+    file with ``cores``), else "cuda" -- what ``auto`` settings (precision, run.device) resolve to."""
+    if name == "local":
+        return "cpu"
+    if name.endswith(".toml") and Path(name).is_file():
+        return "cpu" if load_hardware(name).cores else "cuda"
+    return "cuda"
+
+
 def save_hardware(hw: Hardware, path: Path) -> None:
     """Write a profile atomically (a temporary file, then rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)

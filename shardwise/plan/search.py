@@ -14,9 +14,10 @@ capacity is dropped before its step is replayed.
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shardwise.config import Config, ConfigError, model_label
 from shardwise.models import model_args
@@ -51,6 +52,11 @@ class PlanResult:
     considered: int
     top: list[Estimate]
     """Exact estimates of the best few."""
+    refusals: dict[str, str] = field(default_factory=dict)
+    """Reason -> one of the trainer's messages behind it."""
+    least: tuple[Layout, int, bool] | None = None
+    """Of the layouts over capacity, the one needing the least memory: (layout, bytes, whether
+    the bytes are the peak or only the floor the peak is at least)."""
 
 
 def divisors(n: int) -> list[int]:
@@ -103,12 +109,15 @@ def plan(cfg: Config, gpus: int, hw: Hardware, top: int = 5, memory_fraction: fl
     capacity = hw.memory_gib * GiB * memory_fraction
     shapes = _param_shapes(model_args(cfg.model))
     dropped: Counter = Counter()
+    refusals: dict[str, str] = {}
+    least: tuple[Layout, int, bool] | None = None
     ranked: list[Candidate] = []
     layouts = enumerate_layouts(cfg, gpus, hw, ac_modes, schedules)
     states_cache: dict[tuple, list] = {}
     for layout in layouts:
         if reason := check_layout(cfg, layout):
             dropped[_reason(reason)] += 1
+            refusals.setdefault(_reason(reason), reason)
             continue
         c = layout.apply(cfg)
         key = (layout.pp, layout.pp_schedule, layout.tp, layout.cp, layout.dp_shard, layout.dp_replicate,
@@ -116,15 +125,18 @@ def plan(cfg: Config, gpus: int, hw: Hardware, top: int = 5, memory_fraction: fl
         if key not in states_cache:
             states = shape_states(c, layout, shapes)
             # Pipeline ranks in between hold fewer micro-batches than the first and no head: the
-            # first and last bound the peak and the time during the search.
-            states_cache[key] = states if len(states) <= 2 else [states[0], states[-1]]
+            # first and last bound the peak and the time during the search (on local ranks sharing
+            # cores every rank's work counts: cost.shared_cores_pipeline).
+            states_cache[key] = states if len(states) <= 2 or hw.cores else [states[0], states[-1]]
         states = states_cache[key]
-        if max(memory_floor(c, layout, st) for st in states) > capacity:
+        if (floor := max(memory_floor(c, layout, st) for st in states)) > capacity:
             dropped["memory over capacity"] += 1
+            least = least if least and least[1] <= floor else (layout, floor, False)
             continue
         peak = max(step_memory(c, layout, st).peak for st in states)
         if peak > capacity:
             dropped["memory over capacity"] += 1
+            least = least if least and least[1] <= peak else (layout, peak, True)
             continue
         t = step_time(c, layout, states, hw)
         ranked.append(Candidate(layout, peak, t.tokens_per_s / gpus))
@@ -133,7 +145,45 @@ def plan(cfg: Config, gpus: int, hw: Hardware, top: int = 5, memory_fraction: fl
     # rules equal to it, so the others are costed from shapes -- a 405B build is about a second).
     exact = [estimate(x.layout.apply(cfg), gpus, hw, exact=exact_top and i == 0, shapes=shapes)
              for i, x in enumerate(ranked[:top])]
-    return PlanResult(ranked, dropped, len(layouts), exact)
+    return PlanResult(ranked, dropped, len(layouts), exact, refusals, least)
+
+
+def fits_on(cfg: Config, gpus: int, hw: Hardware, memory_fraction: float = 0.9, grow_batch: bool = True,
+            most: int = 65536) -> tuple[int, Candidate] | None:
+    """The fewest devices -- ``gpus`` times a power of two, up to ``most`` -- on which some layout
+    of ``cfg`` fits, with the fastest such layout (a quick search: full checkpointing and 1F1B
+    only, which need the least memory); None if none does. ``grow_batch``: one sequence per
+    device, as plan's default batch is (else the batch stays)."""
+    cfg = copy.deepcopy(cfg)
+    n = 2 * gpus
+    while n <= most:
+        if grow_batch:
+            cfg.training.global_batch = max(cfg.training.global_batch, n)
+        result = plan(cfg, n, hw, top=0, memory_fraction=memory_fraction, ac_modes=("full",),
+                      schedules=("1f1b",), exact_top=False)
+        if result.ranked:
+            return n, result.ranked[0]
+        n *= 2
+    return None
+
+
+def why_nothing(result: PlanResult, cfg: Config, gpus: int, hw: Hardware, memory_fraction: float,
+                batch_from_gpus: bool) -> str:
+    """One line on why no layout was left, and what would fit."""
+    label, usable = model_label(cfg.model), hw.memory_gib * memory_fraction
+    if result.least is None:  # every layout refused: the most common reason, in the trainer's words
+        reason = result.dropped.most_common(1)[0][0] if result.dropped else ""
+        return (f"no layout of {label} on {gpus} x {hw.name} is accepted: "
+                f"{result.refusals.get(reason, 'no candidate layouts')}")
+    layout, need, exact = result.least
+    head = (f"no layout of {label} fits on {gpus} x {hw.name} ({usable:.1f} GiB usable per device): the "
+            f"least memory is {'' if exact else 'at least '}{need / GiB:.1f} GiB per device ({layout})")
+    found = fits_on(cfg, gpus, hw, memory_fraction, grow_batch=batch_from_gpus)
+    if found is None:
+        return head + "; shorten --seq or the batch, or use devices with more memory"
+    n, best = found
+    return head + (f"; it fits on {n} x {hw.name} ({best.layout}, peak {best.peak / GiB:.1f} GiB), or "
+                   "shorten --seq or the micro-batch")
 
 
 def parse_tokens(text: str) -> int:
@@ -168,7 +218,7 @@ def format_plan(result: PlanResult, cfg: Config, gpus: int, hw: Hardware) -> str
                   "| bubble s |", "|---|---|---|---|---|---|---|---|---|"]
     for i, est in enumerate(result.top, 1):
         t = est.time
-        compute = max(sum(r.compute.values()) for r in t.ranks)
+        compute = t.extra.get("compute", max(sum(r.compute.values()) for r in t.ranks))
         comm = max(r.exposed_comm for r in t.ranks)
         mfu = f"{100 * est.mfu:.1f}%" if est.mfu else "-"
         lines.append(f"| {i} | {est.layout} | {est.tokens_per_s_per_device:,.0f} | {mfu} | "
@@ -176,10 +226,24 @@ def format_plan(result: PlanResult, cfg: Config, gpus: int, hw: Hardware) -> str
     return "\n".join(lines)
 
 
-def layout_toml(est: Estimate) -> str:
-    """The chosen layout as a ready-to-run config, with the prediction in a header comment."""
+def run_command(path: str, gpus: int, hw: Hardware) -> str:
+    """How to launch the written config on ``gpus`` devices of ``hw``: local ranks through
+    ``--nproc``; GPUs through torchrun, with c10d rendezvous across nodes."""
+    if hw.cores:
+        return f"shardwise train --config {path}" + (f" --nproc {gpus}" if gpus > 1 else "")
+    per_node = min(gpus, hw.gpus_per_node)
+    nodes = -(-gpus // per_node)
+    if nodes == 1:
+        return f"torchrun --nproc-per-node {per_node} -m shardwise train --config {path}"
+    return (f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
+            f"--rdzv-endpoint HOST:29500 -m shardwise train --config {path}  (on each node)")
+
+
+def layout_toml(est: Estimate, path: str, notes: list[str] = ()) -> str:  # type: ignore[assignment]
+    """The chosen layout as a ready-to-run config, with the prediction (and ``notes``) in a header
+    comment."""
     head = (f"# shardwise plan: {est.layout} on {est.layout.world} x {est.hardware.name}\n"
             f"# predicted {est.tokens_per_s_per_device:,.0f} tokens/s per device, step "
             f"{est.time.step:.3f} s, peak memory {est.peak / GiB:.1f} GiB per device\n"
-            f"# run: torchrun --nnodes N --nproc-per-node G -m shardwise train --config <this file>\n")
-    return head + est.cfg.to_toml()
+            f"# run: {run_command(path, est.layout.world, est.hardware)}\n")
+    return head + "".join(f"# note: {n}\n" for n in notes) + est.cfg.to_toml()

@@ -1,0 +1,158 @@
+"""Does ``plan`` rank layouts the way they really run? Each layout of a set that spans the space is
+estimated (``--hardware local``, after ``shardwise calibrate``) and then trained for real on this
+machine's local gloo ranks; the table gives predicted and measured step times, the rank
+correlation of the two orders, and how far the predicted first choice is from the measured best.
+
+Repeats interleave the layouts (a shared machine's speed drifts over minutes; each repeat sees the
+same drift on every layout) and each repeat is judged on its own: the targets (issue 19) are every
+step time within +-25%, Spearman >= 0.8 and the first choice within 5% of the best, in a majority
+of the repeats.
+
+    python bench/plan_ranking.py --calibrate                      # debug preset, 4 ranks, 3 repeats
+    python bench/plan_ranking.py --set moe --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SETS = {
+    # the debug preset, 8 x 512 tokens per step, on 4 ranks
+    "debug": (["--config", "configs/debug.toml"],
+              ["dp_shard=4", "tp=2,dp_shard=2", "pp=2,dp_shard=2", "cp=2,dp_shard=2", "tp=4", "pp=4"]),
+    # a 125m-class dense shape (wider GEMMs: compute-bound rather than host-bound)
+    "125m": (["--config", "configs/debug.toml", "--model.name=125m", "--training.global_batch=8",
+              "--training.seq_len=256"],
+             ["dp_shard=4", "tp=2,dp_shard=2", "pp=2,dp_shard=2", "cp=2,dp_shard=2", "tp=4", "pp=4"]),
+    # the MoE preset with expert parallel
+    "moe": (["--config", "configs/moe-debug.toml"],
+            ["dp_shard=4", "dp_shard=4,ep=2", "dp_shard=4,ep=4", "tp=2,dp_shard=2", "pp=2,dp_shard=2",
+             "cp=2,dp_shard=2"]),
+}
+COMMON = ["--lr_scheduler.warmup_steps=1", "--eval.interval=0", "--checkpoint.interval=0",
+          "--checkpoint.final=false", "--metrics.progress=false", "--metrics.tensorboard=false",
+          "--metrics.plot=false", "--run.overwrite=true"]
+
+
+def measure(base: list[str], layout: str, steps: int, warmup: int, run_dir: Path) -> float:
+    """Median step time of a real run of ``layout``, after ``warmup`` steps."""
+    from shardwise.verify import parse_layout
+
+    overrides, world = parse_layout(layout)
+    cmd = [sys.executable, "-m", "shardwise", "train", *base, *overrides, *COMMON,
+           f"--training.steps={steps}", f"--run.dir={run_dir}"] + ([f"--nproc={world}"] if world > 1 else [])
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{layout} failed:\n{proc.stderr[-3000:]}")
+    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return statistics.median(r["step_time_s"] for r in rows if "step_time_s" in r and r["step"] > warmup)
+
+
+def predict(base: list[str], layout: str, hardware: str) -> tuple[str, float]:
+    """(the layout as the planner writes it, its predicted step time)."""
+    from shardwise.config_checks import load_config
+    from shardwise.plan.estimate import estimate
+    from shardwise.plan.hardware import load_hardware
+    from shardwise.verify import parse_layout
+
+    overrides, world = parse_layout(layout)
+    cfg = load_config(base[1], base[2:] + overrides + COMMON, device="cpu")
+    est = estimate(cfg, world, load_hardware(hardware, cfg.data.cache_dir))
+    return str(est.layout), est.time.step
+
+
+def ranks(xs: list[float]) -> list[float]:
+    """Ranks 1..n (ties share their mean rank)."""
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    out = [0.0] * len(xs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation: Pearson's on the ranks."""
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else 0.0
+
+
+def judge(pred: list[float], meas: list[float]) -> dict:
+    """The three targets of one repeat."""
+    errors = [p / m - 1 for p, m in zip(pred, meas, strict=True)]
+    first = min(range(len(pred)), key=lambda i: pred[i])
+    gap = meas[first] / min(meas) - 1  # how much slower the predicted first choice really is
+    rho = spearman(pred, meas)
+    return {"errors": errors, "spearman": rho, "first_gap": gap, "first": first,
+            "ok": all(abs(e) <= 0.25 for e in errors) and rho >= 0.8 and gap <= 0.05}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--set", default="debug", choices=sorted(SETS))
+    p.add_argument("--layouts", nargs="+", default=None, help="instead of the set's layouts")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
+    p.add_argument("--hardware", default="local")
+    p.add_argument("--calibrate", action="store_true", help="run `shardwise calibrate` first")
+    p.add_argument("--json", default="", help="also write the measurements here")
+    a = p.parse_args()
+    base, layouts = SETS[a.set]
+    layouts = a.layouts or layouts
+    if a.calibrate:
+        subprocess.run([sys.executable, "-m", "shardwise", "calibrate"], cwd=ROOT, check=True)
+    names, pred = zip(*(predict(base, lay, a.hardware) for lay in layouts), strict=True)
+    meas: list[list[float]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(a.repeats):
+            meas.append([measure(base, lay, a.steps, a.warmup, Path(tmp) / f"{r}-{i}")
+                         for i, lay in enumerate(layouts)])
+            done = ", ".join(f"{n} {m:.3f} s" for n, m in zip(names, meas[-1], strict=True))
+            print(f"repeat {r + 1}: {done}", flush=True)
+    verdicts = [judge(list(pred), m) for m in meas]
+    tok = {}
+    from shardwise.config_checks import load_config
+    cfg = load_config(base[1], base[2:])
+    tokens = cfg.training.global_batch * cfg.training.seq_len
+    print(f"\n{a.set}: {tokens} tokens/step, {len(layouts)} layouts, {a.repeats} repeat(s), "
+          f"hardware {a.hardware}\n")
+    print("| layout | predicted s | " + " | ".join(f"measured s (r{r + 1}) | err" for r in range(a.repeats))
+          + " | measured tok/s (median) |")
+    print("|---|---|" + "---|---|" * a.repeats + "---|")
+    for i, n in enumerate(names):
+        cells = " | ".join(f"{m[i]:.3f} | {v['errors'][i]:+.0%}" for m, v in zip(meas, verdicts, strict=True))
+        tok[n] = tokens / statistics.median(m[i] for m in meas)
+        print(f"| {n} | {pred[i]:.3f} | {cells} | {tok[n]:,.0f} |")
+    print()
+    for r, v in enumerate(verdicts):
+        err = v["errors"]
+        print(f"repeat {r + 1}: step-time error {min(err):+.0%} .. {max(err):+.0%}, "
+              f"Spearman {v['spearman']:.2f}, "
+              f"first choice {names[v['first']]} is {v['first_gap']:+.1%} from the measured best "
+              f"-> {'meets' if v['ok'] else 'misses'} the targets")
+    met = sum(v["ok"] for v in verdicts)
+    print(f"targets met in {met} of {len(verdicts)} repeat(s)")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"layouts": names, "predicted": pred, "measured": meas}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

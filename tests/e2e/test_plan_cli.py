@@ -1,0 +1,147 @@
+"""`estimate`, `plan` and `calibrate` from the command line: what plan writes trains as written, a
+given config keeps everything but the layout, and bad input gets one line (exit 2), a model that
+fits nowhere an answer saying what would fit (exit 1)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from shardwise.cli import main
+from shardwise.config_checks import load_config
+from tests.conftest import ROOT, metrics, run_cli
+
+pytestmark = pytest.mark.e2e
+
+
+def _one_line_error(capsys: pytest.CaptureFixture, rc: int, code: int = 2) -> str:
+    err = capsys.readouterr().err.strip()
+    assert rc == code and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_calibrate_quick_then_plan_trains_on_four_ranks(tmp_path: Path, data_cache: str):
+    """The whole local flow: a quick calibration, a plan for 4 local ranks of the debug preset with
+    that profile, then the written file trained for 3 steps exactly as plan prints the command."""
+    cal = run_cli(["calibrate", "--quick", f"--data.cache_dir={tmp_path}"], timeout=600)
+    profile = tmp_path / "hardware_local.toml"
+    assert f"saved {profile}" in cal.stdout
+    hw = tomllib.loads(profile.read_text())
+    assert hw["cores"] >= 1 and set(hw["collective_bw_gbs"]) == {"2", "4"}
+    assert hw["description"].endswith("--quick") and hw["overhead_ms"]["per_block"] > 0
+
+    out = tmp_path / "plan.toml"
+    proc = run_cli(["plan", "--config", "configs/debug.toml", "--gpus", "4", "--hardware", str(profile),
+                    f"--out={out}", f"--data.cache_dir={data_cache}", f"--run.dir={tmp_path / 'run'}"])
+    assert "notice: data.path is not set, so this config trains on the shipped 4 MB KJV corpus" in proc.stdout
+    command = f"shardwise train --config {out} --nproc 4"
+    assert f"best layout written to {out}: {command}" in proc.stdout
+    written = tomllib.loads(out.read_text())
+    assert written["run"]["device"] == "cpu"  # planned for this machine's ranks, not a GPU
+    assert f"# run: {command}\n" in out.read_text() and "# note: data.path is not set" in out.read_text()
+
+    run_cli(command.split()[1:] + ["--training.steps", "3"], timeout=900)
+    rows = metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["loss"] < rows[0]["loss"] + 1
+    ran = tomllib.loads((tmp_path / "run" / "config.toml").read_text())
+    assert ran["parallel"] == written["parallel"]
+
+
+# Everything plan may change: the layout, the memory switches, and (from --seq / the default
+# batch) the sequence and the batch; run.device and the precision resolve for the planned device.
+PLAN_CHANGES = {"parallel", "activation_checkpoint", "training.micro_batch", "training.seq_len",
+                "training.global_batch", "model.max_seq_len", "run.device", "training.mixed_precision"}
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def test_plan_keeps_the_given_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys):
+    """plan --config: data (a chat set with a tokenizer folder), optimizer, checkpoint, metrics...
+    come through unchanged; only the layout keys differ. No notice about the shipped corpus."""
+    mine = tmp_path / "mine.toml"
+    chats = ROOT / "shardwise" / "data" / "assets" / "kjv_chat.jsonl.gz"
+    mine.write_text(f"""[run]\ndir = "{tmp_path / 'runs'}"\n[model]\nname = "debug"\n
+[data]\npath = "{chats}"\nformat = "chat"\ndocument_mask = true\nval_fraction = 0.05\n
+[training]\nsteps = 40\nseq_len = 512\nglobal_batch = 16\n
+[optimizer]\nlr = 1.25e-4\nstate_dtype = "bf16"\nweight_decay = 0.05\n
+[lr_scheduler]\nwarmup_steps = 4\n[checkpoint]\ninterval = 17\nkeep_latest_k = 3\n""")
+    base = load_config(str(mine), device="cuda")
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--config", str(mine), "--gpus", "8", "--hardware", "h100"]) == 0
+    assert "data.path is not set" not in capsys.readouterr().out
+    written, given = _flat(tomllib.loads((tmp_path / "plan.toml").read_text())), _flat(base.to_dict())
+    changed = {k for k in set(written) | set(given) if written.get(k) != given.get(k)}
+    assert changed and all(k in PLAN_CHANGES or k.split(".")[0] in PLAN_CHANGES for k in changed), changed
+    for section in ("data", "optimizer", "checkpoint", "lr_scheduler", "model"):
+        keys = {k for k in given if k.startswith(section + ".") and k != "model.max_seq_len"}
+        assert {k: written[k] for k in keys} == {k: given[k] for k in keys}, section
+
+
+def test_estimate_writes_its_json(tmp_path: Path, capsys):
+    out = tmp_path / "est.json"
+    assert main(["estimate", "--config", "configs/debug.toml", "--world", "4", "--parallel.pp", "2",
+                 "--parallel.tp", "2", "--hardware", "h100", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "pp rank 0" in text and "pp rank 1" in text and "pipeline bubble" in text
+    data = json.loads(out.read_text())
+    assert data["world"] == 4 and len(data["memory"]) == 2 and data["time"]["step_s"] > 0
+    assert {r["mesh_dim"] for r in data["comm"]} >= {"tp", "pp"}
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["estimate", "--config", "configs/debug.toml", "--world", "3", "--parallel.tp", "2"],
+     "world size 3 is not divisible"),
+    (["estimate", "--config", "configs/debug.toml", "--world", "0"], "--world must be >= 1"),
+    (["estimate", "--config", "configs/debug.toml", "--world", "2", "--hardware", "h1000"],
+     "unknown hardware"),
+    (["estimate", "--config", "configs/debug.toml", "--world", "2", "--hardware", "nothere.toml"],
+     "does not exist"),
+    (["plan", "--model", "8b", "--gpus", "8", "--hardware", "h1000"], "unknown hardware 'h1000'"),
+    (["plan", "--model", "8b", "--gpus", "0"], "--gpus must be >= 1"),
+    (["plan", "--model", "80b", "--gpus", "8"], "model"),
+    (["plan", "--model", "8b", "--gpus", "8", "--ac", "most"], "--ac: unknown most"),
+    (["plan", "--model", "8b", "--gpus", "8", "--global-batch-tokens", "lots"], "global-batch-tokens"),
+    (["plan", "--model", "8b", "--gpus", "8", "--seq", "8192", "--global-batch-tokens", "12000"],
+     "multiple of --seq"),
+    (["calibrate", "--nonsense"], "unexpected argument"),
+])
+def test_bad_input_gets_one_line(argv: list[str], match: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                 capsys):
+    monkeypatch.chdir(ROOT)
+    rc = main(argv + ([] if argv[0] != "plan" else ["--out", str(tmp_path / "p.toml")]))
+    err = _one_line_error(capsys, rc)
+    assert match in err, err
+    assert not (tmp_path / "p.toml").exists()
+
+
+def test_a_model_that_fits_nowhere_says_what_would(tmp_path: Path, capsys):
+    """405B at 8192 tokens on one node: exit 1, one line with the least memory any layout needs and
+    the device count it fits on -- which a second plan confirms."""
+    rc = main(["plan", "--model", "405b", "--gpus", "8", "--hardware", "h100", "--seq", "8192",
+               "--out", str(tmp_path / "p.toml")])
+    err = _one_line_error(capsys, rc, code=1)
+    assert err.startswith("no layout of 405b fits on 8 x h100 (72.0 GiB usable per device): the least "
+                          "memory is"), err
+    n = int(err.split("it fits on ")[1].split(" x ")[0])
+    assert n > 8 and not (tmp_path / "p.toml").exists()
+    assert main(["plan", "--model", "405b", "--gpus", str(n), "--hardware", "h100", "--seq", "8192",
+                 "--out", str(tmp_path / "p.toml")]) == 0
+    assert main(["plan", "--model", "405b", "--gpus", str(n // 2), "--hardware", "h100", "--seq", "8192",
+                 "--ac", "full", "--schedules", "1f1b", "--out", ""]) == 1
+
+
+def test_nothing_accepted_says_the_trainers_reason(capsys):
+    """7 devices and a batch of 8 sequences of the debug model: no degree fits the shapes; the
+    answer is the trainer's own refusal, not a memory verdict."""
+    rc = main(["plan", "--config", "configs/debug.toml", "--gpus", "7", "--hardware", "h100",
+               "--global-batch-tokens", "4096", "--out", ""])
+    err = _one_line_error(capsys, rc, code=1)
+    assert err.startswith("no layout of debug on 7 x h100 is accepted: "), err
