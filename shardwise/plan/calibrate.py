@@ -45,6 +45,7 @@ from shardwise.resolve import resolve_run
 
 GEMM_SIZES = (128, 256, 512, 1024, 2048)
 HEAD_DIMS = (16, 32, 64, 128)
+ATTENTION_SEQS = (128, 256, 512, 1024)
 WORLDS = (2, 4, 8)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -81,10 +82,12 @@ def gemm_tflops(dtype: torch.dtype, k: int, n: int, seconds: float = 0.2) -> flo
     return rate(tokens, seconds)
 
 
-def attention_tflops(dtype: torch.dtype, head_dim: int, seconds: float = 0.2) -> float:
-    """Causal SDPA forward + backward; FLOPs counted like ``executed_flops``: 4 * H * D per
-    (query, key) pair forward, 2.5x that backward, S(S+1)/2 pairs."""
-    b, s = 2, 512
+def attention_tflops(dtype: torch.dtype, head_dim: int, seconds: float = 0.2, seq: int = 512) -> float:
+    """Causal SDPA forward + backward over ``seq`` positions; FLOPs counted like ``executed_flops``:
+    4 * H * D per (query, key) pair forward, 2.5x that backward, S(S+1)/2 pairs. (On CPUs the rate
+    depends on the sequence length -- 0.019 against 0.026 TFLOP/s for 256 and 512 positions at
+    one thread -- and hardly on batch or heads.)"""
+    b, s = 2, seq
     heads = max(1, 256 // head_dim)
     q, k, v = (torch.randn(b, heads, s, head_dim).to(dtype).requires_grad_() for _ in range(3))
     grad = torch.randn(b, heads, s, head_dim).to(dtype)
@@ -185,6 +188,33 @@ def _collective_worker(rank: int, world: int, init: str, out: str) -> None:
     ring = (world - 1) / world * x.numel() * 4
     results = {"all_gather": ring / t_ag, "reduce_scatter": ring / t_rs, "all_reduce": 2 * ring / t_ar,
                "latency_s": t_lat / (2 * (world - 1))}
+    if world >= 4:
+        # Groups of two inside a busier machine, as tensor or context parallel pairs run in a
+        # 4- or 8-rank job: every pair moves its buffer at once.
+        pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+        pair, pshard = pairs[rank // 2], torch.randn(size // 2)
+        t_pair = statistics.median([timed(lambda: gather(x, pshard, group=pair)),
+                                    timed(lambda: scatter(pshard, x, group=pair)),
+                                    timed(lambda: dist.all_reduce(x, group=pair)) / 2])
+        results["pair"] = x.numel() * 4 / 2 / t_pair
+    # What a collective costs between compute when every process computes: each rank reaches it
+    # when the OS has given it its share of the cores, so all wait for the slowest (with more
+    # processes than cores, a scheduling quantum per call). Compute-only vs compute + a tiny
+    # all-reduce per iteration, every process at once.
+    a, b = torch.randn(256, 1024), torch.randn(1024, 1024)
+
+    def work(sync: bool) -> None:
+        for _ in range(40):
+            torch.mm(a, b)
+            if sync:
+                dist.all_reduce(tiny)
+    t_work, t_sync = timed(lambda: work(False), runs=5), timed(lambda: work(True), runs=5)
+    results["sync_s"] = max(0.0, (t_sync - t_work) / 40 - t_lat)
+    # What sharing the cores does to compute: every process runs the same GEMM at once.
+    dist.barrier()
+    rate = torch.tensor([gemm_tflops(torch.float32, 1024, 1024, seconds=0.5)], dtype=torch.float64)
+    dist.all_reduce(rate)
+    results["gemm_tflops"] = rate.item() / world
     if world == 2:
         # Host time tensor parallel adds per block (DTensor dispatch, redistributions) over the
         # same blocks under FSDP: tiny models of 1 and 5 blocks, so kernels play no part.
@@ -211,6 +241,8 @@ def collective_bandwidth(world: int) -> dict[str, float]:
                            start_method="spawn")
         r = json.loads(Path(out).read_text())
     r["bw_gbs"] = statistics.median([r["all_gather"], r["reduce_scatter"], r["all_reduce"]]) / 1e9
+    if "pair" in r:
+        r["pair_gbs"] = r["pair"] / 1e9
     return r
 
 
@@ -219,6 +251,7 @@ def calibrate(cache_dir: str = "~/.cache/shardwise", log: Callable[[str], None] 
     """Measure this machine and save it as the ``local`` profile. ``quick``: fewer GEMM widths,
     shorter timings and 2 and 4 processes only (about a fifth of the time; noisier)."""
     gemm_sizes, worlds = ((128, 512, 2048), (2, 4)) if quick else (GEMM_SIZES, WORLDS)
+    seqs = (256, 512, 1024) if quick else ATTENTION_SEQS
     secs = 0.25 if quick else 1.0  # (of each measurement's default duration)
     cores = usable_cores()
     threads = sorted({1, cores})
@@ -235,14 +268,15 @@ def calibrate(cache_dir: str = "~/.cache/shardwise", log: Callable[[str], None] 
                     ((w, w) for w in gemm_sizes)
                 for k, n in pairs:
                     rates[f"{name}@{th}:{k}x{n}"] = gemm_tflops(dtype, k, n, 0.2 * secs)
-                for hd in HEAD_DIMS:
-                    rates[f"attention_{name}@{th}:{hd}"] = attention_tflops(dtype, hd, 0.2 * secs)
+                for hd, seq in itertools.product(HEAD_DIMS, seqs):
+                    rates[f"attention_{name}@{th}:{hd}:{seq}"] = attention_tflops(dtype, hd, 0.2 * secs, seq)
             bandwidth[str(th)] = memory_gbs(seconds=0.3 * secs)
             bandwidth[f"large@{th}"] = memory_gbs(large=True, seconds=0.3 * secs)
             w = gemm_sizes[-2]
+            att = {d: rates[f"attention_{d}@{th}:64:{seqs[-1]}"] for d in DTYPES}
             log(f"  {th} thread(s): GEMM at width {w}: fp32 {rates[f'fp32@{th}:{w}x{w}']:.3f} TFLOP/s, bf16 "
-                f"{rates[f'bf16@{th}:{w}x{w}']:.3f}; attention at head dim 64: fp32 "
-                f"{rates[f'attention_fp32@{th}:64']:.3f}, bf16 {rates[f'attention_bf16@{th}:64']:.3f}; "
+                f"{rates[f'bf16@{th}:{w}x{w}']:.3f}; attention at head dim 64, {seqs[-1]} positions: fp32 "
+                f"{att['fp32']:.3f}, bf16 {att['bf16']:.3f}; "
                 f"memory {bandwidth[str(th)]:.1f} GB/s ({bandwidth[f'large@{th}']:.1f} for outputs over "
                 "16 MiB)")
         torch.set_num_threads(1 if cores == 1 else cores)
@@ -250,14 +284,26 @@ def calibrate(cache_dir: str = "~/.cache/shardwise", log: Callable[[str], None] 
         log(f"  host overhead: {per_block:.2f} ms per block, {per_step:.2f} ms per step")
     finally:
         torch.set_num_threads(old_threads)
-    coll, latency, per_tp_block = {}, [], 0.0
+    coll, latency, per_tp_block, shared, sync = {}, [], 0.0, {}, {}
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    alone = gemm_tflops(torch.float32, 1024, 1024, seconds=0.5)  # the GEMM the workers share, alone
+    torch.set_num_threads(old_threads)
     for w in worlds:
         r = collective_bandwidth(w)
         coll[str(w)] = r["bw_gbs"]
+        if "pair_gbs" in r:
+            coll[f"2@{w}"] = r["pair_gbs"]
         latency.append(r["latency_s"])
+        # per process, against one process at its share of the cores
+        shared[str(w)] = min(1.0, r["gemm_tflops"] / (alone * min(1.0, cores / w)))
+        sync[str(w)] = 1e6 * r["sync_s"]
         log(f"  gloo, {w} processes: {r['bw_gbs']:.2f} GB/s bus bandwidth, {1e6 * r['latency_s']:.0f} us per "
-            "hop" + (f"; tensor parallel adds {1e3 * r['tp_block_s']:.1f} ms host time per block"
-                     if "tp_block_s" in r else ""))
+            "hop" + (f", pairs {r['pair_gbs']:.2f} GB/s at once" if "pair_gbs" in r else "")
+            + (f"; tensor parallel adds {1e3 * r['tp_block_s']:.1f} ms host time per block"
+               if "tp_block_s" in r else "")
+            + f"; compute {shared[str(w)]:.2f} of a fair share of the cores, {sync[str(w)]:.0f} us waiting "
+              "per collective between compute")
         if "tp_block_s" in r:
             per_tp_block = 1e3 * r["tp_block_s"]
     hw = Hardware(
@@ -269,7 +315,8 @@ def calibrate(cache_dir: str = "~/.cache/shardwise", log: Callable[[str], None] 
         comm_overlap=False, peak_tflops={}, efficiency={"memory": 1.0}, cores=cores,
         thread_tflops=rates, overhead_ms={"per_block": per_block, "per_step": per_step,
                                           "per_tp_block": per_tp_block},
-        collective_bw_gbs=coll, memory_bw_per_thread_gbs=bandwidth)
+        collective_bw_gbs=coll, memory_bw_per_thread_gbs=bandwidth, shared_compute=shared,
+        collective_sync_us=sync)
     save_hardware(hw, local_path(cache_dir))
     return hw
 

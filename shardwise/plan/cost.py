@@ -215,7 +215,9 @@ def block_compute(tally: ComputeTally, cfg: Config, layout: Layout, shape: Shape
     forward_flops = 4 * (args.n_heads // shape.tp) * args.head_dim * pairs
     flops = forward_flops * (1 + ATTENTION_BACKWARD + (1 if recompute else 0))
     tally.flops += flops
-    tally.attention += flops / (hw.attention_tflops(dtype, args.head_dim, tally.ranks) * 1e12)
+    # (per call, this rank's queries: S / cp -- ring attention's chunks run at the rate of their length)
+    rate = hw.attention_tflops(dtype, args.head_dim, tally.ranks, seq=shape.seq)
+    tally.attention += flops / (rate * 1e12)
     passes = 3 + (1 if recompute or cfg.activation_checkpoint.mode == "selective" else 0)
     tally.memory += sum(tally.traffic(passes * nbytes, tensor_bytes)
                         for nbytes, tensor_bytes in _elementwise_bytes(shape, cfg, layer))
@@ -264,7 +266,7 @@ def host_seconds(layout: Layout, rank_states: RankStates, hw: Hardware, micro_ba
         return 0.0
     per_block = overhead_ms["per_block"] + (overhead_ms.get("per_tp_block", 0.0) if layout.tp > 1 else 0)
     host = 1e-3 * (per_block * len(rank_states.layers) * micro_batches + overhead_ms["per_step"])
-    return host * max(1.0, layout.world / hw.cores)
+    return host * max(1.0, layout.world / hw.cores) / hw.sharing(layout.world)
 
 
 def _per_mesh_dim(colls: list[Collective], seconds: list[float]) -> dict[str, float]:
@@ -298,14 +300,15 @@ def collective_time(c: Collective, layout: Layout, hw: Hardware, pp_rank: int = 
     span = max(members) - min(members) + 1
     if c.kind in ("send", "recv"):
         span = layout.world // layout.pp + 1  # neighbouring stages are a stage's width apart
-    bw, lat = hw.link(span)
+    bw, lat = hw.link(span, n, layout.world)
     if c.kind == "all_reduce":
         factor, hops = 2 * (n - 1) / n, 2 * (n - 1)
     elif c.kind in ("send", "recv"):
         factor, hops = 1.0, 1
     else:
         factor, hops = (n - 1) / n, n - 1
-    return c.calls * (hops * lat + factor * c.nbytes / bw)
+    # (local: each call also waits for the job's slowest process to reach it)
+    return c.calls * (hops * lat + factor * c.nbytes / bw + hw.sync_seconds(layout.world))
 
 
 def step_time(cfg: Config, layout: Layout, states: list[RankStates], hw: Hardware) -> StepTime:

@@ -48,6 +48,8 @@ class Hardware:
     """Whether collectives run concurrently with compute (GPU streams: yes; CPU gloo: no)."""
     peak_tflops: dict[str, float] = field(default_factory=dict)
     efficiency: dict[str, float] = field(default_factory=dict)
+    """Fraction of each peak training-sized work reaches: ``matmul`` (or ``matmul_<dtype>`` for one
+    dtype, e.g. ``matmul_fp8``), ``attention``, ``memory``, ``comm``."""
     # local (measured) only:
     cores: int = 0
     """CPU cores shared by the local ranks (0 on GPUs: one device per rank)."""
@@ -65,17 +67,43 @@ class Hardware:
     """Measured host time: ``per_block`` (one block's forward + backward + its optimizer share) and
     ``per_step``."""
     collective_bw_gbs: dict[str, float] = field(default_factory=dict)
-    """Measured gloo bus bandwidth per number of processes (``"4"`` -> GB/s)."""
+    """Measured gloo bus bandwidth per number of processes (``"4"`` -> GB/s), and of groups of two
+    all moving data at once among that many processes (``"2@4"``)."""
+    shared_compute: dict[str, float] = field(default_factory=dict)
+    """Measured per number of processes (``"4"``): the GEMM rate of each process while all of them
+    run it, as a fraction of one process's rate at its fair share of the cores (caches, memory
+    bandwidth and scheduling are shared too)."""
+
+    collective_sync_us: dict[str, float] = field(default_factory=dict)
+    """Measured per number of processes (``"4"``): what each collective call costs beyond its
+    latency and bytes when it sits between compute, as in a training step -- the wait for the
+    slowest process to reach it (with more processes than cores, for the OS to schedule it)."""
+
+    def sync_seconds(self, ranks: int) -> float:
+        """Per collective call among ``ranks`` local processes (nearest measured count; 0 on GPUs)."""
+        if ranks <= 1 or not self.collective_sync_us:
+            return 0.0
+        n = min((int(k) for k in self.collective_sync_us), key=lambda k: abs(k - ranks))
+        return 1e-6 * self.collective_sync_us[str(n)]
 
     def _threads(self, ranks: int) -> tuple[int, float]:
-        """(threads each local rank runs, its share of a core when ranks outnumber cores)."""
+        """(threads each local rank runs, its share of a core: less than one when ranks outnumber
+        cores, and less again by what sharing the machine was measured to cost)."""
         n = max(1, ranks)
-        return max(1, self.cores // n), min(1.0, self.cores / n)
+        return max(1, self.cores // n), min(1.0, self.cores / n) * self.sharing(n)
+
+    def sharing(self, ranks: int) -> float:
+        """Measured compute efficiency of ``ranks`` local processes at once (nearest measured count;
+        1 on GPUs and for one process)."""
+        if ranks <= 1 or not self.shared_compute:
+            return 1.0
+        n = min((int(k) for k in self.shared_compute), key=lambda k: abs(k - ranks))
+        return self.shared_compute[str(n)]
 
     def _measured(self, prefix: str, ranks: int, size: int) -> float:
         threads, share = self._threads(ranks)
         table = {int(k.rsplit(":", 1)[1]): v for k, v in self.thread_tflops.items()
-                 if k.startswith(f"{prefix}@{threads}:")}
+                 if k.startswith(f"{prefix}@{threads}:") and k.count(":") == 1}
         if not table:
             raise ConfigError(f"hardware '{self.name}' has no measured '{prefix}' rate for {threads} "
                               "thread(s): run `shardwise calibrate` again")
@@ -86,7 +114,7 @@ class Hardware:
         (forward and backward). On ``local``: interpolated from the measured grid of widths."""
         n = k if n is None else n
         if not self.cores:
-            return self._peak(dtype) * self.efficiency["matmul"]
+            return self._peak(dtype) * self.efficiency.get(f"matmul_{dtype}", self.efficiency["matmul"])
         threads, share = self._threads(ranks)
         grid = {}
         for key, v in self.thread_tflops.items():
@@ -102,11 +130,22 @@ class Hardware:
         rows = {a: _interpolate({b: grid[(a, b)] for aa, b in grid if aa == a}, n) for a in ks}
         return share * _interpolate(rows, k)
 
-    def attention_tflops(self, dtype: str, head_dim: int, ranks: int = 1) -> float:
-        """Sustained TFLOP/s of one rank's causal attention (forward + backward)."""
-        if self.cores:
+    def attention_tflops(self, dtype: str, head_dim: int, ranks: int = 1, seq: int = 0) -> float:
+        """Sustained TFLOP/s of one rank's causal attention (forward + backward) over ``seq`` query
+        positions per call. On ``local``: interpolated from the measured grid of head widths and
+        sequence lengths (profiles from before the sequence was measured: by head width)."""
+        if not self.cores:
+            return self._peak(dtype) * self.efficiency["attention"]
+        threads, share = self._threads(ranks)
+        prefix = f"attention_{dtype}@{threads}:"
+        grid = {tuple(int(x) for x in k[len(prefix):].split(":")): v
+                for k, v in self.thread_tflops.items() if k.startswith(prefix) and k.count(":") == 2}
+        if not grid:
             return self._measured(f"attention_{dtype}", ranks, head_dim)
-        return self._peak(dtype) * self.efficiency["attention"]
+        seq = seq or 512
+        dims = sorted({d for d, _ in grid})
+        rows = {d: _interpolate({s: v for (dd, s), v in grid.items() if dd == d}, seq) for d in dims}
+        return share * _interpolate(rows, head_dim)
 
     def memory_bw(self, ranks: int = 1, tensor_bytes: float = 0) -> float:
         """Bytes/s one rank's elementwise (memory-bound) work moves on tensors of ``tensor_bytes``.
@@ -127,12 +166,19 @@ class Hardware:
                               "other hardware or turn the feature off")
         return peak
 
-    def link(self, span_ranks: int) -> tuple[float, float]:
+    def link(self, span_ranks: int, members: int = 0, world: int = 0) -> tuple[float, float]:
         """(bus bandwidth bytes/s, per-hop latency s) for a group whose members span
-        ``span_ranks`` consecutive ranks: inside one node, or across nodes (each device's NIC)."""
+        ``span_ranks`` consecutive ranks: inside one node, or across nodes (each device's NIC). On
+        ``local``, by the group's size (``members``) and how many processes the job runs
+        (``world``): pairs inside a bigger job at the rate measured with every pair busy."""
         if self.collective_bw_gbs:  # local: measured per number of processes
-            sizes = sorted(int(k) for k in self.collective_bw_gbs)
-            n = min(sizes, key=lambda k: abs(k - span_ranks))
+            n = members or span_ranks
+            if n == 2 and world > 2 and (pairs := [int(k[2:]) for k in self.collective_bw_gbs
+                                                   if k.startswith("2@")]):
+                w = min(pairs, key=lambda k: abs(k - world))
+                return self.collective_bw_gbs[f"2@{w}"] * 1e9, self.intra_node_latency_us * 1e-6
+            sizes = sorted(int(k) for k in self.collective_bw_gbs if "@" not in k)
+            n = min(sizes, key=lambda k: abs(k - n))
             return self.collective_bw_gbs[str(n)] * 1e9, self.intra_node_latency_us * 1e-6
         eff = self.efficiency.get("comm", 1.0)
         if span_ranks <= self.gpus_per_node:
