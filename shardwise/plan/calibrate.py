@@ -139,18 +139,24 @@ def _tiny_step(layers: int, layout: tuple[str, ...] = ()) -> Callable[[], None]:
     return step
 
 
-def host_overhead_ms(seconds: float = 1.0) -> tuple[float, float]:
-    """(ms per block, ms per step) of training steps whose kernels take no time (1 and 5 blocks)."""
+MOE_TINY = ("--model.n_experts=4", "--model.moe_top_k=2", "--model.moe_hidden_dim=32",
+            "--model.n_dense_layers=0")
+
+
+def host_overhead_ms(seconds: float = 1.0) -> tuple[float, float, float]:
+    """(ms per block, ms per step, ms per MoE block) of training steps whose kernels take no time
+    (1 and 5 blocks; an MoE block's routing, token sort and grouped GEMMs are many more small ops)."""
     import torch.distributed as dist
 
     with tempfile.TemporaryDirectory() as d:
         dist.init_process_group("gloo", init_method=f"file://{Path(d) / 'pg'}", rank=0, world_size=1)
         try:
             one, five = (_time(_tiny_step(n), seconds, min_runs=10) for n in (1, 5))
+            moe_one, moe_five = (_time(_tiny_step(n, MOE_TINY), seconds, min_runs=10) for n in (1, 5))
         finally:
             dist.destroy_process_group()
     per_block = (five - one) / 4
-    return 1e3 * per_block, 1e3 * (one - per_block)
+    return 1e3 * per_block, 1e3 * (one - per_block), 1e3 * (moe_five - moe_one) / 4
 
 
 def _collective_worker(rank: int, world: int, init: str, out: str) -> None:
@@ -280,8 +286,9 @@ def calibrate(cache_dir: str = "~/.cache/shardwise", log: Callable[[str], None] 
                 f"memory {bandwidth[str(th)]:.1f} GB/s ({bandwidth[f'large@{th}']:.1f} for outputs over "
                 "16 MiB)")
         torch.set_num_threads(1 if cores == 1 else cores)
-        per_block, per_step = host_overhead_ms(secs)
-        log(f"  host overhead: {per_block:.2f} ms per block, {per_step:.2f} ms per step")
+        per_block, per_step, per_moe_block = host_overhead_ms(secs)
+        log(f"  host overhead: {per_block:.2f} ms per block ({per_moe_block:.2f} per MoE block), "
+            f"{per_step:.2f} ms per step")
     finally:
         torch.set_num_threads(old_threads)
     coll, latency, per_tp_block, shared, sync = {}, [], 0.0, {}, {}
@@ -314,7 +321,7 @@ def calibrate(cache_dir: str = "~/.cache/shardwise", log: Callable[[str], None] 
         inter_node_bw_gbs=max(coll.values()), inter_node_latency_us=1e6 * statistics.median(latency),
         comm_overlap=False, peak_tflops={}, efficiency={"memory": 1.0}, cores=cores,
         thread_tflops=rates, overhead_ms={"per_block": per_block, "per_step": per_step,
-                                          "per_tp_block": per_tp_block},
+                                          "per_moe_block": per_moe_block, "per_tp_block": per_tp_block},
         collective_bw_gbs=coll, memory_bw_per_thread_gbs=bandwidth, shared_compute=shared,
         collective_sync_us=sync)
     save_hardware(hw, local_path(cache_dir))

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shardwise.config import Config
+from shardwise.model_args import ModelArgs
 from shardwise.observe.flops import ATTENTION_BACKWARD, MATMUL_BACKWARD, attention_pairs
 from shardwise.plan.comm import Collective, fsdp_reduce_bytes, group_members, step_collectives
 from shardwise.plan.hardware import Hardware
@@ -190,7 +191,7 @@ def rank_time(cfg: Config, layout: Layout, rank_states: RankStates, hw: Hardware
         tally.memory *= COMPILE_MEMORY_FACTOR
     compute = {"matmul": tally.matmul, "attention": tally.attention, "memory-bound": tally.memory,
                "optimizer": optimizer_seconds(cfg, rank_states, hw, layout.world),
-               "host": host_seconds(layout, rank_states, hw, micro_batches)}
+               "host": host_seconds(layout, rank_states, hw, micro_batches, shape.args)}
     colls = step_collectives(cfg, layout, rank_states) if colls is None else colls
     seconds = [collective_time(c, layout, hw, rank_states.pp_rank) for c in colls]
     comm = _per_mesh_dim(colls, seconds)
@@ -258,14 +259,18 @@ def optimizer_seconds(cfg: Config, rank_states: RankStates, hw: Hardware, ranks:
     return numel * (4 * 4 + 4 * state_bytes + 12) / hw.memory_bw(ranks)
 
 
-def host_seconds(layout: Layout, rank_states: RankStates, hw: Hardware, micro_batches: int) -> float:
-    """Host time of the step, measured on the local CPU per block (more under TP) and per step;
-    ranks beyond the cores share them. 0 on GPUs, where it is assumed hidden behind the kernels."""
+def host_seconds(layout: Layout, rank_states: RankStates, hw: Hardware, micro_batches: int,
+                 args: ModelArgs) -> float:
+    """Host time of the step, measured on the local CPU per block (dense or MoE; more under TP) and
+    per step; ranks beyond the cores share them. 0 on GPUs, where it is assumed hidden behind the
+    kernels."""
     overhead_ms = hw.overhead_ms
     if not overhead_ms:
         return 0.0
-    per_block = overhead_ms["per_block"] + (overhead_ms.get("per_tp_block", 0.0) if layout.tp > 1 else 0)
-    host = 1e-3 * (per_block * len(rank_states.layers) * micro_batches + overhead_ms["per_step"])
+    tp = overhead_ms.get("per_tp_block", 0.0) if layout.tp > 1 else 0.0
+    moe_block = overhead_ms.get("per_moe_block", overhead_ms["per_block"])
+    blocks = sum(moe_block if args.is_moe_layer(i) else overhead_ms["per_block"] for i in rank_states.layers)
+    host = 1e-3 * ((blocks + tp * len(rank_states.layers)) * micro_batches + overhead_ms["per_step"])
     return host * max(1.0, layout.world / hw.cores) / hw.sharing(layout.world)
 
 

@@ -8,8 +8,9 @@ bandwidth, gloo collective bandwidth and latency, per-step host overhead) and ca
 
 Peaks are data-sheet figures; ``efficiency`` holds the fraction of each peak that training-sized
 work reaches (matmuls, attention, memory-bound elementwise work, collective bus bandwidth). They are
-inputs of the step-time model, stated in the file, never fitted to the runs the model is checked
-against (docs/planning.md).
+inputs of the step-time model, stated in the file. Only ``h100-gt``'s are fitted -- to torchtitan's
+published 8B rows on those hosts (``bench/published.py --fit``); its 70B and 405B rows stay
+predictions (docs/planning.md).
 """
 
 from __future__ import annotations

@@ -126,6 +126,19 @@ HOW: dict[str, Check] = {
     "python bench/plan_accuracy.py --calibrate": Check(
         reason="a long benchmark (calibration, then 14 layouts run for real); BENCHMARKS.md has its output"),
     "python bench/published.py --plan": Check(slow=True),
+    "python bench/published.py --fit": Check(),
+    "python bench/plan_ranking.py --calibrate": Check(
+        reason="a long benchmark (calibration, then 6 layouts trained for real 3 times); BENCHMARKS.md has "
+               "its output"),
+    "python bench/plan_ranking.py --set moe": Check(reason="a long benchmark; BENCHMARKS.md has its output"),
+    "python bench/plan_ranking.py --set 125m --steps 8": Check(
+        reason="a long benchmark; BENCHMARKS.md has its output"),
+    # docs/planning.md, the local flow: tests/e2e/test_plan_cli.py runs these three in this order
+    "shardwise calibrate --quick": Check(reason="test_plan_cli.py runs it, then the two commands below"),
+    "shardwise plan --config configs/debug.toml --gpus 4 --hardware local": Check(
+        reason="test_plan_cli.py runs it on the profile calibrate --quick wrote"),
+    "shardwise train --config plan.toml --nproc 4 --training.steps 20": Check(
+        reason="test_plan_cli.py trains the written plan.toml with the command plan prints"),
     # docs/data.md
     "shardwise train --config configs/chat-debug.toml": Check(TRAIN),
     "shardwise prepare --config configs/debug.toml": Check(),

@@ -24,17 +24,21 @@ def _one_line_error(capsys: pytest.CaptureFixture, rc: int, code: int = 2) -> st
 
 
 def test_calibrate_quick_then_plan_trains_on_four_ranks(tmp_path: Path, data_cache: str):
-    """The whole local flow: a quick calibration, a plan for 4 local ranks of the debug preset with
-    that profile, then the written file trained for 3 steps exactly as plan prints the command."""
-    cal = run_cli(["calibrate", "--quick", f"--data.cache_dir={tmp_path}"], timeout=600)
-    profile = tmp_path / "hardware_local.toml"
+    """The whole local flow of docs/planning.md, as written there (plus the shared token cache, an
+    output path and a run directory): a quick calibration, a plan for 4 local ranks of the debug
+    preset on it, then the written file trained for 3 steps with the command plan prints."""
+    cal = run_cli(["calibrate", "--quick", f"--data.cache_dir={data_cache}"], timeout=600)
+    profile = Path(data_cache) / "hardware_local.toml"
     assert f"saved {profile}" in cal.stdout
     hw = tomllib.loads(profile.read_text())
-    assert hw["cores"] >= 1 and set(hw["collective_bw_gbs"]) == {"2", "4"}
-    assert hw["description"].endswith("--quick") and hw["overhead_ms"]["per_block"] > 0
+    assert hw["cores"] >= 1 and set(hw["collective_bw_gbs"]) == {"2", "4", "2@4"}
+    assert set(hw["shared_compute"]) == set(hw["collective_sync_us"]) == {"2", "4"}
+    seqs = {k.rsplit(":", 1)[1] for k in hw["thread_tflops"] if k.startswith("attention_")}
+    assert seqs == {"256", "512", "1024"}
+    assert hw["description"].endswith("--quick") and hw["overhead_ms"]["per_moe_block"] > 0
 
     out = tmp_path / "plan.toml"
-    proc = run_cli(["plan", "--config", "configs/debug.toml", "--gpus", "4", "--hardware", str(profile),
+    proc = run_cli(["plan", "--config", "configs/debug.toml", "--gpus", "4", "--hardware", "local",
                     f"--out={out}", f"--data.cache_dir={data_cache}", f"--run.dir={tmp_path / 'run'}"])
     assert "notice: data.path is not set, so this config trains on the shipped 4 MB KJV corpus" in proc.stdout
     command = f"shardwise train --config {out} --nproc 4"
@@ -48,6 +52,18 @@ def test_calibrate_quick_then_plan_trains_on_four_ranks(tmp_path: Path, data_cac
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["loss"] < rows[0]["loss"] + 1
     ran = tomllib.loads((tmp_path / "run" / "config.toml").read_text())
     assert ran["parallel"] == written["parallel"]
+
+
+def test_a_measured_profile_file_plans_for_the_cpu(tmp_path: Path):
+    """--hardware takes a profile file: a measured machine's (it has cores) plans for cpu ranks,
+    resolving auto settings for the CPU; a GPU profile for cuda."""
+    from shardwise.plan.hardware import PROFILE_DIR, profile_device
+
+    local = tmp_path / "mine.toml"
+    local.write_text((PROFILE_DIR / "h100.toml").read_text().replace("comm_overlap = true",
+                                                                    "comm_overlap = false\ncores = 2"))
+    assert profile_device(str(local)) == "cpu" and profile_device("local") == "cpu"
+    assert profile_device(str(PROFILE_DIR / "h100.toml")) == "cuda" and profile_device("h100") == "cuda"
 
 
 # Everything plan may change: the layout, the memory switches, and (from --seq / the default

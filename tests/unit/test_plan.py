@@ -340,6 +340,22 @@ def _local_profile(cores: int):
                     overhead_ms={"per_block": 1.0, "per_step": 1.0}, collective_bw_gbs={"2": 1.0, "4": 1.0})
 
 
+def test_local_profile_lookups():
+    """Pairs inside a bigger job use the bandwidth measured with every pair busy; attention is
+    interpolated over the measured sequence lengths; sharing and per-call waits by process count."""
+    import dataclasses
+
+    base = _local_profile(2)
+    rates = {**base.thread_tflops, "attention_bf16@1:16:256": 0.02, "attention_bf16@1:16:1024": 0.08}
+    hw = dataclasses.replace(base, collective_bw_gbs={"2": 1.0, "4": 0.5, "2@4": 0.25}, thread_tflops=rates,
+                             shared_compute={"2": 1.0, "4": 0.8}, collective_sync_us={"2": 500, "4": 2000})
+    assert hw.link(2, 2, 2)[0] == 1e9 and hw.link(2, 2, 4)[0] == 0.25e9 and hw.link(4, 4, 4)[0] == 0.5e9
+    # 512 positions: halfway (in log) between the rates at 256 and 1024, times the core share and sharing
+    assert hw.attention_tflops("bf16", 16, ranks=4, seq=512) == pytest.approx(0.05 * 0.5 * 0.8)
+    assert hw.sharing(4) == 0.8 and hw.sharing(1) == 1.0 and hw.sync_seconds(4) == pytest.approx(2e-3)
+    assert load_hardware("h100").sync_seconds(8) == 0 and load_hardware("h100").sharing(8) == 1
+
+
 def test_pipeline_ranks_in_the_bubble_lend_their_cores():
     """4 local pipeline ranks on 2 cores: a rank waiting in the bubble gives its core to the others
     (measured: pp4 and pp2 x FSDP2 were the fastest debug layouts on 4 ranks, BENCHMARKS.md), so the
