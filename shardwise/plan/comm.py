@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from shardwise.config import Config
 from shardwise.parallel.dims import FLAT_VIEWS, MESH_DIMS, MOE_VIEWS
 from shardwise.parallel.pipeline import rank_stages
+from shardwise.plan.activations import Shape, shape_of
 from shardwise.plan.layout import Layout
-from shardwise.plan.memory import Shape, shape_of
 from shardwise.plan.states import BYTES, RankStates
 
 

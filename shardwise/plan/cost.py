@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from shardwise.config import Config
 from shardwise.model_args import ModelArgs
 from shardwise.observe.flops import ATTENTION_BACKWARD, MATMUL_BACKWARD, attention_pairs
+from shardwise.plan.activations import Shape, shape_of
 from shardwise.plan.comm import Collective, fsdp_reduce_bytes, group_members, step_collectives
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import Layout
-from shardwise.plan.memory import Shape, shape_of
 from shardwise.plan.states import BYTES, RankStates
 from shardwise.resolve import compile_run
 

@@ -1,21 +1,6 @@
 """Per-rank memory of a training step: activations per op, and the peak of a step's timeline.
 
-**Activations** (:func:`activations`) are counted op by op from what this code base's autograd
-saves for backward -- each tensor with its shape and dtype under the layout (sequence-parallel norms
-on ``T/tp`` tokens, gathered linear inputs on ``T``, heads and FFN width split by ``tp``, ``S/cp``
-positions per context-parallel rank). The formulas were read off the model's saved tensors and are
-checked against them (tests/unit/test_plan_memory.py). Per block, bf16, no checkpointing:
-
-- each RMSNorm: the fp32 input copy, the fp32 normalized tensor, 1/rms per token, the fp32 weight;
-- the two linear inputs (attention, FFN), gathered over tp under sequence parallel;
-- attention: post-RoPE q and k, v, the output and its log-sum-exp (flash attention saves no
-  ``S x S`` matrix); under cp the output-projection input is a separate copy;
-- SwiGLU: ``w1 x``, ``silu(w1 x)``, ``w3 x`` and their product;
-- MoE: router scores, choices and weights, sort order, the routed tokens and each expert GEMM's
-  output (``k`` slots per token), the shared expert like a dense FFN.
-
-Checkpointing keeps each checkpointed block's input only (``full``, ``layer``), or (``selective``)
-the input plus every matmul, attention and collective output (the per-op policy's cache).
+Activations come from :mod:`shardwise.plan.activations` (per op, per block).
 
 **Peak** (:func:`step_memory`): a timeline of one steady-state step (optimizer states allocated,
 gradients freed by the previous step) at the granularity of FSDP units and blocks: all-gathers
@@ -31,225 +16,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shardwise.config import Config
-from shardwise.models import ModelArgs, model_args
 from shardwise.parallel.pipeline import stage_layers
+from shardwise.plan.activations import (
+    Shape,
+    backward_temporaries,
+    block_activations,
+    block_saved,
+    embedding_saved,
+    head_saved,
+    loss_temporaries,
+    rope_table,
+    shape_of,
+)
 from shardwise.plan.layout import Layout
 from shardwise.plan.schedule import schedule_actions
 from shardwise.plan.states import BYTES, RankStates
-from shardwise.resolve import loss_chunk_tokens
-
-
-@dataclass(frozen=True)
-class Shape:
-    """The per-rank sizes the activation formulas need, for one micro-batch."""
-
-    args: ModelArgs
-    mb: int
-    """Sequences per micro-batch."""
-    seq: int
-    """Positions per sequence on this rank (S / cp)."""
-    tp: int
-    cp: int
-    ep: int
-    e: int
-    """Bytes per element of the compute dtype (2 bf16, 4 fp32)."""
-    loss_chunk: int = 0
-    """Tokens per chunk of the fused loss (0: plain logits then cross-entropy)."""
-
-    @property
-    def fused_grads(self) -> bool:
-        """The fused loss computes its gradients in forward (tp > 1: vocab-parallel, recomputed)."""
-        return self.loss_chunk > 0 and self.tp == 1
-
-    @property
-    def loss_chunks(self) -> int:
-        return -(-self.tokens // self.loss_chunk) if self.loss_chunk else 0
-
-    @property
-    def tokens(self) -> int:
-        """Tokens the attention and FFN matmuls see (gathered over tp)."""
-        return self.mb * self.seq
-
-    @property
-    def norm_tokens(self) -> int:
-        """Tokens the norms and the residual stream hold (sequence-sharded over tp)."""
-        return self.tokens // self.tp
-
-
-def shape_of(cfg: Config, layout: Layout) -> Shape:
-    args = model_args(cfg.model)
-    seq = cfg.training.seq_len // layout.cp
-    chunk = loss_chunk_tokens(cfg.training, args.vocab_size, layout.pp, layout.tp, layout.micro_batch * seq)
-    return Shape(args, layout.micro_batch, seq, layout.tp, layout.cp, layout.ep,
-                 BYTES[cfg.training.mixed_precision], chunk)
-
-
-def _norm(s: Shape, tokens: int) -> int:
-    """RMSNorm in fp32: input copy (the input itself in fp32), normalized, 1/rms, fp32 weight copy
-    (none when the weight is already fp32)."""
-    d = s.args.dim
-    return 8 * tokens * d + 4 * tokens + (4 * d if s.e < 4 else 0)
-
-
-def dense_ffn(s: Shape, tokens: int, hidden: int) -> int:
-    """SwiGLU saved tensors after its input: w1 x, silu(w1 x), w3 x, product."""
-    return 4 * s.e * tokens * hidden
-
-
-def attention(s: Shape) -> int:
-    """Attention block after the norm: gathered input, q, k (post-RoPE), v, out, log-sum-exp; with
-    QK-norm, its two norms."""
-    a, t = s.args, s.tokens
-    hq, hkv, dh = a.n_heads // s.tp, a.n_kv_heads // s.tp, a.head_dim
-    out = s.e * t * a.dim + s.e * t * dh * (2 * hq + 2 * hkv) + 4 * s.mb * hq * s.seq
-    if a.qk_norm:  # RMSNorm per head of q and k, as _norm: fp32 input, normalized, 1/rms, weight copy
-        out += 8 * t * dh * (hq + hkv) + 4 * t * (hq + hkv) + (8 * dh if s.e < 4 else 0)
-    if s.cp > 1:  # ring attention's output is (B, H, S, D): the projection input is a copy
-        out += s.e * t * hq * dh
-    return out
-
-
-def mask_saved(s: Shape, cfg: Config) -> int:
-    """With document masking, attention converts the (B, 1, S, S) boolean mask to the compute dtype
-    and saves that copy, in every block."""
-    return s.e * s.mb * s.seq * s.seq if cfg.data.document_mask else 0
-
-
-def moe_ffn(s: Shape, cfg: Config) -> int:
-    """MoE feed-forward on this rank's (sequence-shard) tokens, after the norm."""
-    a = s.args
-    t, k, E, h = s.norm_tokens, a.moe_top_k, a.n_experts, a.moe_hidden_dim
-    slots = t * k  # expert-parallel ranks receive about as many slots as they send
-    n = s.e * t * a.dim + 4 * t * E + 8 * slots + 8 * slots  # router input, scores, choices, order
-    if a.moe_route_norm:
-        n += 4 * slots + 4 * t  # the chosen weights and their sum
-    if a.moe_balance == "aux_loss" and a.moe_aux_coef > 0:
-        n += 4 * t + 4 * s.mb * E + 4 * s.mb * (E + 1)  # score sums, f, per-sequence counts
-    n += 3 * 4 * (E // s.ep)  # grouped GEMM offsets
-    n += s.e * slots * (3 * a.dim + 4 * h) + 2 * 8 * slots + s.e * slots  # experts, indices, weights
-    if a.n_shared_experts:
-        n += dense_ffn(s, t, a.n_shared_experts * h)
-    return n
-
-
-def block_saved(s: Shape, cfg: Config, layer: int) -> int:
-    """Bytes a block saves for backward in one micro-batch without checkpointing."""
-    a = s.args
-    n = 2 * _norm(s, s.norm_tokens) + attention(s) + mask_saved(s, cfg)
-    if a.is_moe_layer(layer):
-        return n + moe_ffn(s, cfg)
-    return n + s.e * s.tokens * a.dim + dense_ffn(s, s.tokens, a.ffn_hidden_dim // s.tp)
-
-
-def block_selective(s: Shape, cfg: Config, layer: int) -> int:
-    """Selective checkpointing keeps the block input and every matmul / attention / collective
-    output of the block."""
-    a, t, tn, e = s.args, s.tokens, s.norm_tokens, s.e
-    hq, hkv, dh = a.n_heads // s.tp, a.n_kv_heads // s.tp, a.head_dim
-    n = e * tn * a.dim  # the block input
-    n += e * t * dh * (hq + 2 * hkv) + e * t * a.dim  # q, k, v and output projections
-    n += e * t * hq * dh + 4 * s.mb * hq * s.seq + mask_saved(s, cfg)  # attention out, lse, mask
-    if s.tp > 1:
-        n += e * t * a.dim + e * tn * a.dim  # attention: input all-gather, output reduce-scatter
-    if a.is_moe_layer(layer):
-        h, slots = a.moe_hidden_dim, tn * a.moe_top_k
-        n += e * tn * a.n_experts + e * slots * (2 * h + a.dim)  # router logits, expert GEMMs
-        if a.n_shared_experts:
-            n += e * tn * (2 * a.n_shared_experts * h + a.dim)
-        return n
-    n += e * t * (2 * (a.ffn_hidden_dim // s.tp) + a.dim)  # w1, w3, w2 outputs
-    if s.tp > 1:
-        n += e * t * a.dim + e * tn * a.dim
-    return n
-
-
-def backward_temporaries(s: Shape, layer: int) -> int:
-    """Gradient temporaries alive inside one block's backward: at the MLP, the gradients of its
-    hidden product, of both branches and of the SiLU input (four hidden-sized tensors); at
-    attention, those of q, k, v and the output -- whichever is larger."""
-    a = s.args
-    if a.is_moe_layer(layer):
-        mlp = 4 * s.e * s.norm_tokens * a.moe_top_k * a.moe_hidden_dim
-    else:
-        mlp = 4 * s.e * s.tokens * (a.ffn_hidden_dim // s.tp)
-    attn = s.e * s.tokens * a.head_dim * (2 * a.n_heads + 2 * a.n_kv_heads) // s.tp
-    return max(mlp, attn)
-
-
-def block_activations(s: Shape, cfg: Config, layer: int) -> int:
-    """Bytes kept from a block's forward until its backward, per micro-batch, under the
-    activation-checkpointing mode."""
-    ac = cfg.activation_checkpoint
-    checkpointed = ac.mode in ("full", "selective") or (ac.mode == "layer" and layer % ac.every == 0)
-    if not checkpointed:
-        return block_saved(s, cfg, layer)
-    if ac.mode == "selective":
-        return block_selective(s, cfg, layer)
-    return s.e * s.norm_tokens * s.args.dim  # the block input only
-
-
-def rope_table(s: Shape, cfg: Config) -> int:
-    """The RoPE rotations attention saves (one table shared by all blocks): the whole table, or
-    under cp this rank's rows."""
-    rows = s.seq if s.cp > 1 else s.args.max_seq_len
-    return 8 * rows * (s.args.head_dim // 2)
-
-
-def head_saved(s: Shape, cfg: Config) -> int:
-    """Final norm, output projection input and the loss's saved tensors (the fused loss: the final
-    norm, the valid-token count and the two gradients it computed in forward)."""
-    a, t = s.args, s.tokens
-    if s.fused_grads:  # the gradients of the hidden states and of the head, computed in forward
-        return _norm(s, s.norm_tokens) + 8 + s.e * t * a.dim + _head_grad_bytes(s)
-    n = _norm(s, s.norm_tokens) + 8 * t + 8  # + labels and the global valid-token count (int64)
-    if s.loss_chunk:
-        return n + s.e * t * a.dim  # the chunked loss keeps the hidden states, not the logits
-    vocab = a.vocab_size // s.tp if s.tp > 1 and cfg.parallel.loss_parallel else a.vocab_size
-    return n + s.e * t * a.dim + 4 * t * vocab + 4  # log-softmax output (fp32), total weight
-
-
-def _head_grad_bytes(s: Shape) -> int:
-    """The fused loss's head-gradient sum: one chunk's product as it is, or fp32 over chunks."""
-    return (s.e if s.loss_chunks == 1 else 4) * s.args.vocab_size * s.args.dim
-
-
-def loss_temporaries(s: Shape, cfg: Config) -> int:
-    """Memory the loss holds beyond its saved tensors at its peak.
-
-    Plain logits: the compute-dtype logits and two fp32 logits-sized gradient temporaries (loss
-    parallel: one more compute-dtype copy, the local shard of the DTensor's redistribution). Fused
-    loss, gradients in forward: the larger of one chunk's softmax pass (its logits, their fp32
-    copy, the compute-dtype gradient) and the backward's scaled copies of the two gradients.
-    Vocab-parallel chunked loss: one chunk's logits in the compute dtype and fp32, its softmax
-    gradient in both, the fp32 weight-gradient accumulator and the hidden-state gradient."""
-    a = s.args
-    vocab = a.vocab_size // s.tp if s.tp > 1 and cfg.parallel.loss_parallel else a.vocab_size
-    if s.fused_grads:
-        c = -(-s.tokens // s.loss_chunks)  # equal chunks
-        softmax = c * vocab * (s.e + 4 + (s.e if s.e != 4 else 0))
-        scaled = s.e * s.tokens * a.dim + s.e * vocab * a.dim
-        return max(softmax, scaled)
-    if s.loss_chunk:
-        c = min(s.loss_chunk, s.tokens)
-        return c * vocab * (2 * s.e + 8) + 4 * vocab * a.dim + s.e * s.tokens * a.dim
-    per_logit = 2 * s.e + 8 if s.tp > 1 and cfg.parallel.loss_parallel else s.e + 8
-    return s.tokens * vocab * per_logit
-
-
-def embedding_saved(s: Shape) -> int:
-    return 8 * s.mb * s.seq  # token ids (int64)
-
-
-def activations(cfg: Config, layout: Layout, layers: tuple[int, ...], has_embedding: bool,
-                has_head: bool) -> dict[str, int]:
-    """Saved bytes of one micro-batch on a rank running ``layers``: blocks, embedding, head/loss."""
-    s = shape_of(cfg, layout)
-    blocks = sum(block_activations(s, cfg, i) for i in layers)
-    out = {"blocks": blocks + (rope_table(s, cfg) if layers else 0)}
-    out["embedding"] = embedding_saved(s) if has_embedding else 0
-    out["head"] = head_saved(s, cfg) if has_head else 0
-    return out
-
 
 # ---------------------------------------------------------------------------------------------
 # Pipeline: micro-batches in flight

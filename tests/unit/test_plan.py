@@ -20,11 +20,12 @@ from shardwise.ops.loss import TokenLoss
 from shardwise.optim.adamw import build_optimizer
 from shardwise.parallel import fsdp
 from shardwise.parallel.build import build_rank_model
+from shardwise.plan.activations import activations
 from shardwise.plan.comm import group_members
 from shardwise.plan.cost import rank_time
 from shardwise.plan.hardware import available, load_hardware
 from shardwise.plan.layout import Layout
-from shardwise.plan.memory import activations, memory_floor, step_memory
+from shardwise.plan.memory import memory_floor, step_memory
 from shardwise.plan.schedule import in_flight, schedule_actions
 from shardwise.plan.search import check_layout, enumerate_layouts, parse_tokens, plan, plan_config
 from shardwise.plan.states import built_states, shape_states
