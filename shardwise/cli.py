@@ -368,7 +368,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
 
         if kept := keep_aside(Path(args.out)):
             notice(f"the earlier {args.out} is kept as {kept}")
-        Path(args.out).write_text(layout_toml(result.top[0], args.out, notes))
+        Path(args.out).write_text(layout_toml(result.top[0], args.out, tuple(notes)))
         print(f"best layout written to {args.out}: {run_command(args.out, args.gpus, hw)}")
     for n in notes:
         notice(n)

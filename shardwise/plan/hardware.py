@@ -82,10 +82,7 @@ class Hardware:
 
     def sync_seconds(self, ranks: int) -> float:
         """Per collective call among ``ranks`` local processes (nearest measured count; 0 on GPUs)."""
-        if ranks <= 1 or not self.collective_sync_us:
-            return 0.0
-        n = min((int(k) for k in self.collective_sync_us), key=lambda k: abs(k - ranks))
-        return 1e-6 * self.collective_sync_us[str(n)]
+        return 1e-6 * _nearest(self.collective_sync_us, ranks, 0.0) if ranks > 1 else 0.0
 
     def _threads(self, ranks: int) -> tuple[int, float]:
         """(threads each local rank runs, its share of a core: less than one when ranks outnumber
@@ -96,10 +93,7 @@ class Hardware:
     def sharing(self, ranks: int) -> float:
         """Measured compute efficiency of ``ranks`` local processes at once (nearest measured count;
         1 on GPUs and for one process)."""
-        if ranks <= 1 or not self.shared_compute:
-            return 1.0
-        n = min((int(k) for k in self.shared_compute), key=lambda k: abs(k - ranks))
-        return self.shared_compute[str(n)]
+        return _nearest(self.shared_compute, ranks, 1.0) if ranks > 1 else 1.0
 
     def _measured(self, prefix: str, ranks: int, size: int) -> float:
         threads, share = self._threads(ranks)
@@ -174,17 +168,22 @@ class Hardware:
         (``world``): pairs inside a bigger job at the rate measured with every pair busy."""
         if self.collective_bw_gbs:  # local: measured per number of processes
             n = members or span_ranks
-            if n == 2 and world > 2 and (pairs := [int(k[2:]) for k in self.collective_bw_gbs
-                                                   if k.startswith("2@")]):
-                w = min(pairs, key=lambda k: abs(k - world))
-                return self.collective_bw_gbs[f"2@{w}"] * 1e9, self.intra_node_latency_us * 1e-6
-            sizes = sorted(int(k) for k in self.collective_bw_gbs if "@" not in k)
-            n = min(sizes, key=lambda k: abs(k - n))
-            return self.collective_bw_gbs[str(n)] * 1e9, self.intra_node_latency_us * 1e-6
+            pairs = {k[2:]: v for k, v in self.collective_bw_gbs.items() if k.startswith("2@")}
+            if n == 2 and world > 2 and pairs:
+                return _nearest(pairs, world, 0.0) * 1e9, self.intra_node_latency_us * 1e-6
+            sizes = {k: v for k, v in self.collective_bw_gbs.items() if "@" not in k}
+            return _nearest(sizes, n, 0.0) * 1e9, self.intra_node_latency_us * 1e-6
         eff = self.efficiency.get("comm", 1.0)
         if span_ranks <= self.gpus_per_node:
             return self.intra_node_bw_gbs * 1e9 * eff, self.intra_node_latency_us * 1e-6
         return self.inter_node_bw_gbs * 1e9 * eff, self.inter_node_latency_us * 1e-6
+
+
+def _nearest(table: dict[str, float], n: int, default: float) -> float:
+    """The value measured for the process count (key) nearest ``n``; ``default`` if none was."""
+    if not table:
+        return default
+    return table[min(table, key=lambda k: abs(int(k) - n))]
 
 
 def _interpolate(table: dict[int, float], x: float) -> float:

@@ -239,7 +239,7 @@ def run_command(path: str, gpus: int, hw: Hardware) -> str:
             f"--rdzv-endpoint HOST:29500 -m shardwise train --config {path}  (on each node)")
 
 
-def layout_toml(est: Estimate, path: str, notes: list[str] = ()) -> str:  # type: ignore[assignment]
+def layout_toml(est: Estimate, path: str, notes: tuple[str, ...] = ()) -> str:
     """The chosen layout as a ready-to-run config, with the prediction (and ``notes``) in a header
     comment."""
     head = (f"# shardwise plan: {est.layout} on {est.layout.world} x {est.hardware.name}\n"
