@@ -380,7 +380,7 @@ def _calibrate_parser(sub: argparse._SubParsersAction) -> None:
                    description="Measure GEMM and attention throughput per dtype and thread count, "
                                "memory bandwidth, gloo collective bandwidth and latency among local "
                                "processes, and the host overhead of a step; save them as the 'local' "
-                               "hardware profile (about two minutes).")
+                               "hardware profile (about a minute; --quick, half that).")
     p.add_argument("--quick", action="store_true",
                    help="fewer sizes and shorter timings (about half a minute; noisier)")
 
