@@ -4,7 +4,8 @@
   (``training.loss_chunk``) at vocabularies of 32k and 128k (a small body, so the head dominates);
 - ``optimizer``: AdamW with fp32 vs bf16 moments (``optimizer.state_dtype``): state bytes per
   parameter, counted from the tensors;
-- ``ac``: activation checkpointing none / selective / layer / full (``activation_checkpoint.mode``);
+- ``ac``: activation checkpointing none / selective / selective_half / layer / full
+  (``activation_checkpoint.mode``);
 - ``compile``: blocks eager vs ``torch.compile`` (``compile.enabled``);
 - ``trainer``: the trainer's own ``train_step`` on the 125m preset (``--preset``), bf16, one rank:
   the step as it was before the throughput work (plain loss, the C library's malloc, eager) against
@@ -179,7 +180,7 @@ def rows(suite: str, a: argparse.Namespace) -> list[tuple[str, dict]]:
         return [(f"AdamW {d} moments", {**body, "state_dtype": d}) for d in ("fp32", "bf16")]
     if suite == "ac":
         return [(f"activation_checkpoint.mode={m}", {**body, "ac": m})
-                for m in ("none", "selective", "layer", "full")]
+                for m in ("none", "selective", "selective_half", "layer", "full")]
     return [(f"compile.enabled={c}", {**body, "compile": c}) for c in (False, True)]
 
 

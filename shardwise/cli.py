@@ -307,7 +307,8 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
                    help="tokens per optimizer step, e.g. 4M (default: one sequence of --seq tokens per "
                         "device, and at least the config's training.global_batch sequences)")
     p.add_argument("--top", type=int, default=5, help="layouts to show (each estimated exactly)")
-    p.add_argument("--ac", default="none,selective,full", help="activation-checkpointing modes to try")
+    p.add_argument("--ac", default="none,selective,selective_half,full",
+                   help="activation-checkpointing modes to try")
     p.add_argument("--schedules", default="1f1b,interleaved1f1b,zbv", help="pipeline schedules to try")
     p.add_argument("--memory-fraction", type=float, default=0.9,
                    help="usable fraction of device memory (allocator fragmentation, CUDA context)")

@@ -202,9 +202,12 @@ class ParallelConfig:
 
 @dataclass
 class ActivationCheckpointConfig:
-    mode: Literal["none", "full", "selective", "layer"] = "none"
+    mode: Literal["none", "full", "selective", "selective_half", "layer"] = "none"
     """none; full (each block recomputed in backward); selective (keep matmul, attention and
-    collective outputs, recompute the elementwise ops); layer (every `every`-th block in full)."""
+    collective outputs, recompute the elementwise ops); selective_half (as selective, but of each
+    block's linear-layer matmuls keep only the 1st, 3rd, 5th, ... and recompute the others: less
+    memory than selective for about a third of the block's linear FLOPs again -- torchtitan's
+    per-op policy); layer (every `every`-th block in full)."""
     every: int = 2
     """layer mode: checkpoint one block in this many (2 = blocks 0, 2, 4, ...)."""
 

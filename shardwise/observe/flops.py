@@ -132,7 +132,8 @@ def executed_flops(args: ModelArgs, tokens: int, pairs: int | torch.Tensor, reco
 
     ``recompute`` is the activation-checkpointing mode: ``none``; ``full`` (every block's forward
     runs again in backward); ``layer`` (blocks ``0, every, 2*every, ...`` do); ``selective`` (matmul
-    and attention outputs are kept, only elementwise ops rerun: no matmul or attention FLOPs).
+    and attention outputs are kept, only elementwise ops rerun: no matmul or attention FLOPs);
+    ``selective_half`` (every block's 2nd, 4th, ... linear layer runs again).
     ``chunked_loss``: the output head's logits are computed again in backward (the
     vocab-parallel chunked loss under tensor parallel; the fused loss on one rank or FSDP
     computes its gradients in forward and recomputes nothing)."""
@@ -140,8 +141,10 @@ def executed_flops(args: ModelArgs, tokens: int, pairs: int | torch.Tensor, reco
     fwd_attn = 4.0 * args.n_layers * args.n_heads * args.head_dim * pairs
     matmul = fwd_matmul * (1 + MATMUL_BACKWARD)
     attention = fwd_attn * (1 + ATTENTION_BACKWARD)
-    if recompute not in ("none", "full", "layer", "selective"):
+    if recompute not in ("none", "full", "layer", "selective", "selective_half"):
         raise ValueError(f"unknown recompute mode {recompute!r}")
+    if recompute == "selective_half":
+        matmul += 2.0 * sum(_half_recomputed_params(args, i) for i in range(args.n_layers)) * tokens
     if recompute in ("full", "layer"):
         ids = [i for i in range(args.n_layers) if recompute == "full" or i % every == 0]
         matmul += 2.0 * sum(_recomputed_block_params(args, i) for i in ids) * tokens
@@ -161,6 +164,17 @@ def _recomputed_block_params(args: ModelArgs, layer: int) -> int:
     routed = 3 * d * args.moe_hidden_dim * args.moe_top_k
     shared = 2 * d * args.moe_hidden_dim * args.n_shared_experts
     return attn + d * args.n_experts + routed + shared
+
+
+def _half_recomputed_params(args: ModelArgs, layer: int) -> int:
+    """Matmul parameters per token that ``selective_half`` runs again in one block: its 2nd, 4th,
+    ... linear layer (wk, wo, then the dense MLP's w3 or the shared expert's w1; the shared
+    expert's w2, 8th, only feeds the residual add and is not reached)."""
+    d, hd = args.dim, args.head_dim
+    n = d * hd * (args.n_kv_heads + args.n_heads)  # wk, wo
+    if not args.is_moe_layer(layer):
+        return n + d * args.ffn_hidden_dim  # w3
+    return n + d * args.moe_hidden_dim * args.n_shared_experts  # shared w1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,10 +1,13 @@
-"""Activation checkpointing per transformer block: ``none``, ``full``, ``selective`` (per-op policy)
-or ``layer`` (every n-th block in full).
+"""Activation checkpointing per transformer block: ``none``, ``full``, ``selective`` (per-op policy),
+``selective_half`` or ``layer`` (every n-th block in full).
 
 A checkpointed block saves only its input in forward and runs its forward again inside backward.
 ``selective`` keeps what is expensive to recompute -- matmul, attention and collective outputs --
 and recomputes the cheap elementwise ops (norms, SiLU, products, RoPE), which are most of the
-activation bytes but little of the FLOPs (Korthikanti et al., 2022).
+activation bytes but little of the FLOPs (Korthikanti et al., 2022). ``selective_half`` also
+recomputes every second linear-layer matmul of the block (wk, wo, w3 of a dense block: their
+outputs are large and they are a third of its linear FLOPs), the trade torchtitan's per-op policy
+makes; attention, grouped expert GEMMs and collectives stay kept.
 
 The block's ``forward`` is wrapped on the instance instead of wrapping the module in another one:
 parameter names stay ``layers.N.attention.wq.weight`` (weight init is seeded by name, checkpoints
@@ -46,6 +49,16 @@ def _save_ops() -> set:
 SAVE_OPS = _save_ops()
 
 
+def _linear_ops() -> set:
+    """The 2-D matmuls of linear layers, which ``selective_half`` counts (the grouped experts run
+    ``_grouped_mm`` or, unaligned, ``bmm``; attention its own ops: neither is counted)."""
+    aten = torch.ops.aten
+    return {getattr(aten, n).default for n in ("mm", "addmm", "_scaled_mm") if hasattr(aten, n)}
+
+
+LINEAR_OPS = _linear_ops()
+
+
 def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -54,12 +67,26 @@ def _selective_contexts() -> Any:
     return create_selective_checkpoint_contexts(_policy)
 
 
-def checkpointed(forward: Callable[..., torch.Tensor], selective: bool) -> Callable[..., torch.Tensor]:
-    """``forward`` run under non-reentrant activation checkpointing (with the op policy if
-    ``selective``)."""
+def _half_contexts() -> Any:
+    """A fresh policy per checkpointed call: the n-th linear matmul is kept when n is odd, counted
+    separately in forward and in the recompute so both agree on which ones they are."""
+    counts = {False: 0, True: 0}
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op in LINEAR_OPS:
+            counts[ctx.is_recompute] += 1
+            if counts[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return _policy(ctx, op, *args, **kwargs)
+    return create_selective_checkpoint_contexts(policy)
+
+
+def checkpointed(forward: Callable[..., torch.Tensor], policy: str = "full") -> Callable[..., torch.Tensor]:
+    """``forward`` run under non-reentrant activation checkpointing: ``full`` (its input kept),
+    ``selective`` or ``selective_half`` (the per-op policies above)."""
     kwargs: dict[str, Any] = {"use_reentrant": False}
-    if selective:
-        kwargs["context_fn"] = _selective_contexts
+    if policy != "full":
+        kwargs["context_fn"] = {"selective": _selective_contexts, "selective_half": _half_contexts}[policy]
 
     @functools.wraps(forward)
     def run(*args: Any, **kw: Any) -> torch.Tensor:
@@ -71,7 +98,7 @@ def is_checkpointed(layer_id: int, cfg: ActivationCheckpointConfig) -> bool:
     """Whether ``cfg`` checkpoints the block with this (global) layer index."""
     if cfg.mode == "layer":
         return layer_id % cfg.every == 0
-    return cfg.mode in ("full", "selective")
+    return cfg.mode != "none"
 
 
 def apply_ac(model: nn.Module, cfg: ActivationCheckpointConfig) -> None:
@@ -80,4 +107,4 @@ def apply_ac(model: nn.Module, cfg: ActivationCheckpointConfig) -> None:
     blocks on every pipeline layout."""
     for name, block in model.layers.items():  # type: ignore[union-attr]
         if is_checkpointed(int(name), cfg):
-            block.forward = checkpointed(block.forward, selective=cfg.mode == "selective")
+            block.forward = checkpointed(block.forward, "full" if cfg.mode == "layer" else cfg.mode)

@@ -16,7 +16,8 @@ checked against them (tests/unit/test_plan.py). Per block, bf16, no checkpointin
   output (``k`` slots per token), the shared expert like a dense FFN.
 
 Checkpointing keeps each checkpointed block's input only (``full``, ``layer``), or (``selective``)
-the input plus every matmul, attention and collective output (the per-op policy's cache).
+the input plus every matmul, attention and collective output (the per-op policy's cache;
+``selective_half``: every second linear-layer matmul output is left out).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 from shardwise.config import Config
 from shardwise.models import ModelArgs, model_args
+from shardwise.parallel.ac import is_checkpointed
 from shardwise.plan.layout import Layout
 from shardwise.plan.states import BYTES
 from shardwise.resolve import loss_chunk_tokens
@@ -132,25 +134,38 @@ def block_saved(s: Shape, cfg: Config, layer: int) -> int:
     return n + s.e * s.tokens * a.dim + dense_ffn(s, s.tokens, a.ffn_hidden_dim // s.tp)
 
 
-def block_selective(s: Shape, cfg: Config, layer: int) -> int:
-    """Selective checkpointing keeps the block input and every matmul / attention / collective
-    output of the block."""
+def linear_outputs(s: Shape, layer: int) -> list[int]:
+    """Bytes of each linear-layer matmul output of one block, in the order the forward runs them:
+    wq, wk, wv, wo, then the dense MLP's w1, w3, w2, or the router's gate and the shared expert's
+    w1, w3, w2 (the routed experts are grouped GEMMs, not linear layers)."""
     a, t, tn, e = s.args, s.tokens, s.norm_tokens, s.e
     hq, hkv, dh = a.n_heads // s.tp, a.n_kv_heads // s.tp, a.head_dim
+    out = [e * t * hq * dh, e * t * hkv * dh, e * t * hkv * dh, e * t * a.dim]
+    if not a.is_moe_layer(layer):
+        f = a.ffn_hidden_dim // s.tp
+        return out + [e * t * f, e * t * f, e * t * a.dim]
+    out.append(e * tn * a.n_experts)
+    if a.n_shared_experts:
+        hs = a.n_shared_experts * a.moe_hidden_dim
+        out += [e * tn * hs, e * tn * hs, e * tn * a.dim]
+    return out
+
+
+def block_selective(s: Shape, cfg: Config, layer: int) -> int:
+    """Selective checkpointing keeps the block input and every attention / collective output and
+    linear-layer matmul output (``selective_half``: the 1st, 3rd, 5th, ... of the matmuls)."""
+    a, t, tn, e = s.args, s.tokens, s.norm_tokens, s.e
+    hq = a.n_heads // s.tp
     n = e * tn * a.dim  # the block input
-    n += e * t * dh * (hq + 2 * hkv) + e * t * a.dim  # q, k, v and output projections
-    n += e * t * hq * dh + 4 * s.mb * hq * s.seq + mask_saved(s, cfg)  # attention out, lse, mask
+    step = 2 if cfg.activation_checkpoint.mode == "selective_half" else 1
+    n += sum(linear_outputs(s, layer)[::step])
+    n += e * t * hq * a.head_dim + 4 * s.mb * hq * s.seq + mask_saved(s, cfg)  # attention out, lse, mask
     if s.tp > 1:
         n += e * t * a.dim + e * tn * a.dim  # attention: input all-gather, output reduce-scatter
     if a.is_moe_layer(layer):
-        h, slots = a.moe_hidden_dim, tn * a.moe_top_k
-        n += e * tn * a.n_experts + e * slots * (2 * h + a.dim)  # router logits, expert GEMMs
-        if a.n_shared_experts:
-            n += e * tn * (2 * a.n_shared_experts * h + a.dim)
-        return n
-    n += e * t * (2 * (a.ffn_hidden_dim // s.tp) + a.dim)  # w1, w3, w2 outputs
+        return n + e * tn * a.moe_top_k * (2 * a.moe_hidden_dim + a.dim)  # the routed expert GEMMs
     if s.tp > 1:
-        n += e * t * a.dim + e * tn * a.dim
+        n += e * t * a.dim + e * tn * a.dim  # MLP: input all-gather, output reduce-scatter
     return n
 
 
@@ -171,10 +186,9 @@ def block_activations(s: Shape, cfg: Config, layer: int) -> int:
     """Bytes kept from a block's forward until its backward, per micro-batch, under the
     activation-checkpointing mode."""
     ac = cfg.activation_checkpoint
-    checkpointed = ac.mode in ("full", "selective") or (ac.mode == "layer" and layer % ac.every == 0)
-    if not checkpointed:
+    if not is_checkpointed(layer, ac):
         return block_saved(s, cfg, layer)
-    if ac.mode == "selective":
+    if ac.mode in ("selective", "selective_half"):
         return block_selective(s, cfg, layer)
     return s.e * s.norm_tokens * s.args.dim  # the block input only
 

@@ -76,32 +76,41 @@ class StepTime:
 
 def _gemms(s: Shape, cfg: Config, layer: int) -> list[tuple[float, int, int, bool, bool]]:
     """(forward FLOPs, in width, out width, float8, recomputed) of each GEMM of one block for one
-    micro-batch on this rank. The widths set a GEMM's efficiency on CPUs; float8: the linear is one
-    ``float8.enabled`` converts (attention, dense and shared-expert MLPs; not the router or the
-    grouped experts; local dims multiples of 16 and at least ``float8.min_dim``); recomputed: full
-    checkpointing runs it again in backward (all but the down projections whose output only feeds
-    the residual add, as ``executed_flops`` counts)."""
+    micro-batch on this rank, in forward order. The widths set a GEMM's efficiency on CPUs; float8:
+    the linear is one ``float8.enabled`` converts (attention, dense and shared-expert MLPs; not the
+    router or the grouped experts; local dims multiples of 16 and at least ``float8.min_dim``);
+    recomputed: runs again in backward -- under full checkpointing all but the down projections
+    whose output only feeds the residual add (as ``executed_flops`` counts), under
+    ``selective_half`` the 2nd, 4th, ... linear layer of those."""
     a = s.args
     t, tn, d = s.tokens, s.norm_tokens, a.dim
     q, kv = a.n_heads * a.head_dim // s.tp, a.n_kv_heads * a.head_dim // s.tp
+    mode = cfg.activation_checkpoint.mode
 
     def fp8(*dims: int) -> bool:
         return cfg.float8.enabled and all(x % 16 == 0 and x >= cfg.float8.min_dim for x in dims)
     attn8 = fp8(d, q, kv)
-    out = [(2 * t * d * q, d, q, attn8, True), (2 * 2 * t * d * kv, d, kv, attn8, True),
-           (2 * t * q * d, q, d, attn8, True)]
+    # (forward FLOPs, in, out, float8, full recomputes it); the grouped experts are not linear layers
+    linears = [(2 * t * d * q, d, q, attn8, True), (2 * t * d * kv, d, kv, attn8, True),
+               (2 * t * d * kv, d, kv, attn8, True), (2 * t * q * d, q, d, attn8, True)]
+    grouped = []
     if a.is_moe_layer(layer):
         h, slots = a.moe_hidden_dim, tn * a.moe_top_k
-        out += [(2 * tn * d * a.n_experts, d, a.n_experts, False, True),
-                (2 * 2 * slots * d * h, d, h, False, True), (2 * slots * d * h, h, d, False, True)]
+        linears.append((2 * tn * d * a.n_experts, d, a.n_experts, False, True))
+        grouped = [(2 * 2 * slots * d * h, d, h, False, True), (2 * slots * d * h, h, d, False, True)]
         if a.n_shared_experts:
             hs = a.n_shared_experts * h
-            out += [(2 * 2 * tn * d * hs, d, hs, fp8(d, hs), True),
-                    (2 * tn * d * hs, hs, d, fp8(d, hs), False)]
+            up = (2 * tn * d * hs, d, hs, fp8(d, hs), True)
+            linears += [up, up, (2 * tn * d * hs, hs, d, fp8(d, hs), False)]
     else:
         f = a.ffn_hidden_dim // s.tp
-        out += [(2 * 2 * t * d * f, d, f, fp8(d, f), True), (2 * t * d * f, f, d, fp8(d, f), False)]
-    return out
+        linears += [(2 * t * d * f, d, f, fp8(d, f), True), (2 * t * d * f, d, f, fp8(d, f), True),
+                    (2 * t * d * f, f, d, fp8(d, f), False)]
+    if mode == "selective_half":
+        return [(*g[:4], g[4] and i % 2 == 1) for i, g in enumerate(linears)] + \
+            [(*g[:4], False) for g in grouped]
+    full = mode == "full" or (mode == "layer" and layer % cfg.activation_checkpoint.every == 0)
+    return [(*g[:4], g[4] and full) for g in linears + grouped]
 
 
 def _float8_cast_bytes(s: Shape, cfg: Config, layer: int, gemms: list) -> float:
@@ -207,7 +216,7 @@ def block_compute(tally: ComputeTally, cfg: Config, layout: Layout, shape: Shape
     recompute = _recomputed(cfg, layer)
     gemms = _gemms(shape, cfg, layer)
     for forward_flops, in_width, out_width, float8, recomputed in gemms:
-        flops = forward_flops * (1 + MATMUL_BACKWARD + (1 if recompute and recomputed else 0))
+        flops = forward_flops * (1 + MATMUL_BACKWARD + (1 if recomputed else 0))
         tally.flops += flops
         rate = hw.matmul_tflops("fp8" if float8 else dtype, in_width, out_width, tally.ranks)
         tally.matmul += flops / (rate * 1e12)
@@ -219,7 +228,7 @@ def block_compute(tally: ComputeTally, cfg: Config, layout: Layout, shape: Shape
     # (per call, this rank's queries: S / cp -- ring attention's chunks run at the rate of their length)
     rate = hw.attention_tflops(dtype, args.head_dim, tally.ranks, seq=shape.seq)
     tally.attention += flops / (rate * 1e12)
-    passes = 3 + (1 if recompute or cfg.activation_checkpoint.mode == "selective" else 0)
+    passes = 3 + (1 if recompute or cfg.activation_checkpoint.mode.startswith("selective") else 0)
     tally.memory += sum(tally.traffic(passes * nbytes, tensor_bytes)
                         for nbytes, tensor_bytes in _elementwise_bytes(shape, cfg, layer))
 

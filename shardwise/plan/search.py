@@ -29,7 +29,7 @@ from shardwise.plan.memory import memory_floor, step_memory
 from shardwise.plan.states import _param_shapes, shape_states
 from shardwise.resolve import resolve_run
 
-AC_MODES = ("none", "selective", "full")
+AC_MODES = ("none", "selective", "selective_half", "full")
 SCHEDULES = ("1f1b", "interleaved1f1b", "zbv")
 
 

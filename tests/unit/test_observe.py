@@ -158,7 +158,9 @@ def test_executed_flops_terms():
 
 @pytest.mark.parametrize(("kind", "mode", "chunk"), [("dense", "full", 0), ("moe", "full", 0),
                                                      ("dense", "layer", 0), ("moe", "layer", 16),
-                                                     ("dense", "selective", 16)])
+                                                     ("dense", "selective", 16),
+                                                     ("dense", "selective_half", 0),
+                                                     ("moe", "selective_half", 16)])
 def test_executed_flops_with_recompute_match_the_flop_counter(kind: str, mode: str, chunk: int):
     """Blocks under our activation checkpointing: FlopCounterMode sees one more forward of each
     checkpointed block in backward (less the down projection, which checkpoint's early stop skips;

@@ -159,6 +159,7 @@ def test_activations_equal_saved_tensors(one_rank, path: str, overrides: list[st
 @pytest.mark.parametrize("overrides", [["--training.mixed_precision=bf16"],
                                        ["--activation_checkpoint.mode=full"],
                                        ["--activation_checkpoint.mode=selective"],
+                                       ["--activation_checkpoint.mode=selective_half"],
                                        ["--training.loss_chunk=128"], ["--training.micro_batch=1"]])
 @pytest.mark.parametrize("units", ["per-block", "one"])
 def test_peak_matches_memtracker(one_rank, overrides: list[str], units: str, monkeypatch: pytest.MonkeyPatch):
