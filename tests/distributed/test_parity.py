@@ -38,7 +38,8 @@ SLOW = {"fsdp4", "hsdp2_tp2", "cp2_no_load_balance_alltoall", "cp4", "hsdp2_cp2"
         "moe_fsdp4_ep2", "moe_tp2", "moe_ep4_tp2", "moe_hsdp2_ep2", "pp2_interleaved",
         "pp2_interleaved_tp2", "pp2_zbv", "pp2_dualpipev", "fsdp2_ac_selective", "tp2_ac_full",
         "fsdp2_chunked_loss", "cp2_ac_selective", "fsdp2_tp2_chunked_loss", "fsdp2_tp2_ac_layer",
-        "pp2_cp2", "cp2_tp2", "tp2_gathered_logits", "fsdp2_gloo_override", "pp2_tp2"}
+        "pp2_cp2", "cp2_tp2", "tp2_gathered_logits", "fsdp2_gloo_override", "pp2_tp2",
+        "moe_ep2_ac_selective_half"}
 
 
 def layouts(table: dict[str, list[str]], slow: set[str] = SLOW) -> list:
@@ -93,6 +94,9 @@ LAYOUTS = {
     # Activation checkpointing recomputes exactly (fp32, deterministic): the same run.
     "fsdp2_ac_selective": ["--nproc=2", "--activation_checkpoint.mode=selective"],
     "tp2_ac_full": ["--nproc=2", "--parallel.tp=2", "--activation_checkpoint.mode=full"],
+    # The half policy counts matmuls in forward and again in the recompute: under TP's DTensor ops
+    # and sequence-parallel collectives both counts must agree.
+    "tp2_ac_selective_half": ["--nproc=2", "--parallel.tp=2", "--activation_checkpoint.mode=selective_half"],
     "fsdp2_tp2_ac_layer": ["--nproc=4", "--parallel.dp_shard=2", "--parallel.tp=2",
                            "--activation_checkpoint.mode=layer", "--activation_checkpoint.every=2"],
     "fsdp2_gloo_override": ["--nproc=2",
@@ -136,6 +140,8 @@ MOE_LAYOUTS = {
     "moe_pp2_ep2": ["--nproc=4", "--parallel.pp=2", "--parallel.ep=2", "--training.micro_batch=2"],
     # Recompute must not count the routed tokens twice (expert_load is compared too).
     "moe_ep2_ac_full": ["--nproc=2", "--parallel.ep=2", "--activation_checkpoint.mode=full"],
+    "moe_ep2_ac_selective_half": ["--nproc=2", "--parallel.ep=2",
+                                  "--activation_checkpoint.mode=selective_half"],
     "moe_cp2_ep2_chunked_loss": ["--nproc=2", "--parallel.cp=2", "--parallel.ep=2",
                                  "--training.loss_chunk=50"],
 }
