@@ -159,7 +159,7 @@ def host_overhead_ms(seconds: float = 1.0) -> tuple[float, float, float]:
     return 1e3 * per_block, 1e3 * (one - per_block), 1e3 * (moe_five - moe_one) / 4
 
 
-def _collective_worker(rank: int, world: int, init: str, out: str) -> None:
+def _collective_worker(rank: int, world: int, init: str, out: str, sizes_mib: tuple[int, ...]) -> None:
     import json
 
     import torch.distributed as dist
@@ -169,7 +169,7 @@ def _collective_worker(rank: int, world: int, init: str, out: str) -> None:
     size = 4 * 2**20  # fp32 elements: 16 MiB gathered / reduced
     x = torch.randn(size)
     shard = torch.randn(size // world)
-    results = {}
+    results: dict = {}
 
     def timed(fn: Callable[[], object], runs: int = 5) -> float:
         """Median of a fixed number of calls: every rank must issue the same collectives (a loop
@@ -193,7 +193,17 @@ def _collective_worker(rank: int, world: int, init: str, out: str) -> None:
     t_lat = timed(lambda: dist.all_reduce(tiny))
     ring = (world - 1) / world * x.numel() * 4
     results = {"all_gather": ring / t_ag, "reduce_scatter": ring / t_rs, "all_reduce": 2 * ring / t_ar,
-               "latency_s": t_lat / (2 * (world - 1))}
+               "latency_s": t_lat / (2 * (world - 1)), "kinds": {}}
+    # Each kind by buffer size: gloo's differ (its reduce-scatter is the slowest) and all grow with
+    # the buffer, so FSDP's per-block buffers and tensor parallel's activations each get their own.
+    def kinds(full: torch.Tensor, part: torch.Tensor) -> dict[str, float]:
+        gb = (world - 1) / world * full.numel() * 4 / 1e9  # each rank sends this much in a ring, GB
+        at = f"@{world}:{full.numel() * 4}"
+        return {f"all_gather{at}": gb / timed(lambda: gather(full, part), runs=7),
+                f"reduce_scatter{at}": gb / timed(lambda: scatter(part, full), runs=7),
+                f"all_reduce{at}": 2 * gb / timed(lambda: dist.all_reduce(full), runs=7)}
+    for mib in sizes_mib:
+        results["kinds"].update(kinds(torch.randn(mib * 2**18), torch.randn(mib * 2**18 // world)))
     if world >= 4:
         # Groups of two inside a busier machine, as tensor or context parallel pairs run in a
         # 4- or 8-rank job: every pair moves its buffer at once.
@@ -234,8 +244,9 @@ def _collective_worker(rank: int, world: int, init: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def collective_bandwidth(world: int) -> dict[str, float]:
-    """Gloo among ``world`` local processes: bus bandwidth (GB/s), per-hop latency (s), and with 2
+def collective_bandwidth(world: int, sizes_mib: tuple[int, ...] = (1, 4, 16, 64)) -> dict:
+    """Gloo among ``world`` local processes: bus bandwidth (GB/s), per-hop latency (s), each kind's
+    bus bandwidth per buffer size (``kinds``: ``"reduce_scatter@4:16777216"`` -> GB/s), and with 2
     processes the host time tensor parallel adds per block (s)."""
     import json
 
@@ -243,8 +254,8 @@ def collective_bandwidth(world: int) -> dict[str, float]:
 
     with tempfile.TemporaryDirectory() as d:
         out = str(Path(d) / "result.json")
-        mp.start_processes(_collective_worker, args=(world, f"file://{Path(d) / 'pg'}", out), nprocs=world,
-                           start_method="spawn")
+        mp.start_processes(_collective_worker, args=(world, f"file://{Path(d) / 'pg'}", out, sizes_mib),
+                           nprocs=world, start_method="spawn")
         r = json.loads(Path(out).read_text())
     r["bw_gbs"] = statistics.median([r["all_gather"], r["reduce_scatter"], r["all_reduce"]]) / 1e9
     if "pair" in r:
@@ -291,14 +302,15 @@ def calibrate(cache_dir: str = "~/.cache/shardwise", log: Callable[[str], None] 
             f"{per_step:.2f} ms per step")
     finally:
         torch.set_num_threads(old_threads)
-    coll, latency, per_tp_block, shared, sync = {}, [], 0.0, {}, {}
+    coll, kinds, latency, per_tp_block, shared, sync = {}, {}, [], 0.0, {}, {}
     old_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     alone = gemm_tflops(torch.float32, 1024, 1024, seconds=0.5)  # the GEMM the workers share, alone
     torch.set_num_threads(old_threads)
     for w in worlds:
-        r = collective_bandwidth(w)
+        r = collective_bandwidth(w, (4, 16) if quick else (1, 4, 16, 64))
         coll[str(w)] = r["bw_gbs"]
+        kinds.update(r["kinds"])
         if "pair_gbs" in r:
             coll[f"2@{w}"] = r["pair_gbs"]
         latency.append(r["latency_s"])
@@ -322,7 +334,8 @@ def calibrate(cache_dir: str = "~/.cache/shardwise", log: Callable[[str], None] 
         comm_overlap=False, peak_tflops={}, efficiency={"memory": 1.0}, cores=cores,
         thread_tflops=rates, overhead_ms={"per_block": per_block, "per_step": per_step,
                                           "per_moe_block": per_moe_block, "per_tp_block": per_tp_block},
-        collective_bw_gbs=coll, memory_bw_per_thread_gbs=bandwidth, shared_compute=shared,
+        collective_bw_gbs=coll, collective_kind_bw_gbs=kinds, memory_bw_per_thread_gbs=bandwidth,
+        shared_compute=shared,
         collective_sync_us=sync)
     save_hardware(hw, local_path(cache_dir))
     return hw

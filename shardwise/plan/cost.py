@@ -314,7 +314,7 @@ def collective_time(c: Collective, layout: Layout, hw: Hardware, pp_rank: int = 
     span = max(members) - min(members) + 1
     if c.kind in ("send", "recv"):
         span = layout.world // layout.pp + 1  # neighbouring stages are a stage's width apart
-    bw, lat = hw.link(span, n, layout.world)
+    bw, lat = hw.link(span, n, layout.world, c.kind, c.nbytes)
     if c.kind == "all_reduce":
         factor, hops = 2 * (n - 1) / n, 2 * (n - 1)
     elif c.kind in ("send", "recv"):

@@ -70,6 +70,10 @@ class Hardware:
     collective_bw_gbs: dict[str, float] = field(default_factory=dict)
     """Measured gloo bus bandwidth per number of processes (``"4"`` -> GB/s), and of groups of two
     all moving data at once among that many processes (``"2@4"``)."""
+    collective_kind_bw_gbs: dict[str, float] = field(default_factory=dict)
+    """Measured gloo bus bandwidth per collective, number of processes and buffer bytes per call
+    (``"reduce_scatter@4:16777216"`` -> GB/s): gloo's kinds differ by up to 3x at one size (its
+    reduce-scatter is the slowest) and each grows with the buffer."""
     shared_compute: dict[str, float] = field(default_factory=dict)
     """Measured per number of processes (``"4"``): the GEMM rate of each process while all of them
     run it, as a fraction of one process's rate at its fair share of the cores (caches, memory
@@ -161,16 +165,25 @@ class Hardware:
                               "other hardware or turn the feature off")
         return peak
 
-    def link(self, span_ranks: int, members: int = 0, world: int = 0) -> tuple[float, float]:
+    def link(self, span_ranks: int, members: int = 0, world: int = 0, kind: str = "",
+             nbytes: int = 0) -> tuple[float, float]:
         """(bus bandwidth bytes/s, per-hop latency s) for a group whose members span
         ``span_ranks`` consecutive ranks: inside one node, or across nodes (each device's NIC). On
         ``local``, by the group's size (``members``) and how many processes the job runs
-        (``world``): pairs inside a bigger job at the rate measured with every pair busy."""
+        (``world``): pairs inside a bigger job at the rate measured with every pair busy; whole
+        groups at the rate measured for the collective ``kind`` and a buffer of ``nbytes`` per call
+        (interpolated by size), where the profile has it."""
         if self.collective_bw_gbs:  # local: measured per number of processes
             n = members or span_ranks
             pairs = {k[2:]: v for k, v in self.collective_bw_gbs.items() if k.startswith("2@")}
             if n == 2 and world > 2 and pairs:
                 return _nearest(pairs, world, 0.0) * 1e9, self.intra_node_latency_us * 1e-6
+            kinds = {k[len(kind) + 1:]: v for k, v in self.collective_kind_bw_gbs.items()
+                     if kind and k.startswith(f"{kind}@")}
+            if kinds:  # "world:bytes" -> GB/s: the nearest measured world, then by size
+                w = min({k.partition(":")[0] for k in kinds}, key=lambda x: abs(int(x) - n))
+                by_size = {int(b): v for k, v in kinds.items() for ww, _, b in [k.partition(":")] if ww == w}
+                return _interpolate(by_size, nbytes or max(by_size)) * 1e9, self.intra_node_latency_us * 1e-6
             sizes = {k: v for k, v in self.collective_bw_gbs.items() if "@" not in k}
             return _nearest(sizes, n, 0.0) * 1e9, self.intra_node_latency_us * 1e-6
         eff = self.efficiency.get("comm", 1.0)

@@ -343,8 +343,9 @@ def _local_profile(cores: int):
 
 
 def test_local_profile_lookups():
-    """Pairs inside a bigger job use the bandwidth measured with every pair busy; attention is
-    interpolated over the measured sequence lengths; sharing and per-call waits by process count."""
+    """Pairs inside a bigger job use the bandwidth measured with every pair busy; whole groups the
+    one measured for the collective and buffer size; attention is interpolated over the measured
+    sequence lengths; sharing and per-call waits by process count."""
     import dataclasses
 
     base = _local_profile(2)
@@ -352,6 +353,18 @@ def test_local_profile_lookups():
     hw = dataclasses.replace(base, collective_bw_gbs={"2": 1.0, "4": 0.5, "2@4": 0.25}, thread_tflops=rates,
                              shared_compute={"2": 1.0, "4": 0.8}, collective_sync_us={"2": 500, "4": 2000})
     assert hw.link(2, 2, 2)[0] == 1e9 and hw.link(2, 2, 4)[0] == 0.25e9 and hw.link(4, 4, 4)[0] == 0.5e9
+    # per collective kind and buffer size where measured: log-linear between sizes, clamped at the
+    # ends, the nearest process count; other kinds (and pairs) as before
+    mib = 2**20
+    kinds = {"reduce_scatter@4:1048576": 0.1, "reduce_scatter@4:16777216": 0.5, "all_gather@4:16777216": 1.0,
+             "reduce_scatter@8:16777216": 0.05}
+    hw = dataclasses.replace(hw, collective_kind_bw_gbs=kinds)
+    assert hw.link(4, 4, 4, "reduce_scatter", 4 * mib)[0] == pytest.approx(0.3e9)  # log-halfway
+    assert hw.link(4, 4, 4, "reduce_scatter", mib // 2)[0] == pytest.approx(0.1e9)
+    assert hw.link(4, 4, 4, "all_gather", mib)[0] == pytest.approx(1e9)
+    assert hw.link(5, 5, 5, "reduce_scatter", 64 * mib)[0] == pytest.approx(0.5e9)  # 4 is nearest
+    assert hw.link(4, 4, 4, "all_to_all", mib)[0] == 0.5e9
+    assert hw.link(2, 2, 4, "all_gather", mib)[0] == 0.25e9
     # 512 positions: halfway (in log) between the rates at 256 and 1024, times the core share and sharing
     assert hw.attention_tflops("bf16", 16, ranks=4, seq=512) == pytest.approx(0.05 * 0.5 * 0.8)
     assert hw.sharing(4) == 0.8 and hw.sharing(1) == 1.0 and hw.sync_seconds(4) == pytest.approx(2e-3)
