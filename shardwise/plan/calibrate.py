@@ -159,6 +159,45 @@ def host_overhead_ms(seconds: float = 1.0) -> tuple[float, float, float]:
     return 1e3 * per_block, 1e3 * (one - per_block), 1e3 * (moe_five - moe_one) / 4
 
 
+def _timed_collective(fn: Callable[[], object], runs: int = 5) -> float:
+    """Median of a fixed number of calls: every rank must issue the same collectives (a loop until
+    a time is up would let ranks disagree on the count and hang)."""
+    import torch.distributed as dist
+
+    fn()
+    times = []
+    for _ in range(runs):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _gather_scatter() -> tuple[Callable, Callable]:
+    """All-gather and reduce-scatter into one tensor: torch 2.13 renames them (the old names warn);
+    2.11 has only the old ones."""
+    import torch.distributed as dist
+
+    return (getattr(dist, "all_gather_single", dist.all_gather_into_tensor),
+            getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor))
+
+
+def _kind_rates(world: int, mib: int) -> dict[str, float]:
+    """Bus bandwidth (GB/s) of each collective kind on a ``mib`` MiB fp32 buffer among this job's
+    ``world`` processes. Gloo's kinds differ (its reduce-scatter is the slowest) and all grow with
+    the buffer, so FSDP's per-block buffers and tensor parallel's activations each get their own."""
+    import torch.distributed as dist
+
+    gather, scatter = _gather_scatter()
+    full, part = torch.randn(mib * 2**18), torch.randn(mib * 2**18 // world)
+    gb = (world - 1) / world * full.numel() * 4 / 1e9  # each rank sends this much in a ring, GB
+    at = f"@{world}:{full.numel() * 4}"
+    return {f"all_gather{at}": gb / _timed_collective(lambda: gather(full, part), runs=7),
+            f"reduce_scatter{at}": gb / _timed_collective(lambda: scatter(part, full), runs=7),
+            f"all_reduce{at}": 2 * gb / _timed_collective(lambda: dist.all_reduce(full), runs=7)}
+
+
 def _collective_worker(rank: int, world: int, init: str, out: str, sizes_mib: tuple[int, ...]) -> None:
     import json
 
@@ -171,21 +210,8 @@ def _collective_worker(rank: int, world: int, init: str, out: str, sizes_mib: tu
     shard = torch.randn(size // world)
     results: dict = {}
 
-    def timed(fn: Callable[[], object], runs: int = 5) -> float:
-        """Median of a fixed number of calls: every rank must issue the same collectives (a loop
-        until a time is up would let ranks disagree on the count and hang)."""
-        fn()
-        times = []
-        for _ in range(runs):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    # torch 2.13 renames these (the old names warn); 2.11 has only the old ones
-    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-    scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+    timed = _timed_collective
+    gather, scatter = _gather_scatter()
     t_ag = timed(lambda: gather(x, shard))
     t_rs = timed(lambda: scatter(shard, x))
     t_ar = timed(lambda: dist.all_reduce(x))
@@ -194,16 +220,8 @@ def _collective_worker(rank: int, world: int, init: str, out: str, sizes_mib: tu
     ring = (world - 1) / world * x.numel() * 4
     results = {"all_gather": ring / t_ag, "reduce_scatter": ring / t_rs, "all_reduce": 2 * ring / t_ar,
                "latency_s": t_lat / (2 * (world - 1)), "kinds": {}}
-    # Each kind by buffer size: gloo's differ (its reduce-scatter is the slowest) and all grow with
-    # the buffer, so FSDP's per-block buffers and tensor parallel's activations each get their own.
-    def kinds(full: torch.Tensor, part: torch.Tensor) -> dict[str, float]:
-        gb = (world - 1) / world * full.numel() * 4 / 1e9  # each rank sends this much in a ring, GB
-        at = f"@{world}:{full.numel() * 4}"
-        return {f"all_gather{at}": gb / timed(lambda: gather(full, part), runs=7),
-                f"reduce_scatter{at}": gb / timed(lambda: scatter(part, full), runs=7),
-                f"all_reduce{at}": 2 * gb / timed(lambda: dist.all_reduce(full), runs=7)}
     for mib in sizes_mib:
-        results["kinds"].update(kinds(torch.randn(mib * 2**18), torch.randn(mib * 2**18 // world)))
+        results["kinds"].update(_kind_rates(world, mib))
     if world >= 4:
         # Groups of two inside a busier machine, as tensor or context parallel pairs run in a
         # 4- or 8-rank job: every pair moves its buffer at once.
