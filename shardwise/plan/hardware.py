@@ -228,7 +228,7 @@ def load_hardware(name: str, cache_dir: str = "~/.cache/shardwise") -> Hardware:
         path = local_path(cache_dir)
         if not path.is_file():
             raise ConfigError(f"no calibration of this machine at {path}: run `shardwise calibrate` first "
-                              "(about a minute)")
+                              "(about two minutes)")
     elif name.endswith(".toml"):
         path = Path(name)
         if not path.is_file():
