@@ -72,8 +72,8 @@ class Hardware:
     all moving data at once among that many processes (``"2@4"``)."""
     collective_kind_bw_gbs: dict[str, float] = field(default_factory=dict)
     """Measured gloo bus bandwidth per collective, number of processes and buffer bytes per call
-    (``"reduce_scatter@4:16777216"`` -> GB/s): gloo's kinds differ by up to 3x at one size (its
-    reduce-scatter is the slowest) and each grows with the buffer."""
+    (``"reduce_scatter@4:16777216"`` -> GB/s): gloo's kinds differ by 2-6x at one size (its
+    reduce-scatter is the slowest) and each varies with the buffer's size."""
     shared_compute: dict[str, float] = field(default_factory=dict)
     """Measured per number of processes (``"4"``): the GEMM rate of each process while all of them
     run it, as a fraction of one process's rate at its fair share of the cores (caches, memory

@@ -93,8 +93,9 @@ def test_names_unchanged():
     assert [n for n, _ in model("full").named_parameters()] == [n for n, _ in model().named_parameters()]
 
 
-def test_compile_with_selective_checkpointing_matches_eager(plain: tuple):
-    m = model("selective")
+@pytest.mark.parametrize("mode", ["selective", "selective_half"])
+def test_compile_with_selective_checkpointing_matches_eager(plain: tuple, mode: str):
+    m = model(mode)
     apply_compile(m, True)
     loss = loss_of(m)
     loss.backward()
