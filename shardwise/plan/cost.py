@@ -109,7 +109,7 @@ def _gemms(s: Shape, cfg: Config, layer: int) -> list[tuple[float, int, int, boo
     if mode == "selective_half":
         return [(*g[:4], g[4] and i % 2 == 1) for i, g in enumerate(linears)] + \
             [(*g[:4], False) for g in grouped]
-    full = mode == "full" or (mode == "layer" and layer % cfg.activation_checkpoint.every == 0)
+    full = _recomputed(cfg, layer)
     return [(*g[:4], g[4] and full) for g in linears + grouped]
 
 
