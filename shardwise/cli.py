@@ -443,4 +443,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         rank_error(traceback.format_exc().strip().splitlines()[-1], "crash")
         raise
+    finally:
+        from shardwise.device import leave_distributed
+
+        leave_distributed()  # after the error is recorded: a peer that then fails is the second
     return 1

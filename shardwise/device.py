@@ -128,3 +128,22 @@ def init_distributed(requested_device: str, backend: str = "auto", cache_cpu_mem
         else:
             dist.init_process_group(backend, device_id=device if dtype == "cuda" else None)
     return DistEnv(dist.get_rank(), local_rank, dist.get_world_size(), device)
+
+
+def leave_distributed(timeout_s: float = 10.0) -> None:
+    """Destroy the process groups, if any, while the interpreter is still whole: on every way out of
+    a rank (an error too, after it is reported).
+
+    A gloo worker thread frees a finished collective's tensors under the GIL; one still doing so
+    when the interpreter finalizes is unwound by force and aborts the rank ("terminate called
+    without an active exception", a second line beside the rank's error; pytorch/pytorch#190489).
+    Destroying the groups joins those threads first. A collective that a diverged peer never joins
+    holds the destroy until that peer exits, so this waits at most ``timeout_s``."""
+    import threading
+
+    dist = sys.modules.get("torch.distributed")  # commands that never started torch: nothing to do
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    leaving = threading.Thread(target=dist.destroy_process_group, name="shardwise-leave", daemon=True)
+    leaving.start()
+    leaving.join(timeout_s)
