@@ -10,6 +10,7 @@ of the repeats.
 
     python bench/plan_ranking.py --calibrate                      # debug preset, 4 ranks, 3 repeats
     python bench/plan_ranking.py --set moe --repeats 1
+    python bench/plan_ranking.py --set moe --steps 70 --warmup 50   # MoE past its CPU heap growth
 """
 
 from __future__ import annotations
