@@ -20,7 +20,7 @@ from torch import nn
 from shardwise import rundir
 from shardwise.config import Config
 from shardwise.data.dataset import Batch
-from shardwise.device import init_distributed
+from shardwise.device import bound_matmul_caches, init_distributed
 from shardwise.models.moe import update_expert_bias
 from shardwise.observe.memory import SavedActivations, state_bytes
 from shardwise.ops.loss import TokenLoss
@@ -41,6 +41,8 @@ def train(cfg: Config, run: ResolvedRun | None = None) -> None:
     env = init_distributed(cfg.run.device, cfg.parallel.backend, cfg.run.cpu_memory_cache)
     if run is None or run.dims.world_size != env.world_size:
         run = preflight(cfg, env.world_size)
+    if env.device.type == "cpu" and run.model.n_experts:  # before the first matrix product
+        bound_matmul_caches()
     # Host-side gloo groups for the checkpointer and the stop flag, made before the mesh: world-wide
     # groups must be created in the same order on every rank, which lazily built mesh groups break.
     ckpt_group, stop_group = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
