@@ -116,7 +116,7 @@ def bound_matmul_caches(entries: int = 64) -> bool:
     MoE experts see a new row count at almost every call, and in bf16 every new shape adds an
     entry to both caches: a moe-debug rank grew 0.6 -> 1.5 GiB over 40 steps and paid a page fault
     per new page, 4x as dear when ranks share the cores. Capped at 64 it stayed at 0.77 GiB and ran
-    3% faster (BENCHMARKS.md, the planner-ranking section)."""
+    3-7% faster alone (BENCHMARKS.md, the planner-ranking section)."""
     if any(name in os.environ for name in MATMUL_CACHE_ENV):
         return False
     for name in MATMUL_CACHE_ENV:
