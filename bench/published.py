@@ -16,8 +16,10 @@ TP (rows marked) is not something shardwise does, so those rows are predicted wi
 
 ``--fit`` chooses the profile's free constants -- the matmul efficiency for bf16 and for fp8, the
 attention efficiency and the memory-bandwidth efficiency -- to minimise the squared log error of
-tokens/s over the 8B rows only (coordinate search in steps of 0.01), then prints every row with
-them: the 8B rows are the fit, the 70B and 405B rows are predictions.
+tokens/s over the 8B rows only (coordinate search in steps of 0.01), and the allocator's reserved
+bytes per live byte (``RESERVED_OVER_LIVE``) to minimise that of memory over the same rows (the
+geometric mean of published over live), then prints every row with them: the 8B rows are the fit,
+the 70B and 405B rows are predictions. Without ``--fit`` the constants are the ones shipped.
 """
 
 from __future__ import annotations
@@ -98,6 +100,17 @@ def fit(hw, estimates: list) -> dict[str, float]:
     return eff
 
 
+def fit_reserved(estimates: list) -> float:
+    """Reserved bytes per live byte minimising the squared log error of memory over ``estimates``
+    (label, est, published GiB): the geometric mean of published over live, to 0.01."""
+    import math
+
+    from shardwise.plan.estimate import GiB
+
+    logs = [math.log(gib * GiB / est.peak) for _, est, gib in estimates]
+    return round(math.exp(sum(logs) / len(logs)), 2)
+
+
 def main() -> None:
     from shardwise.plan.estimate import GiB, estimate
     from shardwise.plan.hardware import load_hardware
@@ -112,26 +125,32 @@ def main() -> None:
     if a.fit:
         import dataclasses
 
-        eights = [(label, estimate(config(*row[1:10]), row[2], hw), row[10]) for row in ROWS
+        import shardwise.plan.hardware as hardware
+
+        eights = [(label, estimate(config(*row[1:10]), row[2], hw), row[10], row[11]) for row in ROWS
                   for label in [row[0]] if row[1] == "8b"]
-        eff = fit(hw, eights)
-        print(f"fitted on the {len(eights)} 8B rows: " + ", ".join(f"{k} {v:.2f}" for k, v in eff.items()))
+        eff = fit(hw, [e[:3] for e in eights])
+        ratio = fit_reserved([(e[0], e[1], e[3]) for e in eights])
+        print(f"fitted on the {len(eights)} 8B rows: " + ", ".join(f"{k} {v:.2f}" for k, v in eff.items())
+              + f"; reserved over live {ratio:.2f}")
         hw = dataclasses.replace(hw, efficiency={**hw.efficiency, **eff})
-    print("| run | published tok/s/GPU | predicted | error | published GiB | predicted peak GiB | error | "
-          "predicted MFU |")
-    print("|---|---|---|---|---|---|---|---|")
+        hardware.RESERVED_OVER_LIVE = ratio
+    print("| run | published tok/s/GPU | predicted | error | published GiB | predicted live peak GiB | "
+          "predicted reserved GiB | error | predicted MFU |")
+    print("|---|---|---|---|---|---|---|---|---|")
     plans = []
     for label, model, world, batch, degrees, mb, ac, comp, fp8, sched, tps, gib in ROWS:
         cfg = config(model, world, batch, degrees, mb, ac, comp, fp8, sched)
         est = estimate(cfg, world, hw)
         print(f"| {label} | {tps:,} | {est.tokens_per_s_per_device:,.0f} | "
               f"{est.tokens_per_s_per_device / tps - 1:+.0%} | {gib} | {est.peak / GiB:.1f} | "
-              f"{est.peak / GiB / gib - 1:+.0%} | {100 * est.mfu:.1f}% |", flush=True)
+              f"{est.reserved / GiB:.1f} | {est.reserved / GiB / gib - 1:+.0%} | {100 * est.mfu:.1f}% |",
+              flush=True)
         plans.append((label, cfg, world, est))
     if not a.plan:
         return
     print("\n| setup | published layout, predicted | plan's best layout | predicted tok/s/GPU | "
-          "peak GiB | gain | plan time |")
+          "reserved GiB | gain | plan time |")
     print("|---|---|---|---|---|---|---|")
     seen = set()
     for label, cfg, world, est in plans:
@@ -144,7 +163,7 @@ def main() -> None:
         dt = time.perf_counter() - t0
         best = result.top[0]
         print(f"| {label} | {est.layout}: {est.tokens_per_s_per_device:,.0f} | {best.layout} | "
-              f"{best.tokens_per_s_per_device:,.0f} | {best.peak / GiB:.1f} | "
+              f"{best.tokens_per_s_per_device:,.0f} | {hw.reserved(best.peak) / GiB:.1f} | "
               f"{best.tokens_per_s_per_device / est.tokens_per_s_per_device - 1:+.0%} | {dt:.1f} s |",
               flush=True)
 

@@ -124,6 +124,25 @@ def bound_matmul_caches(entries: int = 64) -> bool:
     return True
 
 
+# The CUDA caching allocator's settings (PYTORCH_ALLOC_CONF is the newer name of the same variable).
+CUDA_ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def expandable_cuda_segments() -> bool:
+    """Let the CUDA caching allocator grow its segments in place (``expandable_segments:True``)
+    instead of reserving a new fixed-size one whenever no free block fits, unless the user
+    configured the allocator; call it before CUDA is first used. Returns whether it set it.
+
+    A training step frees and reallocates blocks of many sizes and lifetimes, and fixed segments
+    fragment: memory is reserved but unusable. torchtitan's published runs used this setting, and
+    the planner's reserved-over-live factor (``plan.hardware.RESERVED_OVER_LIVE``) was fitted to
+    them. (Written, not yet run on a GPU.)"""
+    if any(name in os.environ for name in CUDA_ALLOC_ENV):
+        return False
+    os.environ[CUDA_ALLOC_ENV[0]] = "expandable_segments:True"
+    return True
+
+
 def init_distributed(requested_device: str, backend: str = "auto", cache_cpu_memory: bool = True
                      ) -> DistEnv:
     """Initialize the default process group: from torchrun's env, or a size-1 group otherwise.
@@ -141,6 +160,7 @@ def init_distributed(requested_device: str, backend: str = "auto", cache_cpu_mem
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device(dtype, local_rank) if dtype == "cuda" else torch.device("cpu")
     if dtype == "cuda":
+        expandable_cuda_segments()  # before the allocator first reads its settings
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         if world is None:

@@ -50,6 +50,7 @@ class TokenLoss:
         logits = model(batch.inputs, batch.doc_ids)  # (B, S, V); vocab-sharded DTensor under loss parallel
         with loss_context(logits):  # the backward of a loss-parallel cross-entropy needs it too
             loss = (token_loss_sum if isinstance(logits, DTensor) else self.plain)(logits, batch.labels)
+            del logits  # the loss saved what its backward needs (fp32); these are not needed
             if backward_over is not None:
                 (loss / backward_over).backward()
         return full_value(loss.detach())

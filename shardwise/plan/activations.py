@@ -48,6 +48,7 @@ class Shape:
     """Bytes per element of the compute dtype (2 bf16, 4 fp32)."""
     loss_chunk: int = 0
     """Tokens per chunk of the fused loss (0: plain logits then cross-entropy)."""
+    pp: int = 1
 
     @property
     def fused_grads(self) -> bool:
@@ -74,7 +75,7 @@ def shape_of(cfg: Config, layout: Layout) -> Shape:
     seq = cfg.training.seq_len // layout.cp
     chunk = loss_chunk_tokens(cfg.training, args.vocab_size, layout.pp, layout.tp, layout.micro_batch * seq)
     return Shape(args, layout.micro_batch, seq, layout.tp, layout.cp, layout.ep,
-                 BYTES[cfg.training.mixed_precision], chunk)
+                 BYTES[cfg.training.mixed_precision], chunk, layout.pp)
 
 
 def _norm(s: Shape, tokens: int) -> int:
@@ -221,8 +222,10 @@ def _head_grad_bytes(s: Shape) -> int:
 def loss_temporaries(s: Shape, cfg: Config) -> int:
     """Memory the loss holds beyond its saved tensors at its peak.
 
-    Plain logits: the compute-dtype logits and two fp32 logits-sized gradient temporaries (loss
-    parallel: one more compute-dtype copy, the local shard of the DTensor's redistribution). Fused
+    Plain logits: two fp32 logits-sized gradient temporaries, and (loss parallel) two
+    compute-dtype ones, the local shards of the DTensor's redistributions; the logits themselves
+    only under pipeline parallel, whose stage keeps its output until its backward (``TokenLoss``
+    drops them once the loss has saved its fp32 log-softmax). Fused
     loss, gradients in forward: the larger of one chunk's softmax pass (its logits, their fp32
     copy, the compute-dtype gradient) and the backward's scaled copies of the two gradients.
     Vocab-parallel chunked loss: one chunk's logits in the compute dtype and fp32, its softmax
@@ -237,7 +240,7 @@ def loss_temporaries(s: Shape, cfg: Config) -> int:
     if s.loss_chunk:
         c = min(s.loss_chunk, s.tokens)
         return c * vocab * (2 * s.e + 8) + 4 * vocab * a.dim + s.e * s.tokens * a.dim
-    per_logit = 2 * s.e + 8 if s.tp > 1 and cfg.parallel.loss_parallel else s.e + 8
+    per_logit = 8 + (2 * s.e if s.tp > 1 and cfg.parallel.loss_parallel else 0) + (s.e if s.pp > 1 else 0)
     return s.tokens * vocab * per_logit
 
 

@@ -40,12 +40,16 @@ from shardwise.ops.loss import TokenLoss
 from shardwise.optim.adamw import build_optimizer
 from shardwise.optim.clip import clip_grad_norm_
 from shardwise.parallel.build import build_rank_model
-from shardwise.plan.hardware import Hardware, local_path, save_hardware
+from shardwise.plan.hardware import GRID_ROWS, Hardware, local_path, save_hardware
 from shardwise.resolve import resolve_run
 
 GEMM_SIZES = (128, 256, 512, 1024, 2048)
 HEAD_DIMS = (16, 32, 64, 128)
 ATTENTION_SEQS = (128, 256, 512, 1024)
+ROW_WIDTHS = (128, 256, 512, 1024)
+"""Square widths whose GEMM rate is also measured on few rows (``ROW_COUNTS``): a routed expert's
+share of the tokens, a small micro-batch."""
+ROW_COUNTS = (64, 128, 256, 512, 1024)
 WORLDS = (2, 4, 8)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -62,11 +66,12 @@ def _time(fn: Callable[[], object], seconds: float, min_runs: int = 2) -> float:
     return statistics.median(times)
 
 
-def gemm_tflops(dtype: torch.dtype, k: int, n: int, seconds: float = 0.2) -> float:
+def gemm_tflops(dtype: torch.dtype, k: int, n: int, seconds: float = 0.2, rows: int = 0) -> float:
     """A linear layer's forward and backward (``F.linear`` as the model calls it: the output, the
     input gradient and the weight gradient) with ``k`` inputs and ``n`` outputs, 6 * T * k * n
-    FLOPs. The token count T is sized from a first small call so that one call takes about 0.1 s
-    (CPUs without native bf16 run bf16 GEMMs tens of times slower than fp32)."""
+    FLOPs, on ``rows`` rows T -- or (0) on T sized from a first small call so that one call takes
+    about 0.1 s, at most ``GRID_ROWS`` (CPUs without native bf16 run bf16 GEMMs tens of times
+    slower than fp32). (A grouped expert GEMM runs at the rate of one of these on its rows.)"""
     w = torch.randn(n, k).to(dtype).requires_grad_()
 
     def rate(tokens: int, secs: float) -> float:
@@ -77,8 +82,10 @@ def gemm_tflops(dtype: torch.dtype, k: int, n: int, seconds: float = 0.2) -> flo
             F.linear(x, w).backward(grad)
             x.grad = w.grad = None
         return 6 * tokens * k * n / _time(step, secs) / 1e12
+    if rows:
+        return rate(rows, seconds)
     probe = rate(64, 0.0)
-    tokens = int(min(2048, max(64, 0.1 * probe * 1e12 / (6 * k * n))))
+    tokens = int(min(GRID_ROWS, max(64, 0.1 * probe * 1e12 / (6 * k * n))))
     return rate(tokens, seconds)
 
 
@@ -281,6 +288,7 @@ def calibrate(cache_dir: str = "~/.cache/shardwise", log: Callable[[str], None] 
     shorter timings and 2 and 4 processes only (about a fifth of the time; noisier)."""
     gemm_sizes, worlds = ((128, 512, 2048), (2, 4)) if quick else (GEMM_SIZES, WORLDS)
     seqs = (256, 512, 1024) if quick else ATTENTION_SEQS
+    row_widths, row_counts = ((128, 512), (128, 512)) if quick else (ROW_WIDTHS, ROW_COUNTS)
     secs = 0.25 if quick else 1.0  # (of each measurement's default duration)
     cores = usable_cores()
     threads = sorted({1, cores})
@@ -297,6 +305,8 @@ def calibrate(cache_dir: str = "~/.cache/shardwise", log: Callable[[str], None] 
                     ((w, w) for w in gemm_sizes)
                 for k, n in pairs:
                     rates[f"{name}@{th}:{k}x{n}"] = gemm_tflops(dtype, k, n, 0.2 * secs)
+                for w, r in itertools.product(row_widths, row_counts):
+                    rates[f"rows_{name}@{th}:{w}:{r}"] = gemm_tflops(dtype, w, w, 0.1 * secs, rows=r)
                 for hd, seq in itertools.product(HEAD_DIMS, seqs):
                     rates[f"attention_{name}@{th}:{hd}:{seq}"] = attention_tflops(dtype, hd, 0.2 * secs, seq)
             bandwidth[str(th)] = memory_gbs(seconds=0.3 * secs)

@@ -74,9 +74,11 @@ class StepTime:
     sharing cores)."""
 
 
-def _gemms(s: Shape, cfg: Config, layer: int) -> list[tuple[float, int, int, bool, bool]]:
-    """(forward FLOPs, in width, out width, float8, recomputed) of each GEMM of one block for one
-    micro-batch on this rank, in forward order. The widths set a GEMM's efficiency on CPUs; float8:
+def _gemms(s: Shape, cfg: Config, layer: int) -> list[tuple[float, int, int, bool, bool, int]]:
+    """(forward FLOPs, in width, out width, float8, recomputed, rows per call) of each GEMM of one
+    block for one micro-batch on this rank, in forward order. The widths and rows set a GEMM's
+    efficiency on CPUs (a routed expert's call has its share of the slots: balanced routing, the
+    rank's ``E / ep`` experts receiving as many slots as it sends); float8:
     the linear is one ``float8.enabled`` converts (attention, dense and shared-expert MLPs; not the
     router or the grouped experts; local dims multiples of 16 and at least ``float8.min_dim``);
     recomputed: runs again in backward -- under full checkpointing all but the down projections
@@ -90,27 +92,30 @@ def _gemms(s: Shape, cfg: Config, layer: int) -> list[tuple[float, int, int, boo
     def fp8(*dims: int) -> bool:
         return cfg.float8.enabled and all(x % 16 == 0 and x >= cfg.float8.min_dim for x in dims)
     attn8 = fp8(d, q, kv)
-    # (forward FLOPs, in, out, float8, full recomputes it); the grouped experts are not linear layers
-    linears = [(2 * t * d * q, d, q, attn8, True), (2 * t * d * kv, d, kv, attn8, True),
-               (2 * t * d * kv, d, kv, attn8, True), (2 * t * q * d, q, d, attn8, True)]
+    # (forward FLOPs, in, out, float8, full recomputes it, rows); the grouped experts are not
+    # linear layers
+    linears = [(2 * t * d * q, d, q, attn8, True, t), (2 * t * d * kv, d, kv, attn8, True, t),
+               (2 * t * d * kv, d, kv, attn8, True, t), (2 * t * q * d, q, d, attn8, True, t)]
     grouped = []
     if a.is_moe_layer(layer):
         h, slots = a.moe_hidden_dim, tn * a.moe_top_k
-        linears.append((2 * tn * d * a.n_experts, d, a.n_experts, False, True))
-        grouped = [(2 * 2 * slots * d * h, d, h, False, True), (2 * slots * d * h, h, d, False, True)]
+        per_expert = max(1, slots * s.ep // a.n_experts)
+        linears.append((2 * tn * d * a.n_experts, d, a.n_experts, False, True, tn))
+        grouped = [(2 * 2 * slots * d * h, d, h, False, True, per_expert),
+                   (2 * slots * d * h, h, d, False, True, per_expert)]
         if a.n_shared_experts:
             hs = a.n_shared_experts * h
-            up = (2 * tn * d * hs, d, hs, fp8(d, hs), True)
-            linears += [up, up, (2 * tn * d * hs, hs, d, fp8(d, hs), False)]
+            up = (2 * tn * d * hs, d, hs, fp8(d, hs), True, tn)
+            linears += [up, up, (2 * tn * d * hs, hs, d, fp8(d, hs), False, tn)]
     else:
         f = a.ffn_hidden_dim // s.tp
-        linears += [(2 * t * d * f, d, f, fp8(d, f), True), (2 * t * d * f, d, f, fp8(d, f), True),
-                    (2 * t * d * f, f, d, fp8(d, f), False)]
+        linears += [(2 * t * d * f, d, f, fp8(d, f), True, t), (2 * t * d * f, d, f, fp8(d, f), True, t),
+                    (2 * t * d * f, f, d, fp8(d, f), False, t)]
     if mode == "selective_half":
-        return [(*g[:4], g[4] and i % 2 == 1) for i, g in enumerate(linears)] + \
-            [(*g[:4], False) for g in grouped]
+        return [(*g[:4], g[4] and i % 2 == 1, g[5]) for i, g in enumerate(linears)] + \
+            [(*g[:4], False, g[5]) for g in grouped]
     full = _recomputed(cfg, layer)
-    return [(*g[:4], g[4] and full) for g in linears + grouped]
+    return [(*g[:4], g[4] and full, g[5]) for g in linears + grouped]
 
 
 def _float8_cast_bytes(s: Shape, cfg: Config, layer: int, gemms: list) -> float:
@@ -215,10 +220,10 @@ def block_compute(tally: ComputeTally, cfg: Config, layout: Layout, shape: Shape
     args, dtype, hw = shape.args, cfg.training.mixed_precision, tally.hw
     recompute = _recomputed(cfg, layer)
     gemms = _gemms(shape, cfg, layer)
-    for forward_flops, in_width, out_width, float8, recomputed in gemms:
+    for forward_flops, in_width, out_width, float8, recomputed, rows in gemms:
         flops = forward_flops * (1 + MATMUL_BACKWARD + (1 if recomputed else 0))
         tally.flops += flops
-        rate = hw.matmul_tflops("fp8" if float8 else dtype, in_width, out_width, tally.ranks)
+        rate = hw.matmul_tflops("fp8" if float8 else dtype, in_width, out_width, tally.ranks, rows)
         tally.matmul += flops / (rate * 1e12)
     tally.memory += tally.traffic(_float8_cast_bytes(shape, cfg, layer, gemms), shape.tokens * args.dim)
     pairs = shape.mb * attention_pairs(cfg.training.seq_len) / layout.cp  # load-balanced over cp
@@ -241,7 +246,8 @@ def head_compute(tally: ComputeTally, cfg: Config, shape: Shape) -> None:
     # the vocab-parallel chunked loss keeps no logits: it computes them again in backward
     flops = forward_flops * (1 + MATMUL_BACKWARD + (1 if shape.loss_chunk and shape.tp > 1 else 0))
     tally.flops += flops
-    rate = tally.hw.matmul_tflops(cfg.training.mixed_precision, args.dim, vocab, tally.ranks)
+    rows = min(shape.loss_chunk, tokens) if shape.loss_chunk else tokens
+    rate = tally.hw.matmul_tflops(cfg.training.mixed_precision, args.dim, vocab, tally.ranks, rows)
     tally.matmul += flops / (rate * 1e12)
     # upcast, log-softmax (two passes), its backward
     tally.memory += tally.traffic(3 * tokens * vocab * (shape.e + 16), 4 * tokens * vocab)

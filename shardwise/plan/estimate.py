@@ -35,8 +35,14 @@ class Estimate:
         return max(m.peak for m in self.memory)
 
     @property
+    def reserved(self) -> float:
+        """What the device's allocator is predicted to reserve at that peak (GPUs: the live peak
+        times ``RESERVED_OVER_LIVE``)."""
+        return self.hardware.reserved(self.peak)
+
+    @property
     def fits(self) -> bool:
-        return self.peak <= self.hardware.memory_gib * GiB
+        return self.reserved <= self.hardware.memory_gib * GiB
 
     @property
     def tokens_per_s_per_device(self) -> float:
@@ -93,6 +99,9 @@ def format_estimate(est: Estimate) -> str:
     for label, values in rows:
         lines.append(f"{label:<{width}}" + "".join(f"{_gib(v):>14}" for v in values))
     lines.append(f"{'peak happens at':<{width}}" + "".join(f"  {m.peak_at}" for m in est.memory))
+    if not hw.cores:
+        lines.append(f"{'reserved (allocator)':<{width}}" + "".join(f"{_gib(hw.reserved(m.peak)):>14}"
+                                                                    for m in est.memory))
     lines += ["", "communication per step, pp rank 0 (buffer bytes as --debug.comm counts them)",
               "| mesh dim | collective | phase | calls | MiB | ms | what |", "|---|---|---|---|---|---|---|"]
     for (group, kind, phase, what), (calls, nbytes, secs) in comm_table(est).items():
@@ -114,7 +123,8 @@ def format_estimate(est: Estimate) -> str:
     lines.append(f"  step {st.step:.3f} s -> {st.tokens_per_s:,.0f} tokens/s, "
                  f"{est.tokens_per_s_per_device:,.0f} per device{mfu}")
     if not est.fits:
-        lines.append(f"  does not fit: peak {_gib(est.peak)} GiB > {hw.memory_gib:g} GiB")
+        lines.append(f"  does not fit: {'reserved' if not hw.cores else 'peak'} {_gib(est.reserved)} GiB > "
+                     f"{hw.memory_gib:g} GiB")
     return "\n".join(lines)
 
 

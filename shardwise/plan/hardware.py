@@ -27,6 +27,16 @@ import tomli_w
 from shardwise.config_types import ConfigError, read_toml
 
 PROFILE_DIR = Path(__file__).with_name("hardware")
+RESERVED_OVER_LIVE = 1.13
+"""What a GPU's caching allocator reserves at its high-water mark, per byte of the live-tensor peak
+the memory model computes: its rounding, its per-stream pools and the fragmentation of a training
+step's mix of lifetimes. Fitted (least squared log error, ``python bench/published.py --fit``) to
+torchtitan's five published Llama 3.1 8B rows -- their ``max_reserved`` over shardwise's live
+estimate of the same run, 1.06 to 1.20 -- and held by the 70B and 405B rows, which are not in the
+fit (docs/planning.md). Local ranks (CPU) have no caching allocator: 1 there."""
+GRID_ROWS = 2048
+"""Rows of the GEMMs ``shardwise calibrate`` measures its grid of widths on (fewer for the widest,
+whose calls it keeps near 0.1 s)."""
 LOCAL_FILE = "hardware_local.toml"
 
 
@@ -84,6 +94,11 @@ class Hardware:
     latency and bytes when it sits between compute, as in a training step -- the wait for the
     slowest process to reach it (with more processes than cores, for the OS to schedule it)."""
 
+    def reserved(self, live: float) -> float:
+        """Bytes the device's allocator reserves at a live-tensor peak of ``live`` bytes
+        (``RESERVED_OVER_LIVE`` on GPUs; the live bytes on local CPU ranks)."""
+        return live if self.cores else live * RESERVED_OVER_LIVE
+
     def sync_seconds(self, ranks: int) -> float:
         """Per collective call among ``ranks`` local processes (nearest measured count; 0 on GPUs)."""
         return 1e-6 * _nearest(self.collective_sync_us, ranks, 0.0) if ranks > 1 else 0.0
@@ -108,13 +123,44 @@ class Hardware:
                               "thread(s): run `shardwise calibrate` again")
         return share * _interpolate(table, size)
 
-    def matmul_tflops(self, dtype: str, k: int, n: int | None = None, ranks: int = 1) -> float:
+    def matmul_tflops(self, dtype: str, k: int, n: int | None = None, ranks: int = 1, rows: int = 0) -> float:
         """Sustained TFLOP/s of one rank's linear layer with ``k`` inputs and ``n`` outputs
-        (forward and backward). On ``local``: interpolated from the measured grid of widths."""
+        (forward and backward) on ``rows`` rows per call (0: as many as the grid was measured on).
+        On ``local``: interpolated from the measured grid of widths, times the measured slowdown of
+        that few rows (:meth:`row_factor`)."""
         n = k if n is None else n
         if not self.cores:
             return self._peak(dtype) * self.efficiency.get(f"matmul_{dtype}", self.efficiency["matmul"])
         threads, share = self._threads(ranks)
+        return share * self._grid_tflops(dtype, k, n, threads) * self.row_factor(dtype, k, n, ranks, rows)
+
+    def row_factor(self, dtype: str, k: int, n: int, ranks: int, rows: int) -> float:
+        """How much slower a ``k`` x ``n`` GEMM runs on ``rows`` rows than on the grid's (about
+        2048): measured per square width (``"rows_bf16@1:256:128"``, TFLOP/s at width 256 on 128
+        rows) against that width's grid rate, capped at 1, read at the geometric-mean width
+        ``sqrt(k n)`` (the work per row decides it) -- an expert's GEMM on 128 rows of width 256
+        runs at about two thirds of the grid's rate on one CPU thread. 1 on GPUs, for ``rows`` 0
+        or at least 2048, and on profiles measured before rows were."""
+        if not self.cores or not rows or rows >= GRID_ROWS:
+            return 1.0
+        threads, _ = self._threads(ranks)
+        prefix = f"rows_{dtype}@{threads}:"
+        measured: dict[int, dict[int, float]] = {}
+        for key, v in self.thread_tflops.items():
+            if key.startswith(prefix):
+                w, r = (int(x) for x in key[len(prefix):].split(":"))
+                measured.setdefault(w, {})[r] = v
+        if not measured:
+            return 1.0
+        by_width = {}
+        for w, table in measured.items():
+            grid = self._grid_tflops(dtype, w, w, threads)
+            by_width[w] = _interpolate({**{r: min(1.0, v / grid) for r, v in table.items()}, GRID_ROWS: 1.0},
+                                       rows)
+        return _interpolate(by_width, math.sqrt(k * n))
+
+    def _grid_tflops(self, dtype: str, k: int, n: int, threads: int) -> float:
+        """TFLOP/s measured on ``threads`` threads, interpolated from the grid of widths."""
         grid = {}
         for key, v in self.thread_tflops.items():
             if key.startswith(f"{dtype}@{threads}:"):
@@ -125,9 +171,9 @@ class Hardware:
                               "thread(s): run `shardwise calibrate` again")
         ks = sorted({a for a, _ in grid})
         if len(grid) == len(ks):  # square weights only: by the smaller width
-            return share * _interpolate({a: grid[(a, b)] for a, b in grid}, min(k, n))
-        rows = {a: _interpolate({b: grid[(a, b)] for aa, b in grid if aa == a}, n) for a in ks}
-        return share * _interpolate(rows, k)
+            return _interpolate({a: grid[(a, b)] for a, b in grid}, min(k, n))
+        by_in = {a: _interpolate({b: grid[(a, b)] for aa, b in grid if aa == a}, n) for a in ks}
+        return _interpolate(by_in, k)
 
     def attention_tflops(self, dtype: str, head_dim: int, ranks: int = 1, seq: int = 0) -> float:
         """Sustained TFLOP/s of one rank's causal attention (forward + backward) over ``seq`` query

@@ -55,8 +55,8 @@ class PlanResult:
     refusals: dict[str, str] = field(default_factory=dict)
     """Reason -> one of the trainer's messages behind it."""
     least: tuple[Layout, int, bool] | None = None
-    """Of the layouts over capacity, the one needing the least memory: (layout, bytes, whether
-    the bytes are the peak or only the floor the peak is at least)."""
+    """Of the layouts over capacity, the one needing the least memory: (layout, bytes the allocator
+    reserves, whether they are at the peak or only at the floor the peak is at least)."""
 
 
 def divisors(n: int) -> list[int]:
@@ -129,14 +129,17 @@ def plan(cfg: Config, gpus: int, hw: Hardware, top: int = 5, memory_fraction: fl
             # cores every rank's work counts: cost.shared_cores_pipeline).
             states_cache[key] = states if len(states) <= 2 or hw.cores else [states[0], states[-1]]
         states = states_cache[key]
-        if (floor := max(memory_floor(c, layout, st) for st in states)) > capacity:
+        # (the allocator's reservation over the live bytes: hw.reserved)
+        if hw.reserved(floor := max(memory_floor(c, layout, st) for st in states)) > capacity:
             dropped["memory over capacity"] += 1
-            least = least if least and least[1] <= floor else (layout, floor, False)
+            need = int(hw.reserved(floor))
+            least = least if least and least[1] <= need else (layout, need, False)
             continue
         peak = max(step_memory(c, layout, st).peak for st in states)
-        if peak > capacity:
+        if hw.reserved(peak) > capacity:
             dropped["memory over capacity"] += 1
-            least = least if least and least[1] <= peak else (layout, peak, True)
+            need = int(hw.reserved(peak))
+            least = least if least and least[1] <= need else (layout, need, True)
             continue
         t = step_time(c, layout, states, hw)
         ranked.append(Candidate(layout, peak, t.tokens_per_s / gpus))
@@ -182,7 +185,8 @@ def why_nothing(result: PlanResult, cfg: Config, gpus: int, hw: Hardware, memory
     if found is None:
         return head + "; shorten --seq or the batch, or use devices with more memory"
     n, best = found
-    return head + (f"; it fits on {n} x {hw.name} ({best.layout}, peak {best.peak / GiB:.1f} GiB), or "
+    need = hw.reserved(best.peak) / GiB
+    return head + (f"; it fits on {n} x {hw.name} ({best.layout}, {need:.1f} GiB), or "
                    "shorten --seq or the micro-batch")
 
 
@@ -214,15 +218,16 @@ def format_plan(result: PlanResult, cfg: Config, gpus: int, hw: Hardware) -> str
              f"{len(result.ranked)} feasible"]
     for reason, n in result.dropped.most_common():
         lines.append(f"  dropped {n}: {reason}")
-    lines += ["", "| # | layout | tok/s/device | MFU | peak GiB | step s | compute s | exposed comm s "
-                  "| bubble s |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| # | layout | tok/s/device | MFU | peak GiB | reserved GiB | step s | compute s | "
+                  "exposed comm s | bubble s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for i, est in enumerate(result.top, 1):
         t = est.time
         compute = t.extra.get("compute", max(sum(r.compute.values()) for r in t.ranks))
         comm = max(r.exposed_comm for r in t.ranks)
         mfu = f"{100 * est.mfu:.1f}%" if est.mfu else "-"
         lines.append(f"| {i} | {est.layout} | {est.tokens_per_s_per_device:,.0f} | {mfu} | "
-                     f"{est.peak / GiB:.1f} | {t.step:.3f} | {compute:.3f} | {comm:.3f} | {t.bubble:.3f} |")
+                     f"{est.peak / GiB:.1f} | {est.reserved / GiB:.1f} | {t.step:.3f} | {compute:.3f} | "
+                     f"{comm:.3f} | {t.bubble:.3f} |")
     return "\n".join(lines)
 
 
@@ -244,6 +249,8 @@ def layout_toml(est: Estimate, path: str, notes: tuple[str, ...] = ()) -> str:
     comment."""
     head = (f"# shardwise plan: {est.layout} on {est.layout.world} x {est.hardware.name}\n"
             f"# predicted {est.tokens_per_s_per_device:,.0f} tokens/s per device, step "
-            f"{est.time.step:.3f} s, peak memory {est.peak / GiB:.1f} GiB per device\n"
+            f"{est.time.step:.3f} s, peak memory {est.peak / GiB:.1f} GiB per device"
+            + (f" ({est.reserved / GiB:.1f} GiB reserved by the allocator)" if not est.hardware.cores else "")
+            + "\n"
             f"# run: {run_command(path, est.layout.world, est.hardware)}\n")
     return head + "".join(f"# note: {n}\n" for n in notes) + est.cfg.to_toml()
