@@ -222,8 +222,9 @@ def _head_grad_bytes(s: Shape) -> int:
 def loss_temporaries(s: Shape, cfg: Config) -> int:
     """Memory the loss holds beyond its saved tensors at its peak.
 
-    Plain logits: two fp32 logits-sized gradient temporaries, and (loss parallel) two
-    compute-dtype ones, the local shards of the DTensor's redistributions; the logits themselves
+    Plain logits: two fp32 logits-sized gradient temporaries, and (loss parallel) the gradient's
+    copy through the DTensor's reshape in the compute dtype, plus its downcast from fp32 when that
+    is narrower (measured: 12 bytes per logit in bf16 and in fp32); the logits themselves
     only under pipeline parallel, whose stage keeps its output until its backward (``TokenLoss``
     drops them once the loss has saved its fp32 log-softmax). Fused
     loss, gradients in forward: the larger of one chunk's softmax pass (its logits, their fp32
@@ -240,7 +241,8 @@ def loss_temporaries(s: Shape, cfg: Config) -> int:
     if s.loss_chunk:
         c = min(s.loss_chunk, s.tokens)
         return c * vocab * (2 * s.e + 8) + 4 * vocab * a.dim + s.e * s.tokens * a.dim
-    per_logit = 8 + (2 * s.e if s.tp > 1 and cfg.parallel.loss_parallel else 0) + (s.e if s.pp > 1 else 0)
+    parallel = s.e + (s.e if s.e < 4 else 0)  # the DTensor reshape's copy (+ the downcast from fp32)
+    per_logit = 8 + (parallel if s.tp > 1 and cfg.parallel.loss_parallel else 0) + (s.e if s.pp > 1 else 0)
     return s.tokens * vocab * per_logit
 
 
