@@ -16,6 +16,7 @@ predictions (docs/planning.md).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -143,21 +144,26 @@ class Hardware:
         or at least 2048, and on profiles measured before rows were."""
         if not self.cores or not rows or rows >= GRID_ROWS:
             return 1.0
-        threads, _ = self._threads(ranks)
-        prefix = f"rows_{dtype}@{threads}:"
-        measured: dict[int, dict[int, float]] = {}
-        for key, v in self.thread_tflops.items():
-            if key.startswith(prefix):
-                w, r = (int(x) for x in key[len(prefix):].split(":"))
-                measured.setdefault(w, {})[r] = v
-        if not measured:
+        by_width = self._row_fractions.get((dtype, self._threads(ranks)[0]))
+        if not by_width:
             return 1.0
-        by_width = {}
-        for w, table in measured.items():
-            grid = self._grid_tflops(dtype, w, w, threads)
-            by_width[w] = _interpolate({**{r: min(1.0, v / grid) for r, v in table.items()}, GRID_ROWS: 1.0},
-                                       rows)
-        return _interpolate(by_width, math.sqrt(k * n))
+        return _interpolate({w: _interpolate(table, rows) for w, table in by_width.items()}, math.sqrt(k * n))
+
+    @functools.cached_property
+    def _row_fractions(self) -> dict[tuple[str, int], dict[int, dict[int, float]]]:
+        """(dtype, threads) -> square width -> rows -> the measured fraction of the grid's rate
+        (capped at 1; 1 at ``GRID_ROWS``), parsed once: ``plan`` costs every GEMM of every layout."""
+        out: dict[tuple[str, int], dict[int, dict[int, float]]] = {}
+        for key, v in self.thread_tflops.items():
+            if key.startswith("rows_"):
+                dtype, _, rest = key[len("rows_"):].partition("@")
+                threads, w, r = (int(x) for x in rest.split(":"))
+                out.setdefault((dtype, threads), {}).setdefault(w, {GRID_ROWS: 1.0})[r] = v
+        for (dtype, threads), by_width in out.items():
+            for w, table in by_width.items():
+                grid = self._grid_tflops(dtype, w, w, threads)
+                by_width[w] = {r: min(1.0, v / grid) if r != GRID_ROWS else v for r, v in table.items()}
+        return out
 
     def _grid_tflops(self, dtype: str, k: int, n: int, threads: int) -> float:
         """TFLOP/s measured on ``threads`` threads, interpolated from the grid of widths."""

@@ -129,16 +129,14 @@ def plan(cfg: Config, gpus: int, hw: Hardware, top: int = 5, memory_fraction: fl
             # cores every rank's work counts: cost.shared_cores_pipeline).
             states_cache[key] = states if len(states) <= 2 or hw.cores else [states[0], states[-1]]
         states = states_cache[key]
-        # (the allocator's reservation over the live bytes: hw.reserved)
-        if hw.reserved(floor := max(memory_floor(c, layout, st) for st in states)) > capacity:
+        # capacity holds what the allocator reserves for the live bytes (hw.reserved)
+        if (need := int(hw.reserved(max(memory_floor(c, layout, st) for st in states)))) > capacity:
             dropped["memory over capacity"] += 1
-            need = int(hw.reserved(floor))
             least = least if least and least[1] <= need else (layout, need, False)
             continue
         peak = max(step_memory(c, layout, st).peak for st in states)
-        if hw.reserved(peak) > capacity:
+        if (need := int(hw.reserved(peak))) > capacity:
             dropped["memory over capacity"] += 1
-            need = int(hw.reserved(peak))
             least = least if least and least[1] <= need else (layout, need, True)
             continue
         t = step_time(c, layout, states, hw)
