@@ -23,6 +23,7 @@ written to ``<data.cache_dir>/hardware_local.toml`` and read as ``--hardware loc
 from __future__ import annotations
 
 import itertools
+import multiprocessing
 import os
 import statistics
 import tempfile
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 
 from shardwise.config_checks import load_config
 from shardwise.data.dataset import Batch
-from shardwise.device import usable_cores
+from shardwise.device import keep_freed_cpu_memory, usable_cores
 from shardwise.ops.loss import TokenLoss
 from shardwise.optim.adamw import build_optimizer
 from shardwise.optim.clip import clip_grad_norm_
@@ -118,6 +119,19 @@ def memory_gbs(large: bool = False, seconds: float = 0.3) -> float:
         for a, b in pairs:
             torch.add(a, b)
     return 3 * 4 * sum(sizes) / _time(step, seconds) / 1e9
+
+
+def _cached_memory_gbs(threads: tuple[int, ...], seconds: float) -> dict[str, float]:
+    """The ``large`` elementwise rate per thread count with glibc keeping freed memory, as training
+    ranks run (run.cpu_memory_cache): measured in a process of its own, since that setting cannot be
+    undone in this one."""
+    keep_freed_cpu_memory()
+    rates = {}
+    for th in threads:
+        torch.set_num_threads(th)
+        memory_gbs(large=True, seconds=seconds)  # (the heap grows to the working set first)
+        rates[f"cached@{th}"] = memory_gbs(large=True, seconds=seconds)
+    return rates
 
 
 def _tiny_step(layers: int, layout: tuple[str, ...] = ()) -> Callable[[], None]:
@@ -282,6 +296,42 @@ def collective_bandwidth(world: int, sizes_mib: tuple[int, ...] = (1, 4, 16, 64)
     return r
 
 
+def _thread_rates(threads: list[int], gemm_sizes: tuple[int, ...], seqs: tuple[int, ...],
+                  rows: tuple[tuple[int, ...], tuple[int, ...]], secs: float,
+                  log: Callable[[str], None]) -> tuple[dict[str, float], dict[str, float]]:
+    """(TFLOP/s of GEMMs, GEMMs on few rows and attention; elementwise GB/s) per thread count."""
+    row_widths, row_counts = rows
+    rates: dict[str, float] = {}
+    bandwidth: dict[str, float] = {}
+    for th in threads:
+        torch.set_num_threads(th)
+        for name, dtype in DTYPES.items():
+            # fp32: every (in, out) pair of widths; bf16 (slow without native support on
+            # many CPUs) square weights only
+            pairs = itertools.product(gemm_sizes, repeat=2) if name == "fp32" else \
+                ((w, w) for w in gemm_sizes)
+            for k, n in pairs:
+                rates[f"{name}@{th}:{k}x{n}"] = gemm_tflops(dtype, k, n, 0.2 * secs)
+            for w, r in itertools.product(row_widths, row_counts):
+                rates[f"rows_{name}@{th}:{w}:{r}"] = gemm_tflops(dtype, w, w, 0.1 * secs, rows=r)
+            for hd, seq in itertools.product(HEAD_DIMS, seqs):
+                rates[f"attention_{name}@{th}:{hd}:{seq}"] = attention_tflops(dtype, hd, 0.2 * secs, seq)
+        bandwidth[str(th)] = memory_gbs(seconds=0.3 * secs)
+        bandwidth[f"large@{th}"] = memory_gbs(large=True, seconds=0.3 * secs)
+        w = gemm_sizes[-2]
+        att = {d: rates[f"attention_{d}@{th}:64:{seqs[-1]}"] for d in DTYPES}
+        log(f"  {th} thread(s): GEMM at width {w}: fp32 {rates[f'fp32@{th}:{w}x{w}']:.3f} TFLOP/s, bf16 "
+            f"{rates[f'bf16@{th}:{w}x{w}']:.3f}; attention at head dim 64, {seqs[-1]} positions: fp32 "
+            f"{att['fp32']:.3f}, bf16 {att['bf16']:.3f}; "
+            f"memory {bandwidth[str(th)]:.1f} GB/s ({bandwidth[f'large@{th}']:.1f} for outputs over "
+            "16 MiB)")
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        bandwidth.update(pool.apply(_cached_memory_gbs, (tuple(threads), 0.3 * secs)))
+    log("  memory on outputs over 16 MiB with freed memory kept (training's default): "
+        + ", ".join(f"{bandwidth[f'cached@{th}']:.1f} GB/s on {th} thread(s)" for th in threads))
+    return rates, bandwidth
+
+
 def calibrate(cache_dir: str = "~/.cache/shardwise", log: Callable[[str], None] = print,
               quick: bool = False) -> Hardware:
     """Measure this machine and save it as the ``local`` profile. ``quick``: fewer GEMM widths,
@@ -292,32 +342,9 @@ def calibrate(cache_dir: str = "~/.cache/shardwise", log: Callable[[str], None] 
     secs = 0.25 if quick else 1.0  # (of each measurement's default duration)
     cores = usable_cores()
     threads = sorted({1, cores})
-    rates: dict[str, float] = {}
-    bandwidth: dict[str, float] = {}
     old_threads = torch.get_num_threads()
     try:
-        for th in threads:
-            torch.set_num_threads(th)
-            for name, dtype in DTYPES.items():
-                # fp32: every (in, out) pair of widths; bf16 (slow without native support on
-                # many CPUs) square weights only
-                pairs = itertools.product(gemm_sizes, repeat=2) if name == "fp32" else \
-                    ((w, w) for w in gemm_sizes)
-                for k, n in pairs:
-                    rates[f"{name}@{th}:{k}x{n}"] = gemm_tflops(dtype, k, n, 0.2 * secs)
-                for w, r in itertools.product(row_widths, row_counts):
-                    rates[f"rows_{name}@{th}:{w}:{r}"] = gemm_tflops(dtype, w, w, 0.1 * secs, rows=r)
-                for hd, seq in itertools.product(HEAD_DIMS, seqs):
-                    rates[f"attention_{name}@{th}:{hd}:{seq}"] = attention_tflops(dtype, hd, 0.2 * secs, seq)
-            bandwidth[str(th)] = memory_gbs(seconds=0.3 * secs)
-            bandwidth[f"large@{th}"] = memory_gbs(large=True, seconds=0.3 * secs)
-            w = gemm_sizes[-2]
-            att = {d: rates[f"attention_{d}@{th}:64:{seqs[-1]}"] for d in DTYPES}
-            log(f"  {th} thread(s): GEMM at width {w}: fp32 {rates[f'fp32@{th}:{w}x{w}']:.3f} TFLOP/s, bf16 "
-                f"{rates[f'bf16@{th}:{w}x{w}']:.3f}; attention at head dim 64, {seqs[-1]} positions: fp32 "
-                f"{att['fp32']:.3f}, bf16 {att['bf16']:.3f}; "
-                f"memory {bandwidth[str(th)]:.1f} GB/s ({bandwidth[f'large@{th}']:.1f} for outputs over "
-                "16 MiB)")
+        rates, bandwidth = _thread_rates(threads, gemm_sizes, seqs, (row_widths, row_counts), secs, log)
         torch.set_num_threads(1 if cores == 1 else cores)
         per_block, per_step, per_moe_block = host_overhead_ms(secs)
         log(f"  host overhead: {per_block:.2f} ms per block ({per_moe_block:.2f} per MoE block), "

@@ -8,9 +8,10 @@
 - causal attention at the attention rate (measured per head width on ``local``);
 - memory-bound work -- norms, RoPE, SwiGLU's elementwise half, residual adds, casts, the loss's
   softmax, FSDP's copy-in/out and the optimizer -- as bytes read and written over the memory
-  bandwidth (backward moves about twice the forward's bytes); on ``local`` the bandwidth measured
-  for outputs above the allocator's large-allocation threshold is far lower (each such output is
-  page-faulted in afresh), and each term uses the one its tensor size falls under;
+  bandwidth (backward moves about twice the forward's bytes); on ``local`` each term uses the
+  bandwidth measured for its tensor size and the run's allocator: outputs over 16 MiB are fresh
+  pages, faulted in afresh each step, unless the run keeps freed memory (run.cpu_memory_cache, the
+  default), and FSDP's copies are not among the ops compile fuses;
 - on ``local`` the host overhead measured per block and per step (Python, dispatcher, hooks); on
   GPUs it is assumed hidden behind the kernels.
 
@@ -169,6 +170,8 @@ class ComputeTally:
     hw: Hardware
     ranks: int
     """Ranks sharing the machine (local CPU ranks share its cores and bandwidth; GPUs ignore it)."""
+    cached: bool = True
+    """Whether freed CPU memory is kept for reuse (run.cpu_memory_cache; GPUs ignore it)."""
     matmul: float = 0.0
     attention: float = 0.0
     memory: float = 0.0
@@ -177,7 +180,7 @@ class ComputeTally:
 
     def traffic(self, nbytes: float, tensor_bytes: float) -> float:
         """Seconds to read and write ``nbytes`` of memory-bound work on tensors of ``tensor_bytes``."""
-        return nbytes / self.hw.memory_bw(self.ranks, tensor_bytes)
+        return nbytes / self.hw.memory_bw(self.ranks, tensor_bytes, self.cached)
 
     def scale(self, micro_batches: int) -> None:
         """From one micro-batch to the step's ``micro_batches``."""
@@ -193,16 +196,16 @@ def rank_time(cfg: Config, layout: Layout, rank_states: RankStates, hw: Hardware
     (``colls``: its collectives, if already listed)."""
     shape = shape_of(cfg, layout)
     micro_batches = layout.micro_batches(cfg.training.global_batch)
-    tally = ComputeTally(hw, ranks=layout.world)
+    tally = ComputeTally(hw, ranks=layout.world, cached=cfg.run.cpu_memory_cache)
     for layer in rank_states.layers:
         block_compute(tally, cfg, layout, shape, layer)
     if rank_states.has_head:
         head_compute(tally, cfg, shape)
     tally.scale(micro_batches)
-    fsdp_copy_traffic(tally, cfg, layout, rank_states, shape)
     if compile_run(cfg, layout, cfg.run.device, toolchain=False)[0]:  # (fused elementwise kernels:
-        # about half the memory passes of eager)
+        # about half the memory passes of eager; FSDP's copies, added next, are not compiled)
         tally.memory *= COMPILE_MEMORY_FACTOR
+    fsdp_copy_traffic(tally, cfg, layout, rank_states, shape)
     compute = {"matmul": tally.matmul, "attention": tally.attention, "memory-bound": tally.memory,
                "optimizer": optimizer_seconds(cfg, rank_states, hw, layout.world),
                "host": host_seconds(layout, rank_states, hw, micro_batches, shape.args)}

@@ -70,11 +70,12 @@ class Hardware:
     : in x out width) and ``"attention_fp32@2:64"`` (attention, dtype @ threads : head dim)."""
     memory_bw_per_thread_gbs: dict[str, float] = field(default_factory=dict)
     """Measured elementwise memory bandwidth per thread count (``"2"``), and for outputs larger
-    than ``large_tensor_bytes`` (``"large@2"``)."""
+    than ``large_tensor_bytes``: with glibc's defaults (``"large@2"``) and with freed memory kept
+    (``"cached@2"``, as training runs by default)."""
     large_tensor_bytes: int = 16 * 2**20
-    """Above this, a CPU allocator hands a training step's outputs fresh pages (glibc maps large
-    blocks with mmap and returns them on free; its adaptive threshold sat below this in the steps
-    measured, see docs/planning.md)."""
+    """Above this, glibc's default malloc hands a step's outputs fresh pages (it maps large blocks
+    with mmap and returns them on free; its adaptive threshold sat below this in the steps
+    measured, see docs/planning.md). Runs with run.cpu_memory_cache (the default) do not."""
     overhead_ms: dict[str, float] = field(default_factory=dict)
     """Measured host time: ``per_block`` (one block's forward + backward + its optimizer share) and
     ``per_step``."""
@@ -198,16 +199,19 @@ class Hardware:
         rows = {d: _interpolate({s: v for (dd, s), v in grid.items() if dd == d}, seq) for d in dims}
         return share * _interpolate(rows, head_dim)
 
-    def memory_bw(self, ranks: int = 1, tensor_bytes: float = 0) -> float:
+    def memory_bw(self, ranks: int = 1, tensor_bytes: float = 0, cached: bool = True) -> float:
         """Bytes/s one rank's elementwise (memory-bound) work moves on tensors of ``tensor_bytes``.
-        On ``local``, outputs above ``large_tensor_bytes`` come from fresh memory that the OS
-        page-faults in (glibc serves them by mmap and returns them on free), at the measured
-        ``large`` rate."""
+        On ``local``, outputs above ``large_tensor_bytes`` are costed by how the rank's C library
+        serves them: with ``cached`` (run.cpu_memory_cache, the default: glibc keeps freed memory)
+        from the heap's resident pages, at the rate measured so (``cached@T``; profiles from before
+        it: the small-tensor rate); without, from fresh pages the OS faults in on first touch (glibc
+        maps large blocks and unmaps them on free), at the ``large@T`` rate."""
         if self.cores:
             threads, share = self._threads(ranks)
-            large = tensor_bytes > self.large_tensor_bytes and self.memory_bw_per_thread_gbs.get(
-                f"large@{threads}")
-            return (large or self.memory_bw_per_thread_gbs[str(threads)]) * 1e9 * share
+            rates = self.memory_bw_per_thread_gbs
+            large = tensor_bytes > self.large_tensor_bytes and rates.get(
+                f"{'cached' if cached else 'large'}@{threads}")
+            return (large or rates[str(threads)]) * 1e9 * share
         return self.memory_bw_gbs * 1e9 * self.efficiency["memory"]
 
     def _peak(self, dtype: str) -> float:

@@ -330,74 +330,6 @@ def test_memory_floor_never_exceeds_the_peak(path: str, world: int, overrides: l
     assert len(ratios) > 50 and sum(ratios) / len(ratios) > 0.5
 
 
-def _local_profile(cores: int):
-    """A measured-machine profile with flat rates (1 TFLOP/s per thread, 20 GB/s, 1 GB/s gloo)."""
-    from shardwise.plan.hardware import Hardware
-
-    rates = {f"{d}@{t}:{w}x{w}": 1.0 * t for d in ("fp32", "bf16") for t in range(1, cores + 1)
-             for w in (128, 2048)}
-    rates |= {f"attention_{d}@{t}:{h}": 0.5 * t for d in ("fp32", "bf16") for t in range(1, cores + 1)
-              for h in (16, 128)}
-    return Hardware(name="local", description="test", memory_gib=64, memory_bw_gbs=20, gpus_per_node=cores,
-                    intra_node_bw_gbs=1, intra_node_latency_us=50, inter_node_bw_gbs=1,
-                    inter_node_latency_us=50, comm_overlap=False, cores=cores, thread_tflops=rates,
-                    memory_bw_per_thread_gbs={str(t): 20.0 * t for t in range(1, cores + 1)},
-                    overhead_ms={"per_block": 1.0, "per_step": 1.0}, collective_bw_gbs={"2": 1.0, "4": 1.0})
-
-
-def test_local_profile_lookups():
-    """Pairs inside a bigger job use the bandwidth measured with every pair busy; whole groups the
-    one measured for the collective and buffer size; attention is interpolated over the measured
-    sequence lengths; sharing and per-call waits by process count."""
-    import dataclasses
-
-    base = _local_profile(2)
-    rates = {**base.thread_tflops, "attention_bf16@1:16:256": 0.02, "attention_bf16@1:16:1024": 0.08}
-    hw = dataclasses.replace(base, collective_bw_gbs={"2": 1.0, "4": 0.5, "2@4": 0.25}, thread_tflops=rates,
-                             shared_compute={"2": 1.0, "4": 0.8}, collective_sync_us={"2": 500, "4": 2000})
-    assert hw.link(2, 2, 2)[0] == 1e9 and hw.link(2, 2, 4)[0] == 0.25e9 and hw.link(4, 4, 4)[0] == 0.5e9
-    # per collective kind and buffer size where measured: log-linear between sizes, clamped at the
-    # ends, the nearest process count; other kinds (and pairs) as before
-    mib = 2**20
-    kinds = {"reduce_scatter@4:1048576": 0.1, "reduce_scatter@4:16777216": 0.5, "all_gather@4:16777216": 1.0,
-             "reduce_scatter@8:16777216": 0.05}
-    hw = dataclasses.replace(hw, collective_kind_bw_gbs=kinds)
-    assert hw.link(4, 4, 4, "reduce_scatter", 4 * mib)[0] == pytest.approx(0.3e9)  # log-halfway
-    assert hw.link(4, 4, 4, "reduce_scatter", mib // 2)[0] == pytest.approx(0.1e9)
-    assert hw.link(4, 4, 4, "all_gather", mib)[0] == pytest.approx(1e9)
-    assert hw.link(5, 5, 5, "reduce_scatter", 64 * mib)[0] == pytest.approx(0.5e9)  # 4 is nearest
-    assert hw.link(4, 4, 4, "all_to_all", mib)[0] == 0.5e9
-    assert hw.link(2, 2, 4, "all_gather", mib)[0] == 0.25e9
-    # 512 positions: halfway (in log) between the rates at 256 and 1024, times the core share and sharing
-    assert hw.attention_tflops("bf16", 16, ranks=4, seq=512) == pytest.approx(0.05 * 0.5 * 0.8)
-    assert hw.sharing(4) == 0.8 and hw.sharing(1) == 1.0 and hw.sync_seconds(4) == pytest.approx(2e-3)
-    assert load_hardware("h100").sync_seconds(8) == 0 and load_hardware("h100").sharing(8) == 1
-
-
-def test_pipeline_ranks_in_the_bubble_lend_their_cores():
-    """4 local pipeline ranks on 2 cores: a rank waiting in the bubble gives its core to the others
-    (measured: pp4 and pp2 x FSDP2 were the fastest debug layouts on 4 ranks, BENCHMARKS.md), so the
-    step is the cores' packed work or the critical path, not the busy time plus the textbook bubble.
-    With a core per rank nothing changes; data-parallel layouts are the same either way."""
-    from shardwise.plan.cost import pipeline_bubble, step_time
-
-    cfg = load_config(DEBUG, ["--parallel.pp=4", "--training.micro_batch=1"])
-    layout = Layout.from_config(cfg, 4)
-    states = shape_states(cfg, layout)
-    shared, own = step_time(cfg, layout, states, _local_profile(2)), step_time(cfg, layout, states,
-                                                                                _local_profile(4))
-    busy = max(r.busy for r in shared.ranks)
-    assert shared.step < busy + pipeline_bubble(cfg, layout, busy)
-    work = sum(sum(r.compute.values()) for r in shared.ranks) * 2 / 4  # (each costed at half a core)
-    assert shared.step >= work / 2
-    busy = max(r.busy for r in own.ranks)
-    assert own.step == pytest.approx(busy + pipeline_bubble(cfg, layout, busy))
-    dp = load_config(DEBUG, ["--parallel.dp_shard=4"])
-    lay = Layout.from_config(dp, 4)
-    t = step_time(dp, lay, shape_states(dp, lay), _local_profile(2))
-    assert t.step == pytest.approx(max(r.busy for r in t.ranks)) and t.bubble == 0
-
-
 def test_estimate_resolves_the_run_as_train_does():
     """pp=2 without a micro-batch: the trainer picks one (4 micro-batches per rank here), and so
     does the estimate -- it once costed the whole per-rank batch as one micro-batch."""
@@ -413,37 +345,6 @@ def test_parse_tokens():
     assert parse_tokens("4M") == 4 * 2**20 and parse_tokens("512k") == 2**19 and parse_tokens("1000") == 1000
     with pytest.raises(ConfigError, match="global-batch-tokens"):
         parse_tokens("lots")
-
-
-def test_gemm_rate_on_few_rows():
-    """On a measured machine a GEMM on few rows runs at the rate measured on that many rows of the
-    nearest widths (by sqrt(k n)), relative to the grid's rate and capped at it; the routed
-    experts' GEMMs are costed on their share of the slots. GPU profiles and profiles measured
-    before rows were are unchanged."""
-    from shardwise.plan.activations import shape_of
-    from shardwise.plan.cost import _gemms
-
-    base = _local_profile(2)  # grid: 1 TFLOP/s per thread at every width
-    hw = dataclasses.replace(base, thread_tflops={**base.thread_tflops, "rows_bf16@1:256:64": 0.25,
-                                                  "rows_bf16@1:256:256": 0.5, "rows_bf16@1:256:1024": 1.2})
-    rate = lambda k, n, rows: hw.matmul_tflops("bf16", k, n, ranks=2, rows=rows)  # noqa: E731
-    assert rate(256, 256, 256) == pytest.approx(0.5) and rate(256, 256, 64) == pytest.approx(0.25)
-    assert rate(256, 256, 128) == pytest.approx(0.375)  # log-halfway between 64 and 256 rows
-    assert rate(128, 512, 256) == pytest.approx(0.5)  # the same work per row as 256 x 256
-    assert rate(256, 256, 1024) == rate(256, 256, 4096) == rate(256, 256, 0) == pytest.approx(1.0)
-    assert base.matmul_tflops("bf16", 256, 256, 2, rows=64) == pytest.approx(1.0)
-    assert hw.matmul_tflops("bf16", 256, 256, ranks=1, rows=64) == pytest.approx(2.0)  # 2 threads: unmeasured
-    h100 = load_hardware("h100")
-    assert h100.matmul_tflops("bf16", 4096, rows=64) == h100.matmul_tflops("bf16", 4096)
-
-    cfg = load_config(MOE, [])
-    args = model_args(cfg.model)
-    for ep in (1, 2):
-        layout = Layout(dp_shard=2, ep=ep, micro_batch=2)
-        s = shape_of(cfg, layout)
-        rows = [g[5] for g in _gemms(s, cfg, layer=1)]
-        slots = s.norm_tokens * args.moe_top_k
-        assert rows[-2:] == [slots * ep // args.n_experts] * 2 and set(rows[:-2]) == {s.tokens}
 
 
 def test_reserved_over_live_is_the_8b_fit_and_predicts_the_rest():
@@ -467,7 +368,8 @@ def test_reserved_over_live_is_the_8b_fit_and_predicts_the_rest():
     errors = {label: est.reserved / GiB / gib - 1 for label, est, gib in rows}
     assert all(abs(e) < 0.10 for e in errors.values()), errors
     assert load_hardware("h100").reserved(GiB) == RESERVED_OVER_LIVE * GiB
-    assert _local_profile(2).reserved(GiB) == GiB  # no caching allocator on local CPU ranks
+    # no caching allocator on local CPU ranks
+    assert dataclasses.replace(load_hardware("h100"), cores=2).reserved(GiB) == GiB
 
 
 def test_cuda_ranks_expand_allocator_segments_unless_configured(monkeypatch: pytest.MonkeyPatch):

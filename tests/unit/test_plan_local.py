@@ -1,0 +1,143 @@
+"""The planner on a measured machine (``--hardware local``): the lookups of a calibrated profile
+(collectives per kind and size, attention per sequence, GEMMs per row count, memory bandwidth by
+tensor size and allocator) and what sharing fewer cores does to a pipeline's step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from shardwise.config_checks import load_config
+from shardwise.models import model_args
+from shardwise.plan.hardware import load_hardware
+from shardwise.plan.layout import Layout
+from shardwise.plan.states import shape_states
+from tests.conftest import ROOT
+
+DEBUG, MOE = str(ROOT / "configs" / "debug.toml"), str(ROOT / "configs" / "moe-debug.toml")
+
+
+def _local_profile(cores: int):
+    """A measured-machine profile with flat rates (1 TFLOP/s per thread, 20 GB/s, 1 GB/s gloo)."""
+    from shardwise.plan.hardware import Hardware
+
+    rates = {f"{d}@{t}:{w}x{w}": 1.0 * t for d in ("fp32", "bf16") for t in range(1, cores + 1)
+             for w in (128, 2048)}
+    rates |= {f"attention_{d}@{t}:{h}": 0.5 * t for d in ("fp32", "bf16") for t in range(1, cores + 1)
+              for h in (16, 128)}
+    return Hardware(name="local", description="test", memory_gib=64, memory_bw_gbs=20, gpus_per_node=cores,
+                    intra_node_bw_gbs=1, intra_node_latency_us=50, inter_node_bw_gbs=1,
+                    inter_node_latency_us=50, comm_overlap=False, cores=cores, thread_tflops=rates,
+                    memory_bw_per_thread_gbs={str(t): 20.0 * t for t in range(1, cores + 1)},
+                    overhead_ms={"per_block": 1.0, "per_step": 1.0}, collective_bw_gbs={"2": 1.0, "4": 1.0})
+
+
+def test_local_profile_lookups():
+    """Pairs inside a bigger job use the bandwidth measured with every pair busy; whole groups the
+    one measured for the collective and buffer size; attention is interpolated over the measured
+    sequence lengths; sharing and per-call waits by process count."""
+    import dataclasses
+
+    base = _local_profile(2)
+    rates = {**base.thread_tflops, "attention_bf16@1:16:256": 0.02, "attention_bf16@1:16:1024": 0.08}
+    hw = dataclasses.replace(base, collective_bw_gbs={"2": 1.0, "4": 0.5, "2@4": 0.25}, thread_tflops=rates,
+                             shared_compute={"2": 1.0, "4": 0.8}, collective_sync_us={"2": 500, "4": 2000})
+    assert hw.link(2, 2, 2)[0] == 1e9 and hw.link(2, 2, 4)[0] == 0.25e9 and hw.link(4, 4, 4)[0] == 0.5e9
+    # per collective kind and buffer size where measured: log-linear between sizes, clamped at the
+    # ends, the nearest process count; other kinds (and pairs) as before
+    mib = 2**20
+    kinds = {"reduce_scatter@4:1048576": 0.1, "reduce_scatter@4:16777216": 0.5, "all_gather@4:16777216": 1.0,
+             "reduce_scatter@8:16777216": 0.05}
+    hw = dataclasses.replace(hw, collective_kind_bw_gbs=kinds)
+    assert hw.link(4, 4, 4, "reduce_scatter", 4 * mib)[0] == pytest.approx(0.3e9)  # log-halfway
+    assert hw.link(4, 4, 4, "reduce_scatter", mib // 2)[0] == pytest.approx(0.1e9)
+    assert hw.link(4, 4, 4, "all_gather", mib)[0] == pytest.approx(1e9)
+    assert hw.link(5, 5, 5, "reduce_scatter", 64 * mib)[0] == pytest.approx(0.5e9)  # 4 is nearest
+    assert hw.link(4, 4, 4, "all_to_all", mib)[0] == 0.5e9
+    assert hw.link(2, 2, 4, "all_gather", mib)[0] == 0.25e9
+    # 512 positions: halfway (in log) between the rates at 256 and 1024, times the core share and sharing
+    assert hw.attention_tflops("bf16", 16, ranks=4, seq=512) == pytest.approx(0.05 * 0.5 * 0.8)
+    assert hw.sharing(4) == 0.8 and hw.sharing(1) == 1.0 and hw.sync_seconds(4) == pytest.approx(2e-3)
+    assert load_hardware("h100").sync_seconds(8) == 0 and load_hardware("h100").sharing(8) == 1
+
+
+def test_pipeline_ranks_in_the_bubble_lend_their_cores():
+    """4 local pipeline ranks on 2 cores: a rank waiting in the bubble gives its core to the others
+    (measured: pp4 and pp2 x FSDP2 were the fastest debug layouts on 4 ranks, BENCHMARKS.md), so the
+    step is the cores' packed work or the critical path, not the busy time plus the textbook bubble.
+    With a core per rank nothing changes; data-parallel layouts are the same either way."""
+    from shardwise.plan.cost import pipeline_bubble, step_time
+
+    cfg = load_config(DEBUG, ["--parallel.pp=4", "--training.micro_batch=1"])
+    layout = Layout.from_config(cfg, 4)
+    states = shape_states(cfg, layout)
+    shared, own = step_time(cfg, layout, states, _local_profile(2)), step_time(cfg, layout, states,
+                                                                                _local_profile(4))
+    busy = max(r.busy for r in shared.ranks)
+    assert shared.step < busy + pipeline_bubble(cfg, layout, busy)
+    work = sum(sum(r.compute.values()) for r in shared.ranks) * 2 / 4  # (each costed at half a core)
+    assert shared.step >= work / 2
+    busy = max(r.busy for r in own.ranks)
+    assert own.step == pytest.approx(busy + pipeline_bubble(cfg, layout, busy))
+    dp = load_config(DEBUG, ["--parallel.dp_shard=4"])
+    lay = Layout.from_config(dp, 4)
+    t = step_time(dp, lay, shape_states(dp, lay), _local_profile(2))
+    assert t.step == pytest.approx(max(r.busy for r in t.ranks)) and t.bubble == 0
+
+
+def test_gemm_rate_on_few_rows():
+    """On a measured machine a GEMM on few rows runs at the rate measured on that many rows of the
+    nearest widths (by sqrt(k n)), relative to the grid's rate and capped at it; the routed
+    experts' GEMMs are costed on their share of the slots. GPU profiles and profiles measured
+    before rows were are unchanged."""
+    from shardwise.plan.activations import shape_of
+    from shardwise.plan.cost import _gemms
+
+    base = _local_profile(2)  # grid: 1 TFLOP/s per thread at every width
+    hw = dataclasses.replace(base, thread_tflops={**base.thread_tflops, "rows_bf16@1:256:64": 0.25,
+                                                  "rows_bf16@1:256:256": 0.5, "rows_bf16@1:256:1024": 1.2})
+    rate = lambda k, n, rows: hw.matmul_tflops("bf16", k, n, ranks=2, rows=rows)  # noqa: E731
+    assert rate(256, 256, 256) == pytest.approx(0.5) and rate(256, 256, 64) == pytest.approx(0.25)
+    assert rate(256, 256, 128) == pytest.approx(0.375)  # log-halfway between 64 and 256 rows
+    assert rate(128, 512, 256) == pytest.approx(0.5)  # the same work per row as 256 x 256
+    assert rate(256, 256, 1024) == rate(256, 256, 4096) == rate(256, 256, 0) == pytest.approx(1.0)
+    assert base.matmul_tflops("bf16", 256, 256, 2, rows=64) == pytest.approx(1.0)
+    assert hw.matmul_tflops("bf16", 256, 256, ranks=1, rows=64) == pytest.approx(2.0)  # 2 threads: unmeasured
+    h100 = load_hardware("h100")
+    assert h100.matmul_tflops("bf16", 4096, rows=64) == h100.matmul_tflops("bf16", 4096)
+
+    cfg = load_config(MOE, [])
+    args = model_args(cfg.model)
+    for ep in (1, 2):
+        layout = Layout(dp_shard=2, ep=ep, micro_batch=2)
+        s = shape_of(cfg, layout)
+        rows = [g[5] for g in _gemms(s, cfg, layer=1)]
+        slots = s.norm_tokens * args.moe_top_k
+        assert rows[-2:] == [slots * ep // args.n_experts] * 2 and set(rows[:-2]) == {s.tokens}
+
+
+def test_large_outputs_cost_what_the_allocator_makes_them():
+    """Outputs over 16 MiB are fresh pages with glibc's default malloc (the ``large`` rate: 6.7
+    against 53 GB/s on one thread here) but the heap's resident pages when the run keeps freed
+    memory, as training does by default (``cached``: 30 GB/s); profiles from before the cached rate
+    was measured use the small-tensor rate. A step's memory-bound time follows run.cpu_memory_cache.
+    """
+    from shardwise.plan.cost import rank_time
+
+    base = _local_profile(2)
+    hw = dataclasses.replace(base, memory_bw_per_thread_gbs={"1": 50.0, "large@1": 5.0, "cached@1": 30.0})
+    big, small = 32 * 2**20, 2**20
+    assert hw.memory_bw(2, big) == pytest.approx(30e9)  # 1 thread each, a full core
+    assert hw.memory_bw(4, big, cached=False) == pytest.approx(5e9 / 2)  # half a core each
+    assert hw.memory_bw(4, small, cached=False) == hw.memory_bw(4, small) == pytest.approx(50e9 / 2)
+    old = dataclasses.replace(hw, memory_bw_per_thread_gbs={"1": 50.0, "large@1": 5.0})
+    assert old.memory_bw(4, big) == pytest.approx(50e9 / 2)
+
+    times = {}
+    for cache in (True, False):  # the 125m head: 32000-wide logits, over 16 MiB in fp32
+        cfg = load_config(DEBUG, ["--parallel.dp_shard=4", "--model.name=125m", "--training.seq_len=256",
+                                  "--training.loss=plain", f"--run.cpu_memory_cache={str(cache).lower()}"])
+        layout = Layout.from_config(cfg, 4)
+        times[cache] = rank_time(cfg, layout, shape_states(cfg, layout)[0], hw).compute["memory-bound"]
+    assert times[False] > 2 * times[True]
