@@ -16,7 +16,7 @@ Load balancing, ``moe_balance``:
   accumulation; when a sequence is split over ranks (context / tensor-sequence parallel) the counts
   behind ``f_e`` are all-reduced over those ranks, and each rank's share of ``sum P_e`` is a plain
   partial sum, reduced like every other gradient. The loss enters the backward through
-  :class:`AuxLossGrad` (its gradient is injected next to the layer's output), so it works unchanged
+  :class:`AuxLossGrad` (its gradient is injected at the routed experts' output), so it works unchanged
   under pipeline parallel where only the last stage sees the language-model loss.
 - ``bias``: after each optimizer step every expert's bias moves by ``moe_bias_rate`` towards
   balance (``+rate`` if the expert got fewer tokens than the mean over the global batch, ``-rate``
@@ -169,11 +169,15 @@ class MoE(nn.Module):
         routed = tokens[order // self.top_k]  # (T*k, dim)
         out = self.experts(routed, counts)  # (T*k, dim)
         out = out * weights.flatten()[order, None].to(out.dtype)
-        y = torch.zeros_like(tokens).index_add_(0, order // self.top_k, out)  # (T, dim)
+        if aux is not None:  # (every slot's output reaches y, so its gradient always runs)
+            out = AuxLossGrad.apply(out, aux)
+        # The module's output is a tensor of its own, not a view: FSDP2 warns on every step of a
+        # wrapped module that returns one.
+        y = torch.zeros_like(x)  # (B, S, dim)
+        y.view(-1, dim).index_add_(0, order // self.top_k, out)
         if self.shared_expert is not None:
-            y = y + self.shared_expert(tokens)
-        y = y.view(b, s, dim)
-        return AuxLossGrad.apply(y, aux) if aux is not None else y
+            y = y + self.shared_expert(tokens).view(b, s, dim)
+        return y
 
     def aux_loss(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """This rank's part of coef * mean over the step's sequences of E * sum_e f_e P_e.
