@@ -43,6 +43,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         notice("data.format=chat: data.document_mask is on (each conversation attends to itself only)")
         cfg.data.document_mask = True
     clamp_warmup(cfg)
+    clamp_profile(cfg)
     resolve_precision(cfg, device)
     if device is not None and cfg.run.device == "auto":
         cfg.run.device = device
@@ -96,6 +97,23 @@ def notice(text: str) -> None:
     if os.environ.get(LAUNCHED_RANK_ENV) or os.environ.get("RANK", "0") != "0":
         return
     print(f"notice: {text}", flush=True)
+
+
+def clamp_profile(cfg: Config) -> None:
+    """A profiler window that would end after the run (``--profile.enabled true`` on a 10-step run
+    with the 50-step windows) records the run's last steps instead, with a notice: a trace, not
+    silently none."""
+    p, steps = cfg.profile, cfg.training.steps
+    if not p.enabled or p.start + p.every - 1 <= steps:
+        return
+    before = f"{p.start + p.every - p.active}-{p.start + p.every - 1}"
+    p.active = min(p.active, steps)
+    p.warmup = min(p.warmup, steps - p.active)
+    p.start = min(p.start, steps - p.warmup - p.active + 1)
+    p.every = steps - p.start + 1
+    notice(f"profile: the first window would record steps {before}, after training.steps={steps}: "
+           f"recording steps {steps - p.active + 1}-{steps} (profile.start={p.start}, profile.every="
+           f"{p.every}); set profile.start and profile.every to choose")
 
 
 def clamp_warmup(cfg: Config) -> None:

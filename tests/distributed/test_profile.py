@@ -36,6 +36,18 @@ def test_traces_are_named_by_rank_and_step(tmp_path: Path, data_cache: str):
         assert r["straggler_ratio"] == pytest.approx(max(times) / sorted(times)[0])  # median of 2: lower
 
 
+def test_profiling_a_short_run_records_its_last_steps(tmp_path: Path, data_cache: str):
+    """`--profile.enabled true` alone on a run shorter than the 50-step windows: the window moves to
+    the run's last steps, with one notice, instead of recording nothing."""
+    proc = run_cli(["train", *TINY_ARGS, f"--data.cache_dir={data_cache}", f"--run.dir={tmp_path}",
+                    "--training.steps=4", "--profile.enabled=true"])
+    assert proc.stdout.count("notice: profile: the first window would record steps 49-50, after "
+                             "training.steps=4: recording steps 3-4") == 1
+    assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == ["rank0_step4.json"]
+    events = json.loads((tmp_path / "traces" / "rank0_step4.json").read_text())["traceEvents"]
+    assert {"ProfilerStep#2", "ProfilerStep#3"} <= {e.get("name", "") for e in events}  # (0-based)
+
+
 def test_memory_breakdown_counts_every_tensor(tmp_path: Path, data_cache: str):
     """First-step breakdown: FSDP shards params/grads/optimizer states exactly in two (Adam: two fp32
     moments per parameter); activations halve with half the sequences per micro-batch or per rank."""
