@@ -220,6 +220,10 @@ def _kind_rates(world: int, mib: int) -> dict[str, float]:
             f"all_reduce{at}": 2 * gb / _timed_collective(lambda: dist.all_reduce(full), runs=7)}
 
 
+SYNC_PAIRS = 9
+"""Paired runs of compute with and without a collective per iteration behind the measured wait."""
+
+
 def _collective_worker(rank: int, world: int, init: str, out: str, sizes_mib: tuple[int, ...]) -> None:
     import json
 
@@ -256,8 +260,17 @@ def _collective_worker(rank: int, world: int, init: str, out: str, sizes_mib: tu
             torch.mm(a, b)
             if sync:
                 dist.all_reduce(tiny)
-    t_work, t_sync = timed(lambda: work(False), runs=5), timed(lambda: work(True), runs=5)
-    results["sync_s"] = max(0.0, (t_sync - t_work) / 40 - t_lat)
+    def once(sync: bool) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        work(sync)
+        return time.perf_counter() - t0
+    # The wait is a small difference of two long timings: back-to-back pairs, so that the machine's
+    # drift cancels, and their median (two medians of separate runs differed by 20x across
+    # calibrations an hour apart).
+    work(False), work(True)
+    diffs = [once(True) - once(False) for _ in range(SYNC_PAIRS)]
+    results["sync_s"] = max(0.0, statistics.median(diffs) / 40 - t_lat)
     # What sharing the cores does to compute: every process runs the same GEMM at once.
     dist.barrier()
     rate = torch.tensor([gemm_tflops(torch.float32, 1024, 1024, seconds=0.5)], dtype=torch.float64)
