@@ -36,6 +36,7 @@ def test_calibrate_quick_then_plan_trains_on_four_ranks(tmp_path: Path, data_cac
     seqs = {k.rsplit(":", 1)[1] for k in hw["thread_tflops"] if k.startswith("attention_")}
     assert seqs == {"256", "512", "1024"}
     assert hw["description"].endswith("--quick") and hw["overhead_ms"]["per_moe_block"] > 0
+    assert hw["overhead_ms"]["per_tp_block"] > 0  # DTensor dispatch costs host time per block
     # each collective kind by buffer size (4 and 16 MiB in quick mode), per process count
     assert set(hw["collective_kind_bw_gbs"]) == {f"{k}@{w}:{mib * 2**20}" for k in
                                                  ("all_gather", "reduce_scatter", "all_reduce")
