@@ -22,6 +22,7 @@ written to ``<data.cache_dir>/hardware_local.toml`` and read as ``--hardware loc
 
 from __future__ import annotations
 
+import functools
 import itertools
 import multiprocessing
 import os
@@ -183,16 +184,21 @@ def host_overhead_ms(seconds: float = 1.0) -> tuple[float, float, float]:
 def _timed_collective(fn: Callable[[], object], runs: int = 5) -> float:
     """Median of a fixed number of calls: every rank must issue the same collectives (a loop until
     a time is up would let ranks disagree on the count and hang)."""
+    fn()
+    return statistics.median(_collective_samples(fn, runs))
+
+
+def _collective_samples(fn: Callable[[], object], runs: int) -> list[float]:
+    """Seconds of ``runs`` calls of ``fn``, each started together after a barrier."""
     import torch.distributed as dist
 
-    fn()
     times = []
     for _ in range(runs):
         dist.barrier()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
 
 
 def _gather_scatter() -> tuple[Callable, Callable]:
@@ -204,24 +210,43 @@ def _gather_scatter() -> tuple[Callable, Callable]:
             getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor))
 
 
-def _kind_rates(world: int, mib: int) -> dict[str, float]:
-    """Bus bandwidth (GB/s) of each collective kind on a ``mib`` MiB fp32 buffer among this job's
-    ``world`` processes. Gloo's kinds differ (its reduce-scatter is the slowest) and each varies
-    with the buffer's size, so FSDP's per-block buffers and tensor parallel's activations each get
-    their own."""
+def _kind_rates(world: int, sizes_mib: list[int]) -> dict[str, float]:
+    """Bus bandwidth (GB/s) of each collective kind on buffers of ``sizes_mib`` MiB (fp32) among
+    this job's ``world`` processes. Gloo's kinds differ (its reduce-scatter is the slowest) and
+    each varies with the buffer's size, so FSDP's per-block buffers and tensor parallel's
+    activations each get their own. Each (kind, size) is the median of its calls over
+    ``KIND_ROUNDS`` rounds through all of them: a slow spell of a shared machine lands in one round
+    rather than on one size (7 calls in a row once measured 16 MiB at 0.29 GB/s between 4 and 64
+    MiB at 0.73 and 0.52)."""
     import torch.distributed as dist
 
     gather, scatter = _gather_scatter()
-    full, part = torch.randn(mib * 2**18), torch.randn(mib * 2**18 // world)
-    gb = (world - 1) / world * full.numel() * 4 / 1e9  # each rank sends this much in a ring, GB
-    at = f"@{world}:{full.numel() * 4}"
-    return {f"all_gather{at}": gb / _timed_collective(lambda: gather(full, part), runs=7),
-            f"reduce_scatter{at}": gb / _timed_collective(lambda: scatter(part, full), runs=7),
-            f"all_reduce{at}": 2 * gb / _timed_collective(lambda: dist.all_reduce(full), runs=7)}
+    buffers = {mib: (torch.randn(mib * 2**18), torch.randn(mib * 2**18 // world)) for mib in sizes_mib}
+    calls = {"all_gather": lambda full, part: gather(full, part),
+             "reduce_scatter": lambda full, part: scatter(part, full),
+             "all_reduce": lambda full, part: dist.all_reduce(full)}
+    fns = {(kind, mib): functools.partial(call, *buffers[mib]) for mib in sizes_mib
+           for kind, call in calls.items()}
+    for fn in fns.values():  # (a first call sets up gloo's buffers)
+        fn()
+    samples: dict[tuple[str, int], list[float]] = {key: [] for key in fns}
+    for _ in range(KIND_ROUNDS):
+        for key, fn in fns.items():
+            samples[key] += _collective_samples(fn, 3)
+    rates = {}
+    for (kind, mib), times in samples.items():
+        gb = (world - 1) / world * mib * 2**20 / 1e9  # each rank sends this much in a ring, GB
+        factor = 2 if kind == "all_reduce" else 1  # (an all-reduce sends twice that)
+        rates[f"{kind}@{world}:{mib * 2**20}"] = factor * gb / statistics.median(times)
+    return rates
 
 
 SYNC_PAIRS = 9
 """Paired runs of compute with and without a collective per iteration behind the measured wait."""
+LATENCY_CALLS = 50
+"""Tiny all-reduces per timing of the per-hop latency."""
+KIND_ROUNDS = 3
+"""Rounds through every collective kind and buffer size, 3 calls each per round."""
 
 
 def _collective_worker(rank: int, world: int, init: str, out: str, sizes_mib: tuple[int, ...]) -> None:
@@ -236,10 +261,12 @@ def _collective_worker(rank: int, world: int, init: str, out: str, sizes_mib: tu
     timed = _timed_collective
     gather, scatter = _gather_scatter()
     tiny = torch.zeros(2)
-    t_lat = timed(lambda: dist.all_reduce(tiny))
+    # (per call, over back-to-back calls: one call after a barrier also times the processes'
+    # wake-up skew, which put 2 processes' hop at 80 us in one calibration and 1,650 in the next)
+    t_lat = timed(lambda: [dist.all_reduce(tiny) for _ in range(LATENCY_CALLS)], runs=7) / LATENCY_CALLS
     results: dict = {"latency_s": t_lat / (2 * (world - 1)), "kinds": {}}
-    for mib in sorted({16, *sizes_mib}):  # 16 MiB always: the figure a kind-less lookup uses
-        results["kinds"].update(_kind_rates(world, mib))
+    # (16 MiB always: the figure a kind-less lookup uses)
+    results["kinds"].update(_kind_rates(world, sorted({16, *sizes_mib})))
     if world >= 4:
         # Groups of two inside a busier machine, as tensor or context parallel pairs run in a
         # 4- or 8-rank job: every pair moves its buffer at once.
