@@ -316,21 +316,13 @@ def _tp_block_seconds(rounds: int = 15) -> float:
     blocks, so kernels play no part. Each round times the four steps back to back and yields one
     difference of differences; the median of the rounds (medians of separate runs, differenced,
     gave 12 and 25 ms in two calibrations an hour apart)."""
-    import torch.distributed as dist
-
     steps = [_tiny_step(n, layout) for layout in (("--parallel.dp_shard=2",), ("--parallel.tp=2",))
              for n in (1, 5)]  # fsdp 1, fsdp 5, tp 1, tp 5
-
-    def timed(step: Callable[[], None]) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        return time.perf_counter() - t0
     for step in steps:  # (first calls build caches)
         step()
     diffs = []
     for _ in range(rounds):
-        f1, f5, t1, t5 = (timed(step) for step in steps)
+        f1, f5, t1, t5 = (_collective_samples(step, 1)[0] for step in steps)
         diffs.append(((t5 - t1) - (f5 - f1)) / 4)
     return max(0.0, statistics.median(diffs))
 
