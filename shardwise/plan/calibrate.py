@@ -288,10 +288,7 @@ def _collective_worker(rank: int, world: int, init: str, out: str, sizes_mib: tu
             if sync:
                 dist.all_reduce(tiny)
     def once(sync: bool) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        work(sync)
-        return time.perf_counter() - t0
+        return _collective_samples(lambda: work(sync), 1)[0]
     # The wait is a small difference of two long timings: back-to-back pairs, so that the machine's
     # drift cancels, and their median (two medians of separate runs differed by 20x across
     # calibrations an hour apart).
