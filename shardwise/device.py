@@ -109,14 +109,17 @@ def keep_freed_cpu_memory(keep: bool = True) -> bool:
 MATMUL_CACHE_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 
-def bound_matmul_caches(entries: int = 64) -> bool:
+def bound_matmul_caches(entries: int = 256) -> bool:
     """Cap both shape-keyed caches of CPU matrix products at ``entries`` each, unless the user set
     either; call it before the process's first matrix product. Returns whether it set them.
 
     MoE experts see a new row count at almost every call, and in bf16 every new shape adds an
-    entry to both caches: a moe-debug rank grew 0.6 -> 1.5 GiB over 40 steps and paid a page fault
-    per new page, 4x as dear when ranks share the cores. Capped at 64 it stayed at 0.77 GiB and ran
-    3-7% faster alone (BENCHMARKS.md, the planner-ranking section)."""
+    entry to both caches: unbounded, a moe-debug rank grew 0.6 -> 1.5 GiB over 40 steps and paid a
+    page fault per new page, 4x as dear when ranks share the cores. The experts now pad their
+    groups (:func:`shardwise.models.moe.group_alignment`), which bounds the shapes to a few
+    hundred; a cap of 64 then evicted kernels that were needed again (each rebuilt at about 1.5 ms
+    on an AMX CPU): one moe-debug rank on 2 threads took 0.97 s/step at 64 and 0.89 at 256 (1.32
+    against 1.6 GiB resident, flat from step 20; BENCHMARKS.md, MoE on CPU)."""
     if any(name in os.environ for name in MATMUL_CACHE_ENV):
         return False
     for name in MATMUL_CACHE_ENV:

@@ -78,8 +78,39 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
     return torch.cat(outs) if outs else x.new_zeros(0, w.shape[2])
 
 
+CPU_GROUP_ROWS = 64
+"""Fewest rows a CPU expert group is padded to a multiple of. oneDNN builds (JIT-compiles) a kernel
+for every new GEMM shape -- about 1.5 ms per product on an AMX CPU -- and keeps them in a
+shape-keyed cache (capped, :func:`shardwise.device.bound_matmul_caches`). Routing gives each expert
+a new row count at almost every call, so unpadded every grouped GEMM rebuilt its kernels: a
+(8192, 256) x (8, 256, 256) grouped product forward and backward took 49 ms against 2.5 ms with
+fixed counts. Padded to multiples of 64 rows it took 2.7 ms (BENCHMARKS.md, MoE on CPU)."""
+
+
+def group_alignment(slots: int, n_experts: int) -> int:
+    """Rows each expert's group is padded to a multiple of, on CPU: ``CPU_GROUP_ROWS``, or a
+    sixteenth of the mean group (a power of two) when that is more, so that the number of distinct
+    group sizes -- and so of GEMM shapes -- stays near 32 per expert whatever the token count, while
+    the padding adds about 1/32 of the rows."""
+    mean = max(1, slots // max(1, n_experts))
+    return max(CPU_GROUP_ROWS, 1 << max(0, (mean // 16).bit_length() - 1))
+
+
+def pad_groups(x: torch.Tensor, counts: torch.Tensor, align: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                        torch.Tensor]:
+    """Rows of ``x`` (N, dim) grouped by ``counts`` (G,) copied into zero-padded groups of a multiple
+    of ``align`` rows -> (padded x (N_pad, dim), padded counts (G,), each row's index in it (N,))."""
+    padded = (counts + align - 1) // align * align  # (G,)
+    shift = torch.cumsum(padded - counts, 0) - (padded - counts)  # (G,) padding before each group
+    index = torch.arange(x.shape[0], device=x.device) + torch.repeat_interleave(shift, counts)  # (N,)
+    n_pad = int(padded.sum())  # (a host sync: CPU only)
+    return x.new_zeros(n_pad, x.shape[1]).index_copy(0, index, x), padded, index
+
+
 class GroupedExperts(nn.Module):
-    """``n`` SwiGLU experts as 3-D weights: w1, w3 (n, dim, hidden), w2 (n, hidden, dim)."""
+    """``n`` SwiGLU experts as 3-D weights: w1, w3 (n, dim, hidden), w2 (n, hidden, dim). On CPU
+    each expert's rows are padded to a multiple of :func:`group_alignment` (zero rows: their outputs
+    are dropped, their gradients are zero)."""
 
     def __init__(self, n: int, dim: int, hidden: int) -> None:
         super().__init__()
@@ -92,8 +123,12 @@ class GroupedExperts(nn.Module):
         # Under expert parallel the weights are DTensors sharded over experts and the tokens have
         # already been exchanged: this rank runs its own experts on plain local tensors.
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        index = None
+        if x.device.type == "cpu" and x.shape[0]:
+            x, counts, index = pad_groups(x, counts, group_alignment(x.shape[0], counts.numel()))
         h = F.silu(grouped_mm(x, w1, counts)) * grouped_mm(x, w3, counts)  # (N, hidden)
-        return grouped_mm(h, w2, counts)
+        out = grouped_mm(h, w2, counts)  # (N, dim)
+        return out if index is None else out.index_select(0, index)
 
 
 class Router(nn.Module):
@@ -166,7 +201,8 @@ class MoE(nn.Module):
             # checkpointing then need not recompute past the shared expert's down projection).
             aux = self.aux_loss(ids.view(b, s, -1), scores.view(b, s, -1))
         order = torch.argsort(flat_ids, stable=True)  # routing slots grouped by expert
-        routed = tokens[order // self.top_k]  # (T*k, dim)
+        # (index_select: its backward is an index_add, about twice as fast on CPU as indexing's)
+        routed = tokens.index_select(0, order // self.top_k)  # (T*k, dim)
         out = self.experts(routed, counts)  # (T*k, dim)
         out = out * weights.flatten()[order, None].to(out.dtype)
         if aux is not None:  # (every slot's output reaches y, so its gradient always runs)

@@ -63,10 +63,10 @@ class ExpertParallel:
                 by_source.flatten())
             self.perm = torch.argsort(expert_of_row, stable=True)
         x = funcol.all_to_all_single_autograd(x.contiguous(), self.recv, self.send, group)
-        return x[self.perm], by_source.sum(0)  # (N_recv, dim) expert-major, (n_local,)
+        return x.index_select(0, self.perm), by_source.sum(0)  # (N_recv, dim) expert-major, (n_local,)
 
     def _combine(self, module: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        restored = out[torch.argsort(self.perm)]  # back to (source, expert) order
+        restored = out.index_select(0, torch.argsort(self.perm))  # back to (source, expert) order
         return funcol.all_to_all_single_autograd(restored, self.send, self.recv, mesh.get_group())
 
 

@@ -13,7 +13,15 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.models import PRESETS, ModelArgs, build_model, init_weights
-from shardwise.models.moe import MoE, grouped_mm, update_expert_bias
+from shardwise.models.moe import (
+    CPU_GROUP_ROWS,
+    GroupedExperts,
+    MoE,
+    group_alignment,
+    grouped_mm,
+    pad_groups,
+    update_expert_bias,
+)
 from shardwise.observe.flops import num_params
 from tests.conftest import require
 
@@ -74,6 +82,53 @@ def test_grouped_mm_matches_a_loop(dtype: torch.dtype):
     rx, rw = torch.autograd.grad(ref, (x, w), g)
     torch.testing.assert_close(gx, rx, **tol)
     torch.testing.assert_close(gw, rw, **tol)
+
+
+def test_padded_groups_hold_each_row_once_and_zeros_elsewhere():
+    counts = torch.tensor([3, 0, 5, 70])
+    x = torch.arange(78 * 2, dtype=torch.float32).view(78, 2) + 1  # no zero rows of its own
+    padded, pcounts, index = pad_groups(x, counts, 64)
+    assert pcounts.tolist() == [64, 0, 64, 128]
+    assert padded.shape == (256, 2)
+    torch.testing.assert_close(padded[index], x)
+    # each group's rows lead its padded group, the padding is zero
+    starts = [0, 64, 64, 128]
+    for g, n in enumerate(counts.tolist()):
+        block = padded[starts[g]:starts[g] + int(pcounts[g])]
+        torch.testing.assert_close(block[:n], x[sum(counts[:g].tolist()):][:n])
+        assert not block[n:].any()
+
+
+def test_group_alignment_bounds_the_shapes_and_the_padding():
+    assert group_alignment(2048, 8) == CPU_GROUP_ROWS  # 256 rows per expert: the floor
+    for slots, experts in ((2**16, 8), (2**20, 64), (3 * 2**17, 16)):
+        align, mean = group_alignment(slots, experts), slots // experts
+        assert align & (align - 1) == 0  # a power of two
+        assert mean / 32 < align <= mean / 16  # ~32 group sizes up to 2x the mean; padding ~3%
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_experts_match_unpadded_ones(dtype: torch.dtype):
+    """CPU experts pad each group with zero rows (fixed GEMM shapes); outputs and gradients of the
+    input and of all three weights are the unpadded products'."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 32, 48).to(dtype)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    counts = torch.tensor([37, 0, 90, 1])
+    x = torch.randn(128, 32, dtype=dtype, requires_grad=True)
+    y = experts(x, counts)
+
+    def ref_forward(x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(grouped_mm(x, experts.w1, counts)) * grouped_mm(x, experts.w3, counts)
+        return grouped_mm(h, experts.w2, counts)
+    ref = ref_forward(x)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(y, ref, **tol)
+    g = torch.randn_like(y)
+    params = (x, experts.w1, experts.w2, experts.w3)
+    for a, b in zip(torch.autograd.grad(y, params, g), torch.autograd.grad(ref, params, g), strict=True):
+        torch.testing.assert_close(a, b, **tol)
 
 
 def _hf_switch_loss(scores: torch.Tensor, ids: torch.Tensor, n_experts: int) -> torch.Tensor:
