@@ -104,7 +104,8 @@ def pad_groups(x: torch.Tensor, counts: torch.Tensor, align: int) -> tuple[torch
     shift = torch.cumsum(padded - counts, 0) - (padded - counts)  # (G,) padding before each group
     index = torch.arange(x.shape[0], device=x.device) + torch.repeat_interleave(shift, counts)  # (N,)
     n_pad = int(padded.sum())  # (a host sync: CPU only)
-    return x.new_zeros(n_pad, x.shape[1]).index_copy(0, index, x), padded, index
+    # (index_put, not index_copy: index_copy's backward keeps the whole source for its shape)
+    return x.new_zeros(n_pad, x.shape[1]).index_put((index,), x), padded, index
 
 
 class GroupedExperts(nn.Module):

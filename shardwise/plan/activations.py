@@ -22,10 +22,12 @@ the input plus every matmul, attention and collective output (the per-op policy'
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from shardwise.config import Config
 from shardwise.models import ModelArgs, model_args
+from shardwise.models.moe import group_alignment
 from shardwise.parallel.ac import is_checkpointed
 from shardwise.plan.layout import Layout
 from shardwise.plan.states import BYTES
@@ -49,6 +51,9 @@ class Shape:
     loss_chunk: int = 0
     """Tokens per chunk of the fused loss (0: plain logits then cross-entropy)."""
     pp: int = 1
+    cpu: bool = False
+    """Whether the ranks are CPU processes: their MoE expert groups are zero-padded
+    (:func:`expert_rows`)."""
 
     @property
     def fused_grads(self) -> bool:
@@ -75,7 +80,31 @@ def shape_of(cfg: Config, layout: Layout) -> Shape:
     seq = cfg.training.seq_len // layout.cp
     chunk = loss_chunk_tokens(cfg.training, args.vocab_size, layout.pp, layout.tp, layout.micro_batch * seq)
     return Shape(args, layout.micro_batch, seq, layout.tp, layout.cp, layout.ep,
-                 BYTES[cfg.training.mixed_precision], chunk, layout.pp)
+                 BYTES[cfg.training.mixed_precision], chunk, layout.pp, _on_cpu(cfg.run.device))
+
+
+@functools.lru_cache(maxsize=8)
+def _on_cpu(run_device: str) -> bool:
+    """Whether ``run.device`` is the CPU (the planner fills it for the device it plans for; ``auto``
+    is this machine's)."""
+    if run_device != "auto":
+        return run_device == "cpu"
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def expert_rows(s: Shape) -> int:
+    """Rows the routed experts' grouped GEMMs run per micro-batch on this rank: its routed slots
+    (balanced routing -- under expert parallel a rank receives as many slots as it sends) and, on
+    CPU ranks, each local expert's zero rows up to a multiple of
+    :func:`~shardwise.models.moe.group_alignment`: half of one on average."""
+    a = s.args
+    slots = s.norm_tokens * a.moe_top_k
+    if not s.cpu:
+        return slots
+    local = max(1, a.n_experts // s.ep)
+    return slots + round(local * (group_alignment(slots, local) - 1) / 2)
 
 
 def _norm(s: Shape, tokens: int) -> int:
@@ -120,7 +149,12 @@ def moe_ffn(s: Shape, cfg: Config) -> int:
     if a.moe_balance == "aux_loss" and a.moe_aux_coef > 0:
         n += 4 * t + 4 * s.mb * E + 4 * s.mb * (E + 1)  # score sums, f, per-sequence counts
     n += 3 * 4 * (E // s.ep)  # grouped GEMM offsets
-    n += s.e * slots * (3 * a.dim + 4 * h) + 2 * 8 * slots + s.e * slots  # experts, indices, weights
+    # the experts: their (padded) input and SwiGLU tensors, the output and the weights that scale it;
+    # the sort order and token index; on CPU each slot's row in the padded groups
+    rows = expert_rows(s)
+    n += s.e * (rows * (a.dim + 4 * h) + 2 * slots * a.dim) + 2 * 8 * slots + s.e * slots
+    if s.cpu:
+        n += 8 * slots
     if a.n_shared_experts:
         n += dense_ffn(s, t, a.n_shared_experts * h)
     return n
@@ -164,7 +198,7 @@ def block_selective(s: Shape, cfg: Config, layer: int) -> int:
     if s.tp > 1:
         n += e * t * a.dim + e * tn * a.dim  # attention: input all-gather, output reduce-scatter
     if a.is_moe_layer(layer):
-        return n + e * tn * a.moe_top_k * (2 * a.moe_hidden_dim + a.dim)  # the routed expert GEMMs
+        return n + e * expert_rows(s) * (2 * a.moe_hidden_dim + a.dim)  # the routed expert GEMMs
     if s.tp > 1:
         n += e * t * a.dim + e * tn * a.dim  # MLP: input all-gather, output reduce-scatter
     return n
@@ -176,7 +210,7 @@ def backward_temporaries(s: Shape, layer: int) -> int:
     attention, those of q, k, v and the output -- whichever is larger."""
     a = s.args
     if a.is_moe_layer(layer):
-        mlp = 4 * s.e * s.norm_tokens * a.moe_top_k * a.moe_hidden_dim
+        mlp = 4 * s.e * expert_rows(s) * a.moe_hidden_dim
     else:
         mlp = 4 * s.e * s.tokens * (a.ffn_hidden_dim // s.tp)
     attn = s.e * s.tokens * a.head_dim * (2 * a.n_heads + 2 * a.n_kv_heads) // s.tp

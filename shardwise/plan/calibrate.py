@@ -22,6 +22,7 @@ written to ``<data.cache_dir>/hardware_local.toml`` and read as ``--hardware loc
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import multiprocessing
@@ -139,18 +140,32 @@ def _tiny_step(layers: int, layout: tuple[str, ...] = ()) -> Callable[[], None]:
     """A training step (forward, backward, clipping, AdamW) of a dim-32 model with ``layers``
     blocks through the trainer's own parallelization and loss, on the current process group
     (``layout``: parallel overrides such as ``--parallel.tp=2``)."""
+    return _train_step(["--model.dim=32", f"--model.n_layers={layers}", "--model.n_heads=2",
+                        "--model.n_kv_heads=2", "--model.vocab_size=64", "--model.multiple_of=32",
+                        "--training.seq_len=8", *layout], sequences=1)
+
+
+PROBE = ("--model.dim=192", "--model.n_layers=3", "--model.n_heads=6", "--model.n_kv_heads=6",
+         "--model.vocab_size=1024", "--model.multiple_of=64", "--training.seq_len=256",
+         "--training.global_batch=4", "--training.micro_batch=4", "--activation_checkpoint.mode=none",
+         "--compile.enabled=false")
+"""A small dense model whose real training step ``calibrate`` times on one process: a shape none of
+the presets or benchmark sets uses (4 x 256 tokens, dim 192, head width 32)."""
+
+
+def _train_step(overrides: list[str], sequences: int) -> Callable[[], None]:
+    """A training step on ``sequences`` sequences of the model ``overrides`` configure, on the
+    current process group."""
     import torch.distributed as dist
 
-
-    cfg = load_config(None, ["--model.dim=32", f"--model.n_layers={layers}", "--model.n_heads=2",
-                             "--model.n_kv_heads=2", "--model.vocab_size=64", "--model.multiple_of=32",
-                             "--training.seq_len=8", *layout])
+    cfg = load_config(None, overrides, device="cpu")
     run = resolve_run(cfg, dist.get_world_size())
     run.dims.build_mesh("cpu")
     model = build_rank_model(run, "cpu")
     opt = build_optimizer(model, cfg.optimizer, "cpu")
-    tokens = torch.randint(0, 64, (1, 8))
-    batch, n_valid = Batch(tokens, tokens, None, 8), torch.tensor(8)
+    b, s, vocab = sequences, cfg.training.seq_len, cfg.model.vocab_size
+    tokens = torch.randint(0, vocab, (b, s))
+    batch, n_valid = Batch(tokens, tokens, None, b * s), torch.tensor(b * s)
 
     def step() -> None:
         TokenLoss(run.loss_chunk)(model, batch, n_valid)
@@ -165,9 +180,10 @@ MOE_TINY = ("--model.n_experts=4", "--model.moe_top_k=2", "--model.moe_hidden_di
             "--model.n_dense_layers=0")
 
 
-def host_overhead_ms(seconds: float = 1.0) -> tuple[float, float, float]:
+def host_overhead_ms(seconds: float = 1.0) -> tuple[float, float, float, float]:
     """(ms per block, ms per step, ms per MoE block) of training steps whose kernels take no time
-    (1 and 5 blocks; an MoE block's routing, token sort and grouped GEMMs are many more small ops)."""
+    (1 and 5 blocks; an MoE block's routing, token sort and grouped GEMMs are many more small ops),
+    and the seconds of one real step of the ``PROBE`` model."""
     import torch.distributed as dist
 
     with tempfile.TemporaryDirectory() as d:
@@ -175,10 +191,27 @@ def host_overhead_ms(seconds: float = 1.0) -> tuple[float, float, float]:
         try:
             one, five = (_time(_tiny_step(n), seconds, min_runs=10) for n in (1, 5))
             moe_one, moe_five = (_time(_tiny_step(n, MOE_TINY), seconds, min_runs=10) for n in (1, 5))
+            probe = _time(_train_step(list(PROBE), 4), 2 * seconds, min_runs=5)
         finally:
             dist.destroy_process_group()
     per_block = (five - one) / 4
-    return 1e3 * per_block, 1e3 * (one - per_block), 1e3 * (moe_five - moe_one) / 4
+    return 1e3 * per_block, 1e3 * (one - per_block), 1e3 * (moe_five - moe_one) / 4, probe
+
+
+def memory_efficiency(hw: Hardware, probe_seconds: float) -> float:
+    """The fraction of the measured elementwise bandwidth a real training step's memory-bound work
+    reaches: what the ``PROBE`` step took beyond its GEMMs, attention and host time (costed on
+    ``hw``, just measured), against what its memory-bound work and optimizer cost at the
+    microbenchmark's bandwidth. A step's eager elementwise ops -- broadcasts, fp32 upcasts, complex
+    RoPE products, casts, small reductions -- run well below a plain add's rate. Clamped to
+    [0.2, 1]."""
+    from shardwise.plan.estimate import estimate
+
+    cfg = load_config(None, list(PROBE), device="cpu")
+    parts = estimate(cfg, 1, hw).time.ranks[0].compute
+    memory = parts["memory-bound"] + parts["optimizer"]
+    rest = probe_seconds - parts["matmul"] - parts["attention"] - parts["host"]
+    return min(1.0, max(0.2, memory / rest)) if rest > 0 else 1.0
 
 
 def _timed_collective(fn: Callable[[], object], runs: int = 5) -> float:
@@ -394,7 +427,7 @@ def calibrate(cache_dir: str = "~/.cache/shardwise", log: Callable[[str], None] 
     try:
         rates, bandwidth = _thread_rates(threads, gemm_sizes, seqs, (row_widths, row_counts), secs, log)
         torch.set_num_threads(1 if cores == 1 else cores)
-        per_block, per_step, per_moe_block = host_overhead_ms(secs)
+        per_block, per_step, per_moe_block, probe = host_overhead_ms(secs)
         log(f"  host overhead: {per_block:.2f} ms per block ({per_moe_block:.2f} per MoE block), "
             f"{per_step:.2f} ms per step")
     finally:
@@ -434,6 +467,9 @@ def calibrate(cache_dir: str = "~/.cache/shardwise", log: Callable[[str], None] 
         collective_bw_gbs=coll, collective_kind_bw_gbs=kinds, memory_bw_per_thread_gbs=bandwidth,
         shared_compute=shared,
         collective_sync_us=sync)
+    hw = dataclasses.replace(hw, efficiency={"memory": memory_efficiency(hw, probe)})
+    log(f"  a real step of a dim-192 model: {1e3 * probe:.0f} ms; its memory-bound work ran at "
+        f"{hw.efficiency['memory']:.2f} of the elementwise microbenchmark's bandwidth")
     save_hardware(hw, local_path(cache_dir))
     return hw
 

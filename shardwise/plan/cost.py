@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from shardwise.config import Config
 from shardwise.model_args import ModelArgs
 from shardwise.observe.flops import ATTENTION_BACKWARD, MATMUL_BACKWARD, attention_pairs
-from shardwise.plan.activations import Shape, shape_of
+from shardwise.plan.activations import Shape, expert_rows, shape_of
 from shardwise.plan.comm import Collective, fsdp_reduce_bytes, group_members, step_collectives
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import Layout
@@ -84,7 +84,8 @@ def _gemms(s: Shape, cfg: Config, layer: int) -> list[tuple[float, int, int, boo
     router or the grouped experts; local dims multiples of 16 and at least ``float8.min_dim``);
     recomputed: runs again in backward -- under full checkpointing all but the down projections
     whose output only feeds the residual add (as ``executed_flops`` counts), under
-    ``selective_half`` the 2nd, 4th, ... linear layer of those."""
+    ``selective_half`` the 2nd, 4th, ... linear layer of those. The grouped experts run their
+    rows padding included (:func:`~shardwise.plan.activations.expert_rows`)."""
     a = s.args
     t, tn, d = s.tokens, s.norm_tokens, a.dim
     q, kv = a.n_heads * a.head_dim // s.tp, a.n_kv_heads * a.head_dim // s.tp
@@ -99,8 +100,8 @@ def _gemms(s: Shape, cfg: Config, layer: int) -> list[tuple[float, int, int, boo
                (2 * t * d * kv, d, kv, attn8, True, t), (2 * t * q * d, q, d, attn8, True, t)]
     grouped = []
     if a.is_moe_layer(layer):
-        h, slots = a.moe_hidden_dim, tn * a.moe_top_k
-        per_expert = max(1, slots * s.ep // a.n_experts)
+        h, slots = a.moe_hidden_dim, expert_rows(s)
+        per_expert = max(1, round(slots * s.ep / a.n_experts))
         linears.append((2 * tn * d * a.n_experts, d, a.n_experts, False, True, tn))
         grouped = [(2 * 2 * slots * d * h, d, h, False, True, per_expert),
                    (2 * slots * d * h, h, d, False, True, per_expert)]
@@ -142,7 +143,8 @@ def _recomputed(cfg: Config, layer: int) -> bool:
 
 def _elementwise_bytes(s: Shape, cfg: Config, layer: int) -> list[tuple[float, int]]:
     """(bytes read + written, size of the tensors involved) of one block's memory-bound forward ops
-    for one micro-batch: the size decides how fast a CPU allocator serves their outputs."""
+    for one micro-batch: the size decides how fast a CPU allocator serves their outputs. On CPU
+    ranks, the routed slots' copies into and out of the experts' zero-padded groups too."""
     a, e = s.args, s.e
     t, tn, d = s.tokens, s.norm_tokens, a.dim
     qk = (a.n_heads + a.n_kv_heads) * a.head_dim // s.tp
@@ -151,8 +153,11 @@ def _elementwise_bytes(s: Shape, cfg: Config, layer: int) -> list[tuple[float, i
            (2 * tn * d * 3 * e, e * tn * d)]  # residual adds
     if a.is_moe_layer(layer):
         slots = tn * a.moe_top_k
+        padded = expert_rows(s)
         out += [(slots * d * 6 * e, e * slots * d),  # gather, weight, scatter of the routed tokens
-                (slots * a.moe_hidden_dim * 5 * e, e * slots * a.moe_hidden_dim)]  # SwiGLU
+                (padded * a.moe_hidden_dim * 5 * e, e * padded * a.moe_hidden_dim)]  # SwiGLU
+        if s.cpu:  # the zeroed groups, the copy in, the copy out
+            out.append(((padded + 4 * slots) * d * e, e * padded * d))
         if a.n_shared_experts:
             hs = a.n_shared_experts * a.moe_hidden_dim
             out.append((tn * hs * 5 * e, e * tn * hs))

@@ -211,7 +211,7 @@ class Hardware:
             rates = self.memory_bw_per_thread_gbs
             large = tensor_bytes > self.large_tensor_bytes and rates.get(
                 f"{'cached' if cached else 'large'}@{threads}")
-            return (large or rates[str(threads)]) * 1e9 * share
+            return (large or rates[str(threads)]) * 1e9 * share * self.efficiency.get("memory", 1.0)
         return self.memory_bw_gbs * 1e9 * self.efficiency["memory"]
 
     def _peak(self, dtype: str) -> float:

@@ -23,6 +23,7 @@ from shardwise.plan.activations import (
     block_activations,
     block_saved,
     embedding_saved,
+    expert_rows,
     head_saved,
     loss_temporaries,
     rope_table,
@@ -246,7 +247,7 @@ def weight_inputs(s: Shape, layer: int) -> int:
     a = s.args
     n = 2 * s.e * s.tokens * a.dim + s.e * s.tokens * a.n_heads * a.head_dim // s.tp
     if a.is_moe_layer(layer):
-        return n + s.e * s.norm_tokens * a.moe_top_k * a.moe_hidden_dim
+        return n + s.e * expert_rows(s) * a.moe_hidden_dim
     return n + s.e * s.tokens * a.ffn_hidden_dim // s.tp
 
 

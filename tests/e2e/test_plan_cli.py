@@ -37,6 +37,7 @@ def test_calibrate_quick_then_plan_trains_on_four_ranks(tmp_path: Path, data_cac
     assert seqs == {"256", "512", "1024"}
     assert hw["description"].endswith("--quick") and hw["overhead_ms"]["per_moe_block"] > 0
     assert hw["overhead_ms"]["per_tp_block"] > 0  # DTensor dispatch costs host time per block
+    assert 0.2 <= hw["efficiency"]["memory"] <= 1  # from the probe model's real step
     # each collective kind by buffer size (4 and 16 MiB in quick mode), per process count
     assert set(hw["collective_kind_bw_gbs"]) == {f"{k}@{w}:{mib * 2**20}" for k in
                                                  ("all_gather", "reduce_scatter", "all_reduce")

@@ -91,7 +91,7 @@ def test_gemm_rate_on_few_rows():
     nearest widths (by sqrt(k n)), relative to the grid's rate and capped at it; the routed
     experts' GEMMs are costed on their share of the slots. GPU profiles and profiles measured
     before rows were are unchanged."""
-    from shardwise.plan.activations import shape_of
+    from shardwise.plan.activations import expert_rows, shape_of
     from shardwise.plan.cost import _gemms
 
     base = _local_profile(2)  # grid: 1 TFLOP/s per thread at every width
@@ -113,8 +113,8 @@ def test_gemm_rate_on_few_rows():
         layout = Layout(dp_shard=2, ep=ep, micro_batch=2)
         s = shape_of(cfg, layout)
         rows = [g[5] for g in _gemms(s, cfg, layer=1)]
-        slots = s.norm_tokens * args.moe_top_k
-        assert rows[-2:] == [slots * ep // args.n_experts] * 2 and set(rows[:-2]) == {s.tokens}
+        slots = expert_rows(s)  # (with the CPU's padding: test_cpu_expert_groups_cost_their_padding)
+        assert rows[-2:] == [round(slots * ep / args.n_experts)] * 2 and set(rows[:-2]) == {s.tokens}
 
 
 def test_large_outputs_cost_what_the_allocator_makes_them():
@@ -141,3 +141,43 @@ def test_large_outputs_cost_what_the_allocator_makes_them():
         layout = Layout.from_config(cfg, 4)
         times[cache] = rank_time(cfg, layout, shape_states(cfg, layout)[0], hw).compute["memory-bound"]
     assert times[False] > 2 * times[True]
+
+
+def test_memory_efficiency_makes_the_probe_step_its_own_measurement():
+    """``calibrate`` times one real step of its probe model; the fraction of the elementwise
+    bandwidth it derives from it scales every memory-bound term on ``local``, and with it the
+    probe's own predicted step is the measured one."""
+    from shardwise.plan.calibrate import PROBE, memory_efficiency
+    from shardwise.plan.estimate import estimate
+
+    hw = _local_profile(2)
+    cfg = load_config(None, list(PROBE), device="cpu")
+    parts = estimate(cfg, 1, hw).time.ranks[0].compute
+    bytes_bound = parts["memory-bound"] + parts["optimizer"]
+    measured = parts["matmul"] + parts["attention"] + parts["host"] + 2 * bytes_bound
+    eff = memory_efficiency(hw, measured)
+    assert eff == pytest.approx(0.5)
+    slow = dataclasses.replace(hw, efficiency={"memory": eff})
+    assert slow.memory_bw(4, 2**20) == pytest.approx(hw.memory_bw(4, 2**20) / 2)
+    assert estimate(cfg, 1, slow).time.step == pytest.approx(measured)
+    # clamped: a probe faster than its GEMMs and attention alone leaves the bandwidth as measured
+    assert memory_efficiency(hw, parts["matmul"]) == 1.0
+
+
+def test_cpu_expert_groups_cost_their_padding():
+    """On CPU each expert's rows are padded to a multiple of 64 (moe.group_alignment): on moe-debug
+    with 2 sequences a rank routes 2048 slots to 8 experts, 256 rows each plus 31.5 of padding on
+    average; GPUs run the groups unpadded. The grouped GEMMs cost the padded rows."""
+    from shardwise.plan.activations import expert_rows, shape_of
+    from shardwise.plan.cost import _gemms
+
+    shapes = {}
+    for device in ("cpu", "cuda"):
+        cfg = load_config(MOE, ["--parallel.dp_shard=4"], device=device)
+        shapes[device] = (cfg, shape_of(cfg, Layout.from_config(cfg, 4)))
+    assert expert_rows(shapes["cpu"][1]) == 2048 + 8 * 31.5 and expert_rows(shapes["cuda"][1]) == 2048
+    cpu, gpu = (_gemms(shape, cfg, 2) for cfg, shape in shapes.values())
+    grouped = slice(-2, None)  # the linear layers first, then the grouped experts' two GEMMs
+    assert [g[0] for g in cpu[grouped]] == pytest.approx([g[0] * 2300 / 2048 for g in gpu[grouped]])
+    assert [g[5] for g in cpu[grouped]] == [288, 288] and [g[5] for g in gpu[grouped]] == [256, 256]
+    assert cpu[:-2] == gpu[:-2]
