@@ -43,7 +43,7 @@ from shardwise.parallel.dims import FLAT_VIEWS, MESH_DIMS, MOE_VIEWS
 from shardwise.parallel.pipeline import rank_stages
 from shardwise.plan.activations import Shape, shape_of
 from shardwise.plan.layout import Layout
-from shardwise.plan.states import BYTES, RankStates
+from shardwise.plan.states import BYTES, FsdpUnit, RankStates
 
 
 @dataclass(frozen=True)
@@ -134,23 +134,27 @@ def fsdp_collectives(cfg: Config, layout: Layout, rank_states: RankStates,
                      shape: Shape) -> list[Collective]:
     """FSDP / HSDP: per unit, the parameter all-gathers, the gradient reduce-scatter and (HSDP) the
     sharded gradient's all-reduce over dp_replicate."""
+    return [c for unit in rank_states.units for c in unit_collectives(cfg, layout, unit, shape)]
+
+
+def unit_collectives(cfg: Config, layout: Layout, unit: FsdpUnit, shape: Shape) -> list[Collective]:
+    """One FSDP unit's collectives over the step (:func:`fsdp_collectives`), in the order it issues
+    them: forward gather, backward gather (if resharded), reduce-scatter, HSDP all-reduce."""
     issued = _Issued(layout)
     micro_batches = layout.micro_batches(cfg.training.global_batch)
-    reduce_bytes = fsdp_reduce_bytes(cfg, shape)
     # Pipeline ranks keep their units gathered through the step (no reshard after forward) and
     # reduce once (the schedules sync gradients on the last micro-batch only).
     gathers, reductions = (1, 1) if layout.pp > 1 else (micro_batches, micro_batches)
-    for unit in rank_states.units:
-        gather_bytes, reduce_buffer = shape.e * unit.numel, reduce_bytes * unit.numel
-        issued.add(unit.group, "all_gather", gather_bytes, gathers, "forward", "FSDP parameter all-gather",
-                   "fsdp")
-        if unit.reshard and layout.pp == 1:
-            issued.add(unit.group, "all_gather", gather_bytes, micro_batches, "backward",
-                       "FSDP parameter all-gather", "fsdp")
-        issued.add(unit.group, "reduce_scatter", reduce_buffer, reductions, "backward",
-                   "FSDP gradient reduce-scatter", "fsdp")
-        issued.add("dp_replicate", "all_reduce", reduce_buffer // unit.shard, reductions, "backward",
-                   "HSDP gradient all-reduce", "fsdp")
+    gather_bytes, reduce_buffer = shape.e * unit.numel, fsdp_reduce_bytes(cfg, shape) * unit.numel
+    issued.add(unit.group, "all_gather", gather_bytes, gathers, "forward", "FSDP parameter all-gather",
+               "fsdp")
+    if unit.reshard and layout.pp == 1:
+        issued.add(unit.group, "all_gather", gather_bytes, micro_batches, "backward",
+                   "FSDP parameter all-gather", "fsdp")
+    issued.add(unit.group, "reduce_scatter", reduce_buffer, reductions, "backward",
+               "FSDP gradient reduce-scatter", "fsdp")
+    issued.add("dp_replicate", "all_reduce", reduce_buffer // unit.shard, reductions, "backward",
+               "HSDP gradient all-reduce", "fsdp")
     return issued.collectives
 
 
@@ -258,20 +262,24 @@ def pipeline_collectives(cfg: Config, layout: Layout, rank_states: RankStates,
     stages = rank_stages(pp_rank, layout.pp, layout.pp_schedule, layout.pp_stages_per_rank)
     owner = {stage: rank for rank in range(layout.pp)
              for stage in rank_stages(rank, layout.pp, layout.pp_schedule, layout.pp_stages_per_rank)}
-    # one micro-batch's residual stream, sequence-sharded over cp and tp
-    boundary_bytes = (shape.e * layout.micro_batch * (cfg.training.seq_len // layout.cp // layout.tp)
-                      * shape.args.dim)
+    boundary = boundary_bytes(cfg, layout, shape)
     sends = sum(1 for x in stages if x + 1 < n_stages and owner[x + 1] != pp_rank)
     recvs = sum(1 for x in stages if x > 0 and owner[x - 1] != pp_rank)
-    issued.add("pp", "send", boundary_bytes, micro_batches * sends, "forward", "pipeline activations")
-    issued.add("pp", "recv", boundary_bytes, micro_batches * recvs, "forward", "pipeline activations")
-    issued.add("pp", "send", boundary_bytes, micro_batches * recvs, "backward", "pipeline gradients")
-    issued.add("pp", "recv", boundary_bytes, micro_batches * sends, "backward", "pipeline gradients")
+    issued.add("pp", "send", boundary, micro_batches * sends, "forward", "pipeline activations")
+    issued.add("pp", "recv", boundary, micro_batches * recvs, "forward", "pipeline activations")
+    issued.add("pp", "send", boundary, micro_batches * recvs, "backward", "pipeline gradients")
+    issued.add("pp", "recv", boundary, micro_batches * sends, "backward", "pipeline gradients")
     issued.add("pp", "all_reduce", 4, 1, "step", "loss to every stage")
     issued.add("pp", "all_reduce", 8, 1, "step", "gradient norm")
     if shape.args.n_experts:
         issued.add("pp", "all_reduce", 4, 1, "step", "MoE load")
     return issued.collectives
+
+
+def boundary_bytes(cfg: Config, layout: Layout, shape: Shape) -> int:
+    """Bytes a pipeline stage sends its neighbour per micro-batch: the residual stream,
+    sequence-sharded over cp and tp (and the same again as its gradient, back)."""
+    return shape.e * layout.micro_batch * (cfg.training.seq_len // layout.cp // layout.tp) * shape.args.dim
 
 
 def step_reductions(cfg: Config, layout: Layout, rank_states: RankStates,

@@ -30,13 +30,21 @@ schedules (ZB-H1's ``T_F + T_B - T_W`` per V chunk with equal F, B, W passes; Qi
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from shardwise.config import Config
 from shardwise.model_args import ModelArgs
 from shardwise.observe.flops import ATTENTION_BACKWARD, MATMUL_BACKWARD, attention_pairs
 from shardwise.plan.activations import Shape, expert_rows, shape_of
-from shardwise.plan.comm import Collective, fsdp_reduce_bytes, group_members, step_collectives
+from shardwise.plan.comm import (
+    Collective,
+    boundary_bytes,
+    fsdp_reduce_bytes,
+    group_members,
+    step_collectives,
+    unit_collectives,
+)
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import Layout
 from shardwise.plan.states import BYTES, RankStates
@@ -187,6 +195,10 @@ class ComputeTally:
         """Seconds to read and write ``nbytes`` of memory-bound work on tensors of ``tensor_bytes``."""
         return nbytes / self.hw.memory_bw(self.ranks, tensor_bytes, self.cached)
 
+    def seconds(self, fused: float = 1.0) -> float:
+        """Compute seconds so far, the memory-bound ones times ``fused`` (compiled blocks)."""
+        return self.matmul + self.attention + fused * self.memory
+
     def scale(self, micro_batches: int) -> None:
         """From one micro-batch to the step's ``micro_batches``."""
         self.matmul = micro_batches * self.matmul
@@ -202,22 +214,37 @@ def rank_time(cfg: Config, layout: Layout, rank_states: RankStates, hw: Hardware
     shape = shape_of(cfg, layout)
     micro_batches = layout.micro_batches(cfg.training.global_batch)
     tally = ComputeTally(hw, ranks=layout.world, cached=cfg.run.cpu_memory_cache)
+    # (fused elementwise kernels: about half the memory passes of eager; FSDP's copies, added
+    # after, are not compiled)
+    compiled = compile_run(cfg, layout, cfg.run.device, toolchain=False)[0]
+    fused = COMPILE_MEMORY_FACTOR if compiled else 1.0
+    per_layer: dict[int, float] = {}  # one micro-batch's forward + backward of each block
     for layer in rank_states.layers:
+        before = tally.seconds(fused)
         block_compute(tally, cfg, layout, shape, layer)
+        per_layer[layer] = tally.seconds(fused) - before
+    head = tally.seconds(fused)
     if rank_states.has_head:
         head_compute(tally, cfg, shape)
+    head = tally.seconds(fused) - head
     tally.scale(micro_batches)
-    if compile_run(cfg, layout, cfg.run.device, toolchain=False)[0]:  # (fused elementwise kernels:
-        # about half the memory passes of eager; FSDP's copies, added next, are not compiled)
-        tally.memory *= COMPILE_MEMORY_FACTOR
+    tally.memory *= fused
     fsdp_copy_traffic(tally, cfg, layout, rank_states, shape)
     compute = {"matmul": tally.matmul, "attention": tally.attention, "memory-bound": tally.memory,
                "optimizer": optimizer_seconds(cfg, rank_states, hw, layout.world),
-               "host": host_seconds(layout, rank_states, hw, micro_batches, shape.args)}
+               "host": host_seconds(layout, rank_states, hw, micro_batches, shape.args)
+               + gpu_host_seconds(cfg, shape.args, hw, per_layer, compiled) * micro_batches}
     colls = step_collectives(cfg, layout, rank_states) if colls is None else colls
     seconds = [collective_time(c, layout, hw, rank_states.pp_rank) for c in colls]
     comm = _per_mesh_dim(colls, seconds)
-    exposed = sum(comm.values()) - fsdp_hidden_seconds(colls, seconds, hw, sum(compute.values()))
+    fsdp = sum(secs for c, secs in zip(colls, seconds, strict=True) if c.overlap == "fsdp")
+    if hw.comm_overlap and fsdp and layout.pp == 1:
+        shown = fsdp_exposed_seconds(cfg, layout, rank_states, hw, shape, per_layer, head)
+    elif hw.comm_overlap and fsdp:
+        shown = fsdp - fsdp_hidden_seconds(colls, seconds, hw, sum(compute.values()))
+    else:
+        shown = fsdp
+    exposed = sum(comm.values()) - fsdp + min(fsdp, shown)
     return RankTime(rank_states.pp_rank, compute, comm, exposed, tally.flops)
 
 
@@ -297,6 +324,38 @@ def host_seconds(layout: Layout, rank_states: RankStates, hw: Hardware, micro_ba
     return host * max(1.0, layout.world / hw.cores) / hw.sharing(layout.world)
 
 
+HOST_OPS_PER_BLOCK = {"dense": (102, 301), "moe": (162, 505)}
+"""ATen ops one eager block dispatches (forward, forward + backward), counted with a dispatch
+mode on the debug presets (tests/unit/test_plan.py recounts them): about half launch a kernel, the
+rest are views and bookkeeping, which cost host time all the same."""
+
+
+EXTERN_CALLS_PER_BLOCK = {"dense": (8, 23), "moe": (12, 35)}
+"""GEMM and attention calls of one block (forward, forward + backward): a dense block's 7 linear
+layers (3 GEMMs each with backward) and attention (1 + 1); an MoE block's 8 linear layers (router,
+attention, shared expert), 3 grouped GEMMs (9 with backward) and attention."""
+
+
+def host_ops(args: ModelArgs, layer: int, compiled: bool, recomputed: bool) -> int:
+    """Host-side ops of one block's forward and backward for one micro-batch. Compiled blocks run
+    one graph: about two kernels per GEMM or attention call (the call and the fused elementwise
+    kernel around it) -- an assumption, not a count."""
+    kind = "moe" if args.is_moe_layer(layer) else "dense"
+    forward, both = (2 * n for n in EXTERN_CALLS_PER_BLOCK[kind]) if compiled else HOST_OPS_PER_BLOCK[kind]
+    return both + (forward if recomputed else 0)
+
+
+def gpu_host_seconds(cfg: Config, args: ModelArgs, hw: Hardware, per_layer: dict[int, float],
+                     compiled: bool) -> float:
+    """Seconds per micro-batch a GPU waits on its host: each block's ops at ``host_us_per_op``
+    each, beyond what the block's kernels take (the host runs ahead of the GPU while they are
+    longer). 0 on local ranks (their host time is measured) and on profiles without the figure."""
+    if hw.cores or not hw.host_us_per_op:
+        return 0.0
+    return sum(max(0.0, 1e-6 * hw.host_us_per_op * host_ops(args, layer, compiled, _recomputed(cfg, layer))
+                   - seconds) for layer, seconds in per_layer.items())
+
+
 def _per_mesh_dim(colls: list[Collective], seconds: list[float]) -> dict[str, float]:
     """Seconds of the collectives summed per mesh dim."""
     comm: dict[str, float] = {}
@@ -305,11 +364,59 @@ def _per_mesh_dim(colls: list[Collective], seconds: list[float]) -> dict[str, fl
     return comm
 
 
+def fsdp_exposed_seconds(cfg: Config, layout: Layout, rank_states: RankStates, hw: Hardware, shape: Shape,
+                         per_layer: dict[int, float], head: float) -> float:
+    """Seconds of FSDP's collectives left on the critical path of a step without pipeline
+    parallel, as FSDP2 schedules them on GPU streams. ``per_layer``: each block's forward +
+    backward seconds for one micro-batch, ``head``: the output head's and loss's.
+
+    Per micro-batch, with one channel for all of the rank's FSDP traffic, served in the order it
+    is issued:
+
+    - forward: the root's gather and the first block's wait for nothing (the embedding is all the
+      compute before them); block i's gather is issued when block i-1 starts computing (implicit
+      prefetch, one unit ahead -- the next copy-out frees the previous gather) and shows by what it
+      exceeds block i-1's forward;
+    - backward: the output head's backward hides the last block's gather (if it was resharded);
+      while block i runs its backward the channel carries block i+1's reduction (issued as its
+      backward ended) and then block i-1's gather (prefetched as block i's backward starts), and
+      shows by what the two exceed that backward;
+    - the first block's and the root's reductions end the micro-batch with nothing to hide behind
+      (the next micro-batch's forward needs its own gathers first).
+
+    A block's forward is 1 / (3 + r) of its forward + backward (backward GEMMs do twice the
+    forward's work; r = 1 when it is recomputed), the head's a third. A reduction is the
+    reduce-scatter plus, under HSDP, the all-reduce over replicas."""
+    gather: dict[int | None, float] = {}
+    reduce: dict[int | None, float] = {}
+    resharded: dict[int | None, bool] = {}
+    for unit in rank_states.units:
+        for c in unit_collectives(cfg, layout, unit, shape):
+            if c.phase == "forward" or c.kind != "all_gather":  # (a backward gather repeats the forward's)
+                table = gather if c.kind == "all_gather" else reduce
+                table[unit.layer] = table.get(unit.layer, 0.0) + collective_time(c, layout, hw) / c.calls
+        resharded[unit.layer] = resharded.get(unit.layer, False) or unit.reshard
+    layers = list(rank_states.layers)
+    a = [gather.get(i, 0.0) for i in layers]
+    r = [reduce.get(i, 0.0) for i in layers]
+    again = [a[j] if resharded.get(i) else 0.0 for j, i in enumerate(layers)]  # gathered for backward
+    f = [per_layer[i] / (3 + _recomputed(cfg, i)) for i in layers]
+    b = [per_layer[i] - f[j] for j, i in enumerate(layers)]
+    exposed = gather.get(None, 0.0) + reduce.get(None, 0.0)
+    if layers:
+        exposed += a[0] + sum(max(0.0, a[j] - f[j - 1]) for j in range(1, len(layers)))
+        exposed += max(0.0, again[-1] - 2 * head / 3)
+        after = r[1:] + [0.0]  # the reduction of the block whose backward ran before
+        exposed += sum(max(0.0, after[j] + (again[j - 1] if j else 0.0) - b[j]) for j in range(len(layers)))
+        exposed += r[0]
+    return exposed * layout.micro_batches(cfg.training.global_batch)
+
+
 def fsdp_hidden_seconds(colls: list[Collective], seconds: list[float], hw: Hardware, compute: float) -> float:
-    """Seconds of FSDP's collectives hidden behind ``compute`` seconds (0 without ``comm_overlap``).
-    FSDP prefetches the next unit's gather and reduces the last unit's gradient while other blocks
-    compute: exposed are the step's first gather and last reduction, or whatever of the traffic
-    the compute is too short to cover."""
+    """Seconds of FSDP's collectives hidden behind ``compute`` seconds on a pipeline rank (0
+    without ``comm_overlap``), which gathers its units once per step and reduces them once: exposed
+    are the step's first gather and last reduction, or whatever of the traffic the compute is too
+    short to cover."""
     fsdp = [(c, secs) for c, secs in zip(colls, seconds, strict=True) if c.overlap == "fsdp"]
     fsdp_total = sum(secs for _, secs in fsdp)
     if not (hw.comm_overlap and fsdp_total):
@@ -330,13 +437,27 @@ def collective_time(c: Collective, layout: Layout, hw: Hardware, pp_rank: int = 
         span = layout.world // layout.pp + 1  # neighbouring stages are a stage's width apart
     bw, lat = hw.link(span, n, layout.world, c.kind, c.nbytes)
     if c.kind == "all_reduce":
-        factor, hops = 2 * (n - 1) / n, 2 * (n - 1)
+        factor, passes = 2 * (n - 1) / n, 2
     elif c.kind in ("send", "recv"):
-        factor, hops = 1.0, 1
+        factor, passes = 1.0, 0
     else:
-        factor, hops = (n - 1) / n, n - 1
+        factor, passes = (n - 1) / n, 1
+    if not passes:
+        hops = lat
+    elif hw.cores or span <= hw.gpus_per_node:
+        hops = passes * (n - 1) * lat
+    else:  # a ring through several nodes: one hop into each node, the rest inside one
+        nodes = _nodes(members, hw.gpus_per_node)
+        intra = hw.link(1)[1]
+        hops = passes * (nodes * lat + (n - nodes) * intra)
     # (local: each call also waits for the job's slowest process to reach it)
-    return c.calls * (hops * lat + factor * c.nbytes / bw + hw.sync_seconds(layout.world))
+    return c.calls * (hops + factor * c.nbytes / bw + hw.sync_seconds(layout.world))
+
+
+@functools.lru_cache(maxsize=65536)
+def _nodes(members: frozenset[int], per_node: int) -> int:
+    """Nodes a group's ranks sit on (ranks fill nodes in order)."""
+    return len({r // per_node for r in members})
 
 
 def step_time(cfg: Config, layout: Layout, states: list[RankStates], hw: Hardware) -> StepTime:
@@ -344,18 +465,19 @@ def step_time(cfg: Config, layout: Layout, states: list[RankStates], hw: Hardwar
     ranks that outnumber the cores, a pipeline's step is :func:`shared_cores_pipeline`'s."""
     ranks = tuple(rank_time(cfg, layout, rank_states, hw) for rank_states in states)
     busy = max(r.busy for r in ranks)
-    bubble = pipeline_bubble(cfg, layout, busy)
+    p2p = pipeline_hop_seconds(cfg, layout, hw)
+    bubble = pipeline_bubble(cfg, layout, busy, p2p)
     step = busy + bubble
     extra = {}
     if hw.cores and layout.pp > 1 and layout.world > hw.cores and len(ranks) == layout.pp:
-        extra["compute"], bubble = shared_cores_pipeline(cfg, layout, ranks, hw)
+        extra["compute"], bubble = shared_cores_pipeline(cfg, layout, ranks, hw, p2p)
         step = extra["compute"] + bubble + max(r.exposed_comm for r in ranks)
     tokens = cfg.training.global_batch * cfg.training.seq_len
     return StepTime(ranks, bubble, step, tokens / step, extra)
 
 
 def shared_cores_pipeline(cfg: Config, layout: Layout, ranks: tuple[RankTime, ...],
-                          hw: Hardware) -> tuple[float, float]:
+                          hw: Hardware, p2p: float = 0.0) -> tuple[float, float]:
     """(compute, bubble) seconds of a pipeline step on local ranks sharing fewer cores. Each rank's
     compute is costed at its share of a core (all ranks busy at once), but a pipeline rank that
     waits in the bubble gives its core to the others, so the cores do the step's total work
@@ -364,19 +486,32 @@ def shared_cores_pipeline(cfg: Config, layout: Layout, ranks: tuple[RankTime, ..
     share = min(1.0, hw.cores / layout.world)
     alone = [share * sum(r.compute.values()) for r in ranks]  # a core to itself
     packed = (layout.world // layout.pp) * sum(alone) / hw.cores
-    critical = max(alone) + pipeline_bubble(cfg, layout, max(alone))
+    critical = max(alone) + pipeline_bubble(cfg, layout, max(alone), p2p)
     slowest = max(sum(r.compute.values()) for r in ranks)
     step = max(packed, critical)
     return min(slowest, step), max(0.0, step - slowest)
 
 
-def pipeline_bubble(cfg: Config, layout: Layout, busy: float) -> float:
+def pipeline_bubble(cfg: Config, layout: Layout, busy: float, p2p: float = 0.0) -> float:
     """Idle seconds of the pipeline schedule, from the slowest rank's ``busy`` seconds per step
-    (the module docstring gives the fraction of a micro-batch's time per schedule)."""
+    (the module docstring gives the fraction of a micro-batch's time per schedule), and the
+    transfers the fill and the drain wait for: one activation send at each of the ``pp * v - 1``
+    stage boundaries the first micro-batch crosses on its way down (``v`` stages per rank), one
+    gradient send at each on the last one's way back -- ``p2p`` seconds the pair."""
     if layout.pp == 1:
         return 0.0
     per_micro_batch = busy / layout.micro_batches(cfg.training.global_batch)
     schedule = layout.pp_schedule
     fraction = (1.0 if schedule in ("gpipe", "1f1b") else
                 1.0 / layout.stages_per_rank if schedule == "interleaved1f1b" else 1.0 / 6)
-    return (layout.pp - 1) * per_micro_batch * fraction
+    waits = (layout.pp * layout.stages_per_rank - 1) * p2p
+    return (layout.pp - 1) * per_micro_batch * fraction + waits
+
+
+def pipeline_hop_seconds(cfg: Config, layout: Layout, hw: Hardware) -> float:
+    """Seconds of one stage boundary's activation send and gradient send for one micro-batch
+    (0 without pipeline parallel)."""
+    if layout.pp == 1:
+        return 0.0
+    nbytes = boundary_bytes(cfg, layout, shape_of(cfg, layout))
+    return 2 * collective_time(Collective("pp", "send", nbytes, 1, "forward", "pipeline"), layout, hw)

@@ -61,7 +61,14 @@ class Hardware:
     peak_tflops: dict[str, float] = field(default_factory=dict)
     efficiency: dict[str, float] = field(default_factory=dict)
     """Fraction of each peak training-sized work reaches: ``matmul`` (or ``matmul_<dtype>`` for one
-    dtype, e.g. ``matmul_fp8``), ``attention``, ``memory``, ``comm``."""
+    dtype, e.g. ``matmul_fp8``; with ``sms``, what a GEMM's full tiles reach, before its shape's
+    losses), ``attention``, ``memory``, ``comm``."""
+    host_us_per_op: float = 0.0
+    """GPUs: host time per ATen op a block dispatches (Python, dispatcher, autograd, the kernel
+    launch); a block waits for its host where that exceeds its kernels' time. 0: never."""
+    sms: int = 0
+    """GPUs: streaming multiprocessors (AMD: compute units) that run a GEMM's output tiles in waves
+    (:func:`gemm_seconds`); 0 costs every GEMM at the flat efficiency, whatever its shape."""
     # local (measured) only:
     cores: int = 0
     """CPU cores shared by the local ranks (0 on GPUs: one device per rank)."""
@@ -132,7 +139,15 @@ class Hardware:
         that few rows (:meth:`row_factor`)."""
         n = k if n is None else n
         if not self.cores:
-            return self._peak(dtype) * self.efficiency.get(f"matmul_{dtype}", self.efficiency["matmul"])
+            rate = self._peak(dtype) * self.efficiency.get(f"matmul_{dtype}", self.efficiency["matmul"])
+            if not (self.sms and rows):
+                return rate
+            bw = self.memory_bw()
+            # forward (rows x k) @ (k x n), input gradient (rows x n) @ (n x k), weight gradient
+            # (k x rows) @ (rows x n): three shapes, each with its own tiles and waves
+            seconds = sum(gemm_seconds(m_, k_, n_, rate, bw, self.sms, BYTES_PER[dtype])
+                          for m_, k_, n_ in ((rows, k, n), (rows, n, k), (k, rows, n)))
+            return 3 * 2 * rows * k * n / seconds / 1e12
         threads, share = self._threads(ranks)
         return share * self._grid_tflops(dtype, k, n, threads) * self.row_factor(dtype, k, n, ranks, rows)
 
@@ -246,6 +261,38 @@ class Hardware:
         if span_ranks <= self.gpus_per_node:
             return self.intra_node_bw_gbs * 1e9 * eff, self.intra_node_latency_us * 1e-6
         return self.inter_node_bw_gbs * 1e9 * eff, self.inter_node_latency_us * 1e-6
+
+
+GEMM_TILE = (128, 256)
+"""Output tile (rows x columns) one GPU multiprocessor computes at a time in the GEMM model: the
+largest tile of CUTLASS's Hopper bf16/fp8 kernels, which cuBLAS picks for training-sized
+products. Smaller shapes lose to partial tiles and to a last wave that leaves multiprocessors idle
+(NVIDIA's "Matrix Multiplication Background" guide: tile and wave quantization)."""
+SPLIT_K_MAX = 16
+"""Most pieces the model splits a GEMM's reduction into when its output tiles leave
+multiprocessors idle (cuBLAS's split-K / stream-K kernels), each piece at least 256 deep."""
+BYTES_PER = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def gemm_seconds(m: int, k: int, n: int, tflops: float, bw: float, sms: int, elt: int) -> float:
+    """Seconds of one (m x k) @ (k x n) GEMM on a GPU of ``sms`` multiprocessors whose full tiles
+    run at ``tflops`` in all, with ``bw`` bytes/s of memory bandwidth for its operands (``elt``
+    bytes per element). The output is cut into ``GEMM_TILE`` tiles, run in waves of ``sms`` tiles:
+    a partial tile costs a whole one and a wave a whole wave. When the tiles leave multiprocessors
+    idle, the reduction is split into up to ``SPLIT_K_MAX`` pieces (each an fp32 partial output,
+    written and read back); the split with the least time is taken. The time is the larger of that
+    compute time and the operands' memory traffic (roofline)."""
+    tm, tn = GEMM_TILE
+    tiles = -(-m // tm) * -(-n // tn)
+    per_sm = tflops * 1e12 / sms
+    best = math.inf
+    for split in range(1, max(1, min(SPLIT_K_MAX, k // 256)) + 1):
+        waves = -(-tiles * split // sms)
+        compute = waves * 2 * tm * tn * -(-k // split) / per_sm
+        traffic = elt * (m * k + k * n + m * n) + (8 * split * m * n if split > 1 else 0)
+        best = min(best, max(compute, traffic / bw))
+    return best
 
 
 def _nearest(table: dict[str, float], n: int, default: float) -> float:
