@@ -195,6 +195,13 @@ class ComputeTally:
         """Seconds to read and write ``nbytes`` of memory-bound work on tensors of ``tensor_bytes``."""
         return nbytes / self.hw.memory_bw(self.ranks, tensor_bytes, self.cached)
 
+    def add(self, other: ComputeTally) -> None:
+        """Add another tally's terms (a block costed once for all blocks of its kind)."""
+        self.matmul += other.matmul
+        self.attention += other.attention
+        self.memory += other.memory
+        self.flops += other.flops
+
     def seconds(self, fused: float = 1.0) -> float:
         """Compute seconds so far, the memory-bound ones times ``fused`` (compiled blocks)."""
         return self.matmul + self.attention + fused * self.memory
@@ -219,10 +226,14 @@ def rank_time(cfg: Config, layout: Layout, rank_states: RankStates, hw: Hardware
     compiled = compile_run(cfg, layout, cfg.run.device, toolchain=False)[0]
     fused = COMPILE_MEMORY_FACTOR if compiled else 1.0
     per_layer: dict[int, float] = {}  # one micro-batch's forward + backward of each block
+    kinds: dict[tuple, ComputeTally] = {}  # blocks of one kind cost the same: costed once
     for layer in rank_states.layers:
-        before = tally.seconds(fused)
-        block_compute(tally, cfg, layout, shape, layer)
-        per_layer[layer] = tally.seconds(fused) - before
+        kind = (shape.args.is_moe_layer(layer), _recomputed(cfg, layer))
+        if kind not in kinds:
+            kinds[kind] = ComputeTally(hw, tally.ranks, tally.cached)
+            block_compute(kinds[kind], cfg, layout, shape, layer)
+        tally.add(kinds[kind])
+        per_layer[layer] = kinds[kind].seconds(fused)
     head = tally.seconds(fused)
     if rank_states.has_head:
         head_compute(tally, cfg, shape)
@@ -390,11 +401,17 @@ def fsdp_exposed_seconds(cfg: Config, layout: Layout, rank_states: RankStates, h
     gather: dict[int | None, float] = {}
     reduce: dict[int | None, float] = {}
     resharded: dict[int | None, bool] = {}
+    per_unit: dict[tuple, tuple[float, float]] = {}  # (one gather, one reduction) by unit shape
     for unit in rank_states.units:
-        for c in unit_collectives(cfg, layout, unit, shape):
-            if c.phase == "forward" or c.kind != "all_gather":  # (a backward gather repeats the forward's)
-                table = gather if c.kind == "all_gather" else reduce
-                table[unit.layer] = table.get(unit.layer, 0.0) + collective_time(c, layout, hw) / c.calls
+        key = (unit.numel, unit.shard, unit.group, unit.replicate, unit.reshard)
+        if key not in per_unit:
+            times = [0.0, 0.0]
+            for c in unit_collectives(cfg, layout, unit, shape):
+                if c.phase == "forward" or c.kind != "all_gather":  # (a backward gather repeats)
+                    times[c.kind != "all_gather"] += collective_time(c, layout, hw) / c.calls
+            per_unit[key] = (times[0], times[1])
+        gather[unit.layer] = gather.get(unit.layer, 0.0) + per_unit[key][0]
+        reduce[unit.layer] = reduce.get(unit.layer, 0.0) + per_unit[key][1]
         resharded[unit.layer] = resharded.get(unit.layer, False) or unit.reshard
     layers = list(rank_states.layers)
     a = [gather.get(i, 0.0) for i in layers]

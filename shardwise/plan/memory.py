@@ -47,10 +47,17 @@ class Timeline:
     parts: dict[str, int] = field(default_factory=dict)
     peak_parts: dict[str, int] = field(default_factory=dict)
 
-    def add(self, part: str, nbytes: int, where: str) -> None:
-        self.run([(part, nbytes)], 1, where)
+    def add(self, part: str, nbytes: int, where: str | tuple) -> None:
+        """One allocation (or, negative, a free). ``where`` may be a tuple: :func:`_where` formats
+        it once, for the peak only (a pipeline replays thousands of passes)."""
+        if nbytes > 0 and self.live + nbytes > self.peak:
+            self.peak, self.where = self.live + nbytes, where
+            self.peak_parts = dict(self.parts)
+            self.peak_parts[part] = self.peak_parts.get(part, 0) + nbytes
+        self.live += nbytes
+        self.parts[part] = self.parts.get(part, 0) + nbytes
 
-    def run(self, events: list[tuple[str, int]], times: int, where: str) -> None:
+    def run(self, events: list[tuple[str, int]], times: int, where: str | tuple) -> None:
         """Apply ``events`` (part, bytes) ``times`` times over, e.g. one block's for a run of
         identical blocks: the peak of the repetition is in its first pass if a pass frees more
         than it allocates, else in its last, so one pass over the events finds it."""
@@ -202,8 +209,13 @@ def step_memory(cfg: Config, layout: Layout, st: RankStates) -> RankMemory:
             tl.run([("unsharded grads", n) for n in own] + _reduce_events(root, e, red, first)
                    + [("unsharded params", -e * u.numel) for u in root], 1, "backward root" + tag)
     saved = tl.peak_parts.get("activations", 0)
-    return RankMemory(st.pp_rank, st.params, st.grads, st.optimizer, saved, tl.peak, tl.where,
+    return RankMemory(st.pp_rank, st.params, st.grads, st.optimizer, saved, tl.peak, _where(tl.where),
                       tl.peak_parts)
+
+
+def _where(where: str | tuple) -> str:
+    """A timeline position for people: a pipeline pass is kept as (phase, stage, pass)."""
+    return where if isinstance(where, str) else f"{where[0]} (stage {where[1]}, pass {where[2]})"
 
 
 def _ac_kind(cfg: Config, layer: int) -> str:
@@ -251,6 +263,23 @@ def weight_inputs(s: Shape, layer: int) -> int:
     return n + s.e * s.tokens * a.ffn_hidden_dim // s.tp
 
 
+def _stage_backward(s: Shape, layers: list[int], per_block: dict[int, int], full_block: dict[int, int],
+                    grads: dict[int | None, int], first: bool) -> list[tuple[list[tuple[str, int]], int]]:
+    """(events, times) of a pipeline stage's backward over its blocks, runs of identical blocks
+    folded; ``first``: the stage's unsharded gradients appear with it."""
+    sig = {i: (per_block[i], full_block[i], grads.get(i, 0)) for i in layers}
+    out = []
+    for run in _runs(list(reversed(layers)), sig):
+        i = run[0]
+        recompute, temps = full_block[i] - per_block[i], backward_temporaries(s, i)
+        events = [("unsharded grads", grads.get(i, 0))] if first else []
+        events += [("recompute", recompute), ("backward temporaries", temps),
+                   ("backward temporaries", -temps), ("recompute", -recompute),
+                   ("activations", -per_block[i])]
+        out.append((events, len(run)))
+    return out
+
+
 def _pipeline_timeline(tl: Timeline, cfg: Config, layout: Layout, st: RankStates, s: Shape, m: int,
                        per_block: dict[int, int], full_block: dict[int, int], acts: dict[str, int],
                        gather) -> None:  # noqa: ANN001
@@ -273,6 +302,7 @@ def _pipeline_timeline(tl: Timeline, cfg: Config, layout: Layout, st: RankStates
         stage_acts[stage] = ends + sum(per_block[i] for i in per_stage[stage])
         keep[stage] = sum(weight_inputs(s, i) for i in per_stage[stage])
     done: set[int | None] = set()  # stages whose gradients exist (None: the root's)
+    backward: dict[tuple[int, bool], list] = {}  # a stage's backward events, the same every micro-batch
 
     def root_grads(stage: int, where: str) -> None:
         """Mark the stage's gradients allocated; the embedding / head ones with the first of them."""
@@ -282,7 +312,7 @@ def _pipeline_timeline(tl: Timeline, cfg: Config, layout: Layout, st: RankStates
             done.add(None)
 
     for n, (kind, stage) in enumerate(schedule_actions(layout, m, st.pp_rank)):
-        where = f"{'forward' if kind == 'F' else 'backward'} (stage {stage}, pass {n + 1})"
+        where = ("forward" if kind == "F" else "backward", stage, n + 1)
         if kind == "F":
             tl.add("activations", stage_acts[stage], where)
             continue
@@ -293,17 +323,12 @@ def _pipeline_timeline(tl: Timeline, cfg: Config, layout: Layout, st: RankStates
             tl.run(events + [("activations", -keep[stage])], 1, where)
             root_grads(stage, where)
             continue
-        layers = per_stage[stage]
-        sig = {i: (per_block[i], full_block[i], grads.get(i, 0)) for i in layers}
-        for run in _runs(list(reversed(layers)), sig):
-            i = run[0]
-            recompute, temps = full_block[i] - per_block[i], backward_temporaries(s, i)
-            events = [("unsharded grads", grads.get(i, 0))] if kind == "B" and stage not in done else []
-            events += [("recompute", recompute), ("backward temporaries", temps),
-                       ("backward temporaries", -temps), ("recompute", -recompute),
-                       ("activations", -per_block[i])]
-            tl.run(events, len(run), where)
-        ends = stage_acts[stage] - sum(per_block[i] for i in layers)
+        first = kind == "B" and stage not in done  # (this backward allocates the stage's gradients)
+        if (stage, first) not in backward:
+            backward[stage, first] = _stage_backward(s, per_stage[stage], per_block, full_block, grads, first)
+        for events, times in backward[stage, first]:
+            tl.run(events, times, where)
+        ends = stage_acts[stage] - sum(per_block[i] for i in per_stage[stage])
         tl.add("activations", -ends + (keep[stage] if kind == "I" else 0), where)
         if kind == "B":
             root_grads(stage, where)

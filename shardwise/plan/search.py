@@ -9,12 +9,14 @@ are costed on shapes (:func:`~shardwise.plan.states.shape_states`, milliseconds 
 first and last only) and ranked by predicted tokens/s per device; the best ones are then estimated
 on every pipeline rank, the first (the one written out) from the real model on the fake process
 group. A layout whose memory floor (:func:`~shardwise.plan.memory.memory_floor`) is already over
-capacity is dropped before its step is replayed.
+capacity is dropped before its step is replayed, and of the checkpointing modes that fit one layout
+only the fastest is costed (the others recompute more for the same traffic).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field
@@ -30,6 +32,8 @@ from shardwise.plan.states import _param_shapes, shape_states
 from shardwise.resolve import resolve_run
 
 AC_MODES = ("none", "selective", "selective_half", "full")
+MEMORY_ORDER = ("full", "selective_half", "selective", "none", "layer")
+"""Checkpointing modes from the least activation memory (and the most recompute) up."""
 SCHEDULES = ("1f1b", "interleaved1f1b", "zbv")
 
 
@@ -114,33 +118,50 @@ def plan(cfg: Config, gpus: int, hw: Hardware, top: int = 5, memory_fraction: fl
     ranked: list[Candidate] = []
     layouts = enumerate_layouts(cfg, gpus, hw, ac_modes, schedules)
     states_cache: dict[tuple, list] = {}
-    for layout in layouts:
-        if reason := check_layout(cfg, layout):
-            dropped[_reason(reason)] += 1
-            refusals.setdefault(_reason(reason), reason)
+    # One group per layout but its checkpointing mode. Within a group, less memory costs more
+    # recompute: the modes are tried from the least memory up until one is over capacity (those
+    # needing more are over too), then from the fastest down until one fits (the slower ones that
+    # also fit are dominated: same traffic, more compute, so never ranked above it).
+    for _, group in itertools.groupby(layouts, key=lambda x: dataclasses.replace(x, ac="none")):
+        accepted = []
+        for layout in group:
+            if reason := check_layout(cfg, layout):
+                dropped[_reason(reason)] += 1
+                refusals.setdefault(_reason(reason), reason)
+            else:
+                accepted.append(layout)
+        if not accepted:
             continue
-        c = layout.apply(cfg)
-        key = (layout.pp, layout.pp_schedule, layout.tp, layout.cp, layout.dp_shard, layout.dp_replicate,
-               layout.ep)
+        key = dataclasses.astuple(accepted[0])[:7]  # the degrees and the schedule: the states
         if key not in states_cache:
-            states = shape_states(c, layout, shapes)
             # Pipeline ranks in between hold fewer micro-batches than the first and no head: the
             # first and last bound the peak and the time during the search (on local ranks sharing
             # cores every rank's work counts: cost.shared_cores_pipeline).
-            states_cache[key] = states if len(states) <= 2 or hw.cores else [states[0], states[-1]]
+            pp = accepted[0].pp
+            ends = None if pp <= 2 or hw.cores else [0, pp - 1]
+            states_cache[key] = shape_states(accepted[0].apply(cfg), accepted[0], shapes, ends)
         states = states_cache[key]
-        # capacity holds what the allocator reserves for the live bytes (hw.reserved)
-        if (need := int(hw.reserved(max(memory_floor(c, layout, st) for st in states)))) > capacity:
-            dropped["memory over capacity"] += 1
-            least = least if least and least[1] <= need else (layout, need, False)
-            continue
-        peak = max(step_memory(c, layout, st).peak for st in states)
-        if (need := int(hw.reserved(peak))) > capacity:
-            dropped["memory over capacity"] += 1
-            least = least if least and least[1] <= need else (layout, need, True)
-            continue
-        t = step_time(c, layout, states, hw)
-        ranked.append(Candidate(layout, peak, t.tokens_per_s / gpus))
+        below = []  # under capacity at the floor, least memory first
+        for i, layout in enumerate(sorted(accepted, key=lambda x: MEMORY_ORDER.index(x.ac))):
+            c = layout.apply(cfg)
+            # capacity holds what the allocator reserves for the live bytes (hw.reserved)
+            if (need := int(hw.reserved(max(memory_floor(c, layout, st) for st in states)))) > capacity:
+                dropped["memory over capacity"] += len(accepted) - i
+                least = least if least and least[1] <= need else (layout, need, False)
+                break
+            below.append(layout)
+        for i, layout in enumerate(reversed(below)):  # fastest first
+            c = layout.apply(cfg)
+            peak = max(step_memory(c, layout, st).peak for st in states)
+            if (need := int(hw.reserved(peak))) > capacity:
+                dropped["memory over capacity"] += 1
+                least = least if least and least[1] <= need else (layout, need, True)
+                continue
+            t = step_time(c, layout, states, hw)
+            ranked.append(Candidate(layout, peak, t.tokens_per_s / gpus))
+            if rest := len(below) - i - 1:
+                dropped["slower than a checkpointing mode that fits"] += rest
+            break
     ranked.sort(key=lambda x: -x.tokens_per_s_per_device)
     # The first is the one written out: its states come from the real model (tests hold the shape
     # rules equal to it, so the others are costed from shapes -- a 405B build is about a second).

@@ -236,15 +236,17 @@ def planned_device(cfg: Config) -> str:
     return cfg.run.device if cfg.run.device != "auto" else shardwise.device.device_type("auto")
 
 
-def shape_states(cfg: Config, layout: Layout, shapes: dict | None = None) -> list[RankStates]:
-    """Per pipeline rank, the states and FSDP units :func:`built_states` would find, from shapes.
-    ``shapes``: :func:`_param_shapes` of the model, when the caller costs many layouts."""
+def shape_states(cfg: Config, layout: Layout, shapes: dict | None = None,
+                 pp_ranks: list[int] | None = None) -> list[RankStates]:
+    """Per pipeline rank (``pp_ranks``, default all), the states and FSDP units
+    :func:`built_states` would find, from shapes. ``shapes``: :func:`_param_shapes` of the model,
+    when the caller costs many layouts."""
     args = model_args(cfg.model)
     shapes = shapes or _param_shapes(args)
     n_stages = layout.pp * layout.stages_per_rank
     per_stage = stage_layers(args.n_layers, n_stages)
     out = []
-    for s in range(layout.pp):
+    for s in (range(layout.pp) if pp_ranks is None else pp_ranks):
         stages = (rank_stages(s, layout.pp, layout.pp_schedule, layout.pp_stages_per_rank)
                   if layout.pp > 1 else [0])
         layers = sorted(i for st in stages for i in per_stage[st])

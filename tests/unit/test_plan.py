@@ -319,6 +319,33 @@ def test_plan_returns_layouts_the_trainer_accepts():
     assert result.top[0].peak == result.ranked[0].peak  # exact states agree with the shape path
 
 
+def test_plan_skips_only_dominated_checkpointing_modes():
+    """Of one layout's checkpointing modes that fit, the search costs the fastest only: the best
+    layout and its speed are those of costing every fitting layout, and each skipped one is slower
+    than the one kept for its layout."""
+    from shardwise.plan.cost import step_time
+    from shardwise.plan.memory import step_memory
+    from shardwise.plan.search import _param_shapes
+
+    cfg = plan_config(load_config(None, ["--model.name=8b"]), 8192, parse_tokens("128K"))
+    hw = load_hardware("h100")
+    result = plan(cfg, 8, hw, top=0, schedules=("1f1b",))
+    assert result.dropped["slower than a checkpointing mode that fits"] > 0
+    shapes, every = _param_shapes(model_args(cfg.model)), {}
+    for layout in enumerate_layouts(cfg, 8, hw, schedules=("1f1b",)):
+        c = layout.apply(cfg)
+        if check_layout(cfg, layout):
+            continue
+        states = shape_states(c, layout, shapes)
+        if max(hw.reserved(step_memory(c, layout, st).peak) for st in states) <= 0.9 * hw.memory_gib * 2**30:
+            every[layout] = step_time(c, layout, states, hw).tokens_per_s / 8
+    best = max(every, key=every.get)
+    assert result.ranked[0].layout == best and result.ranked[0].tokens_per_s_per_device == every[best]
+    kept = {dataclasses.replace(c.layout, ac="none"): c.tokens_per_s_per_device for c in result.ranked}
+    assert len(every) == len(result.ranked) + result.dropped["slower than a checkpointing mode that fits"]
+    assert all(speed <= kept[dataclasses.replace(layout, ac="none")] for layout, speed in every.items())
+
+
 def test_plan_with_float8_checks_layouts_without_building_the_model(monkeypatch: pytest.MonkeyPatch, capsys):
     """The trainer's per-run float8 summary (which builds the model on meta) stays out of the layout
     checks the planner runs on every candidate: a 405B search would otherwise take tens of minutes."""
