@@ -89,8 +89,13 @@ def peak_tflops(device: torch.device, mixed_precision: str, override: float = 0.
         cache = {}
     if key not in cache:
         dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
-        # Best of two sizes: small GEMMs can beat large ones on CPUs whose caches favour them.
-        cache[key] = max(measure_gemm_tflops(dtype, device, n) for n in (1024, 2048))
+        # Best of two sizes: small GEMMs can beat large ones on CPUs whose caches favour them. A
+        # 256 probe first: a CPU without native bf16 emulates it at about 0.001-0.003 TFLOP/s, where
+        # one 2048 product takes 6-17 s and the two sizes held the first step for minutes; sizes
+        # whose one product the probe's rate puts over a quarter of a second are left out.
+        probe = measure_gemm_tflops(dtype, device, 256, seconds=0.2)
+        sizes = [n for n in (1024, 2048) if 2 * n**3 / (probe * 1e12) <= 0.25]
+        cache[key] = max((measure_gemm_tflops(dtype, device, n) for n in sizes), default=probe)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".tmp{os.getpid()}")

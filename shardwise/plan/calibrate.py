@@ -43,6 +43,7 @@ from shardwise.ops.loss import TokenLoss
 from shardwise.optim.adamw import build_optimizer
 from shardwise.optim.clip import clip_grad_norm_
 from shardwise.parallel.build import build_rank_model
+from shardwise.plan.estimate import estimate
 from shardwise.plan.hardware import GRID_ROWS, Hardware, local_path, save_hardware
 from shardwise.resolve import resolve_run
 
@@ -205,8 +206,6 @@ def memory_efficiency(hw: Hardware, probe_seconds: float) -> float:
     microbenchmark's bandwidth. A step's eager elementwise ops -- broadcasts, fp32 upcasts, complex
     RoPE products, casts, small reductions -- run well below a plain add's rate. Clamped to
     [0.2, 1]."""
-    from shardwise.plan.estimate import estimate
-
     cfg = load_config(None, list(PROBE), device="cpu")
     parts = estimate(cfg, 1, hw).time.ranks[0].compute
     memory = parts["memory-bound"] + parts["optimizer"]

@@ -15,13 +15,8 @@
 - on ``local`` the host overhead measured per block and per step (Python, dispatcher, hooks); on
   GPUs it is assumed hidden behind the kernels.
 
-**Communication**: each collective of :func:`shardwise.plan.comm.step_collectives` costs
-``latency * hops + bytes * factor / bandwidth`` (ring algorithms: ``(n-1)/n`` of the buffer for
-all-gather, reduce-scatter and all-to-all, twice that for all-reduce), with intra- or inter-node
-bandwidth by whether the group's ranks fit in one node. With ``comm_overlap`` (GPUs) FSDP's
-collectives hide behind compute except the first all-gather and the last reduce-scatter, or by
-what exceeds the compute; tensor, context, expert and pipeline traffic is on the critical path.
-On the CPU (gloo) nothing overlaps.
+**Communication**: :mod:`shardwise.plan.overlap` times each collective and what of FSDP's traffic
+the compute hides.
 
 **Pipeline bubble** (slowest stage's per-micro-batch time ``t``): ``(pp - 1) * t`` for GPipe and
 1F1B, ``(pp - 1) * t / v`` interleaved (Narayanan et al., 2021), ``(pp - 1) * t / 6`` for the V
@@ -30,23 +25,16 @@ schedules (ZB-H1's ``T_F + T_B - T_W`` per V chunk with equal F, B, W passes; Qi
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 from shardwise.config import Config
 from shardwise.model_args import ModelArgs
 from shardwise.observe.flops import ATTENTION_BACKWARD, MATMUL_BACKWARD, attention_pairs
 from shardwise.plan.activations import Shape, expert_rows, shape_of
-from shardwise.plan.comm import (
-    Collective,
-    boundary_bytes,
-    fsdp_reduce_bytes,
-    group_members,
-    step_collectives,
-    unit_collectives,
-)
+from shardwise.plan.comm import Collective, boundary_bytes, fsdp_reduce_bytes, step_collectives
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import Layout
+from shardwise.plan.overlap import collective_time, fsdp_exposed_seconds, fsdp_hidden_seconds, per_mesh_dim
 from shardwise.plan.states import BYTES, RankStates
 from shardwise.resolve import compile_run
 
@@ -247,10 +235,12 @@ def rank_time(cfg: Config, layout: Layout, rank_states: RankStates, hw: Hardware
                + gpu_host_seconds(cfg, shape.args, hw, per_layer, compiled) * micro_batches}
     colls = step_collectives(cfg, layout, rank_states) if colls is None else colls
     seconds = [collective_time(c, layout, hw, rank_states.pp_rank) for c in colls]
-    comm = _per_mesh_dim(colls, seconds)
+    comm = per_mesh_dim(colls, seconds)
     fsdp = sum(secs for c, secs in zip(colls, seconds, strict=True) if c.overlap == "fsdp")
     if hw.comm_overlap and fsdp and layout.pp == 1:
-        shown = fsdp_exposed_seconds(cfg, layout, rank_states, hw, shape, per_layer, head)
+        forward = {i: t / (3 + _recomputed(cfg, i)) for i, t in per_layer.items()}
+        backward = {i: t - forward[i] for i, t in per_layer.items()}
+        shown = fsdp_exposed_seconds(cfg, layout, rank_states, hw, shape, forward, backward, head)
     elif hw.comm_overlap and fsdp:
         shown = fsdp - fsdp_hidden_seconds(colls, seconds, hw, sum(compute.values()))
     else:
@@ -365,116 +355,6 @@ def gpu_host_seconds(cfg: Config, args: ModelArgs, hw: Hardware, per_layer: dict
         return 0.0
     return sum(max(0.0, 1e-6 * hw.host_us_per_op * host_ops(args, layer, compiled, _recomputed(cfg, layer))
                    - seconds) for layer, seconds in per_layer.items())
-
-
-def _per_mesh_dim(colls: list[Collective], seconds: list[float]) -> dict[str, float]:
-    """Seconds of the collectives summed per mesh dim."""
-    comm: dict[str, float] = {}
-    for c, secs in zip(colls, seconds, strict=True):
-        comm[c.group] = comm.get(c.group, 0.0) + secs
-    return comm
-
-
-def fsdp_exposed_seconds(cfg: Config, layout: Layout, rank_states: RankStates, hw: Hardware, shape: Shape,
-                         per_layer: dict[int, float], head: float) -> float:
-    """Seconds of FSDP's collectives left on the critical path of a step without pipeline
-    parallel, as FSDP2 schedules them on GPU streams. ``per_layer``: each block's forward +
-    backward seconds for one micro-batch, ``head``: the output head's and loss's.
-
-    Per micro-batch, with one channel for all of the rank's FSDP traffic, served in the order it
-    is issued:
-
-    - forward: the root's gather and the first block's wait for nothing (the embedding is all the
-      compute before them); block i's gather is issued when block i-1 starts computing (implicit
-      prefetch, one unit ahead -- the next copy-out frees the previous gather) and shows by what it
-      exceeds block i-1's forward;
-    - backward: the output head's backward hides the last block's gather (if it was resharded);
-      while block i runs its backward the channel carries block i+1's reduction (issued as its
-      backward ended) and then block i-1's gather (prefetched as block i's backward starts), and
-      shows by what the two exceed that backward;
-    - the first block's and the root's reductions end the micro-batch with nothing to hide behind
-      (the next micro-batch's forward needs its own gathers first).
-
-    A block's forward is 1 / (3 + r) of its forward + backward (backward GEMMs do twice the
-    forward's work; r = 1 when it is recomputed), the head's a third. A reduction is the
-    reduce-scatter plus, under HSDP, the all-reduce over replicas."""
-    gather: dict[int | None, float] = {}
-    reduce: dict[int | None, float] = {}
-    resharded: dict[int | None, bool] = {}
-    per_unit: dict[tuple, tuple[float, float]] = {}  # (one gather, one reduction) by unit shape
-    for unit in rank_states.units:
-        key = (unit.numel, unit.shard, unit.group, unit.replicate, unit.reshard)
-        if key not in per_unit:
-            times = [0.0, 0.0]
-            for c in unit_collectives(cfg, layout, unit, shape):
-                if c.phase == "forward" or c.kind != "all_gather":  # (a backward gather repeats)
-                    times[c.kind != "all_gather"] += collective_time(c, layout, hw) / c.calls
-            per_unit[key] = (times[0], times[1])
-        gather[unit.layer] = gather.get(unit.layer, 0.0) + per_unit[key][0]
-        reduce[unit.layer] = reduce.get(unit.layer, 0.0) + per_unit[key][1]
-        resharded[unit.layer] = resharded.get(unit.layer, False) or unit.reshard
-    layers = list(rank_states.layers)
-    a = [gather.get(i, 0.0) for i in layers]
-    r = [reduce.get(i, 0.0) for i in layers]
-    again = [a[j] if resharded.get(i) else 0.0 for j, i in enumerate(layers)]  # gathered for backward
-    f = [per_layer[i] / (3 + _recomputed(cfg, i)) for i in layers]
-    b = [per_layer[i] - f[j] for j, i in enumerate(layers)]
-    exposed = gather.get(None, 0.0) + reduce.get(None, 0.0)
-    if layers:
-        exposed += a[0] + sum(max(0.0, a[j] - f[j - 1]) for j in range(1, len(layers)))
-        exposed += max(0.0, again[-1] - 2 * head / 3)
-        after = r[1:] + [0.0]  # the reduction of the block whose backward ran before
-        exposed += sum(max(0.0, after[j] + (again[j - 1] if j else 0.0) - b[j]) for j in range(len(layers)))
-        exposed += r[0]
-    return exposed * layout.micro_batches(cfg.training.global_batch)
-
-
-def fsdp_hidden_seconds(colls: list[Collective], seconds: list[float], hw: Hardware, compute: float) -> float:
-    """Seconds of FSDP's collectives hidden behind ``compute`` seconds on a pipeline rank (0
-    without ``comm_overlap``), which gathers its units once per step and reduces them once: exposed
-    are the step's first gather and last reduction, or whatever of the traffic the compute is too
-    short to cover."""
-    fsdp = [(c, secs) for c, secs in zip(colls, seconds, strict=True) if c.overlap == "fsdp"]
-    fsdp_total = sum(secs for _, secs in fsdp)
-    if not (hw.comm_overlap and fsdp_total):
-        return 0.0
-    edges = (max((secs / c.calls for c, secs in fsdp if c.kind == "all_gather"), default=0.0)
-             + max((secs / c.calls for c, secs in fsdp if c.kind != "all_gather"), default=0.0))
-    return fsdp_total - max(min(edges, fsdp_total), fsdp_total - compute)
-
-
-def collective_time(c: Collective, layout: Layout, hw: Hardware, pp_rank: int = 0) -> float:
-    """Seconds of all calls of ``c`` (ring algorithms, alpha-beta)."""
-    members = group_members(layout, c.group, pp_rank)
-    n = len(members)
-    if n <= 1:
-        return 0.0
-    span = max(members) - min(members) + 1
-    if c.kind in ("send", "recv"):
-        span = layout.world // layout.pp + 1  # neighbouring stages are a stage's width apart
-    bw, lat = hw.link(span, n, layout.world, c.kind, c.nbytes)
-    if c.kind == "all_reduce":
-        factor, passes = 2 * (n - 1) / n, 2
-    elif c.kind in ("send", "recv"):
-        factor, passes = 1.0, 0
-    else:
-        factor, passes = (n - 1) / n, 1
-    if not passes:
-        hops = lat
-    elif hw.cores or span <= hw.gpus_per_node:
-        hops = passes * (n - 1) * lat
-    else:  # a ring through several nodes: one hop into each node, the rest inside one
-        nodes = _nodes(members, hw.gpus_per_node)
-        intra = hw.link(1)[1]
-        hops = passes * (nodes * lat + (n - nodes) * intra)
-    # (local: each call also waits for the job's slowest process to reach it)
-    return c.calls * (hops + factor * c.nbytes / bw + hw.sync_seconds(layout.world))
-
-
-@functools.lru_cache(maxsize=65536)
-def _nodes(members: frozenset[int], per_node: int) -> int:
-    """Nodes a group's ranks sit on (ranks fill nodes in order)."""
-    return len({r // per_node for r in members})
 
 
 def step_time(cfg: Config, layout: Layout, states: list[RankStates], hw: Hardware) -> StepTime:

@@ -8,10 +8,11 @@ from shardwise.config import Config, model_label
 from shardwise.models import model_args
 from shardwise.observe.flops import flops_per_token, num_params
 from shardwise.plan.comm import Collective, step_collectives
-from shardwise.plan.cost import StepTime, collective_time, step_time
+from shardwise.plan.cost import StepTime, step_time
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import Layout
 from shardwise.plan.memory import RankMemory, step_memory
+from shardwise.plan.overlap import collective_time
 from shardwise.plan.states import RankStates, built_states, shape_states
 from shardwise.resolve import resolve_run
 

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import itertools
+import multiprocessing
 from collections import Counter
 from dataclasses import dataclass, field
 
 from shardwise.config import Config, ConfigError, model_label
+from shardwise.device import usable_cores
 from shardwise.models import model_args
 from shardwise.plan.cost import step_time
 from shardwise.plan.estimate import Estimate, GiB, estimate
@@ -106,28 +109,48 @@ def _reason(message: str) -> str:
     return f"not accepted: {words[0]}" if words else "not accepted"
 
 
-def plan(cfg: Config, gpus: int, hw: Hardware, top: int = 5, memory_fraction: float = 0.9,
-         ac_modes: tuple[str, ...] = AC_MODES, schedules: tuple[str, ...] = SCHEDULES,
-         exact_top: bool = True) -> PlanResult:
-    """Rank the layouts of ``cfg``'s model and batch on ``gpus`` devices of ``hw``."""
-    capacity = hw.memory_gib * GiB * memory_fraction
-    shapes = _param_shapes(model_args(cfg.model))
-    dropped: Counter = Counter()
-    refusals: dict[str, str] = {}
+PARALLEL_GROUPS = 200
+"""Searches of at least this many layout groups run on the usable cores (forked workers, Linux)."""
+
+
+@dataclass
+class _Found:
+    """What searching some layout groups found, in their order."""
+
+    ranked: list[Candidate] = field(default_factory=list)
+    dropped: Counter = field(default_factory=Counter)
+    refusals: dict[str, str] = field(default_factory=dict)
     least: tuple[Layout, int, bool] | None = None
-    ranked: list[Candidate] = []
-    layouts = enumerate_layouts(cfg, gpus, hw, ac_modes, schedules)
-    states_cache: dict[tuple, list] = {}
-    # One group per layout but its checkpointing mode. Within a group, less memory costs more
-    # recompute: the modes are tried from the least memory up until one is over capacity (those
-    # needing more are over too), then from the fastest down until one fits (the slower ones that
-    # also fit are dominated: same traffic, more compute, so never ranked above it).
-    for _, group in itertools.groupby(layouts, key=lambda x: dataclasses.replace(x, ac="none")):
+
+    def over(self, layout: Layout, need: int, at_peak: bool) -> None:
+        """A layout over capacity: kept if it needs the least so far (the first of equals)."""
+        if not (self.least and self.least[1] <= need):
+            self.least = (layout, need, at_peak)
+
+    def merge(self, later: _Found) -> None:
+        """Append what the groups after these found, as one search in order would have."""
+        self.ranked += later.ranked
+        self.dropped.update(later.dropped)
+        for reason, message in later.refusals.items():
+            self.refusals.setdefault(reason, message)
+        if later.least:
+            self.over(*later.least)
+
+
+def _search(cfg: Config, gpus: int, hw: Hardware, capacity: float, shapes: dict,
+            groups: list[list[Layout]]) -> _Found:
+    """Check, bound and cost ``groups`` of layouts that differ only in their checkpointing mode.
+    Within a group, less memory costs more recompute: the modes are tried from the least memory up
+    until one is over capacity (those needing more are over too), then from the fastest down until
+    one fits (the slower ones that also fit are dominated: same traffic, more compute, so never
+    ranked above it)."""
+    found, states_cache = _Found(), {}
+    for group in groups:
         accepted = []
         for layout in group:
             if reason := check_layout(cfg, layout):
-                dropped[_reason(reason)] += 1
-                refusals.setdefault(_reason(reason), reason)
+                found.dropped[_reason(reason)] += 1
+                found.refusals.setdefault(_reason(reason), reason)
             else:
                 accepted.append(layout)
         if not accepted:
@@ -146,28 +169,54 @@ def plan(cfg: Config, gpus: int, hw: Hardware, top: int = 5, memory_fraction: fl
             c = layout.apply(cfg)
             # capacity holds what the allocator reserves for the live bytes (hw.reserved)
             if (need := int(hw.reserved(max(memory_floor(c, layout, st) for st in states)))) > capacity:
-                dropped["memory over capacity"] += len(accepted) - i
-                least = least if least and least[1] <= need else (layout, need, False)
+                found.dropped["memory over capacity"] += len(accepted) - i
+                found.over(layout, need, False)
                 break
             below.append(layout)
         for i, layout in enumerate(reversed(below)):  # fastest first
             c = layout.apply(cfg)
             peak = max(step_memory(c, layout, st).peak for st in states)
             if (need := int(hw.reserved(peak))) > capacity:
-                dropped["memory over capacity"] += 1
-                least = least if least and least[1] <= need else (layout, need, True)
+                found.dropped["memory over capacity"] += 1
+                found.over(layout, need, True)
                 continue
             t = step_time(c, layout, states, hw)
-            ranked.append(Candidate(layout, peak, t.tokens_per_s / gpus))
+            found.ranked.append(Candidate(layout, peak, t.tokens_per_s / gpus))
             if rest := len(below) - i - 1:
-                dropped["slower than a checkpointing mode that fits"] += rest
+                found.dropped["slower than a checkpointing mode that fits"] += rest
             break
-    ranked.sort(key=lambda x: -x.tokens_per_s_per_device)
+    return found
+
+
+def plan(cfg: Config, gpus: int, hw: Hardware, top: int = 5, memory_fraction: float = 0.9,
+         ac_modes: tuple[str, ...] = AC_MODES, schedules: tuple[str, ...] = SCHEDULES,
+         exact_top: bool = True, workers: int = 0) -> PlanResult:
+    """Rank the layouts of ``cfg``'s model and batch on ``gpus`` devices of ``hw``. ``workers``:
+    processes to search with (0: the usable cores, at most 8, for searches of at least
+    ``PARALLEL_GROUPS`` groups; the result is the same either way)."""
+    capacity = hw.memory_gib * GiB * memory_fraction
+    shapes = _param_shapes(model_args(cfg.model))
+    layouts = enumerate_layouts(cfg, gpus, hw, ac_modes, schedules)
+    groups = [list(g) for _, g in itertools.groupby(layouts, key=lambda x: dataclasses.replace(x, ac="none"))]
+    workers = workers or (min(8, usable_cores()) if len(groups) >= PARALLEL_GROUPS else 1)
+    search = functools.partial(_search, cfg, gpus, hw, capacity, shapes)
+    if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
+        # contiguous chunks (neighbouring groups share their states), several per worker for balance
+        n = min(len(groups), 4 * workers)
+        chunks = [groups[len(groups) * i // n:len(groups) * (i + 1) // n] for i in range(n)]
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            parts = pool.map(search, chunks, chunksize=1)
+        found = parts[0]
+        for part in parts[1:]:
+            found.merge(part)
+    else:
+        found = search(groups)
+    ranked = sorted(found.ranked, key=lambda x: -x.tokens_per_s_per_device)
     # The first is the one written out: its states come from the real model (tests hold the shape
     # rules equal to it, so the others are costed from shapes -- a 405B build is about a second).
     exact = [estimate(x.layout.apply(cfg), gpus, hw, exact=exact_top and i == 0, shapes=shapes)
              for i, x in enumerate(ranked[:top])]
-    return PlanResult(ranked, dropped, len(layouts), exact, refusals, least)
+    return PlanResult(ranked, found.dropped, len(layouts), exact, found.refusals, found.least)
 
 
 def fits_on(cfg: Config, gpus: int, hw: Hardware, memory_fraction: float = 0.9, grow_batch: bool = True,

@@ -70,9 +70,24 @@ def test_cpu_peak_is_measured_once_and_cached(tmp_path: Path, monkeypatch: pytes
     value, source = peak_mod.peak_tflops(torch.device("cpu"), "fp32", cache_dir=str(tmp_path))
     assert value == 0.7 and "measured fp32 GEMM" in source
     assert peak_mod.peak_tflops(torch.device("cpu"), "fp32", cache_dir=str(tmp_path))[0] == 0.7
-    assert len(calls) == 2  # two sizes, measured once; the second call read the cache
+    assert [n for _, n in calls] == [256, 1024, 2048]  # a probe, two sizes, measured once; the
+    # second call read the cache
     cache = json.loads((tmp_path / "peak_tflops.json").read_text())
     assert any("threads=" in k and "fp32" in k for k in cache)
+
+
+def test_cpu_peak_of_emulated_bf16_is_measured_in_a_second(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A CPU without native bf16 runs it at about 0.002 TFLOP/s: one 2048 product would take 9 s,
+    so only the 256 probe is measured (it held a bf16 run's first step for 6 minutes before)."""
+    calls = []
+
+    def fake_measure(dtype, device, n=2048, seconds=1.0):
+        calls.append(n)
+        return 0.002
+
+    monkeypatch.setattr(peak_mod, "measure_gemm_tflops", fake_measure)
+    assert peak_mod.peak_tflops(torch.device("cpu"), "bf16", cache_dir=str(tmp_path))[0] == 0.002
+    assert calls == [256]
 
 
 def test_real_gemm_measurement_is_positive():
@@ -92,10 +107,16 @@ def test_throughput_mfu_arithmetic(monkeypatch: pytest.MonkeyPatch):
 
 
 @pytest.mark.parametrize("kind", ["dense_mha", "dense_gqa", "moe"])
-def test_executed_flops_match_torch_flop_counter(kind: str):
+def test_executed_flops_match_torch_flop_counter(kind: str, monkeypatch: pytest.MonkeyPatch):
     """A real forward + backward under FlopCounterMode (with formulas for CPU attention and grouped
-    GEMM, which count every query-key pair) equals the analytic count with non-causal pairs."""
+    GEMM, which count every query-key pair) equals the analytic count with non-causal pairs. The
+    count is the model's: on CPU the experts' groups are padded with zero rows (moe.pad_groups),
+    which run as GEMM rows too -- here padded to multiples of one row, i.e. not at all."""
     import dataclasses
+
+    import shardwise.models.moe as moe
+
+    monkeypatch.setattr(moe, "group_alignment", lambda slots, experts: 1)
 
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -161,12 +182,18 @@ def test_executed_flops_terms():
                                                      ("dense", "selective", 16),
                                                      ("dense", "selective_half", 0),
                                                      ("moe", "selective_half", 16)])
-def test_executed_flops_with_recompute_match_the_flop_counter(kind: str, mode: str, chunk: int):
+def test_executed_flops_with_recompute_match_the_flop_counter(kind: str, mode: str, chunk: int,
+                                                              monkeypatch: pytest.MonkeyPatch):
     """Blocks under our activation checkpointing: FlopCounterMode sees one more forward of each
     checkpointed block in backward (less the down projection, which checkpoint's early stop skips;
     none under the selective policy), and the fused loss no head matmul beyond the plain loss's
-    three (it computes its gradients in forward): exactly the analytic count; dense and MoE."""
+    three (it computes its gradients in forward): exactly the analytic count; dense and MoE (the
+    CPU's expert padding off, as in the test above)."""
     import dataclasses
+
+    import shardwise.models.moe as moe
+
+    monkeypatch.setattr(moe, "group_alignment", lambda slots, experts: 1)
 
     from torch.utils.flop_counter import FlopCounterMode
 

@@ -329,8 +329,12 @@ def test_plan_skips_only_dominated_checkpointing_modes():
 
     cfg = plan_config(load_config(None, ["--model.name=8b"]), 8192, parse_tokens("128K"))
     hw = load_hardware("h100")
-    result = plan(cfg, 8, hw, top=0, schedules=("1f1b",))
+    result = plan(cfg, 8, hw, top=0, schedules=("1f1b",), workers=1)
     assert result.dropped["slower than a checkpointing mode that fits"] > 0
+    # searched by two forked workers, chunk by chunk: the same answer, in the same order
+    two = plan(cfg, 8, hw, top=0, schedules=("1f1b",), workers=2)
+    assert (two.ranked, two.dropped, two.refusals, two.least) == (result.ranked, result.dropped,
+                                                                  result.refusals, result.least)
     shapes, every = _param_shapes(model_args(cfg.model)), {}
     for layout in enumerate_layouts(cfg, 8, hw, schedules=("1f1b",)):
         c = layout.apply(cfg)

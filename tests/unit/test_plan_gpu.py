@@ -16,8 +16,6 @@ from shardwise.models import model_args
 from shardwise.plan.comm import Collective, step_collectives, unit_collectives
 from shardwise.plan.cost import (
     HOST_OPS_PER_BLOCK,
-    collective_time,
-    fsdp_exposed_seconds,
     gpu_host_seconds,
     host_ops,
     pipeline_bubble,
@@ -26,6 +24,7 @@ from shardwise.plan.cost import (
 )
 from shardwise.plan.hardware import GEMM_TILE, gemm_seconds, load_hardware
 from shardwise.plan.layout import Layout
+from shardwise.plan.overlap import collective_time, fsdp_exposed_seconds
 from shardwise.plan.states import shape_states
 from tests.conftest import ROOT
 
@@ -99,12 +98,13 @@ def test_fsdp_overlap_follows_fsdp2s_schedule():
     assert {u.layer for u in st.units if not u.reshard} == {None, layers[-1]}  # (backward follows at once)
     edges = sum(per_call[layer, gather] for layer in (None, layers[0]) for gather in (True, False))
     slow = {i: 10.0 for i in layers}
-    assert fsdp_exposed_seconds(cfg, layout, st, hw, shape, slow, 10.0) == pytest.approx(edges)
+    assert fsdp_exposed_seconds(cfg, layout, st, hw, shape, slow, slow, 10.0) == pytest.approx(edges)
     x, head = 1e-6, 3e-6
-    busy = {i: x for i in layers}
+    busy_forward, busy_backward = {i: x / 3 for i in layers}, {i: 2 * x / 3 for i in layers}
     hidden = (len(layers) - 1) * x / 3 + len(layers) * 2 * x / 3  # (the last block stays gathered:
     # the head's backward has no gather to hide)
-    assert fsdp_exposed_seconds(cfg, layout, st, hw, shape, busy, head) == pytest.approx(total - hidden)
+    assert fsdp_exposed_seconds(cfg, layout, st, hw, shape, busy_forward, busy_backward, head) == \
+        pytest.approx(total - hidden)
     # through rank_time: the 8B rows' compute covers all of it but the edges
     others = sum(collective_time(c, layout, hw) for c in step_collectives(cfg, layout, st)
                  if c.overlap != "fsdp")
