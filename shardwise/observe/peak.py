@@ -68,6 +68,23 @@ def measure_gemm_tflops(dtype: torch.dtype, device: torch.device, n: int = 2048,
     return best
 
 
+def measure_cpu_peak(dtype: torch.dtype, device: torch.device, budget_s: float = 1.0) -> float:
+    """Best TFLOP/s over square GEMMs of 256, 512, 1024 and 2048, in that order.
+
+    Small GEMMs can beat large ones on CPUs whose caches favour them, and large ones beat small
+    ones where packing dominates (bf16 on AVX512-BF16 runs a 256 product at a fraction of a 1024
+    one's rate), so the best of all sizes is the peak. A size is left out when the best rate so far
+    puts one product over ``budget_s``: a CPU without native bf16 emulates it at about 0.001-0.003
+    TFLOP/s, where one 2048 product takes 6-17 s. Since rates grow with size on such CPUs, the
+    prediction errs long and only sizes that really are slow are dropped."""
+    best = 0.0
+    for n in (256, 512, 1024, 2048):
+        if best and 2 * n**3 / (best * 1e12) > budget_s:
+            break
+        best = max(best, measure_gemm_tflops(dtype, device, n, seconds=0.3 if n < 1024 else 1.0))
+    return best
+
+
 def peak_tflops(device: torch.device, mixed_precision: str, override: float = 0.0,
                 cache_dir: str = "~/.cache/shardwise") -> tuple[float, str]:
     """(peak TFLOP/s, where the figure came from) for one device of this run."""
@@ -89,13 +106,7 @@ def peak_tflops(device: torch.device, mixed_precision: str, override: float = 0.
         cache = {}
     if key not in cache:
         dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
-        # Best of two sizes: small GEMMs can beat large ones on CPUs whose caches favour them. A
-        # 256 probe first: a CPU without native bf16 emulates it at about 0.001-0.003 TFLOP/s, where
-        # one 2048 product takes 6-17 s and the two sizes held the first step for minutes; sizes
-        # whose one product the probe's rate puts over a quarter of a second are left out.
-        probe = measure_gemm_tflops(dtype, device, 256, seconds=0.2)
-        sizes = [n for n in (1024, 2048) if 2 * n**3 / (probe * 1e12) <= 0.25]
-        cache[key] = max((measure_gemm_tflops(dtype, device, n) for n in sizes), default=probe)
+        cache[key] = measure_cpu_peak(dtype, device)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".tmp{os.getpid()}")

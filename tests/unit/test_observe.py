@@ -64,13 +64,13 @@ def test_cpu_peak_is_measured_once_and_cached(tmp_path: Path, monkeypatch: pytes
 
     def fake_measure(dtype, device, n=2048, seconds=1.0):
         calls.append((dtype, n))
-        return 0.5 if n == 1024 else 0.7
+        return {256: 0.3, 512: 0.6, 1024: 0.5}.get(n, 0.7)
 
     monkeypatch.setattr(peak_mod, "measure_gemm_tflops", fake_measure)
     value, source = peak_mod.peak_tflops(torch.device("cpu"), "fp32", cache_dir=str(tmp_path))
     assert value == 0.7 and "measured fp32 GEMM" in source
     assert peak_mod.peak_tflops(torch.device("cpu"), "fp32", cache_dir=str(tmp_path))[0] == 0.7
-    assert [n for _, n in calls] == [256, 1024, 2048]  # a probe, two sizes, measured once; the
+    assert [n for _, n in calls] == [256, 512, 1024, 2048]  # every size, measured once; the
     # second call read the cache
     cache = json.loads((tmp_path / "peak_tflops.json").read_text())
     assert any("threads=" in k and "fp32" in k for k in cache)
@@ -78,7 +78,8 @@ def test_cpu_peak_is_measured_once_and_cached(tmp_path: Path, monkeypatch: pytes
 
 def test_cpu_peak_of_emulated_bf16_is_measured_in_a_second(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """A CPU without native bf16 runs it at about 0.002 TFLOP/s: one 2048 product would take 9 s,
-    so only the 256 probe is measured (it held a bf16 run's first step for 6 minutes before)."""
+    so the sizes stop where one product would pass a second (they held a bf16 run's first step
+    for 6 minutes before)."""
     calls = []
 
     def fake_measure(dtype, device, n=2048, seconds=1.0):
@@ -87,7 +88,16 @@ def test_cpu_peak_of_emulated_bf16_is_measured_in_a_second(tmp_path: Path, monke
 
     monkeypatch.setattr(peak_mod, "measure_gemm_tflops", fake_measure)
     assert peak_mod.peak_tflops(torch.device("cpu"), "bf16", cache_dir=str(tmp_path))[0] == 0.002
-    assert calls == [256]
+    assert calls == [256, 512]  # a 1024 product at 0.002 TFLOP/s would take 1.07 s
+
+
+def test_cpu_peak_is_not_a_slow_small_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Native bf16 whose small GEMMs run far below its large ones (packing): the slow 256 rate must
+    not rule the large sizes out, or MFU is measured against a peak below what the model reaches
+    (a run reported MFU over 100% in CI that way)."""
+    rates = {256: 0.004, 512: 0.02, 1024: 0.08, 2048: 0.1}
+    monkeypatch.setattr(peak_mod, "measure_gemm_tflops", lambda dtype, device, n, seconds: rates[n])
+    assert peak_mod.peak_tflops(torch.device("cpu"), "bf16", cache_dir=str(tmp_path))[0] == 0.1
 
 
 def test_real_gemm_measurement_is_positive():
