@@ -234,7 +234,11 @@ def rank_time(cfg: Config, layout: Layout, rank_states: RankStates, hw: Hardware
                "host": host_seconds(layout, rank_states, hw, micro_batches, shape.args)
                + gpu_host_seconds(cfg, shape.args, hw, per_layer, compiled) * micro_batches}
     colls = step_collectives(cfg, layout, rank_states) if colls is None else colls
-    seconds = [collective_time(c, layout, hw, rank_states.pp_rank) for c in colls]
+    seconds, memo = [], {}  # (blocks issue many identical collectives)
+    for c in colls:
+        if (key := (c.group, c.kind, c.nbytes, c.calls)) not in memo:
+            memo[key] = collective_time(c, layout, hw, rank_states.pp_rank)
+        seconds.append(memo[key])
     comm = per_mesh_dim(colls, seconds)
     fsdp = sum(secs for c, secs in zip(colls, seconds, strict=True) if c.overlap == "fsdp")
     if hw.comm_overlap and fsdp and layout.pp == 1:

@@ -39,45 +39,96 @@ from shardwise.plan.states import BYTES, RankStates
 
 @dataclass
 class Timeline:
-    """Running total of live bytes; remembers the peak and where it happened."""
+    """Running total of live bytes; remembers the peak, where it happened and its parts."""
 
     live: int = 0
     peak: int = 0
-    where: str = ""
-    parts: dict[str, int] = field(default_factory=dict)
-    peak_parts: dict[str, int] = field(default_factory=dict)
+    where: str | tuple = ""
+    log: list[dict[str, int]] = field(default_factory=list)
+    """Bytes by part of each step applied, in order: the peak's parts are summed from it once, at
+    the end (a pipeline replays thousands of steps; copying the parts at each new peak cost more
+    than the replay)."""
+    at: tuple[int, dict[str, int]] = (0, {})
+    """(steps applied before the peak, bytes by part of the peak's step up to its high point)."""
 
     def add(self, part: str, nbytes: int, where: str | tuple) -> None:
         """One allocation (or, negative, a free). ``where`` may be a tuple: :func:`_where` formats
-        it once, for the peak only (a pipeline replays thousands of passes)."""
+        it once, for the peak only."""
         if nbytes > 0 and self.live + nbytes > self.peak:
-            self.peak, self.where = self.live + nbytes, where
-            self.peak_parts = dict(self.parts)
-            self.peak_parts[part] = self.peak_parts.get(part, 0) + nbytes
+            self.peak, self.where, self.at = self.live + nbytes, where, (len(self.log), {part: nbytes})
         self.live += nbytes
-        self.parts[part] = self.parts.get(part, 0) + nbytes
+        self.log.append({part: nbytes})
 
     def run(self, events: list[tuple[str, int]], times: int, where: str | tuple) -> None:
         """Apply ``events`` (part, bytes) ``times`` times over, e.g. one block's for a run of
         identical blocks: the peak of the repetition is in its first pass if a pass frees more
         than it allocates, else in its last, so one pass over the events finds it."""
-        if times <= 0 or not events:
+        self.apply(repeat(one_pass(events), times), where)
+
+    def apply(self, p: Pass | None, where: str | tuple) -> None:
+        """Apply a summarized sequence of events (:func:`one_pass`, :func:`repeat`, :func:`then`)."""
+        if p is None:
             return
-        total, parts, best, best_parts = 0, {}, None, {}
-        for part, n in events:
-            total += n
-            parts[part] = parts.get(part, 0) + n
-            if best is None or total > best:
-                best, best_parts = total, dict(parts)
-        j = times - 1 if total > 0 else 0
-        if self.live + j * total + best > self.peak:
-            self.peak, self.where = self.live + j * total + best, where
-            keys = set(self.parts) | set(parts)
-            self.peak_parts = {k: self.parts.get(k, 0) + j * parts.get(k, 0) + best_parts.get(k, 0)
-                               for k in keys}
-        self.live += times * total
-        for k, v in parts.items():
-            self.parts[k] = self.parts.get(k, 0) + times * v
+        total, parts, best, best_parts = p
+        if self.live + best > self.peak:
+            self.peak, self.where, self.at = self.live + best, where, (len(self.log), best_parts)
+        self.live += total
+        self.log.append(parts)
+
+    @property
+    def peak_parts(self) -> dict[str, int]:
+        """Live bytes by part at the peak."""
+        steps, last = self.at
+        out: dict[str, int] = {}
+        for parts in [*self.log[:steps], last]:
+            for k, v in parts.items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+
+Pass = tuple[int, dict[str, int], int, dict[str, int]]
+"""A sequence of allocations summarized: (net bytes, net bytes by part, the highest running total,
+the running total by part there). Applying one is what applying its events one by one does."""
+
+
+def _plus(a: dict[str, int], b: dict[str, int], times: int = 1) -> dict[str, int]:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = out.get(k, 0) + times * v
+    return out
+
+
+def one_pass(events: list[tuple[str, int]]) -> Pass | None:
+    """``events`` (part, bytes) applied once, summarized (None: no events)."""
+    total, parts, best, best_parts = 0, {}, None, {}
+    for part, n in events:
+        total += n
+        parts[part] = parts.get(part, 0) + n
+        if best is None or total > best:
+            best, best_parts = total, dict(parts)
+    return None if best is None else (total, parts, best, best_parts)
+
+
+def repeat(p: Pass | None, times: int) -> Pass | None:
+    """``p`` applied ``times`` times in a row: its highest point is in the first pass if a pass
+    frees more than it allocates, else in the last."""
+    if p is None or times <= 0:
+        return None
+    if times == 1:
+        return p
+    total, parts, best, best_parts = p
+    j = times - 1 if total > 0 else 0
+    return times * total, _plus({}, parts, times), j * total + best, _plus(best_parts, parts, j)
+
+
+def then(a: Pass | None, b: Pass | None) -> Pass | None:
+    """``a`` then ``b`` (an equal high point later does not move the first one)."""
+    if a is None or b is None:
+        return a or b
+    total, parts = a[0] + b[0], _plus(a[1], b[1])
+    if a[2] >= a[0] + b[2]:
+        return total, parts, a[2], a[3]
+    return total, parts, a[0] + b[2], _plus(a[1], b[3])
 
 
 @dataclass(frozen=True)
@@ -264,11 +315,11 @@ def weight_inputs(s: Shape, layer: int) -> int:
 
 
 def _stage_backward(s: Shape, layers: list[int], per_block: dict[int, int], full_block: dict[int, int],
-                    grads: dict[int | None, int], first: bool) -> list[tuple[list[tuple[str, int]], int]]:
-    """(events, times) of a pipeline stage's backward over its blocks, runs of identical blocks
-    folded; ``first``: the stage's unsharded gradients appear with it."""
+                    grads: dict[int | None, int], first: bool) -> Pass | None:
+    """A pipeline stage's backward over its blocks, runs of identical blocks folded; ``first``: the
+    stage's unsharded gradients appear with it."""
     sig = {i: (per_block[i], full_block[i], grads.get(i, 0)) for i in layers}
-    out = []
+    out = None
     for run in _runs(list(reversed(layers)), sig):
         i = run[0]
         recompute, temps = full_block[i] - per_block[i], backward_temporaries(s, i)
@@ -276,7 +327,7 @@ def _stage_backward(s: Shape, layers: list[int], per_block: dict[int, int], full
         events += [("recompute", recompute), ("backward temporaries", temps),
                    ("backward temporaries", -temps), ("recompute", -recompute),
                    ("activations", -per_block[i])]
-        out.append((events, len(run)))
+        out = then(out, repeat(one_pass(events), len(run)))
     return out
 
 
@@ -302,7 +353,7 @@ def _pipeline_timeline(tl: Timeline, cfg: Config, layout: Layout, st: RankStates
         stage_acts[stage] = ends + sum(per_block[i] for i in per_stage[stage])
         keep[stage] = sum(weight_inputs(s, i) for i in per_stage[stage])
     done: set[int | None] = set()  # stages whose gradients exist (None: the root's)
-    backward: dict[tuple[int, bool], list] = {}  # a stage's backward events, the same every micro-batch
+    backward: dict[tuple, Pass | None] = {}  # a stage's backward, the same every micro-batch
 
     def root_grads(stage: int, where: str) -> None:
         """Mark the stage's gradients allocated; the embedding / head ones with the first of them."""
@@ -316,23 +367,24 @@ def _pipeline_timeline(tl: Timeline, cfg: Config, layout: Layout, st: RankStates
         if kind == "F":
             tl.add("activations", stage_acts[stage], where)
             continue
-        if kind in ("B", "I") and stage == n_stages - 1:
-            tl.run([("loss", loss), ("loss", -loss)], 1, where)
         if kind == "W":  # weight gradients: the kept linear inputs go, the gradients may appear
-            events = [] if stage in done else [("unsharded grads", grads.get(i, 0)) for i in per_stage[stage]]
-            tl.run(events + [("activations", -keep[stage])], 1, where)
+            key = (stage, stage in done, kind)
+            if key not in backward:
+                new = [("unsharded grads", grads.get(i, 0)) for i in per_stage[stage] if stage not in done]
+                backward[key] = one_pass(new + [("activations", -keep[stage])])
+            tl.apply(backward[key], where)
             root_grads(stage, where)
             continue
         first = kind == "B" and stage not in done  # (this backward allocates the stage's gradients)
-        if (stage, first) not in backward:
-            backward[stage, first] = _stage_backward(s, per_stage[stage], per_block, full_block, grads, first)
-        for events, times in backward[stage, first]:
-            tl.run(events, times, where)
-        ends = stage_acts[stage] - sum(per_block[i] for i in per_stage[stage])
-        tl.add("activations", -ends + (keep[stage] if kind == "I" else 0), where)
+        if (stage, first, kind) not in backward:  # the loss's, the blocks', then the stage's ends
+            head = one_pass([("loss", loss), ("loss", -loss)]) if stage == n_stages - 1 else None
+            ends = stage_acts[stage] - sum(per_block[i] for i in per_stage[stage])
+            tail = one_pass([("activations", -ends + (keep[stage] if kind == "I" else 0))])
+            blocks = _stage_backward(s, per_stage[stage], per_block, full_block, grads, first)
+            backward[stage, first, kind] = then(then(head, blocks), tail)
+        tl.apply(backward[stage, first, kind], where)
         if kind == "B":
             root_grads(stage, where)
     # at the end of the schedule the gradients are reduce-scattered
-    for u in units:
-        tl.run([("grads", 4 * u.numel // u.shard), ("unsharded grads", -red * u.numel)], 1,
-               "gradient reduction")
+    reduce = [(("grads", 4 * u.numel // u.shard), ("unsharded grads", -red * u.numel)) for u in units]
+    tl.run([event for pair in reduce for event in pair], 1, "gradient reduction")

@@ -146,15 +146,12 @@ def _search(cfg: Config, gpus: int, hw: Hardware, capacity: float, shapes: dict,
     ranked above it)."""
     found, states_cache = _Found(), {}
     for group in groups:
-        accepted = []
-        for layout in group:
-            if reason := check_layout(cfg, layout):
-                found.dropped[_reason(reason)] += 1
-                found.refusals.setdefault(_reason(reason), reason)
-            else:
-                accepted.append(layout)
-        if not accepted:
+        # the trainer's checks (resolve_run) never read the checkpointing mode: one verdict per group
+        if reason := check_layout(cfg, group[0]):
+            found.dropped[_reason(reason)] += len(group)
+            found.refusals.setdefault(_reason(reason), reason)
             continue
+        accepted = group
         key = dataclasses.astuple(accepted[0])[:7]  # the degrees and the schedule: the states
         if key not in states_cache:
             # Pipeline ranks in between hold fewer micro-batches than the first and no head: the

@@ -350,6 +350,20 @@ def test_plan_skips_only_dominated_checkpointing_modes():
     assert all(speed <= kept[dataclasses.replace(layout, ac="none")] for layout, speed in every.items())
 
 
+@pytest.mark.parametrize("path", [DEBUG, MOE])
+def test_layout_checks_do_not_depend_on_the_checkpointing_mode(path: str):
+    """The search asks the trainer's checks once per group of layouts that differ only in their
+    checkpointing mode: every mode of a group gets the same verdict (refusals included)."""
+    cfg = load_config(path, ["--training.global_batch=16"])
+    modes = ("none", "selective", "full", "layer")
+    layouts = enumerate_layouts(cfg, 8, load_hardware("h100"), ac_modes=modes)
+    verdicts: dict = {}
+    for layout in layouts:
+        verdicts.setdefault(dataclasses.replace(layout, ac="none"), set()).add(check_layout(cfg, layout))
+    assert all(len(v) == 1 for v in verdicts.values())
+    assert any(v != {""} for v in verdicts.values()) and any(v == {""} for v in verdicts.values())
+
+
 def test_plan_with_float8_checks_layouts_without_building_the_model(monkeypatch: pytest.MonkeyPatch, capsys):
     """The trainer's per-run float8 summary (which builds the model on meta) stays out of the layout
     checks the planner runs on every candidate: a 405B search would otherwise take tens of minutes."""
