@@ -68,12 +68,12 @@ def measure_gemm_tflops(dtype: torch.dtype, device: torch.device, n: int = 2048,
     return best
 
 
-def measure_cpu_peak(dtype: torch.dtype, device: torch.device, budget_s: float = 1.0) -> float:
+def measure_peak(dtype: torch.dtype, device: torch.device, budget_s: float = 1.0) -> float:
     """Best TFLOP/s over square GEMMs of 256, 512, 1024 and 2048, in that order.
 
     Small GEMMs can beat large ones on CPUs whose caches favour them, and large ones beat small
-    ones where packing dominates (bf16 on AVX512-BF16 runs a 256 product at a fraction of a 1024
-    one's rate), so the best of all sizes is the peak. A size is left out when the best rate so far
+    ones where packing and call overhead dominate, so the best of all sizes (for a GPU not in the
+    table too) is the peak. A size is left out when the best rate so far
     puts one product over ``budget_s``: a CPU without native bf16 emulates it at about 0.001-0.003
     TFLOP/s, where one 2048 product takes 6-17 s. Since rates grow with size on such CPUs, the
     prediction errs long and only sizes that really are slow are dropped."""
@@ -106,7 +106,7 @@ def peak_tflops(device: torch.device, mixed_precision: str, override: float = 0.
         cache = {}
     if key not in cache:
         dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
-        cache[key] = measure_cpu_peak(dtype, device)
+        cache[key] = measure_peak(dtype, device)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".tmp{os.getpid()}")

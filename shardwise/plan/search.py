@@ -151,22 +151,21 @@ def _search(cfg: Config, gpus: int, hw: Hardware, capacity: float, shapes: dict,
             found.dropped[_reason(reason)] += len(group)
             found.refusals.setdefault(_reason(reason), reason)
             continue
-        accepted = group
-        key = dataclasses.astuple(accepted[0])[:7]  # the degrees and the schedule: the states
+        key = dataclasses.astuple(group[0])[:7]  # the degrees and the schedule: the states
         if key not in states_cache:
             # Pipeline ranks in between hold fewer micro-batches than the first and no head: the
             # first and last bound the peak and the time during the search (on local ranks sharing
             # cores every rank's work counts: cost.shared_cores_pipeline).
-            pp = accepted[0].pp
+            pp = group[0].pp
             ends = None if pp <= 2 or hw.cores else [0, pp - 1]
-            states_cache[key] = shape_states(accepted[0].apply(cfg), accepted[0], shapes, ends)
+            states_cache[key] = shape_states(group[0].apply(cfg), group[0], shapes, ends)
         states = states_cache[key]
         below = []  # under capacity at the floor, least memory first
-        for i, layout in enumerate(sorted(accepted, key=lambda x: MEMORY_ORDER.index(x.ac))):
+        for i, layout in enumerate(sorted(group, key=lambda x: MEMORY_ORDER.index(x.ac))):
             c = layout.apply(cfg)
             # capacity holds what the allocator reserves for the live bytes (hw.reserved)
             if (need := int(hw.reserved(max(memory_floor(c, layout, st) for st in states)))) > capacity:
-                found.dropped["memory over capacity"] += len(accepted) - i
+                found.dropped["memory over capacity"] += len(group) - i
                 found.over(layout, need, False)
                 break
             below.append(layout)
@@ -210,7 +209,7 @@ def plan(cfg: Config, gpus: int, hw: Hardware, top: int = 5, memory_fraction: fl
         found = search(groups)
     ranked = sorted(found.ranked, key=lambda x: -x.tokens_per_s_per_device)
     # The first is the one written out: its states come from the real model (tests hold the shape
-    # rules equal to it, so the others are costed from shapes -- a 405B build is about a second).
+    # rules equal to it, so the others are costed from shapes -- a 405B build takes 1-3 s on 2 cores).
     exact = [estimate(x.layout.apply(cfg), gpus, hw, exact=exact_top and i == 0, shapes=shapes)
              for i, x in enumerate(ranked[:top])]
     return PlanResult(ranked, found.dropped, len(layouts), exact, found.refusals, found.least)

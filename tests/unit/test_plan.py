@@ -6,6 +6,7 @@ executed FLOPs; plan returns layouts the trainer accepts."""
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from shardwise.plan.comm import group_members
 from shardwise.plan.cost import rank_time
 from shardwise.plan.hardware import available, load_hardware
 from shardwise.plan.layout import Layout
-from shardwise.plan.memory import memory_floor, step_memory
+from shardwise.plan.memory import Timeline, memory_floor, one_pass, repeat, step_memory, then
 from shardwise.plan.schedule import in_flight, schedule_actions
 from shardwise.plan.search import check_layout, enumerate_layouts, parse_tokens, plan, plan_config
 from shardwise.plan.states import built_states, shape_states
@@ -362,6 +363,36 @@ def test_layout_checks_do_not_depend_on_the_checkpointing_mode(path: str):
         verdicts.setdefault(dataclasses.replace(layout, ac="none"), set()).add(check_layout(cfg, layout))
     assert all(len(v) == 1 for v in verdicts.values())
     assert any(v != {""} for v in verdicts.values()) and any(v == {""} for v in verdicts.values())
+
+
+def test_folded_passes_replay_as_their_events_do():
+    """A pipeline stage's backward is applied as one folded pass (one_pass, repeat, then): over
+    random sequences of allocations and frees, the peak, where it happens and its parts equal
+    applying every event one by one (ties keep the first high point)."""
+    rng = random.Random(0)
+    parts = ["activations", "grads", "loss", "recompute"]
+    for _ in range(300):
+        steps = [([(rng.choice(parts), rng.randint(-5, 5)) for _ in range(rng.randint(1, 5))],
+                  rng.randint(0, 3), f"step {k}") for k in range(rng.randint(1, 6))]
+        live, peak, where, at, now = 0, 0, "", {}, {}  # the reference: event by event
+        for events, times, name in steps:
+            for _ in range(times):
+                for part, n in events:
+                    live += n
+                    now[part] = now.get(part, 0) + n
+                    if live > peak:
+                        peak, where, at = live, name, dict(now)
+        one_by_one = Timeline()
+        for events, times, name in steps:
+            one_by_one.run(events, times, name)
+        folded, grouped = Timeline(), None
+        for events, times, _ in steps:
+            grouped = then(grouped, repeat(one_pass(events), times))
+        folded.apply(grouped, "all")
+        assert (one_by_one.peak, one_by_one.where) == (peak, where)
+        assert folded.peak == peak and (folded.where == "all") == (peak > 0)
+        for tl in (one_by_one, folded):
+            assert {k: v for k, v in tl.peak_parts.items() if v} == {k: v for k, v in at.items() if v}
 
 
 def test_plan_with_float8_checks_layouts_without_building_the_model(monkeypatch: pytest.MonkeyPatch, capsys):
