@@ -106,12 +106,16 @@ def split_stage(model: nn.Module, stages: int | list[int], n_stages: int) -> nn.
     """A copy of the (meta-device) model keeping only what ``stages`` run: their blocks, the
     embedding if stage 0 is among them, the final norm and head if the last stage is."""
     stages = [stages] if isinstance(stages, int) else stages
-    part = copy.deepcopy(model)
     per_stage = stage_layers(len(model.layers), n_stages)
     keep = {str(i) for s in stages for i in per_stage[s]}
-    for key in list(part.layers.keys()):
-        if key not in keep:
-            del part.layers[key]
+    # Copy only the kept blocks: deep-copying all 126 blocks of a 405B model on meta for each rank
+    # took longer than building it.
+    every = model.layers
+    model.layers = nn.ModuleDict({k: b for k, b in every.items() if k in keep})
+    try:
+        part = copy.deepcopy(model)
+    finally:
+        model.layers = every
     if 0 not in stages:
         part.tok_embeddings = None
     if n_stages - 1 not in stages:

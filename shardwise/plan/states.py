@@ -20,6 +20,7 @@ each pipeline rank is reported at data/tensor coordinate 0, which holds the larg
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import warnings
 from collections.abc import Iterator
@@ -109,12 +110,15 @@ def fake_world(world: int, rank: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def build_rank(cfg: Config, world: int, rank: int) -> tuple[nn.Module, object]:
+def build_rank(cfg: Config, world: int, rank: int, every_block: bool = True) -> tuple[nn.Module, object]:
     """This rank's model (its pipeline stages), parallelized on meta as the trainer does it; call
-    inside :func:`fake_world`. Returns (model, ParallelDims)."""
+    inside :func:`fake_world`. Returns (model, ParallelDims). ``every_block=False``: blocks that
+    parallelize alike (:func:`_drop_alike_blocks`) are built once; the model's ``alike`` attribute
+    maps each dropped block to the one kept for it."""
     run = resolve_run(cfg, world, detect_device=False)
     run.dims.build_mesh("cpu")
     model = build_stage(run)
+    model.alike = {} if every_block else _drop_alike_blocks(model)
     with warnings.catch_warnings():
         # A pipeline stage without the head has no 'output' for the TP plan to resolve.
         warnings.filterwarnings("ignore", message="Parallelize plan key")
@@ -122,16 +126,70 @@ def build_rank(cfg: Config, world: int, rank: int) -> tuple[nn.Module, object]:
     return model, run.dims
 
 
-def built_states(cfg: Config, world: int) -> list[RankStates]:
-    """Per pipeline rank, the states and FSDP units of the real parallelized model."""
+def _drop_alike_blocks(model: nn.Module) -> dict[int, int]:
+    """Remove from ``model`` (before parallelize) each block that another kept block stands for:
+    same modules and parameter shapes, and neither is the rank's last block (which FSDP keeps
+    gathered after forward). Every parallelism treats such blocks alike, wherever their stage, so
+    their shards and FSDP units are the same but for the name. Returns {dropped layer: kept layer}."""
+    views = getattr(model, "stage_views", None) or []
+    last = list(model.layers)[-1]
+    kept: dict[tuple, int] = {}
+    alike: dict[int, int] = {}
+    for key, block in list(model.layers.items()):
+        sig = (key == last, tuple(type(m).__name__ for m in block.modules()),
+               tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters()))
+        if sig in kept:
+            alike[int(key)] = kept[sig]
+            del model.layers[key]
+            for v in views:
+                if key in v.layers:
+                    del v.layers[key]
+        else:
+            kept[sig] = int(key)
+    return alike
+
+
+def built_states(cfg: Config, world: int, every_block: bool = False) -> list[RankStates]:
+    """Per pipeline rank, the states and FSDP units of the real parallelized model.
+
+    What parallelizes alike is built once and counted for each (``every_block``: build every
+    block of every rank; a test holds the two equal): blocks of one kind within a rank
+    (:func:`_drop_alike_blocks`), and pipeline ranks whose stages hold the same kinds of blocks
+    and the same ends of the model. Sharding a 405B rank's 126 blocks on meta takes 3 s here."""
     layout = Layout.from_config(cfg, world)
-    out = []
+    args = model_args(cfg.model)
+    n_stages = layout.pp * layout.stages_per_rank
+    per_stage = stage_layers(args.n_layers, n_stages)
+    out: list[RankStates] = []
+    built: dict[tuple, RankStates] = {}
     for s in range(layout.pp):
+        stages = (rank_stages(s, layout.pp, layout.pp_schedule, layout.pp_stages_per_rank)
+                  if layout.pp > 1 else [0])
+        sig = (0 in stages, n_stages - 1 in stages,
+               tuple(tuple(args.is_moe_layer(i) for i in per_stage[st]) for st in stages))
+        if not every_block and sig in built:
+            layers = sorted(i for st in stages for i in per_stage[st])
+            out.append(_relabel(built[sig], s, layers))
+            continue
         rank = s * (world // layout.pp)  # pipeline coordinate s, every other coordinate 0
         with fake_world(world, rank):
-            model, _ = build_rank(cfg, world, rank)
-            out.append(_read_states(model, cfg, s))
+            model, _ = build_rank(cfg, world, rank, every_block)
+            built[sig] = _read_states(model, cfg, s)
+        out.append(built[sig])
     return out
+
+
+def _relabel(states: RankStates, pp_rank: int, layers: list[int]) -> RankStates:
+    """``states`` of another pipeline rank, its blocks renamed in order to ``layers``."""
+    new = dict(zip(states.layers, layers, strict=True))
+
+    def unit(u: FsdpUnit) -> FsdpUnit:
+        if u.layer is None:
+            return dataclasses.replace(u, blocks=tuple((new[i], n) for i, n in u.blocks))
+        return dataclasses.replace(u, name=f"layers.{new[u.layer]}" + u.name[len(f"layers.{u.layer}"):],
+                                   layer=new[u.layer])
+    return dataclasses.replace(states, pp_rank=pp_rank, layers=tuple(layers),
+                               units=tuple(unit(u) for u in states.units))
 
 
 def _local_numel(p: torch.Tensor) -> int:
@@ -139,10 +197,16 @@ def _local_numel(p: torch.Tensor) -> int:
 
 
 def _read_states(model: nn.Module, cfg: Config, pp_rank: int) -> RankStates:
+    """The states and FSDP units read off ``model``, each dropped alike block (``model.alike``)
+    counted as the block kept for it, in the order a build of every block gives."""
     from torch.distributed.fsdp import FSDPModule
 
-    numel = sum(_local_numel(p) for p in model.parameters())
-    units = []
+    alike: dict[int, int] = getattr(model, "alike", {})
+    block_numel = {int(k): sum(_local_numel(p) for p in b.parameters()) for k, b in model.layers.items()}
+    numel = sum(_local_numel(p) for p in model.parameters()) + sum(block_numel[r] for r in alike.values())
+    layers = sorted([*block_numel, *alike])
+    rep = {i: alike.get(i, i) for i in layers}
+    before, per_layer, after = [], {}, []
     views = getattr(model, "stage_views", None) or []
     for name, m in [*model.named_modules(), *((f"(stage {i})", v) for i, v in enumerate(views))]:
         if not isinstance(m, FSDPModule):
@@ -157,16 +221,26 @@ def _read_states(model: nn.Module, cfg: Config, pp_rank: int) -> RankStates:
         kind = {"efsdp": "efsdp", "dp_shard_cp_tp": "moe"}.get(mesh_name, "dp_shard_cp")
         parts = name.split(".")
         layer = int(parts[1]) if len(parts) > 1 and parts[0] == "layers" else None
-        held = {id(fp.sharded_param) for fp in group.fsdp_params}
-        blocks = () if layer is not None else tuple(
-            (int(k), n) for k, block in model.layers.items()
-            if (n := sum(_local_numel(p) for p in block.parameters() if id(p) in held)))
-        units.append(FsdpUnit(name if layer is not None else "(root)", padded, shard, kind,
-                              getattr(info, "replicate_mesh_size", 1),
-                              group.post_forward_mesh_info is not None, layer, blocks))
-    layers = tuple(int(k) for k in model.layers)
+        blocks: tuple[tuple[int, int], ...] = ()
+        if layer is None:  # a root holding blocks (one unit) holds the dropped alike ones too
+            held = {id(fp.sharded_param) for fp in group.fsdp_params}
+            n = {int(k): s for k, block in model.layers.items()
+                 if (s := sum(_local_numel(p) for p in block.parameters() if id(p) in held))}
+            blocks = tuple((i, n[rep[i]]) for i in layers if rep[i] in n)
+            padded += sum(s for i, s in blocks if i in alike)  # one unit: one rank, nothing padded
+        u = FsdpUnit(name if layer is not None else "(root)", padded, shard, kind,
+                     getattr(info, "replicate_mesh_size", 1), group.post_forward_mesh_info is not None,
+                     layer, blocks)
+        if layer is not None:
+            per_layer.setdefault(layer, []).append(u)
+        else:
+            (after if per_layer else before).append(u)
+    units = [*before]
+    for i in layers:
+        units += [dataclasses.replace(u, name=f"layers.{i}" + u.name[len(f"layers.{rep[i]}"):], layer=i)
+                  for u in per_layer.get(rep[i], [])]
     return RankStates(pp_rank, 4 * numel, 4 * numel, optimizer_bytes_per_element(cfg) * numel,
-                      tuple(units), layers, model.tok_embeddings is not None,
+                      tuple(units + after), tuple(layers), model.tok_embeddings is not None,
                       getattr(model, "norm", None) is not None)
 
 
@@ -187,8 +261,6 @@ def _chunk(n: int, k: int) -> int:
 def _param_shapes(args: ModelArgs) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
     """Parameter (name, shape) of one block of each kind and of the root modules, from the model
     itself on meta (a one-block model per kind, so nothing is duplicated here)."""
-    import dataclasses
-
     out: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
     dense = build_model(dataclasses.replace(args, n_layers=1, n_experts=0))
     out["dense"] = [(n, tuple(p.shape)) for n, p in dense.layers["0"].named_parameters()]

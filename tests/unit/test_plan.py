@@ -21,6 +21,7 @@ from shardwise.ops.loss import TokenLoss
 from shardwise.optim.adamw import build_optimizer
 from shardwise.parallel import fsdp
 from shardwise.parallel.build import build_rank_model
+from shardwise.plan import states
 from shardwise.plan.activations import activations
 from shardwise.plan.comm import group_members
 from shardwise.plan.cost import rank_time
@@ -29,7 +30,7 @@ from shardwise.plan.layout import Layout
 from shardwise.plan.memory import Timeline, memory_floor, one_pass, repeat, step_memory, then
 from shardwise.plan.schedule import in_flight, schedule_actions
 from shardwise.plan.search import check_layout, enumerate_layouts, parse_tokens, plan, plan_config
-from shardwise.plan.states import built_states, shape_states
+from shardwise.plan.states import build_rank, built_states, fake_world, shape_states
 from shardwise.resolve import resolve_run
 from tests.conftest import ROOT, one_rank_pg
 
@@ -94,6 +95,41 @@ def test_one_unit_states_equal_the_built_model(gpu_units: None, path: str, world
     else:  # the root holds every block; only a feed-forward on a wider mesh stays a unit of its own
         assert not blocks and [i for i, _ in root.blocks] == list(range(n_layers))
         assert len(built[0].units) == 1 or "--parallel.ep=2" in overrides
+
+
+@pytest.mark.parametrize("path,world,overrides,one", [
+    (DEBUG, 4, ["--parallel.dp_shard=2", "--parallel.tp=2"], False),
+    (DEBUG, 4, ["--parallel.dp_shard=4", "--parallel.reshard_after_forward=always"], False),
+    (DEBUG, 2, ["--parallel.pp=2", "--parallel.pp_schedule=interleaved1f1b", "--model.n_layers=12",
+                "--parallel.pp_stages_per_rank=3", "--training.micro_batch=1"], False),
+    (DEBUG, 4, ["--parallel.pp=4", "--model.n_layers=13", "--training.micro_batch=1"], False),
+    (DEBUG, 4, ["--parallel.pp=4", "--parallel.pp_schedule=zbv", "--model.n_layers=16",
+                "--training.micro_batch=1"], False),
+    (MOE, 4, ["--parallel.dp_shard=4", "--parallel.ep=2"], False),
+    (MOE, 5, ["--parallel.pp=5", "--model.n_layers=25", "--model.n_dense_layers=6",  # rank 1 has one dense
+              "--training.micro_batch=1"], False),
+    (DEBUG, 1, [], True),  # one unit: the root holds every block
+    (MOE, 2, ["--parallel.tp=2", "--parallel.ep=2"], True)])
+def test_alike_blocks_built_once_count_as_every_block(monkeypatch: pytest.MonkeyPatch, path: str, world: int,
+                                                      overrides: list[str], one: bool):
+    """plan's exact estimate builds each kind of block once per rank, and pipeline ranks of the
+    same make once: the states, the FSDP units (names, sizes, order) and the layers of every rank
+    equal those of building every block of every rank."""
+    if one:
+        monkeypatch.setattr(fsdp, "ONE_UNIT_DEVICES", ("cuda", "cpu"))
+    cfg = load_config(path, overrides)
+    builds = []
+    monkeypatch.setattr(states, "build_rank", lambda *a: builds.append(a[2]) or build_rank(*a))
+    alike = built_states(cfg, world)
+    once = len(builds)
+    assert alike == built_states(cfg, world, every_block=True)
+    pp = Layout.from_config(cfg, world).pp
+    assert len(builds) - once == pp
+    if pp >= 4:  # these have middle ranks of the same make: built once
+        assert once < pp
+    with fake_world(world, 0):  # and blocks were in fact dropped
+        model, _ = build_rank(cfg, world, 0, every_block=False)
+    assert model.alike and sorted([*map(int, model.layers), *model.alike]) == list(alike[0].layers)
 
 
 def test_states_count_local_shards():
