@@ -154,7 +154,9 @@ class Transformer(nn.Module):
         # Tied embeddings reuse tok_embeddings.weight in forward: one parameter, nothing to re-tie
         # after to_empty() or sharding.
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.register_buffer("rope", rope_table(args), persistent=False)
+        # On meta the table is a shape only: init_weights computes it once materialized.
+        table = torch.empty(args.max_seq_len, args.head_dim // 2, 2)
+        self.register_buffer("rope", table if table.is_meta else rope_table(args), persistent=False)
         # The sequence positions this rank's tokens hold, when context parallel shards the
         # sequence; init_weights then keeps only those rows of the RoPE table.
         self.rope_positions: torch.Tensor | None = None

@@ -203,6 +203,21 @@ def test_every_preset_builds_on_meta(name: str):
     assert out.shape == (1, 8, args.vocab_size)
 
 
+def test_meta_build_materializes_to_the_cpu_build():
+    """Built on meta (no initializers run, the RoPE table a shape only), moved to the CPU and
+    initialized: every parameter and the RoPE table equal the model built and initialized on the CPU."""
+    args = dataclasses.replace(TINY, n_experts=4, moe_top_k=2, moe_hidden_dim=32, n_dense_layers=1)
+    meta = build_model(args)
+    assert meta.rope.is_meta
+    meta.to_empty(device="cpu")
+    cpu = build_model(args, device="cpu")
+    init_weights(meta, 7)
+    init_weights(cpu, 7)
+    assert torch.equal(meta.rope, rope_table(args)) and torch.equal(cpu.rope, rope_table(args))
+    for (n, a), (_, b) in zip(meta.state_dict().items(), cpu.state_dict().items(), strict=True):
+        assert torch.equal(a, b), n
+
+
 @pytest.mark.parametrize("name,billions", [("1b", 1.236), ("3b", 3.213), ("8b", 8.030), ("70b", 70.554),
                                            ("405b", 405.853)])
 def test_large_presets_have_published_parameter_counts(name: str, billions: float):
