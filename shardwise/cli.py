@@ -92,9 +92,12 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
     if nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {nproc}")
     from shardwise.preflight import preflight
-    from shardwise.train import train
 
     dims = preflight(cfg, nproc)  # all config errors surface here, before any process group exists
+    if world is not None or nproc == 1:
+        # The trainer's modules are imported only where it runs: the launcher of --nproc ranks
+        # starts them a second sooner without torch._dynamo, which the trainer's import brings.
+        from shardwise.train import train
     if world is not None:  # a rank (of this launcher, torchrun or Slurm)
         train(cfg, dims)
         return 0

@@ -37,21 +37,15 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleZBVZeroBubble,
-)
-from torch.distributed.pipelining.schedules import _add_send_recv, _add_unshard_reshard, _ComputationType
 
 from shardwise.models.moe import routing_not_counted
 from shardwise.parallel.tensor import full_value
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B,
-             "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved1f1b": "ScheduleInterleaved1F1B",
+             "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+"""Schedule name -> its class in torch.distributed.pipelining (imported on a pipeline's first use:
+it imports torch._dynamo, a second of start-up for the launcher and the planner, which need only
+this module's stage arithmetic)."""
 V_SHAPED = ("zbv", "dualpipev")
 
 
@@ -69,26 +63,23 @@ def rank_stages(rank: int, pp: int, schedule: str, interleaved: int = 2) -> list
     return [rank + i * pp for i in range(stages_per_rank(schedule, interleaved))]
 
 
-class Stage(PipelineStage):
-    """A PipelineStage whose shape inference does not count as MoE routing.
+@functools.cache
+def _stage_class() -> type:
+    """torch's PipelineStage, made not to count its shape inference as MoE routing: before the
+    first step torch runs the stage once on placeholder tensors to learn the shapes it exchanges
+    (``_shape_inference`` in torch 2.11, ``_forward_metadata_inference`` in 2.13); an MoE block
+    would otherwise count those tokens into its expert loads."""
+    from torch.distributed.pipelining import PipelineStage
 
-    Before the first step torch runs the stage once on placeholder tensors to learn the shapes it
-    exchanges (``_shape_inference`` in torch 2.11, ``_forward_metadata_inference`` in 2.13); an MoE
-    block would otherwise count those tokens into its expert loads."""
+    def uncounted(name: str) -> Callable:
+        original = getattr(PipelineStage, name)
 
-
-def _uncounted(name: str) -> None:
-    original = getattr(PipelineStage, name)
-
-    def wrapper(self: Stage, *args: object, **kwargs: object) -> object:
-        with routing_not_counted(self.submod):
-            return original(self, *args, **kwargs)
-    setattr(Stage, name, wrapper)
-
-
-for _name in ("_shape_inference", "_forward_metadata_inference"):
-    if hasattr(PipelineStage, _name):
-        _uncounted(_name)
+        def wrapper(self: PipelineStage, *args: object, **kwargs: object) -> object:
+            with routing_not_counted(self.submod):
+                return original(self, *args, **kwargs)
+        return wrapper
+    names = [n for n in ("_shape_inference", "_forward_metadata_inference") if hasattr(PipelineStage, n)]
+    return type("Stage", (PipelineStage,), {n: uncounted(n) for n in names})
 
 
 def stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
@@ -180,15 +171,18 @@ class Pipe:
         ids = rank_stages(rank, size, schedule, interleaved)
         n_stages = size * len(ids)
         group = mesh.get_group()
+        import torch.distributed.pipelining as pipelining
+
+        stage, schedule_class = _stage_class(), getattr(pipelining, SCHEDULES[schedule])
         if len(ids) == 1:
-            self.stages = [Stage(part, ids[0], n_stages, device, group=group)]
-            self.schedule = SCHEDULES[schedule](self.stages[0], n_microbatches, loss_fn=self.loss,
-                                                scale_grads=False)
+            self.stages = [stage(part, ids[0], n_stages, device, group=group)]
+            self.schedule = schedule_class(self.stages[0], n_microbatches, loss_fn=self.loss,
+                                           scale_grads=False)
         else:
-            self.stages = [Stage(view, i, n_stages, device, group=group)
+            self.stages = [stage(view, i, n_stages, device, group=group)
                            for view, i in zip(part.stage_views, ids, strict=True)]
-            self.schedule = SCHEDULES[schedule](self.stages, n_microbatches, loss_fn=self.loss,
-                                                scale_grads=False)
+            self.schedule = schedule_class(self.stages, n_microbatches, loss_fn=self.loss,
+                                           scale_grads=False)
         self.is_first, self.is_last = 0 in ids, n_stages - 1 in ids
         self.v_shaped = schedule in V_SHAPED
         self._eval_order: dict | None = None  # (V_SHAPED: the forward-only order, built on first eval)
@@ -234,6 +228,12 @@ class Pipe:
         if not self.v_shaped:
             yield
             return
+        from torch.distributed.pipelining.schedules import (
+            _add_send_recv,
+            _add_unshard_reshard,
+            _ComputationType,
+        )
+
         train = sched.pipeline_order_with_comms
         if self._eval_order is None:
             forward = {rank: _add_unshard_reshard([x for a in actions if a is not None
