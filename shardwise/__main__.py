@@ -6,7 +6,10 @@ QUICK_EXIT = ("plan", "estimate")
 torch's modules and of the model they built on meta (1.0-1.6 s of a 405B plan on a 2-core VM,
 against 0.1 s)."""
 
-if __name__ == "__main__":  # not when multiprocessing's spawn re-imports this module in a worker
+
+def run() -> None:
+    """The ``shardwise`` command (console script and ``python -m shardwise`` alike): :func:`main`,
+    then the process's exit. (Tests call ``main`` in-process, which never exits.)"""
     from shardwise.cli import main
 
     code = main()
@@ -17,3 +20,7 @@ if __name__ == "__main__":  # not when multiprocessing's spawn re-imports this m
         finally:
             os._exit(code)
     sys.exit(code)
+
+
+if __name__ == "__main__":  # not when multiprocessing's spawn re-imports this module in a worker
+    run()
