@@ -110,11 +110,11 @@ def fake_world(world: int, rank: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def build_rank(cfg: Config, world: int, rank: int, every_block: bool = True) -> tuple[nn.Module, object]:
+def build_rank(cfg: Config, world: int, rank: int, every_block: bool = False) -> tuple[nn.Module, object]:
     """This rank's model (its pipeline stages), parallelized on meta as the trainer does it; call
-    inside :func:`fake_world`. Returns (model, ParallelDims). ``every_block=False``: blocks that
-    parallelize alike (:func:`_drop_alike_blocks`) are built once; the model's ``alike`` attribute
-    maps each dropped block to the one kept for it."""
+    inside :func:`fake_world`. Returns (model, ParallelDims). Blocks that parallelize alike
+    (:func:`_drop_alike_blocks`) are built once unless ``every_block``; the model's ``alike``
+    attribute maps each dropped block to the one kept for it."""
     run = resolve_run(cfg, world, detect_device=False)
     run.dims.build_mesh("cpu")
     model = build_stage(run)
@@ -186,10 +186,15 @@ def _relabel(states: RankStates, pp_rank: int, layers: list[int]) -> RankStates:
     def unit(u: FsdpUnit) -> FsdpUnit:
         if u.layer is None:
             return dataclasses.replace(u, blocks=tuple((new[i], n) for i, n in u.blocks))
-        return dataclasses.replace(u, name=f"layers.{new[u.layer]}" + u.name[len(f"layers.{u.layer}"):],
-                                   layer=new[u.layer])
+        return _moved(u, new[u.layer])
     return dataclasses.replace(states, pp_rank=pp_rank, layers=tuple(layers),
                                units=tuple(unit(u) for u in states.units))
+
+
+def _moved(u: FsdpUnit, layer: int) -> FsdpUnit:
+    """Block unit ``u`` as the same unit of block ``layer`` (``layers.3.feed_forward`` ->
+    ``layers.7.feed_forward``)."""
+    return dataclasses.replace(u, name=f"layers.{layer}" + u.name[len(f"layers.{u.layer}"):], layer=layer)
 
 
 def _local_numel(p: torch.Tensor) -> int:
@@ -237,8 +242,7 @@ def _read_states(model: nn.Module, cfg: Config, pp_rank: int) -> RankStates:
             (after if per_layer else before).append(u)
     units = [*before]
     for i in layers:
-        units += [dataclasses.replace(u, name=f"layers.{i}" + u.name[len(f"layers.{rep[i]}"):], layer=i)
-                  for u in per_layer.get(rep[i], [])]
+        units += [_moved(u, i) for u in per_layer.get(rep[i], [])]
     return RankStates(pp_rank, 4 * numel, 4 * numel, optimizer_bytes_per_element(cfg) * numel,
                       tuple(units + after), tuple(layers), model.tok_embeddings is not None,
                       getattr(model, "norm", None) is not None)

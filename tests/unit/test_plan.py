@@ -110,13 +110,14 @@ def test_one_unit_states_equal_the_built_model(gpu_units: None, path: str, world
               "--training.micro_batch=1"], False),
     (DEBUG, 1, [], True),  # one unit: the root holds every block
     (MOE, 2, ["--parallel.tp=2", "--parallel.ep=2"], True)])
-def test_alike_blocks_built_once_count_as_every_block(monkeypatch: pytest.MonkeyPatch, path: str, world: int,
+def test_alike_blocks_built_once_count_as_every_block(monkeypatch: pytest.MonkeyPatch,
+                                                      request: pytest.FixtureRequest, path: str, world: int,
                                                       overrides: list[str], one: bool):
     """plan's exact estimate builds each kind of block once per rank, and pipeline ranks of the
     same make once: the states, the FSDP units (names, sizes, order) and the layers of every rank
     equal those of building every block of every rank."""
     if one:
-        monkeypatch.setattr(fsdp, "ONE_UNIT_DEVICES", ("cuda", "cpu"))
+        request.getfixturevalue("gpu_units")
     cfg = load_config(path, overrides)
     builds = []
     monkeypatch.setattr(states, "build_rank", lambda *a: builds.append(a[2]) or build_rank(*a))
