@@ -26,7 +26,7 @@ from shardwise.device import DistEnv
 from shardwise.evaluate import Evaluator
 from shardwise.observe.comm import trace_step
 from shardwise.observe.flops import batch_pairs, executed_flops, flops_per_token, num_params
-from shardwise.observe.memory import GiB, current_memory_gib, peak_memory_gib, track_peak
+from shardwise.observe.memory import GiB, current_memory_gib, peak_memory_gib, peak_reserved_gib, track_peak
 from shardwise.observe.metrics import MetricsLogger, Throughput, per_rank
 from shardwise.observe.peak import peak_tflops
 from shardwise.observe.plot import plot_loss
@@ -114,7 +114,7 @@ class Session:
         """The step's metrics for the log (float() of a tensor syncs; per_rank gathers every rank's)."""
         device = self.env.device
         metrics = {**result.scalars(), **self.throughput.window(), "memory_gib": peak_memory_gib(device),
-                   "memory_current_gib": current_memory_gib(device)}
+                   "memory_current_gib": current_memory_gib(device), **peak_reserved_gib(device)}
         metrics.update(per_rank({k: metrics[k] for k in ("step_time_s", "memory_gib")}, device))
         if self.run.cfg.training.nonfinite == "skip":
             metrics["skipped_steps"] = self.skipped

@@ -29,6 +29,18 @@ def peak_memory_gib(device: torch.device) -> float:
     return rss * (1 if sys.platform == "darwin" else 1024) / GiB  # Linux reports KiB
 
 
+def peak_reserved_gib(device: torch.device) -> dict[str, float]:
+    """On CUDA, what the caching allocator has reserved at most (``memory_reserved_gib``: the figure
+    an out-of-memory error is about, allocated bytes plus the allocator's rounding and free cached
+    blocks) and how often it had to free its cache and retry an allocation
+    (``alloc_retries``: above 0, the run is at the edge of the device's memory). Nothing on CPU."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {"memory_reserved_gib": stats.get("reserved_bytes.all.peak", 0) / GiB,
+            "alloc_retries": stats.get("num_alloc_retries", 0)}
+
+
 def current_memory_gib(device: torch.device) -> float:
     """Memory in use now: the CUDA allocator's allocated bytes, or the process RSS on CPU."""
     if device.type == "cuda":

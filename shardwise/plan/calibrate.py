@@ -137,13 +137,13 @@ def _cached_memory_gbs(threads: tuple[int, ...], seconds: float) -> dict[str, fl
     return rates
 
 
-def _tiny_step(layers: int, layout: tuple[str, ...] = ()) -> Callable[[], None]:
+def _tiny_step(layers: int, layout: tuple[str, ...] = (), device: str = "cpu") -> Callable[[], None]:
     """A training step (forward, backward, clipping, AdamW) of a dim-32 model with ``layers``
     blocks through the trainer's own parallelization and loss, on the current process group
-    (``layout``: parallel overrides such as ``--parallel.tp=2``)."""
+    (``layout``: parallel or other overrides such as ``--parallel.tp=2``)."""
     return _train_step(["--model.dim=32", f"--model.n_layers={layers}", "--model.n_heads=2",
                         "--model.n_kv_heads=2", "--model.vocab_size=64", "--model.multiple_of=32",
-                        "--training.seq_len=8", *layout], sequences=1)
+                        "--training.seq_len=8", *layout], sequences=1, device=device)
 
 
 PROBE = ("--model.dim=192", "--model.n_layers=3", "--model.n_heads=6", "--model.n_kv_heads=6",
@@ -154,26 +154,28 @@ PROBE = ("--model.dim=192", "--model.n_layers=3", "--model.n_heads=6", "--model.
 the presets or benchmark sets uses (4 x 256 tokens, dim 192, head width 32)."""
 
 
-def _train_step(overrides: list[str], sequences: int) -> Callable[[], None]:
+def _train_step(overrides: list[str], sequences: int, device: str = "cpu") -> Callable[[], None]:
     """A training step on ``sequences`` sequences of the model ``overrides`` configure, on the
-    current process group."""
+    current process group (``device``: ``cuda`` for bench/gpu_model.py's host-time probe; the step
+    then ends by waiting for the GPU)."""
     import torch.distributed as dist
 
-    cfg = load_config(None, overrides, device="cpu")
+    cfg = load_config(None, overrides, device=device)
     run = resolve_run(cfg, dist.get_world_size())
-    run.dims.build_mesh("cpu")
-    model = build_rank_model(run, "cpu")
-    opt = build_optimizer(model, cfg.optimizer, "cpu")
+    run.dims.build_mesh(device)
+    model = build_rank_model(run, device)
+    opt = build_optimizer(model, cfg.optimizer, device)
     b, s, vocab = sequences, cfg.training.seq_len, cfg.model.vocab_size
-    tokens = torch.randint(0, vocab, (b, s))
-    batch, n_valid = Batch(tokens, tokens, None, b * s), torch.tensor(b * s)
+    tokens = torch.randint(0, vocab, (b, s), device=device)
+    batch, n_valid = Batch(tokens, tokens, None, b * s), torch.tensor(b * s, device=device)
+    wait = torch.cuda.synchronize if device == "cuda" else dist.barrier
 
     def step() -> None:
         TokenLoss(run.loss_chunk)(model, batch, n_valid)
         clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        dist.barrier()
+        wait()
     return step
 
 

@@ -232,7 +232,7 @@ def rank_time(cfg: Config, layout: Layout, rank_states: RankStates, hw: Hardware
     compute = {"matmul": tally.matmul, "attention": tally.attention, "memory-bound": tally.memory,
                "optimizer": optimizer_seconds(cfg, rank_states, hw, layout.world),
                "host": host_seconds(layout, rank_states, hw, micro_batches, shape.args)
-               + gpu_host_seconds(cfg, shape.args, hw, per_layer, compiled) * micro_batches}
+               + gpu_host_seconds(cfg, shape.args, hw, per_layer) * micro_batches}
     colls = step_collectives(cfg, layout, rank_states) if colls is None else colls
     seconds, memo = [], {}  # (blocks issue many identical collectives)
     for c in colls:
@@ -335,29 +335,23 @@ mode on the debug presets (tests/unit/test_plan.py recounts them): about half la
 rest are views and bookkeeping, which cost host time all the same."""
 
 
-EXTERN_CALLS_PER_BLOCK = {"dense": (8, 23), "moe": (12, 35)}
-"""GEMM and attention calls of one block (forward, forward + backward): a dense block's 7 linear
-layers (3 GEMMs each with backward) and attention (1 + 1); an MoE block's 8 linear layers (router,
-attention, shared expert), 3 grouped GEMMs (9 with backward) and attention."""
-
-
-def host_ops(args: ModelArgs, layer: int, compiled: bool, recomputed: bool) -> int:
-    """Host-side ops of one block's forward and backward for one micro-batch. Compiled blocks run
-    one graph: about two kernels per GEMM or attention call (the call and the fused elementwise
-    kernel around it) -- an assumption, not a count."""
-    kind = "moe" if args.is_moe_layer(layer) else "dense"
-    forward, both = (2 * n for n in EXTERN_CALLS_PER_BLOCK[kind]) if compiled else HOST_OPS_PER_BLOCK[kind]
+def host_ops(args: ModelArgs, layer: int, recomputed: bool) -> int:
+    """Host-side ops of one block's forward and backward for one micro-batch (a recomputed block
+    runs its forward twice). Compiled blocks are costed alike: measured on an H200 machine's host
+    (bench/gpu_model.py, BENCHMARKS.md 2026-11-26), a compiled dense block's host side took 2.24
+    and 2.87 ms per forward + backward in two runs, an eager one 2.70 and 2.68 ms -- the compiled
+    graph's call, guards and autograd wrappers cost about what the eager ops they replace do."""
+    forward, both = HOST_OPS_PER_BLOCK["moe" if args.is_moe_layer(layer) else "dense"]
     return both + (forward if recomputed else 0)
 
 
-def gpu_host_seconds(cfg: Config, args: ModelArgs, hw: Hardware, per_layer: dict[int, float],
-                     compiled: bool) -> float:
+def gpu_host_seconds(cfg: Config, args: ModelArgs, hw: Hardware, per_layer: dict[int, float]) -> float:
     """Seconds per micro-batch a GPU waits on its host: each block's ops at ``host_us_per_op``
     each, beyond what the block's kernels take (the host runs ahead of the GPU while they are
     longer). 0 on local ranks (their host time is measured) and on profiles without the figure."""
     if hw.cores or not hw.host_us_per_op:
         return 0.0
-    return sum(max(0.0, 1e-6 * hw.host_us_per_op * host_ops(args, layer, compiled, _recomputed(cfg, layer))
+    return sum(max(0.0, 1e-6 * hw.host_us_per_op * host_ops(args, layer, _recomputed(cfg, layer))
                    - seconds) for layer, seconds in per_layer.items())
 
 

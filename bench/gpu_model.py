@@ -1,0 +1,189 @@
+"""The planner's GPU step-time terms against one real GPU: GEMM time by shape, and host time per op.
+
+The step-time model (shardwise.plan) costs a GEMM by output tiles and waves over the GPU's
+multiprocessors (``hardware.gemm_seconds``) and a block's host side at ``host_us_per_op`` per ATen
+op (``cost.host_ops``); both were written from the literature. This measures them:
+
+- **GEMMs**: ``F.linear`` in bf16 on random data for the shapes training runs -- the 1B/8B/70B/405B
+  projections at 8192 tokens, their tensor-parallel slices, a weight gradient, and few-row calls
+  (an expert's share of the tokens). Each is set beside the tile model's time on ``--hardware``
+  and beside a flat efficiency (every GEMM at the profile's ``matmul`` fraction of peak). The
+  summary gives the efficiency that centres each model on these shapes and the spread that is
+  left: the shape dependence the tile model gets right or wrong.
+- **Host time**: training steps of a dim-32 model (kernels take next to nothing) through the
+  trainer's own parallelization on a one-rank mesh, 1, 5 and 9 blocks, eager and compiled; the
+  per-block difference over the ATen ops an eager block dispatches (``cost.host_ops``) is the host
+  time per op (``host_us_per_op``), and the compiled figure says whether compiled blocks cost the
+  host less.
+
+    python bench/gpu_model.py --hardware h200 --out gpu_model.json    # on a GPU machine
+    python bench/gpu_model.py --device cpu --quick                    # a smoke run of the code
+
+On CPU the figures mean nothing for a GPU; ``--quick`` times a few small shapes only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
+
+from shardwise.device import init_distributed  # noqa: E402
+from shardwise.models import ModelArgs  # noqa: E402
+from shardwise.plan.calibrate import _time, _tiny_step  # noqa: E402
+from shardwise.plan.cost import host_ops  # noqa: E402
+from shardwise.plan.hardware import BYTES_PER, gemm_seconds, load_hardware  # noqa: E402
+
+
+def _shapes() -> list[tuple[str, int, int, int]]:
+    """(label, rows m, inputs k, outputs n) of ``F.linear``: (m x k) @ (k x n)."""
+    t = 8192  # tokens of one micro-batch (one 8192-token sequence, as the published runs)
+    out = [(f"square {s}", s, s, s) for s in (8192, 4096, 2048, 1024)]
+    dims = {"1b": (2048, 512, 8192), "8b": (4096, 1024, 14336), "70b": (8192, 1024, 28672),
+            "405b": (16384, 1024, 53248)}  # (dim, kv width, ffn hidden)
+    for name, (dim, kv, ffn) in dims.items():
+        for tp in (1, 2, 4, 8):
+            if name in ("1b",) and tp > 1 or name == "405b" and tp != 8:
+                continue
+            tag = f"{name} tp{tp}" if tp > 1 else name
+            out += [(f"{tag} wq", t, dim, dim // tp), (f"{tag} wk", t, dim, kv // tp),
+                    (f"{tag} w1", t, dim, ffn // tp), (f"{tag} w2", t, ffn // tp, dim)]
+    out += [("8b head", t, 4096, 128256), ("8b w1 weight grad", 4096, t, 14336),
+            ("8b w2 weight grad", 14336, t, 4096)]
+    for rows in (128, 256, 512, 1024, 2048):
+        out += [(f"{rows} rows 2048x2048", rows, 2048, 2048), (f"{rows} rows 4096x14336", rows, 4096, 14336)]
+    return out
+
+
+def _gemm_seconds_measured(m: int, k: int, n: int, device: torch.device) -> tuple[float, float]:
+    """Median seconds of one ``F.linear`` (m x k) x (n x k)^T in bf16 on random data: launched from
+    Python back to back (what eager code gets: a small GEMM can wait on its launch), and replayed
+    from a CUDA graph (the kernels alone). On CPU both are the plain call."""
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+    if device.type != "cuda":
+        t = _time(lambda: F.linear(x, w), 0.05)
+        return t, t
+    for _ in range(3):
+        F.linear(x, w)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    F.linear(x, w)
+    torch.cuda.synchronize()
+    reps = max(5, min(200, int(0.02 / max(time.perf_counter() - t0, 1e-6))))
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        F.linear(x, w)
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(reps):
+                F.linear(x, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    out = []
+    for run in (lambda: [F.linear(x, w) for _ in range(reps)], graph.replay):
+        times = []
+        for _ in range(5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / reps)
+        out.append(statistics.median(times))
+    return out[0], out[1]
+
+
+def gemms(hw_name: str, device: torch.device, quick: bool) -> dict:
+    """Every shape measured and predicted; the summary per model."""
+    hw = load_hardware(hw_name)
+    eff = hw.efficiency.get("matmul_bf16", hw.efficiency["matmul"])
+    rate = hw.peak_tflops["bf16"] * eff
+    shapes = [s for s in _shapes() if not quick or max(s[1:]) <= 2048]
+    rows = []
+    for label, m, k, n in shapes:
+        measured, kernel = _gemm_seconds_measured(m, k, n, device)
+        tile = gemm_seconds(m, k, n, rate, hw.memory_bw(), hw.sms, BYTES_PER["bf16"])
+        flat = 2 * m * k * n / (rate * 1e12)
+        flops = 2 * m * k * n
+        rows.append({"shape": label, "m": m, "k": k, "n": n, "measured_tflops": flops / measured / 1e12,
+                     "tile_tflops": flops / tile / 1e12, "flat_tflops": rate,
+                     "kernel_tflops": flops / kernel / 1e12, "measured_s": measured, "kernel_s": kernel,
+                     "tile_s": tile, "flat_s": flat})
+        r = rows[-1]
+        print(f"{label:24s} {m:6d} {k:6d} {n:6d}  measured {r['measured_tflops']:7.1f} (graph "
+              f"{r['kernel_tflops']:7.1f})  tile model "
+              f"{r['tile_tflops']:7.1f}  flat {rate:6.1f} TFLOP/s  measured/tile time "
+              f"{measured / tile:5.2f}", flush=True)
+    summary = {}
+    for model, timing in (("tile", "measured"), ("flat", "measured"), ("tile", "kernel"), ("flat", "kernel")):
+        logs = [math.log(r[f"{timing}_s"] / r[f"{model}_s"]) for r in rows]
+        centre = statistics.fmean(logs)
+        # the profile's matmul efficiency that would centre this model on these shapes
+        summary[f"{model} model, {timing} time"] = {"centring_efficiency": eff * math.exp(-centre),
+                          "geomean_measured_over_predicted": math.exp(centre),
+                          "spread_after_centring": [math.exp(min(logs) - centre),
+                                                    math.exp(max(logs) - centre)],
+                          "rms_log_error_after_centring": math.sqrt(statistics.fmean(
+                              [(x - centre) ** 2 for x in logs]))}
+    print(json.dumps(summary, indent=1), flush=True)
+    return {"hardware": hw_name, "matmul_efficiency": eff, "rows": rows, "summary": summary}
+
+
+def host_time(device: torch.device, seconds: float) -> dict:
+    """Host ms per block (eager and compiled) of a model whose kernels take next to nothing, and
+    that over ``cost.host_ops``'s count of one block's ops: the host time per op."""
+    args = ModelArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=64)
+    out = {}
+    for compiled in (False, True):
+        flags = (f"--compile.enabled={str(compiled).lower()}", "--activation_checkpoint.mode=none")
+        times = {n: _time(_tiny_step(n, flags, device=device.type), seconds, min_runs=10) for n in (1, 5, 9)}
+        per_block = (times[9] - times[1]) / 8
+        ops = host_ops(args, 0, recomputed=False)
+        key = "compiled" if compiled else "eager"
+
+        out[key] = {"ms_by_blocks": {n: 1e3 * t for n, t in times.items()},
+                    "dynamo": {k: dict(v) for k, v in counters.items() if k in ("stats", "graph_break")},
+                    "ms_per_block": 1e3 * per_block, "ms_per_step_rest": 1e3 * (times[1] - per_block),
+                    "ops_per_block_counted": ops, "us_per_op": 1e6 * per_block / ops}
+        print(f"host, {key}: steps of 1/5/9 blocks {[round(1e3 * t, 2) for t in times.values()]} ms; dynamo "
+              f"{out[key]['dynamo']}", flush=True)
+        print(f"host, {key}: {1e3 * per_block:.3f} ms per block, {1e3 * (times[1] - per_block):.2f} ms "
+              f"per step besides; over {ops} ops counted per block: {1e6 * per_block / ops:.2f} us per op",
+              flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hardware", default="h100", help="the profile whose GEMM model is checked")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true", help="small shapes and short timings (smoke run)")
+    parser.add_argument("--skip-host", action="store_true")
+    parser.add_argument("--out", default="", help="write the results as JSON here")
+    a = parser.parse_args()
+    env = init_distributed(a.device)
+    result: dict = {"device": torch.cuda.get_device_name() if env.device.type == "cuda" else "cpu",
+                    "torch": torch.__version__}
+    print(f"{result['device']}, torch {torch.__version__}", flush=True)
+    result["gemms"] = gemms(a.hardware, env.device, a.quick)
+    if not a.skip_host:
+        result["host"] = host_time(env.device, 0.2 if a.quick else 1.0)
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
