@@ -112,9 +112,10 @@ class TrainingConfig:
     """Sequences per optimizer step, summed over data-parallel ranks and micro-batches."""
     micro_batch: int = 0
     """Sequences per rank per forward/backward; 0 = global_batch / dp (no accumulation)."""
-    mixed_precision: Literal["bf16", "fp32", "auto"] = "bf16"
+    mixed_precision: Literal["bf16", "fp32", "auto"] = "auto"
     """Compute dtype in forward/backward (master weights stay fp32): bf16, fp32, or auto = bf16 on
-    GPUs and CPUs with native bf16 (AMX, AVX512-BF16, Arm BF16), else fp32; resolved at load."""
+    GPUs and CPUs with native bf16 (AMX, AVX512-BF16, Arm BF16), else fp32 (such CPUs emulate bf16
+    GEMMs 10-50x slower); resolved at load."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping; the norm is still reported)."""
     loss: Literal["auto", "fused", "plain"] = "auto"
