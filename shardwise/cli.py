@@ -227,6 +227,8 @@ def cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg.model = model
     cfg.checkpoint.path = str(out)
     cfg.data.tokenizer = cfg.data.tokenizer or hf_tokenizer(Path(args.from_hf))  # the model's own
+    # The config trains elsewhere too: keep `auto` precision for the machine that trains, not this one's.
+    cfg.training.mixed_precision = config.read_config(args.config, overrides).training.mixed_precision
     toml.write_text(cfg.to_toml())
     print(f"imported {args.from_hf} -> {out} (model {model.name or 'from config.json'}); train from it: "
           f"shardwise train --config {toml}")

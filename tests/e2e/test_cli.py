@@ -260,6 +260,8 @@ def test_hf_folder_to_training_and_back_with_no_model_flags(tmp_path: Path, data
     written = toml.read_text()
     assert 'name = ""' in written and "qk_norm = true" in written and "ffn_hidden_size = 96" in written
     assert tomllib.loads(written)["data"]["tokenizer"] == str(tmp_path / "qwen3")  # the folder's
+    # precision is left to the machine that trains (this one's choice would pin fp32 on GPUs)
+    assert tomllib.loads(written)["training"]["mixed_precision"] == "auto"
     byte = tmp_path / "byte.toml"  # ... unless the command line names another
     run_cli(["convert", "--from-hf", str(tmp_path / "qwen3"), "--out", str(tmp_path / "b" / "step-0"),
              "--toml", str(byte), "--data.tokenizer", "byte"])
