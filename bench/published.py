@@ -61,7 +61,7 @@ def config(model: str, world: int, batch: int, degrees: dict, mb: int, ac: str, 
             f"--compile.enabled={compile_}", f"--float8.enabled={fp8}", f"--parallel.pp_schedule={schedule}",
             "--training.loss=plain",  # torchtitan's: cross-entropy of the fp32 logits, eager
             "--parallel.dp_shard=1", *(f"--parallel.{k}={v}" for k, v in degrees.items())]
-    return load_config(None, over)
+    return load_config(None, over, device="cuda")  # (auto precision resolves for the GPUs planned)
 
 
 FIT = {"matmul": (0.30, 0.95), "matmul_fp8": (0.20, 0.95), "attention": (0.15, 0.95), "memory": (0.20, 1.0)}

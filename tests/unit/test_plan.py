@@ -343,7 +343,7 @@ def test_plan_returns_layouts_the_trainer_accepts():
     the top ones are estimated exactly."""
     from shardwise.resolve import resolve_run
 
-    cfg = plan_config(load_config(None, ["--model.name=8b"]), 8192, parse_tokens("128K"))
+    cfg = plan_config(load_config(None, ["--model.name=8b"], device="cuda"), 8192, parse_tokens("128K"))
     assert cfg.training.global_batch == 16
     hw = load_hardware("h100")
     result = plan(cfg, 8, hw, top=2, schedules=("1f1b",))
@@ -365,7 +365,7 @@ def test_plan_skips_only_dominated_checkpointing_modes():
     from shardwise.plan.memory import step_memory
     from shardwise.plan.search import _param_shapes
 
-    cfg = plan_config(load_config(None, ["--model.name=8b"]), 8192, parse_tokens("128K"))
+    cfg = plan_config(load_config(None, ["--model.name=8b"], device="cuda"), 8192, parse_tokens("128K"))
     hw = load_hardware("h100")
     result = plan(cfg, 8, hw, top=0, schedules=("1f1b",), workers=1)
     assert result.dropped["slower than a checkpointing mode that fits"] > 0
@@ -439,7 +439,7 @@ def test_plan_with_float8_checks_layouts_without_building_the_model(monkeypatch:
 
     calls = []
     monkeypatch.setattr(preflight, "float8_summary", lambda *a: calls.append(a) or "")
-    cfg = plan_config(load_config(None, ["--model.name=8b", "--float8.enabled=true"]), 8192,
+    cfg = plan_config(load_config(None, ["--model.name=8b", "--float8.enabled=true"], device="cuda"), 8192,
                       parse_tokens("128K"))
     result = plan(cfg, 8, load_hardware("h100"), top=1, schedules=("1f1b",))
     assert result.ranked and result.considered > 50 and not calls
