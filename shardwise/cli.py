@@ -386,7 +386,7 @@ def _calibrate_parser(sub: argparse._SubParsersAction) -> None:
                    description="Measure GEMM and attention throughput per dtype and thread count, "
                                "memory bandwidth, gloo collective bandwidth and latency among local "
                                "processes, and the host overhead of a step; save them as the 'local' "
-                               "hardware profile (about two minutes on 2 cores; --quick, about 40 s).")
+                               "hardware profile (two to five minutes on 2 cores; --quick, about 40 s).")
     p.add_argument("--quick", action="store_true",
                    help="fewer sizes and shorter timings (about 40 s on 2 cores; noisier)")
 

@@ -102,7 +102,7 @@ HOW: dict[str, Check] = {
     "shardwise train --help-config": Check(),
     "shardwise estimate --config configs/debug.toml --world 4 --parallel.tp 2 --hardware h100": Check(),
     "shardwise plan --model 70b --gpus 256 --hardware h100 --seq 8192 --global-batch-tokens 4M": Check(),
-    "shardwise calibrate": Check(slow=True),  # about two minutes of measurements
+    "shardwise calibrate": Check(slow=True),  # two to five minutes of measurements
     # docs/checkpointing.md, run as one sequence: export the run `make run` leaves (its step-100 stood in
     # for by a 2-step run's checkpoint), import it back, train from it.
     "shardwise convert --to-hf runs/debug/checkpoints/step-100 --out hf/ --dtype bf16": Check(
