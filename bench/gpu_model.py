@@ -10,6 +10,8 @@ op (``cost.host_ops``); both were written from the literature. This measures the
   and beside a flat efficiency (every GEMM at the profile's ``matmul`` fraction of peak). The
   summary gives the efficiency that centres each model on these shapes and the spread that is
   left: the shape dependence the tile model gets right or wrong.
+- **Attention**: causal SDPA forward + backward per head width and sequence length, as a fraction
+  of the bf16 peak, against the profile's flat ``attention`` efficiency.
 - **Host time**: training steps of a dim-32 model (kernels take next to nothing) through the
   trainer's own parallelization on a one-rank mesh, 1, 5 and 9 blocks, eager and compiled; the
   per-block difference over the ATen ops an eager block dispatches (``cost.host_ops``) is the host
@@ -141,6 +143,55 @@ def gemms(hw_name: str, device: torch.device, quick: bool) -> dict:
     return {"hardware": hw_name, "matmul_efficiency": eff, "rows": rows, "summary": summary}
 
 
+def attention(hw_name: str, device: torch.device, quick: bool) -> list[dict]:
+    """Causal SDPA forward + backward in bf16 (the kernel torch picks, as the model calls it) per head
+    width and sequence length, 16,384 tokens and 2,048 (or 4,096) query width per call; FLOPs counted
+    as the planner does (4 H D per query-key pair forward, 2.5x that backward), set against the
+    profile's flat attention efficiency."""
+    hw = load_hardware(hw_name)
+    peak = hw.peak_tflops["bf16"]
+    out = []
+    for width in (2048, 4096):
+        for head_dim in (64, 128):
+            for seq in ((256, 512) if quick else (1024, 2048, 4096, 8192)):
+                heads, batch = width // head_dim, max(1, (512 if quick else 16384) // seq)
+                q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, dtype=torch.bfloat16,
+                                       requires_grad=True) for _ in range(3))
+                grad = torch.randn_like(q)
+
+                def step(q=q, k=k, v=v, grad=grad) -> None:
+                    F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+                seconds = _kernel_seconds(step, device)
+                flops = 4 * heads * head_dim * batch * seq * (seq + 1) / 2 * 3.5
+                rate = flops / seconds / 1e12
+                out.append({"width": width, "head_dim": head_dim, "seq": seq, "batch": batch,
+                            "seconds": seconds, "tflops": rate, "fraction_of_peak": rate / peak,
+                            "profile_efficiency": hw.efficiency["attention"]})
+                print(f"attention width {width} head {head_dim:3d} seq {seq:5d} x{batch:2d}: {rate:6.1f} "
+                      f"TFLOP/s = {rate / peak:.2f} of peak (profile: {hw.efficiency['attention']:.2f})",
+                      flush=True)
+    return out
+
+
+def _kernel_seconds(fn, device: torch.device) -> float:
+    """Median seconds of ``fn`` (events around five runs each of a few calls; CPU: wall time)."""
+    if device.type != "cuda":
+        return _time(fn, 0.05)
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / 3)
+    return statistics.median(times)
+
+
 def host_time(device: torch.device, seconds: float) -> dict:
     """Host ms per block (eager and compiled) of a model whose kernels take next to nothing, and
     that over ``cost.host_ops``'s count of one block's ops: the host time per op."""
@@ -172,12 +223,18 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="small shapes and short timings (smoke run)")
     parser.add_argument("--skip-host", action="store_true")
+    parser.add_argument("--only-attention", action="store_true", help="the attention table alone")
     parser.add_argument("--out", default="", help="write the results as JSON here")
     a = parser.parse_args()
     env = init_distributed(a.device)
     result: dict = {"device": torch.cuda.get_device_name() if env.device.type == "cuda" else "cpu",
                     "torch": torch.__version__}
     print(f"{result['device']}, torch {torch.__version__}", flush=True)
+    result["attention"] = attention(a.hardware, env.device, a.quick)
+    if a.only_attention:
+        if a.out:
+            Path(a.out).write_text(json.dumps(result, indent=1))
+        return
     result["gemms"] = gemms(a.hardware, env.device, a.quick)
     if not a.skip_host:
         result["host"] = host_time(env.device, 0.2 if a.quick else 1.0)
