@@ -93,18 +93,8 @@ def _gemm_seconds_measured(m: int, k: int, n: int, device: torch.device) -> tupl
             for _ in range(reps):
                 F.linear(x, w)
     torch.cuda.current_stream().wait_stream(stream)
-    out = []
-    for run in (lambda: [F.linear(x, w) for _ in range(reps)], graph.replay):
-        times = []
-        for _ in range(5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3 / reps)
-        out.append(statistics.median(times))
-    return out[0], out[1]
+    launched = _event_seconds(lambda: F.linear(x, w), device, calls=reps)
+    return launched, _event_seconds(graph.replay, device, calls=1) / reps
 
 
 def gemms(hw_name: str, device: torch.device, quick: bool) -> dict:
@@ -161,7 +151,7 @@ def attention(hw_name: str, device: torch.device, quick: bool) -> list[dict]:
 
                 def step(q=q, k=k, v=v, grad=grad) -> None:
                     F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
-                seconds = _kernel_seconds(step, device)
+                seconds = _event_seconds(step, device)
                 flops = 4 * heads * head_dim * batch * seq * (seq + 1) / 2 * 3.5
                 rate = flops / seconds / 1e12
                 out.append({"width": width, "head_dim": head_dim, "seq": seq, "batch": batch,
@@ -173,8 +163,9 @@ def attention(hw_name: str, device: torch.device, quick: bool) -> list[dict]:
     return out
 
 
-def _kernel_seconds(fn, device: torch.device) -> float:
-    """Median seconds of ``fn`` (events around five runs each of a few calls; CPU: wall time)."""
+def _event_seconds(fn, device: torch.device, calls: int = 3) -> float:
+    """Median seconds per call of ``fn``: CUDA events around five windows of ``calls`` calls each,
+    after two warm-up calls (CPU: wall time)."""
     if device.type != "cuda":
         return _time(fn, 0.05)
     for _ in range(2):
@@ -184,11 +175,11 @@ def _kernel_seconds(fn, device: torch.device) -> float:
     for _ in range(5):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(3):
+        for _ in range(calls):
             fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / 3)
+        times.append(start.elapsed_time(end) / 1e3 / calls)
     return statistics.median(times)
 
 

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 # Dense (no sparsity) peak TFLOP/s per dtype, from the vendors' data sheets.
 GPU_PEAKS: dict[str, dict[str, float]] = {
@@ -57,8 +58,6 @@ def measure_gemm_tflops(dtype: torch.dtype, device: torch.device, n: int = 2048,
     They can differ tenfold: on CPUs without native bf16, bf16 ``a @ b`` ran at 0.0008-0.0014
     TFLOP/s and ``a @ b.T`` at 0.012-0.017 (2 cores, AVX2), so a peak from one layout alone put
     a bf16 run's MFU at 240%."""
-    import torch.nn.functional as F
-
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
