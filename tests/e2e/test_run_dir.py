@@ -323,3 +323,14 @@ print("never")
     assert proc.returncode == 3, proc.stderr
     assert proc.stdout == "exit handler ran\n"
     assert out.read_text() == "buffered from a thread"
+
+
+def test_a_profiled_command_exits_normally_so_the_profile_is_written(tmp_path: Path):
+    """``python -m cProfile -o FILE -m shardwise ...`` writes FILE after the command returns: under a
+    profiler the command exits the normal way, not through ``quick_exit``."""
+    out = tmp_path / "estimate.prof"
+    proc = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(out), "-m", "shardwise", "estimate",
+                           "--config", "configs/debug.toml", "--world", "1", "--hardware", "h100"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert out.stat().st_size > 0
