@@ -24,6 +24,7 @@ from shardwise.data.dataset import Batch, Corpus, PackedLoader, check_vocab, ope
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.device import DistEnv
 from shardwise.evaluate import Evaluator
+from shardwise.observe.comm import trace_step
 from shardwise.observe.flops import batch_pairs, executed_flops, flops_per_token, num_params
 from shardwise.observe.memory import GiB, current_memory_gib, peak_memory_gib, peak_reserved_gib, track_peak
 from shardwise.observe.metrics import MetricsLogger, Throughput, per_rank
@@ -80,14 +81,9 @@ class Session:
         # (the peak tracker outside: its all-gather of every rank's peak is not the step's)
         stack.enter_context(track_peak(cfg.debug.memory and traced, self.model, self.optimizer,
                                        self.run_dir / "memory_peak.json", env.device))
-        if cfg.debug.comm and traced:
-            # (imported here: torch's CommDebugMode brings in dynamo and inductor, 0.7 s of every
-            # rank's start-up on a 2-core VM, for a step that is rarely traced)
-            from shardwise.observe.comm import trace_step
-
-            stack.enter_context(trace_step(True, self.run.dims.mesh, self.run.dims.flat_meshes,
-                                           self.run_dir / "comm.json", env.rank,
-                                           track_modules=self.run.dims.pp == 1))
+        stack.enter_context(trace_step(cfg.debug.comm and traced, self.run.dims.mesh,
+                                       self.run.dims.flat_meshes, self.run_dir / "comm.json", env.rank,
+                                       track_modules=self.run.dims.pp == 1))
         if self.routing:
             stack.enter_context(self.routing.around_step(step, batches))
         return stack
