@@ -1,10 +1,10 @@
 """Collectives of one training step, per module and mesh dim, with the bytes they move.
 
 Built on torch's ``CommDebugMode``, which sees both DTensor collectives (TP, loss parallel) and the
-c10d collectives FSDP2 issues. It counts calls; ``CommTracker`` (:func:`tracker_class`) adds, for
-every call, the *buffer bytes*: the size of the largest tensor among the collective's inputs and outputs (the
-gathered tensor of an all-gather, the unreduced tensor of a reduce-scatter, the tensor of an
-all-reduce). On a ring, each rank sends and receives about ``(n - 1) / n`` of that.
+c10d collectives FSDP2 issues. It counts calls; ``CommTracker`` (:func:`_tracker_class`) adds, for
+every call, the *buffer bytes*: the size of the largest tensor among the collective's inputs and
+outputs (the gathered tensor of an all-gather, the unreduced tensor of a reduce-scatter, the tensor
+of an all-reduce). On a ring, each rank sends and receives about ``(n - 1) / n`` of that.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _group_name(args: tuple) -> str | None:
 
 
 @functools.cache
-def tracker_class() -> type:
+def _tracker_class() -> type:
     """:class:`CommTracker`, defined at its first use: torch's ``CommDebugMode`` brings in dynamo and
     inductor (0.7 s of each rank's start-up on a 2-core VM), and most runs trace no step."""
     from torch.distributed.tensor.debug import CommDebugMode
@@ -168,7 +168,7 @@ def trace_step(enabled: bool, mesh: DeviceMesh, flat: dict[str, DeviceMesh], out
     if not enabled:
         yield
         return
-    tracker = tracker_class()(mesh_group_names(mesh, flat), track_modules)
+    tracker = _tracker_class()(mesh_group_names(mesh, flat), track_modules)
     with tracker, warnings.catch_warnings():
         # Artifacts of tracing, not of training: under a dispatch mode F.linear decomposes into mm +
         # a real view (FSDP2 then warns about the root returning a view; nothing modifies the logits
