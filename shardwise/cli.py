@@ -16,7 +16,7 @@ import sys
 import textwrap
 import traceback
 
-from shardwise import config
+from shardwise import config, process
 from shardwise.config import Config, ConfigError
 
 
@@ -75,11 +75,15 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
     from pathlib import Path
 
     from shardwise.device import launched_world_size
-    from shardwise.rundir import LOCK_ENV, take
 
     if args.help_config:
         print(help_text())
         return 0
+    if (args.nproc or 0) > 1 and not args.print_config and launched_world_size() is None:
+        # The ranks' imports start now, beside this launcher's own and its config checks.
+        process.start_rank_server(args.nproc, args.max_restarts)
+    from shardwise.rundir import LOCK_ENV, take
+
     cfg = load_config(args.config, overrides)
     if args.print_config:
         print(cfg.to_toml(), end="")
@@ -114,7 +118,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
         prepare(cfg.data, load_tokenizer(cfg.data.tokenizer))  # once, here; the ranks memory-map it
         from shardwise.launch import launch, strip_launcher_flags
 
-        return launch(strip_launcher_flags(argv), nproc, args.max_restarts, cfg.run.dir)
+        return launch(strip_launcher_flags(argv), nproc, args.max_restarts, cfg.run.dir, rank_main)
     finally:
         os.environ.pop(LOCK_ENV, None)
         lock.release()
@@ -400,6 +404,26 @@ def cmd_calibrate(args: argparse.Namespace, extra: list[str]) -> int:
     calibrate(cfg.data.cache_dir, quick=args.quick)
     print(f"saved {local_path(cfg.data.cache_dir)}: use --hardware local")
     return 0
+
+
+def rank_main(env: dict[str, str | None], *argv: str) -> None:
+    """A rank of ``shardwise train --nproc N``, forked from the rank server (shardwise/process.py):
+    the command the launcher ran, with the launcher's environment as it is now (``env``: what changed
+    since the server started), exactly as under torchrun. Returns on success (the elastic agent then
+    collects every rank's return, and the rank exits a second later); otherwise exits with the
+    command's code."""
+    process.enter_rank(env)
+    try:
+        code = main(list(argv))
+    except SystemExit as e:  # argparse's own exit
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001 - printed as the interpreter would, exit 1
+        traceback.print_exc()
+        code = 1
+    if code:
+        process.quick_exit(code)
+    process.finish()
+    process.exit_after_return()
 
 
 def main(argv: list[str] | None = None) -> int:

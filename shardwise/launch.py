@@ -1,6 +1,8 @@
 """The local launcher behind ``shardwise train --nproc N``: torch's elastic agent (the code behind
 ``torchrun``) on this machine only, with one line per failure.
 
+- **Ranks forked from the rank server** (shardwise/process.py): the agent runs a function
+  entrypoint with the forkserver start method, so N ranks cost one import of torch, not N.
 - **Loopback only.** The agent's rendezvous and the ranks' store listen on 127.0.0.1
   (:func:`loopback_stores`), the ranks meet at 127.0.0.1 and gloo uses the loopback interface.
 - **One line per failure.** A launched rank records its one-line error (a ``ConfigError``) in a
@@ -17,13 +19,13 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from shardwise.checkpoint import list_checkpoints
 from shardwise.config_checks import LAUNCHED_RANK_ENV
-from shardwise.device import usable_cores
+from shardwise.process import env_since_server_start, set_rank_env, start_rank_server
 
 
 def strip_launcher_flags(argv: list[str]) -> list[str]:
@@ -93,11 +95,6 @@ def first_failure(folder: str) -> dict | None:
     return min(records, key=lambda r: (r["time"], r["rank"])) if records else None
 
 
-def local_threads(nproc: int) -> int:
-    """Threads per local rank: the cores this process may run on, shared out."""
-    return max(1, usable_cores() // nproc)
-
-
 @contextlib.contextmanager
 def loopback_stores() -> Iterator[None]:
     """Inside: every TCPStore server this process starts listens on 127.0.0.1 only.
@@ -131,42 +128,44 @@ def loopback_stores() -> Iterator[None]:
         dist.TCPStore = c10d_rendezvous_backend.TCPStore = base
 
 
-def launch(argv: list[str], nproc: int, max_restarts: int, run_dir: str) -> int:
-    """Run ``shardwise <argv>`` on ``nproc`` local ranks with torch's elastic launcher."""
+def launch(argv: list[str], nproc: int, max_restarts: int, run_dir: str,
+           entry: Callable[..., None]) -> int:
+    """Run ``shardwise <argv>`` on ``nproc`` local ranks with torch's elastic launcher: each rank calls
+    ``entry(env, *argv)`` in a process forked from the rank server (shardwise/process.py), ``env``
+    being what this process's environment gained since the server started."""
     import logging
-    import socket
     import tempfile
     import uuid
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, parse_args, run
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, get_args_parser, parse_args
 
-    # One thread per core share; set before the ranks start (torchrun would force 1 and warn).
-    os.environ.setdefault("OMP_NUM_THREADS", str(local_threads(nproc)))
-    if max_restarts:
-        # Restarted ranks sharing the launcher's rendezvous store read the dead attempt's gloo
-        # addresses and cannot connect (pytorch/pytorch#135712); a store per attempt avoids it.
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    start_rank_server(nproc, max_restarts)  # (at once if the command line did not start it)
+    set_rank_env(nproc, max_restarts)  # for the agent too (torchrun's code would force 1 thread)
     # On SIGTERM/SIGINT the agent forwards the signal and waits this long for the ranks to finish
     # their step and save before it kills them.
     grace = ([f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}"]
              if any("--shutdown-timeout" in a.option_strings for a in get_args_parser()._actions) else [])
     # Everything on loopback: the rendezvous (see loopback_stores), the address the ranks meet at,
-    # and gloo's own connections between them. Only this machine's ranks can join.
-    if "lo" in {name for _, name in socket.if_nameindex()}:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # and gloo's own connections between them (set_rank_env). Only this machine's ranks can join.
     largs = parse_args(["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", f"--rdzv-id={uuid.uuid4()}",
                         "--local-addr=127.0.0.1", "--nnodes=1", f"--nproc-per-node={nproc}",
-                        f"--max-restarts={max_restarts}", *grace, "--module", "shardwise", *argv])
+                        f"--max-restarts={max_restarts}", "--start-method=forkserver", *grace,
+                        "--module", "shardwise", *argv])
+    if largs.master_port is None:  # as torchrun's run() does (the c10d rendezvous does not use it)
+        largs.master_port = 29500
+    launch_config, _, _ = config_from_args(largs)
     # The agent logs each failure with its own traceback; this launcher reports them in one line.
-    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed")]:
+    for name in [n for n in logging.root.manager.loggerDict
+                 if n.startswith(("torch.distributed", "torch.multiprocessing"))]:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="shardwise-errors-") as errors:
         os.environ[ERROR_DIR_ENV] = errors
         try:
             with loopback_stores():
-                run(largs)
+                elastic_launch(launch_config, entry)(env_since_server_start(), *argv)
         except SignalException as e:
             if stopped_cleanly(run_dir):
                 print(f"shardwise: stopped by {e.sigval.name} with a checkpoint of the last step",

@@ -64,10 +64,12 @@ def exit_with_launcher(poll_s: float = 0.5) -> bool:
     """Under torch's elastic agent (``torchrun``, ``shardwise train --nproc``): kill this rank, and
     whatever it started, within ``poll_s`` of the agent's death. Returns whether it watches.
 
-    The agent starts each rank in a session of its own, so when the launcher is SIGKILLed (the OOM
-    killer, a job scheduler) nothing stops its ranks: they would go on training and writing
+    Each rank runs in a session of its own (torchrun's agent starts it so; ``--nproc``'s ranks leave
+    the launcher's in process.enter_rank), so when the launcher is SIGKILLed (the OOM killer, a job
+    scheduler) nothing stops its ranks: they would go on training and writing
     checkpoints into the run directory for minutes, beside any run resumed there. A daemon thread
-    notices the re-parenting (the parent pid changes) and SIGKILLs the rank's process group -- a
+    notices the re-parenting (the parent pid changes; under ``--nproc`` the parent is the rank
+    server, which ends with the launcher) and SIGKILLs the rank's process group -- a
     checkpoint in flight is never half-visible (atomic commit), and every other rank dies alike."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or (parent := os.getppid()) == 1:
         return False

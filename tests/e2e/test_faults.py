@@ -23,11 +23,12 @@ from shardwise.verify import checkpoint_params
 from tests.conftest import ROOT, TINY_ARGS, metrics, need, run_cli
 
 
-def start(args: list[str]) -> subprocess.Popen:
+def start(args: list[str], new_session: bool = False) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("WORLD_SIZE", None)
     return subprocess.Popen([sys.executable, "-m", "shardwise", "train", *TINY_ARGS, *args], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=new_session)
 
 
 def wait_for(cond, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -57,14 +58,22 @@ def loadable(path: Path) -> None:
     checkpoint.load_model_only(path, model)
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path: Path, data_cache: str, nproc: int):
+@pytest.mark.parametrize(("nproc", "group"), [pytest.param(1, False, id="1"), pytest.param(2, False, id="2"),
+                                             pytest.param(2, True, id="2-group")])
+def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path: Path, data_cache: str, nproc: int,
+                                                     group: bool):
+    """SIGTERM to the launcher; ``group``: to its whole process group, as a terminal's Ctrl-C or
+    ``kill -TERM -<group>`` sends it (the rank server is in that group and must outlive the signal:
+    the ranks, which watch it, would otherwise stop without saving)."""
     run_dir = tmp_path / "r"
     common = [f"--data.cache_dir={data_cache}", f"--run.dir={run_dir}", "--checkpoint.final=true",
               *([f"--nproc={nproc}"] if nproc > 1 else [])]
-    proc = start([*common, "--training.steps=100000"])
+    proc = start([*common, "--training.steps=100000"], new_session=group)
     wait_for(lambda: logged_steps(run_dir) >= 3, proc)
-    proc.send_signal(signal.SIGTERM)
+    if group:
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
     assert "received SIGTERM: stopped after step" in out

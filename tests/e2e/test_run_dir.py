@@ -188,21 +188,40 @@ def _launch(run_dir: Path, cache: str, *extra: str) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def _ranks(run_dir: Path) -> list[int]:
-    """Live processes (the launcher and its ranks) whose command line names this run directory,
-    read from /proc (no tool needed)."""
-    found = []
+def _processes() -> dict[int, tuple[int, str]]:
+    """Every live (not zombie) process: pid -> (parent pid, name), read from /proc (no tool needed)."""
+    found = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            stat = (proc / "stat").read_text()
         except OSError:
             continue
-        if f"--run.dir={run_dir}".encode() in cmdline and state != "Z":  # (zombies are gone)
-            found.append(int(proc.name))
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat.rsplit(")", 1)[1].split()
+        if rest[0] != "Z":
+            found[int(proc.name)] = (int(rest[1]), name)
     return found
+
+
+def _ranks(launcher: int) -> list[int]:
+    """The launcher and its live ranks: the processes named ``shardwise-r<RANK>`` that descend from
+    it (forked from its rank server)."""
+    procs = _processes()
+
+    def descends(pid: int) -> bool:
+        while pid > 1 and pid in procs:
+            if pid == launcher:
+                return True
+            pid = procs[pid][0]
+        return False
+
+    return [launcher] + [p for p, (_, name) in procs.items()
+                         if name.startswith("shardwise-r") and descends(p)]
+
+
+def _alive(pids: list[int]) -> list[int]:
+    return [p for p in pids if p in _processes()]
 
 
 def test_ranks_die_with_their_launcher_and_a_live_run_holds_its_directory(tmp_path: Path, data_cache: str):
@@ -210,19 +229,22 @@ def test_ranks_die_with_their_launcher_and_a_live_run_holds_its_directory(tmp_pa
     run on the directory was refused naming the holder; after, the stale holder is taken over."""
     run_dir = tmp_path / "run"
     launcher = _launch(run_dir, data_cache, "--nproc=2", "--training.steps=100000", "--checkpoint.interval=5")
-    deadline = time.monotonic() + 120
-    while not ((run_dir / "metrics.jsonl").is_file() and len(metrics(run_dir)) >= 3):
-        assert launcher.poll() is None and time.monotonic() < deadline, "the run did not start"
-        time.sleep(0.2)
-    line = one_error_line(train(run_dir, data_cache, "--checkpoint.resume=true", check=False))
-    assert f"is in use by a live run (host {os.uname().nodename}, pid {launcher.pid}" in line
-    assert len(_ranks(run_dir)) == 3  # the launcher and its two ranks
-    launcher.send_signal(signal.SIGKILL)
-    launcher.wait()
+    try:
+        deadline = time.monotonic() + 120
+        while not ((run_dir / "metrics.jsonl").is_file() and len(metrics(run_dir)) >= 3):
+            assert launcher.poll() is None and time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.2)
+        line = one_error_line(train(run_dir, data_cache, "--checkpoint.resume=true", check=False))
+        assert f"is in use by a live run (host {os.uname().nodename}, pid {launcher.pid}" in line
+        family = _ranks(launcher.pid)
+        assert len(family) == 3  # the launcher and its two ranks
+    finally:
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
     killed = time.monotonic()
-    while _ranks(run_dir) and time.monotonic() - killed < 10:
+    while _alive(family) and time.monotonic() - killed < 10:
         time.sleep(0.1)
-    assert not _ranks(run_dir), "ranks outlived their launcher by 10 s"
+    assert not _alive(family), "ranks outlived their launcher by 10 s"
     steps = len(metrics(run_dir))
     time.sleep(2)
     assert len(metrics(run_dir)) == steps  # nobody writes any more
@@ -290,8 +312,8 @@ def test_the_local_launcher_listens_on_loopback_only(tmp_path: Path, data_cache:
         while not ((run_dir / "metrics.jsonl").is_file() and len(metrics(run_dir)) >= 2):
             assert launcher.poll() is None and time.monotonic() < deadline, "the run did not start"
             time.sleep(0.2)
-        pids = _ranks(run_dir)
-        assert len(pids) == 3 and launcher.pid in pids
+        pids = _ranks(launcher.pid)
+        assert len(pids) == 3
         addresses = _listening(pids)
         assert addresses and all(a.startswith(("127.0.0.1:", "::1:")) for a in addresses), addresses
         assert _listening([launcher.pid])  # the launcher's own rendezvous store is among them
@@ -307,7 +329,7 @@ def test_the_quick_exit_keeps_what_a_normal_exit_keeps(tmp_path: Path):
     out = tmp_path / "left-open.txt"
     script = f"""
 import atexit, threading, time
-from shardwise.__main__ import quick_exit
+from shardwise.process import quick_exit
 f = open({str(out)!r}, "w")
 f.write("buffered ")
 def late():

@@ -141,3 +141,30 @@ def test_trainer_step_on_cuda_matches_a_plain_pytorch_step(data_cache: str, loss
         for name, p in ref.hf.named_parameters():
             err = (ours[name] - p.detach()).norm() / (p.detach() - ref.start[name]).norm()
             assert err <= 1e-3, f"{name}: {err:.2e} of the update"
+
+
+def test_a_rank_forked_from_the_rank_server_can_use_cuda():
+    """``--nproc N`` forks its ranks from a server that imported shardwise.process.RANK_MODULES; CUDA
+    survives a fork only if the parent never initialized it. A fresh process imports exactly those
+    modules, forks, and the child runs a CUDA kernel. (Written, not yet run on a GPU.)"""
+    import subprocess
+    import sys
+
+    code = """
+import importlib, os
+import torch
+from shardwise.process import RANK_MODULES
+for name in RANK_MODULES:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        pass
+assert not torch.cuda.is_initialized()
+pid = os.fork()
+if pid == 0:
+    x = torch.ones(1024, device="cuda")
+    os._exit(0 if x.sum().item() == 1024 else 3)
+raise SystemExit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]

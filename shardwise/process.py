@@ -1,0 +1,172 @@
+"""How a shardwise process ends, and where the local launcher's ranks start from.
+
+- :func:`quick_exit`: every command leaves through it. It does what the interpreter's exit does
+  (threads, exit handlers, buffered files) less the teardown of torch's modules, 1-2 s of CPU per
+  process on a 2-core VM.
+- **The rank server.** ``shardwise train --nproc N`` forks its N ranks from one process that imported
+  the trainer once (multiprocessing's forkserver with the trainer's modules preloaded), instead of
+  starting N interpreters that each import torch: 3-4 s of CPU per rank on a 2-core VM, paid N times
+  at every start and every restart. :func:`start_rank_server` starts it as soon as the command line
+  asks for local ranks, so its imports run while the launcher checks the config. The server only
+  imports (no tensor is made, CUDA is not touched), so forking from it is as safe as torchrun's
+  fresh processes; each rank leaves the launcher's session, as torchrun's do, so a Ctrl-C reaches
+  the ranks once, through the launcher.
+
+A bottom layer: it imports nothing that loads torch (``shardwise --help`` stays instant).
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import io
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+from shardwise.device import usable_cores
+
+_BUFFERED = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
+
+# What a rank imports before its first step: the server imports them once, every rank inherits them.
+# First shardwise.rank_server (the server's own rules: it ignores group signals, leaves at once);
+# besides shardwise's own, torch._dynamo (FSDP2 imports it at its first shard, through
+# torch._disable_dynamo), the tokenizer library and the chat template's engine (loaded by the config
+# checks); a module that is not installed is left out.
+RANK_MODULES = ["shardwise.rank_server", "shardwise.cli", "shardwise.config_checks", "shardwise.preflight",
+                "shardwise.rundir", "shardwise.launch", "shardwise.train", "torch._dynamo", "tokenizers",
+                "jinja2"]
+
+
+def finish() -> None:
+    """What the interpreter does on exit before it tears its modules down: wait for the threads it
+    would wait for, run the exit handlers (multiprocessing's children, wandb, logging), flush every
+    open file."""
+    for t in threading.enumerate():
+        if t is not threading.current_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    for obj in gc.get_objects():  # open files that nothing closed: flush what they buffer
+        if type(obj) in _BUFFERED and not obj.closed and obj.writable():
+            try:
+                obj.flush()
+            except (OSError, ValueError):
+                pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def quick_exit(code: int) -> None:
+    """Exit as the interpreter would (:func:`finish`), less its teardown of torch's modules, with
+    ``code``. Under a profiler or tracer (``python -m cProfile -m shardwise`` writes its output after
+    the command returns) it exits normally."""
+    if sys.getprofile() is not None or sys.gettrace() is not None:
+        sys.exit(code)
+    try:
+        finish()
+    finally:
+        os._exit(int(code or 0))
+
+
+def exit_after_return(grace_s: float = 1.0) -> None:
+    """In a rank that is about to return its result to the elastic agent: exit ``grace_s`` after.
+
+    The agent's worker puts the return value in a pipe (a synchronous write), then waits for the
+    agent to say it read every rank's. An agent that is shutting down (it forwarded a stop signal,
+    which this rank obeyed by saving and returning) never says so: it waits for the rank to exit,
+    up to its shutdown timeout, then kills it. The value stays readable in the pipe after the exit,
+    so leaving once it is written is right in both cases."""
+
+    def leave() -> None:
+        time.sleep(grace_s)
+        os._exit(0)
+
+    threading.Thread(target=leave, name="shardwise-rank-exit", daemon=True).start()
+
+
+def local_threads(nproc: int) -> int:
+    """Threads per local rank: the cores this process may run on, shared out."""
+    return max(1, usable_cores() // nproc)
+
+
+def set_rank_env(nproc: int, max_restarts: int) -> None:
+    """The environment the launcher and its ranks run in (set before the rank server starts: the
+    ranks inherit the server's environment, and OpenMP reads its thread count when torch loads)."""
+    # One thread per core share (torchrun would force 1 and warn).
+    os.environ.setdefault("OMP_NUM_THREADS", str(local_threads(nproc)))
+    if max_restarts:
+        # Restarted ranks sharing the launcher's rendezvous store read the dead attempt's gloo
+        # addresses and cannot connect (pytorch/pytorch#135712); a store per attempt avoids it.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # gloo's own connections between the ranks stay on loopback, like the rendezvous.
+    if "lo" in {name for _, name in socket.if_nameindex()}:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+_server_env: dict[str, str] | None = None  # this process's environment when it started the server
+
+
+def start_rank_server(nproc: int, max_restarts: int) -> None:
+    """Set the ranks' environment and start the rank server, which imports :data:`RANK_MODULES`
+    in the background while this process goes on. Once per process: later calls do nothing."""
+    global _server_env
+    if _server_env is not None:
+        return
+    before = set(os.environ)
+    set_rank_env(nproc, max_restarts)
+    _server_env = dict(os.environ)
+    try:
+        multiprocessing.set_forkserver_preload(RANK_MODULES)
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        # Only the server takes them now: a caller of cli.main (a test, a notebook) whose command then
+        # fails its checks keeps its environment. The launcher sets them again to launch.
+        for k in set(os.environ) - before:
+            del os.environ[k]
+
+
+def env_since_server_start() -> dict[str, str | None]:
+    """What this process's environment gained, changed (the value) or lost (None) since it started
+    the rank server: the ranks inherit the server's environment and apply this on top."""
+    start = _server_env or {}
+    changed: dict[str, str | None] = {k: v for k, v in os.environ.items() if start.get(k) != v}
+    return {**changed, **{k: None for k in start if k not in os.environ}}
+
+
+def enter_rank(env: dict[str, str | None]) -> None:
+    """First thing in a rank forked from the rank server, to be what torchrun would have started:
+    take the launcher's environment as it is now (``env``: :func:`env_since_server_start`, taken
+    before the elastic agent started, so it holds none of the variables the agent sets per rank);
+    leave the launcher's session (a Ctrl-C reaches the ranks once, through the launcher) with the
+    default signal handlers; write output as it comes (torchrun runs its ranks with ``python -u``)."""
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    # The server hands each child the launcher's end of the pipe whose closing tells the server the
+    # launcher is gone (so that the child could ask the server for processes of its own). Kept open
+    # here, it would keep the server alive after a kill -9 of the launcher, and with it this rank,
+    # which watches its parent (resilience.exit_with_launcher). A rank that starts processes this
+    # way gets a server of its own.
+    server = multiprocessing.forkserver._forkserver
+    if (fd := getattr(server, "_forkserver_alive_fd", None)) is not None:
+        os.close(fd)
+        server._forkserver_alive_fd = None
+    os.setsid()
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # the server ignores them (shardwise/rank_server.py)
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:  # its name in top and ps -o comm (Linux; 15 characters at most)
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
+            f.write(f"shardwise-r{os.environ.get('RANK', '')}"[:15])
+    except OSError:
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(write_through=True)
