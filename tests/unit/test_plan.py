@@ -252,7 +252,10 @@ def test_peak_matches_memtracker(one_rank, units: str, overrides: list[str], mon
             TokenLoss(resolve_run(cfg, 1).loss_chunk)(model, part, torch.tensor(512))
         opt.step()
         opt.zero_grad(set_to_none=True)
-    step()
+    for p in model.parameters():  # the optimizer's states, allocated as a first step would
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
     tracker = _StepMemTracker() if mb < 2 else MemTracker()
     tracker.track_external(model, opt)
     with tracker:
