@@ -149,6 +149,12 @@ def enter_rank(env: dict[str, str | None]) -> None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+    if threads := os.environ.get("OMP_NUM_THREADS"):
+        # OpenMP read it when the server loaded torch; a launcher that started the server for another
+        # rank count (one process launching twice, in-process) may since have changed it.
+        import torch
+
+        torch.set_num_threads(int(threads))
     # The server hands each child the launcher's end of the pipe whose closing tells the server the
     # launcher is gone (so that the child could ask the server for processes of its own). Kept open
     # here, it would keep the server alive after a kill -9 of the launcher, and with it this rank,
