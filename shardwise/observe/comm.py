@@ -1,16 +1,15 @@
 """Collectives of one training step, per module and mesh dim, with the bytes they move.
 
 Built on torch's ``CommDebugMode``, which sees both DTensor collectives (TP, loss parallel) and the
-c10d collectives FSDP2 issues. It counts calls; ``CommTracker`` (:func:`_tracker_class`) adds, for
-every call, the *buffer bytes*: the size of the largest tensor among the collective's inputs and
-outputs (the gathered tensor of an all-gather, the unreduced tensor of a reduce-scatter, the tensor
-of an all-reduce). On a ring, each rank sends and receives about ``(n - 1) / n`` of that.
+c10d collectives FSDP2 issues. It counts calls; :class:`CommTracker` adds, for every call, the
+*buffer bytes*: the size of the largest tensor among the collective's inputs and outputs (the
+gathered tensor of an all-gather, the unreduced tensor of a reduce-scatter, the tensor of an
+all-reduce). On a ring, each rank sends and receives about ``(n - 1) / n`` of that.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import warnings
 from collections import defaultdict
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -51,87 +51,79 @@ def _group_name(args: tuple) -> str | None:
     return names[-1] if names else None
 
 
-@functools.cache
-def _tracker_class() -> type:
-    """:class:`CommTracker`, defined at its first use: torch's ``CommDebugMode`` brings in dynamo and
-    inductor (0.7 s of each rank's start-up on a 2-core VM), and most runs trace no step."""
-    from torch.distributed.tensor.debug import CommDebugMode
+class CommTracker(CommDebugMode):
+    """``CommDebugMode`` that also records (module, phase, collective, group) -> calls and bytes."""
 
-    class CommTracker(CommDebugMode):
-        """``CommDebugMode`` that also records (module, phase, collective, group) -> calls and bytes."""
+    def __init__(self, group_names: dict[str, str] | None = None, track_modules: bool = True) -> None:
+        super().__init__()
+        self.group_names, self.track_modules = group_names or {}, track_modules
+        self.records: dict[tuple[str, str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+        # torch's module tracker adds a post-forward hook at every forward of a module without
+        # removing the previous one, so a module's second forward in one step (gradient
+        # accumulation) pops its parent twice and fails. Drop the old hook first.
+        tracker = self.advanced_module_tracker
+        pre_hook = tracker._fw_pre_hook
 
-        def __init__(self, group_names: dict[str, str] | None = None, track_modules: bool = True) -> None:
-            super().__init__()
-            self.group_names, self.track_modules = group_names or {}, track_modules
-            self.records: dict[tuple[str, str, str, str], list[int]] = defaultdict(lambda: [0, 0])
-            # torch's module tracker adds a post-forward hook at every forward of a module without
-            # removing the previous one, so a module's second forward in one step (gradient
-            # accumulation) pops its parent twice and fails. Drop the old hook first.
-            tracker = self.advanced_module_tracker
-            pre_hook = tracker._fw_pre_hook
+        def fw_pre_hook(mod: torch.nn.Module, inputs: Any) -> None:
+            if not tracker.is_bw:
+                old = tracker.register_forward_hook_handles.pop(tracker._get_mod_name(mod), None)
+                if old is not None:
+                    old.remove()
+            pre_hook(mod, inputs)
+        tracker._fw_pre_hook = fw_pre_hook
 
-            def fw_pre_hook(mod: torch.nn.Module, inputs: Any) -> None:
-                if not tracker.is_bw:
-                    old = tracker.register_forward_hook_handles.pop(tracker._get_mod_name(mod), None)
-                    if old is not None:
-                        old.remove()
-                pre_hook(mod, inputs)
-            tracker._fw_pre_hook = fw_pre_hook
+    def __enter__(self) -> CommTracker:
+        if self.track_modules:
+            return super().__enter__()
+        # Without module tracking: its hooks cannot run under torch.autograd.grad, which pipeline
+        # stages use for their backward. Collectives are then counted for the step as a whole.
+        self.comm_module_counts["Global"] = {"forward": defaultdict(int), "backward": defaultdict(int)}
+        TorchDispatchMode.__enter__(self)
+        return self
 
-        def __enter__(self) -> CommTracker:
-            if self.track_modules:
-                return super().__enter__()
-            # Without module tracking: its hooks cannot run under torch.autograd.grad, which pipeline
-            # stages use for their backward. Collectives are then counted for the step as a whole.
-            self.comm_module_counts["Global"] = {"forward": defaultdict(int), "backward": defaultdict(int)}
-            TorchDispatchMode.__enter__(self)
-            return self
+    def __exit__(self, *args: Any) -> None:
+        if self.track_modules:
+            return super().__exit__(*args)
+        TorchDispatchMode.__exit__(self, *args)
 
-        def __exit__(self, *args: Any) -> None:
-            if self.track_modules:
-                return super().__exit__(*args)
-            TorchDispatchMode.__exit__(self, *args)
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-            if self.track_modules:
-                out = super().__torch_dispatch__(func, types, args, kwargs)
-            elif isinstance(func, torch._ops.HigherOrderOperator):
-                return func(*args, **(kwargs or {}))
-            elif any(t is DTensor for t in types):
-                return NotImplemented  # let DTensor desugar into collectives first, then see those
-            else:
-                out = func(*args, **(kwargs or {}))
-            if out is NotImplemented or isinstance(func, torch._ops.HigherOrderOperator):
-                return out
-            kind = _CANONICAL.get(func._overloadpacket.__name__)
-            if kind is None or not func.namespace.startswith(("c10d", "_c10d")):
-                return out
-            tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-            nbytes = max((t.numel() * t.element_size() for t in tensors), default=0)
-            group = self.group_names.get(_group_name(args) or "", _group_name(args) or "?")
-            if self.track_modules:
-                module = self.advanced_module_tracker.name
-                phase = "backward" if self.advanced_module_tracker.is_bw else "forward"
-            else:
-                module, phase = "(pipeline stage)", "step"
-            rec = self.records[(module, phase, kind, group)]
-            rec[0] += 1
-            rec[1] += nbytes
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if self.track_modules:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+        elif isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        elif any(t is DTensor for t in types):
+            return NotImplemented  # let DTensor desugar into collectives first, then see those
+        else:
+            out = func(*args, **(kwargs or {}))
+        if out is NotImplemented or isinstance(func, torch._ops.HigherOrderOperator):
             return out
+        kind = _CANONICAL.get(func._overloadpacket.__name__)
+        if kind is None or not func.namespace.startswith(("c10d", "_c10d")):
+            return out
+        tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        nbytes = max((t.numel() * t.element_size() for t in tensors), default=0)
+        group = self.group_names.get(_group_name(args) or "", _group_name(args) or "?")
+        if self.track_modules:
+            module = self.advanced_module_tracker.name
+            phase = "backward" if self.advanced_module_tracker.is_bw else "forward"
+        else:
+            module, phase = "(pipeline stage)", "step"
+        rec = self.records[(module, phase, kind, group)]
+        rec[0] += 1
+        rec[1] += nbytes
+        return out
 
-        def summary(self) -> list[dict[str, Any]]:
-            """One row per (module, phase, collective, mesh dim), in call order."""
-            return [{"module": m, "phase": p, "collective": c, "mesh_dim": g, "calls": n, "bytes": b}
-                    for (m, p, c, g), (n, b) in self.records.items()]
+    def summary(self) -> list[dict[str, Any]]:
+        """One row per (module, phase, collective, mesh dim), in call order."""
+        return [{"module": m, "phase": p, "collective": c, "mesh_dim": g, "calls": n, "bytes": b}
+                for (m, p, c, g), (n, b) in self.records.items()]
 
-        def totals(self) -> dict[str, dict[str, int]]:
-            """Bytes per mesh dim and collective over the whole step."""
-            out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-            for (_, _, c, g), (_, b) in self.records.items():
-                out[g][c] += b
-            return {g: dict(v) for g, v in out.items()}
-
-    return CommTracker
+    def totals(self) -> dict[str, dict[str, int]]:
+        """Bytes per mesh dim and collective over the whole step."""
+        out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        for (_, _, c, g), (_, b) in self.records.items():
+            out[g][c] += b
+        return {g: dict(v) for g, v in out.items()}
 
 
 def mesh_group_names(mesh: DeviceMesh, flat: dict[str, DeviceMesh]) -> dict[str, str]:
@@ -168,7 +160,7 @@ def trace_step(enabled: bool, mesh: DeviceMesh, flat: dict[str, DeviceMesh], out
     if not enabled:
         yield
         return
-    tracker = _tracker_class()(mesh_group_names(mesh, flat), track_modules)
+    tracker = CommTracker(mesh_group_names(mesh, flat), track_modules)
     with tracker, warnings.catch_warnings():
         # Artifacts of tracing, not of training: under a dispatch mode F.linear decomposes into mm +
         # a real view (FSDP2 then warns about the root returning a view; nothing modifies the logits
