@@ -47,9 +47,15 @@ def finish() -> None:
     """What the interpreter does on exit before it tears its modules down: wait for the threads it
     would wait for, run the exit handlers (multiprocessing's children, wandb, logging), flush every
     open file."""
-    for t in threading.enumerate():
-        if t is not threading.current_thread() and not t.daemon:
-            t.join()
+    if threading.current_thread() is threading.main_thread():
+        # The interpreter's own first step, in its order: the threading exit hooks (a thread pool's
+        # idle workers are told to stop there), then the join of every non-daemon thread. Joining
+        # first waits forever for a pool that nothing shut down.
+        threading._shutdown()
+    else:
+        for t in threading.enumerate():
+            if t is not threading.current_thread() and not t.daemon and t is not threading.main_thread():
+                t.join()
     atexit._run_exitfuncs()
     for obj in gc.get_objects():  # open files that nothing closed: flush what they buffer
         if type(obj) in _BUFFERED and not obj.closed and obj.writable():

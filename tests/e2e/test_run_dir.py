@@ -324,8 +324,9 @@ def test_the_local_launcher_listens_on_loopback_only(tmp_path: Path, data_cache:
 
 def test_the_quick_exit_keeps_what_a_normal_exit_keeps(tmp_path: Path):
     """Every command leaves through ``quick_exit`` (no interpreter teardown): it still waits for a
-    running non-daemon thread, runs the exit handlers, writes what an unclosed file buffered, and
-    exits with the command's code."""
+    running non-daemon thread, stops a thread pool nothing shut down (its idle workers are
+    non-daemon threads: joining them first would wait forever), runs the exit handlers, writes what
+    an unclosed file buffered, and exits with the command's code."""
     out = tmp_path / "left-open.txt"
     script = f"""
 import atexit, threading, time
@@ -336,6 +337,9 @@ def late():
     time.sleep(0.5)
     f.write("from a thread")
 threading.Thread(target=late).start()
+from concurrent.futures import ThreadPoolExecutor
+pool = ThreadPoolExecutor(2)  # (held: a collected pool would stop its workers itself)
+pool.submit(print, "pool ran", flush=True).result()
 atexit.register(lambda: print("exit handler ran", flush=False))
 quick_exit(3)
 print("never")
@@ -343,7 +347,7 @@ print("never")
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 3, proc.stderr
-    assert proc.stdout == "exit handler ran\n"
+    assert proc.stdout == "pool ran\nexit handler ran\n"
     assert out.read_text() == "buffered from a thread"
 
 
