@@ -45,7 +45,7 @@ from shardwise.device import init_distributed  # noqa: E402
 from shardwise.models import ModelArgs  # noqa: E402
 from shardwise.plan.calibrate import _time, _tiny_step  # noqa: E402
 from shardwise.plan.cost import host_ops  # noqa: E402
-from shardwise.plan.hardware import BYTES_PER, gemm_seconds, load_hardware  # noqa: E402
+from shardwise.plan.hardware import BYTES_PER, attention_efficiency, gemm_seconds, load_hardware  # noqa: E402
 
 
 def _shapes() -> list[tuple[str, int, int, int]]:
@@ -135,32 +135,58 @@ def gemms(hw_name: str, device: torch.device, quick: bool) -> dict:
 
 def attention(hw_name: str, device: torch.device, quick: bool) -> list[dict]:
     """Causal SDPA forward + backward in bf16 (the kernel torch picks, as the model calls it) per head
-    width and sequence length, 16,384 tokens and 2,048 (or 4,096) query width per call; FLOPs counted
-    as the planner does (4 H D per query-key pair forward, 2.5x that backward), set against the
-    profile's flat attention efficiency."""
+    width and sequence length, 16,384 tokens per call and 2,048 or 4,096 query width (the head
+    widths 64 and 128 at both, 96 and 256 at one); FLOPs counted as the planner does (4 H D per
+    query-key pair forward, 2.5x that backward), set against the profile's attention efficiency at
+    that shape (``hardware.attention_efficiency``)."""
     hw = load_hardware(hw_name)
     peak = hw.peak_tflops["bf16"]
     out = []
-    for width in (2048, 4096):
-        for head_dim in (64, 128):
-            for seq in ((256, 512) if quick else (1024, 2048, 4096, 8192)):
-                heads, batch = width // head_dim, max(1, (512 if quick else 16384) // seq)
-                q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, dtype=torch.bfloat16,
-                                       requires_grad=True) for _ in range(3))
-                grad = torch.randn_like(q)
+    grid = [(w, d) for w in (2048, 4096) for d in (64, 128)] + [(2048, 96), (4096, 256)]
+    for width, head_dim in grid:
+        for seq in ((256, 512) if quick else (512, 1024, 2048, 4096, 8192, 16384)):
+            heads, batch = width // head_dim, max(1, (512 if quick else 16384) // seq)
+            q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, dtype=torch.bfloat16,
+                                   requires_grad=True) for _ in range(3))
+            grad = torch.randn_like(q)
 
-                def step(q=q, k=k, v=v, grad=grad) -> None:
-                    F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
-                seconds = _event_seconds(step, device)
-                flops = 4 * heads * head_dim * batch * seq * (seq + 1) / 2 * 3.5
-                rate = flops / seconds / 1e12
-                out.append({"width": width, "head_dim": head_dim, "seq": seq, "batch": batch,
-                            "seconds": seconds, "tflops": rate, "fraction_of_peak": rate / peak,
-                            "profile_efficiency": hw.efficiency["attention"]})
-                print(f"attention width {width} head {head_dim:3d} seq {seq:5d} x{batch:2d}: {rate:6.1f} "
-                      f"TFLOP/s = {rate / peak:.2f} of peak (profile: {hw.efficiency['attention']:.2f})",
-                      flush=True)
+            def step(q=q, k=k, v=v, grad=grad) -> None:
+                # autograd.grad, not .backward(): accumulating into q/k/v.grad would add three
+                # elementwise passes that the model's attention does not run (12% at 2048 tokens)
+                torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), grad)
+            seconds = _event_seconds(step, device)
+            flops = 4 * heads * head_dim * batch * seq * (seq + 1) / 2 * 3.5
+            rate = flops / seconds / 1e12
+            model = attention_efficiency(hw, head_dim, seq)
+            out.append({"width": width, "head_dim": head_dim, "seq": seq, "batch": batch,
+                        "seconds": seconds, "tflops": rate, "fraction_of_peak": rate / peak,
+                        "profile_efficiency": model})
+            print(f"attention width {width} head {head_dim:3d} seq {seq:5d} x{batch:2d}: {rate:6.1f} "
+                  f"TFLOP/s = {rate / peak:.2f} of peak (profile: {model:.2f})", flush=True)
     return out
+
+
+def fit_attention(rows: list[dict]) -> dict:
+    """The profile's attention terms that best fit measured rows of :func:`attention` (least squared
+    log error): ``attention_seq_half`` (to 10 positions), and for each head width the long-sequence
+    rate (the geometric mean over its rows given that half), as ``efficiency.attention`` (head
+    width 128) and ``attention_head_dim`` (each width relative to 128), to 0.01."""
+    best: tuple[float, int, dict[int, float]] = (math.inf, 0, {})
+    widths = sorted({r["head_dim"] for r in rows})
+    for half in range(0, 4000, 10):
+        ceilings, err = {}, 0.0
+        for d in widths:
+            logs = [math.log(r["fraction_of_peak"] * (r["seq"] + half) / r["seq"]) for r in rows
+                    if r["head_dim"] == d]
+            ceilings[d] = statistics.fmean(logs)
+            err += sum((x - ceilings[d]) ** 2 for x in logs)
+        if err < best[0]:
+            best = (err, half, ceilings)
+    err, half, ceilings = best
+    top = math.exp(ceilings[128])
+    return {"attention": round(top, 2), "attention_seq_half": half,
+            "attention_head_dim": {str(d): round(math.exp(c) / top, 2) for d, c in ceilings.items()},
+            "rms_log_error": math.sqrt(err / len(rows))}
 
 
 def _event_seconds(fn, device: torch.device, calls: int = 3) -> float:
@@ -216,7 +242,12 @@ def main() -> None:
     parser.add_argument("--skip-host", action="store_true")
     parser.add_argument("--only-attention", action="store_true", help="the attention table alone")
     parser.add_argument("--out", default="", help="write the results as JSON here")
+    parser.add_argument("--fit-attention", default="", metavar="JSON",
+                        help="no GPU: print the attention terms fitted to a saved --out file's table")
     a = parser.parse_args()
+    if a.fit_attention:
+        print(json.dumps(fit_attention(json.loads(Path(a.fit_attention).read_text())["attention"])))
+        return
     env = init_distributed(a.device)
     result: dict = {"device": torch.cuda.get_device_name() if env.device.type == "cuda" else "cpu",
                     "torch": torch.__version__}

@@ -66,6 +66,13 @@ class Hardware:
     host_us_per_op: float = 0.0
     """GPUs: host time per ATen op a block dispatches (Python, dispatcher, autograd, the kernel
     launch); a block waits for its host where that exceeds its kernels' time. 0: never."""
+    attention_seq_half: float = 0.0
+    """GPUs: the sequence length (query positions per call) at which causal flash attention runs at
+    half its long-sequence rate (:func:`attention_efficiency`); 0: the same rate at every length."""
+    attention_head_dim: dict[str, float] = field(default_factory=dict)
+    """GPUs: attention's long-sequence rate per head width (``"64"``), relative to
+    ``efficiency.attention`` (the rate at head width 128); interpolated between the widths
+    measured, the nearest measured one outside them. Empty: the same rate at every width."""
     sms: int = 0
     """GPUs: streaming multiprocessors (AMD: compute units) that run a GEMM's output tiles in waves
     (:func:`gemm_seconds`); 0 costs every GEMM at the flat efficiency, whatever its shape."""
@@ -202,7 +209,7 @@ class Hardware:
         positions per call. On ``local``: interpolated from the measured grid of head widths and
         sequence lengths (profiles from before the sequence was measured: by head width)."""
         if not self.cores:
-            return self._peak(dtype) * self.efficiency["attention"]
+            return self._peak(dtype) * attention_efficiency(self, head_dim, seq)
         threads, share = self._threads(ranks)
         prefix = f"attention_{dtype}@{threads}:"
         grid = {tuple(int(x) for x in k[len(prefix):].split(":")): v
@@ -293,6 +300,26 @@ def gemm_seconds(m: int, k: int, n: int, tflops: float, bw: float, sms: int, elt
         traffic = elt * (m * k + k * n + m * n) + (8 * split * m * n if split > 1 else 0)
         best = min(best, max(compute, traffic / bw))
     return best
+
+
+def attention_efficiency(hw: Hardware, head_dim: int, seq: int) -> float:
+    """The fraction of a GPU's peak that causal flash attention (forward + backward, FLOPs as the
+    planner counts them) reaches on heads of ``head_dim`` over ``seq`` query positions per call.
+
+    Besides its matmuls, a flash kernel spends time per query row that does not shrink with the
+    sequence (loading and writing the row's tiles, the backward's row sums, the masked half of
+    the diagonal tile), so its rate is ``s / (s + attention_seq_half)`` of the long-sequence rate;
+    that rate depends on the head width through the kernel's tile shapes (on Hopper, 64, 96 and 256
+    run 13-17% below 128), a measured table. Both fitted per GPU on causal SDPA timings
+    (``bench/gpu_model.py --only-attention``; docs/planning.md)."""
+    eff = hw.efficiency["attention"]
+    if hw.attention_head_dim:
+        eff *= _interpolate({int(k): v for k, v in hw.attention_head_dim.items()}, head_dim)
+    if hw.attention_seq_half:
+        if seq <= 0:
+            raise ValueError(f"attention_efficiency needs the sequence length on '{hw.name}', got {seq}")
+        eff *= seq / (seq + hw.attention_seq_half)
+    return eff
 
 
 def _nearest(table: dict[str, float], n: int, default: float) -> float:
