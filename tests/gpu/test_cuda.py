@@ -146,7 +146,7 @@ def test_trainer_step_on_cuda_matches_a_plain_pytorch_step(data_cache: str, loss
 def test_a_rank_forked_from_the_rank_server_can_use_cuda():
     """``--nproc N`` forks its ranks from a server that imported shardwise.process.RANK_MODULES; CUDA
     survives a fork only if the parent never initialized it. A fresh process imports exactly those
-    modules, forks, and the child runs a CUDA kernel. (Written, not yet run on a GPU.)"""
+    modules, forks, and the child runs a CUDA kernel (passed on one H100, 2026-11-26)."""
     import subprocess
     import sys
 
