@@ -198,7 +198,8 @@ def host_overhead_ms(seconds: float = 1.0) -> tuple[float, float, float, float]:
         finally:
             dist.destroy_process_group()
     per_block = (five - one) / 4
-    return 1e3 * per_block, 1e3 * (one - per_block), 1e3 * (moe_five - moe_one) / 4, probe
+    # (the step's own part is a small difference of noisy timings: it came out at -0.5 ms once)
+    return 1e3 * per_block, max(0.0, 1e3 * (one - per_block)), 1e3 * (moe_five - moe_one) / 4, probe
 
 
 def memory_efficiency(hw: Hardware, probe_seconds: float) -> float:
@@ -281,6 +282,15 @@ LATENCY_CALLS = 50
 """Tiny all-reduces per timing of the per-hop latency."""
 KIND_ROUNDS = 3
 """Rounds through every collective kind and buffer size, 3 calls each per round."""
+SHARE_ROUNDS = 5
+"""Barrier-to-barrier rounds of the same work on every process behind the measured share of the cores."""
+
+
+def _share_work(a: torch.Tensor, b: torch.Tensor, calls: int = 40) -> None:
+    """The fixed work of the share-of-the-cores measurement: ``calls`` GEMMs of (256 x 1024) @ (1024
+    x 1024), as in the wait-per-collective measurement (about 0.3 s on one thread of a 2-core VM)."""
+    for _ in range(calls):
+        torch.mm(a, b)
 
 
 def _collective_worker(rank: int, world: int, init: str, out: str, sizes_mib: tuple[int, ...]) -> None:
@@ -329,11 +339,22 @@ def _collective_worker(rank: int, world: int, init: str, out: str, sizes_mib: tu
     work(False), work(True)
     diffs = [once(True) - once(False) for _ in range(SYNC_PAIRS)]
     results["sync_s"] = max(0.0, statistics.median(diffs) / 40 - t_lat)
-    # What sharing the cores does to compute: every process runs the same GEMM at once.
-    dist.barrier()
-    rate = torch.tensor([gemm_tflops(torch.float32, 1024, 1024, seconds=0.5)], dtype=torch.float64)
-    dist.all_reduce(rate)
-    results["gemm_tflops"] = rate.item() / world
+    # What sharing the cores does to compute, as a training step meets it: every process runs the
+    # same fixed work from one barrier to the next, and the step waits for the slowest. (Each
+    # process timing its own GEMM calls let one that ran while the others were between calls, or
+    # done, count the cores as its own: 0.79, 1.00 and 0.49 of a fair share for 2, 4 and 8
+    # processes in one calibration.)
+    _share_work(a, b)
+    rounds = []
+    for _ in range(SHARE_ROUNDS):
+        dist.barrier()
+        t0 = time.perf_counter()
+        _share_work(a, b)
+        dist.barrier()
+        rounds.append(time.perf_counter() - t0)
+    makespan = torch.tensor([statistics.median(rounds)], dtype=torch.float64)
+    dist.all_reduce(makespan, op=dist.ReduceOp.MAX)
+    results["share_makespan_s"] = makespan.item()
     if world == 2:
         results["tp_block_s"] = _tp_block_seconds()
     if rank == 0:
@@ -436,7 +457,8 @@ def calibrate(cache_dir: str = "~/.cache/shardwise", log: Callable[[str], None] 
     coll, kinds, latency, per_tp_block, shared, sync = {}, {}, [], 0.0, {}, {}
     old_threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    alone = gemm_tflops(torch.float32, 1024, 1024, seconds=0.5)  # the GEMM the workers share, alone
+    a, b = torch.randn(256, 1024), torch.randn(1024, 1024)
+    alone = _time(lambda: _share_work(a, b), 0.0, min_runs=SHARE_ROUNDS)  # the workers' work, alone
     torch.set_num_threads(old_threads)
     for w in worlds:
         r = collective_bandwidth(w, (4, 16) if quick else (1, 4, 16, 64))
@@ -445,8 +467,9 @@ def calibrate(cache_dir: str = "~/.cache/shardwise", log: Callable[[str], None] 
         if "pair_gbs" in r:
             coll[f"2@{w}"] = r["pair_gbs"]
         latency.append(r["latency_s"])
-        # per process, against one process at its share of the cores
-        shared[str(w)] = min(1.0, r["gemm_tflops"] / (alone * min(1.0, cores / w)))
+        # the work's makespan at a fair share of the cores (one process alone, stretched by
+        # processes over cores) over the measured one
+        shared[str(w)] = min(1.0, alone * max(1.0, w / cores) / r["share_makespan_s"])
         sync[str(w)] = 1e6 * r["sync_s"]
         log(f"  gloo, {w} processes: {r['bw_gbs']:.2f} GB/s bus bandwidth, {1e6 * r['latency_s']:.0f} us per "
             "hop" + (f", pairs {r['pair_gbs']:.2f} GB/s at once" if "pair_gbs" in r else "")

@@ -33,6 +33,9 @@ def test_calibrate_quick_then_plan_trains_on_four_ranks(tmp_path: Path, data_cac
     hw = tomllib.loads(profile.read_text())
     assert hw["cores"] >= 1 and set(hw["collective_bw_gbs"]) == {"2", "4", "2@4"}
     assert set(hw["shared_compute"]) == set(hw["collective_sync_us"]) == {"2", "4"}
+    # (barrier-to-barrier makespans of the same work against it alone: a fraction, never above 1)
+    assert all(0.3 < v <= 1.0 for v in hw["shared_compute"].values()), hw["shared_compute"]
+    assert hw["overhead_ms"]["per_step"] >= 0.0
     seqs = {k.rsplit(":", 1)[1] for k in hw["thread_tflops"] if k.startswith("attention_")}
     assert seqs == {"256", "512", "1024"}
     assert hw["description"].endswith("--quick") and hw["overhead_ms"]["per_moe_block"] > 0
