@@ -151,6 +151,12 @@ def main() -> None:
               f"-> {'meets' if v['ok'] else 'misses'} the targets")
     met = sum(v["ok"] for v in verdicts)
     print(f"targets met in {met} of {len(verdicts)} repeat(s)")
+    if len(meas) > 1:
+        # How far the machine agrees with itself: a set whose measured orders differ between
+        # repeats (near-ties within the run-to-run spread) cannot be ranked above that by any model.
+        pairs = [spearman(meas[i], meas[j]) for i in range(len(meas)) for j in range(i + 1, len(meas))]
+        print("measured order against itself, Spearman between repeats: "
+              + ", ".join(f"{x:.2f}" for x in pairs))
     if a.json:
         Path(a.json).write_text(json.dumps({"layouts": names, "predicted": pred, "measured": meas}, indent=1))
 
