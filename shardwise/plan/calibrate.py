@@ -339,19 +339,11 @@ def _collective_worker(rank: int, world: int, init: str, out: str, sizes_mib: tu
     work(False), work(True)
     diffs = [once(True) - once(False) for _ in range(SYNC_PAIRS)]
     results["sync_s"] = max(0.0, statistics.median(diffs) / 40 - t_lat)
-    # What sharing the cores does to compute, as a training step meets it: every process runs the
-    # same fixed work from one barrier to the next, and the step waits for the slowest. (Each
-    # process timing its own GEMM calls let one that ran while the others were between calls, or
-    # done, count the cores as its own: 0.79, 1.00 and 0.49 of a fair share for 2, 4 and 8
-    # processes in one calibration.)
+    # What sharing the cores does to compute, as a step meets it: the same fixed work on every process
+    # from one barrier to the next (each process timing its own calls let one that ran while others
+    # waited count the cores as its own: 0.79, 1.00, 0.49 of a fair share for 2, 4, 8 in one calibration).
     _share_work(a, b)
-    rounds = []
-    for _ in range(SHARE_ROUNDS):
-        dist.barrier()
-        t0 = time.perf_counter()
-        _share_work(a, b)
-        dist.barrier()
-        rounds.append(time.perf_counter() - t0)
+    rounds = _collective_samples(lambda: (_share_work(a, b), dist.barrier()), SHARE_ROUNDS)
     makespan = torch.tensor([statistics.median(rounds)], dtype=torch.float64)
     dist.all_reduce(makespan, op=dist.ReduceOp.MAX)
     results["share_makespan_s"] = makespan.item()

@@ -127,6 +127,9 @@ HOW: dict[str, Check] = {
         reason="a long benchmark (calibration, then 14 layouts run for real); BENCHMARKS.md has its output"),
     "python bench/published.py --plan": Check(slow=True),
     "python bench/published.py --fit": Check(),
+    "python bench/gpu_model.py --hardware h100 --only-attention --out h100_attention.json": Check(
+        reason="needs a CUDA GPU; BENCHMARKS.md has its output (one H100 and one H200, 2026-11-26)"),
+    "python bench/gpu_model.py --fit-attention bench/results/h100_attention.json": Check(),
     "python bench/plan_ranking.py --calibrate": Check(
         reason="a long benchmark (calibration, then 6 layouts trained for real 3 times); BENCHMARKS.md has "
                "its output"),
