@@ -8,9 +8,9 @@ bandwidth, gloo collective bandwidth and latency, per-step host overhead) and ca
 
 Peaks are data-sheet figures; ``efficiency`` holds the fraction of each peak that training-sized
 work reaches (matmuls, attention, memory-bound elementwise work, collective bus bandwidth). They are
-inputs of the step-time model, stated in the file. Only ``h100-gt``'s are fitted -- to torchtitan's
-published 8B rows on those hosts (``bench/published.py --fit``); its 70B and 405B rows stay
-predictions (docs/planning.md).
+inputs of the step-time model, stated in the file. ``h100-gt``'s are fitted to torchtitan's published
+8B rows (``bench/published.py --fit``; its 70B and 405B rows stay predictions), and ``h100``'s and
+``h200``'s attention terms to their own GPU's attention timings (docs/planning.md).
 """
 
 from __future__ import annotations
@@ -310,7 +310,7 @@ def attention_efficiency(hw: Hardware, head_dim: int, seq: int) -> float:
     sequence (loading and writing the row's tiles, the backward's row sums, the masked half of
     the diagonal tile), so its rate is ``s / (s + attention_seq_half)`` of the long-sequence rate;
     that rate depends on the head width through the kernel's tile shapes (on Hopper, 64, 96 and 256
-    run 13-17% below 128), a measured table. Both fitted per GPU on causal SDPA timings
+    run 14-21% below 128), a measured table. Both fitted per GPU on causal SDPA timings
     (``bench/gpu_model.py --only-attention``; docs/planning.md)."""
     eff = hw.efficiency["attention"]
     if hw.attention_head_dim:
