@@ -20,6 +20,10 @@ op (``cost.host_ops``); both were written from the literature. This measures the
 
     python bench/gpu_model.py --hardware h200 --out gpu_model.json    # on a GPU machine
     python bench/gpu_model.py --device cpu --quick                    # a smoke run of the code
+    python bench/gpu_model.py --step-kernels bench/results/h100_1b_4x2048_kernels.json  # no GPU
+
+The last sorts a profiled training step's kernels (``bench/throughput.py --profile-json``) into
+the planner's compute terms and sets each beside the profile's estimate of that step.
 
 On CPU the figures mean nothing for a GPU; ``--quick`` times a few small shapes only.
 """
@@ -29,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -189,6 +194,41 @@ def fit_attention(rows: list[dict]) -> dict:
             "rms_log_error": math.sqrt(err / len(rows))}
 
 
+# GPU-side ranges the profiler records beside the kernels (compiled graphs, FSDP hooks, the
+# optimizer step): they overlap the kernels inside them and are not work of their own.
+_RANGES = re.compile(r"^(## |FSDP::|Optimizer\.|ProfilerStep)")
+KERNEL_KINDS = {"matmul": re.compile(r"nvjet|gemm|cutlass|xmma|cublas", re.I),
+                "attention": re.compile(r"sdpa|flash|fmha|cudnn", re.I),
+                "optimizer": re.compile(r"multi_tensor_apply")}
+"""The planner's compute terms a kernel's name places it in; every other kernel (Triton's fused
+elementwise and norm kernels, copies, casts, reductions) is ``memory-bound``. The optimizer's
+kernels include the clipping norm's (``_foreach_norm``), which the planner also counts there."""
+
+
+def step_kernels(profile: dict, hw_name: str) -> dict[str, dict[str, float]]:
+    """A profiled training step (``bench/throughput.py --profile-json``) by the planner's compute
+    terms: measured kernel seconds beside ``estimate``'s on ``hw_name`` for the same preset and
+    shape, and the GPU's idle time (the step's time from the measured tokens/s, less its kernels)
+    beside the planner's host term."""
+    from shardwise.config_checks import load_config
+    from shardwise.plan.estimate import estimate
+
+    measured = dict.fromkeys([*KERNEL_KINDS, "memory-bound"], 0.0)
+    for k in profile["kernels"]:
+        if not _RANGES.match(k["name"]):
+            kind = next((n for n, pat in KERNEL_KINDS.items() if pat.search(k["name"])), "memory-bound")
+            measured[kind] += k["device_s"]
+    batch, seq = profile["batch"], profile["seq"]
+    step = batch * seq / profile["tokens_per_s"]
+    measured["host"] = step - sum(measured.values())  # (the GPU idle: waiting on the host)
+    cfg = load_config(None, [f"--model.name={profile['preset']}", f"--training.global_batch={batch}",
+                             f"--training.seq_len={seq}", f"--model.max_seq_len={max(seq, 2048)}",
+                             "--training.steps=100000", "--run.device=cuda"], device="cuda")
+    est = estimate(cfg, 1, load_hardware(hw_name), exact=False)
+    predicted = dict(est.time.ranks[0].compute)
+    return {"measured": {**measured, "step": step}, "predicted": {**predicted, "step": est.time.step}}
+
+
 def _event_seconds(fn, device: torch.device, calls: int = 3) -> float:
     """Median seconds per call of ``fn``: CUDA events around five windows of ``calls`` calls each,
     after two warm-up calls (CPU: wall time)."""
@@ -244,9 +284,23 @@ def main() -> None:
     parser.add_argument("--out", default="", help="write the results as JSON here")
     parser.add_argument("--fit-attention", default="", metavar="JSON",
                         help="no GPU: print the attention terms fitted to a saved --out file's table")
+    parser.add_argument("--step-kernels", default="", metavar="JSON",
+                        help="no GPU: a profiled step (bench/throughput.py --profile-json) by the "
+                             "planner's terms, beside --hardware's estimate of it")
     a = parser.parse_args()
     if a.fit_attention:
         print(json.dumps(fit_attention(json.loads(Path(a.fit_attention).read_text())["attention"])))
+        return
+    if a.step_kernels:
+        profile = json.loads(Path(a.step_kernels).read_text())
+        r = step_kernels(profile, a.hardware)
+        print(f"{profile['preset']} {profile['batch']} x {profile['seq']} on {profile['device']}: ms per "
+              f"step, measured kernels against the {a.hardware} profile\n")
+        print("| term | measured | predicted | predicted / measured |\n|---|---|---|---|")
+        for term, ms in r["measured"].items():
+            pred = r["predicted"][term]
+            print(f"| {term} | {1e3 * ms:.1f} | {1e3 * pred:.1f} | "
+                  + (f"{pred / ms:.2f} |" if ms > 0 else "-- |"))
         return
     env = init_distributed(a.device)
     result: dict = {"device": torch.cuda.get_device_name() if env.device.type == "cuda" else "cpu",

@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +60,8 @@ LONG_RUN = 1000  # training.steps of the run whose steady state this measures (c
 
 def bench_preset(name: str, steps: int, warmup: int, peak: float, profile: int = 0,
                  compile_blocks: str = "auto", device: str = "cpu", shape: tuple[int, int] | None = None,
-                 float8: str = "off", loss_kind: str = "auto", loss_chunk: int = 0) -> dict[str, float]:
+                 float8: str = "off", loss_kind: str = "auto", loss_chunk: int = 0,
+                 profile_json: str = "") -> dict[str, float]:
     batch, seq = shape or SHAPES[name]
     args = dataclasses.replace(PRESETS[name], max_seq_len=max(seq, PRESETS[name].max_seq_len))
     cpu = device == "cpu"
@@ -152,17 +155,21 @@ def bench_preset(name: str, steps: int, warmup: int, peak: float, profile: int =
     if cpu:
         out["ratio_cached"] = out["shardwise_tps"] / out["plain_cached_tps"]
     if profile:
-        print_profile(name, lambda: step_ours(batches[-1]), profile, device)
+        print_profile(name, lambda: step_ours(batches[-1]), profile, device, profile_json,
+                      {"batch": batch, "seq": seq, "tokens_per_s": out["shardwise_tps"]})
     return out
 
 
-def print_profile(name: str, step: Callable[[], None], rows: int, device: str = "cpu") -> None:
+def print_profile(name: str, step: Callable[[], None], rows: int, device: str = "cpu",
+                  dump: str = "", about: dict | None = None) -> None:
     """Top ops of one shardwise step, after the timed ones, by self CPU time; on a GPU also the top
-    kernels and how much of the step's wall time the GPU was busy (the rest is host overhead)."""
+    kernels and how much of the step's wall time the GPU was busy (the rest is host overhead).
+    ``dump``: also write every kernel and every op by input shape to this JSON file, with
+    ``about`` (the shape, and the timed steps' median tokens/s)."""
     acts = [torch.profiler.ProfilerActivity.CPU]
     if device == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=acts) as prof:
+    with torch.profiler.profile(activities=acts, record_shapes=bool(dump)) as prof:
         t0 = time.perf_counter()
         step()
         wall = time.perf_counter() - t0
@@ -183,6 +190,17 @@ def print_profile(name: str, step: Callable[[], None], rows: int, device: str = 
             s = getattr(e, attr) / 1e6
             print(f"| {e.key[:90]} | {e.count} | {s:.4f} | {100 * s / total:.1f}% |")
     print()
+    if dump:
+        kernels = [{"name": e.key, "calls": e.count, "device_s": e.self_device_time_total / 1e6}
+                   for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        ops = [{"name": e.key, "shapes": str(e.input_shapes), "calls": e.count,
+                "device_s": e.device_time_total / 1e6, "cpu_s": e.cpu_time_total / 1e6}
+               for e in prof.key_averages(group_by_input_shape=True)
+               if e.device_type == torch.autograd.DeviceType.CPU and e.key.startswith("aten::")]
+        device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+        Path(dump).write_text(json.dumps({"preset": name, **(about or {}), "device": device_name,
+                                          "torch": torch.__version__, "profiled_wall_s": wall,
+                                          "kernels": kernels, "ops": ops}, indent=1))
 
 
 def main() -> None:
@@ -202,6 +220,8 @@ def main() -> None:
                    help="shardwise's float8 recipe (the plain loop stays bf16)")
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
                    help="also profile one shardwise step per preset and print its top ROWS ops")
+    p.add_argument("--profile-json", default="", metavar="FILE",
+                   help="with --profile: also write every kernel and op (by input shape) to FILE")
     a = p.parse_args()
     for name in a.presets:
         if a.shape is None and name not in SHAPES:
@@ -227,7 +247,7 @@ def main() -> None:
     for name in a.presets:
         shape = tuple(a.shape) if a.shape else None
         r = bench_preset(name, a.steps, a.warmup, peak, a.profile, a.compile, a.device, shape, a.float8,
-                         a.loss, a.loss_chunk)
+                         a.loss, a.loss_chunk, a.profile_json)
         b, s = shape or SHAPES[name]
         cells = [name, f"{r['params_m']:.1f}M", f"{b}x{s}", f"{r['shardwise_tps']:,.0f}",
                  f"{r['plain_tps']:,.0f}", f"{r['ratio']:.3f}", f"{100 * r['shardwise_mfu']:.1f}%",

@@ -130,6 +130,7 @@ HOW: dict[str, Check] = {
     "python bench/gpu_model.py --hardware h100 --only-attention --out h100_attention.json": Check(
         reason="needs a CUDA GPU; BENCHMARKS.md has its output (one H100 and one H200, 2026-11-26)"),
     "python bench/gpu_model.py --fit-attention bench/results/h100_attention.json": Check(),
+    "python bench/gpu_model.py --step-kernels bench/results/h100_1b_4x2048_kernels.json": Check(),
     "python bench/plan_ranking.py --calibrate": Check(
         reason="a long benchmark (calibration, then 6 layouts trained for real 3 times); BENCHMARKS.md has "
                "its output"),
