@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from shardwise.config_checks import load_config
 from shardwise.data.dataset import Batch
-from shardwise.device import keep_freed_cpu_memory, usable_cores
+from shardwise.device import cpu_has_native_bf16, keep_freed_cpu_memory, usable_cores
 from shardwise.ops.loss import TokenLoss
 from shardwise.optim.adamw import build_optimizer
 from shardwise.optim.clip import clip_grad_norm_
@@ -393,23 +393,24 @@ def collective_bandwidth(world: int, sizes_mib: tuple[int, ...] = (1, 4, 16, 64)
 
 def _thread_rates(threads: list[int], gemm_sizes: tuple[int, ...], seqs: tuple[int, ...],
                   rows: tuple[tuple[int, ...], tuple[int, ...]], secs: float,
-                  log: Callable[[str], None]) -> tuple[dict[str, float], dict[str, float]]:
-    """(TFLOP/s of GEMMs, GEMMs on few rows and attention; elementwise GB/s) per thread count."""
+                  log: Callable[[str], None], slim_bf16: bool = False) -> tuple[dict, dict[str, float]]:
+    """(TFLOP/s of GEMMs, GEMMs on few rows and attention; elementwise GB/s) per thread count
+    (``slim_bf16``: bf16 GEMMs at the second-largest width, attention at the longest sequence)."""
     row_widths, row_counts = rows
     rates: dict[str, float] = {}
     bandwidth: dict[str, float] = {}
     for th in threads:
         torch.set_num_threads(th)
         for name, dtype in DTYPES.items():
-            # fp32: every (in, out) pair of widths; bf16 (slow without native support on
-            # many CPUs) square weights only
+            # fp32: every (in, out) pair of widths; bf16 (slow without native support) square only
+            slim = slim_bf16 and name == "bf16"
             pairs = itertools.product(gemm_sizes, repeat=2) if name == "fp32" else \
-                ((w, w) for w in gemm_sizes)
+                ((w, w) for w in (gemm_sizes[-2:-1] if slim else gemm_sizes))
             for k, n in pairs:
                 rates[f"{name}@{th}:{k}x{n}"] = gemm_tflops(dtype, k, n, 0.2 * secs)
             for w, r in itertools.product(row_widths, row_counts):
                 rates[f"rows_{name}@{th}:{w}:{r}"] = gemm_tflops(dtype, w, w, 0.1 * secs, rows=r)
-            for hd, seq in itertools.product(HEAD_DIMS, seqs):
+            for hd, seq in itertools.product(HEAD_DIMS, seqs[-1:] if slim else seqs):
                 rates[f"attention_{name}@{th}:{hd}:{seq}"] = attention_tflops(dtype, hd, 0.2 * secs, seq)
         bandwidth[str(th)] = memory_gbs(seconds=0.3 * secs)
         bandwidth[f"large@{th}"] = memory_gbs(large=True, seconds=0.3 * secs)
@@ -430,7 +431,8 @@ def _thread_rates(threads: list[int], gemm_sizes: tuple[int, ...], seqs: tuple[i
 def calibrate(cache_dir: str = "~/.cache/shardwise", log: Callable[[str], None] = print,
               quick: bool = False) -> Hardware:
     """Measure this machine and save it as the ``local`` profile. ``quick``: fewer GEMM widths,
-    shorter timings and 2 and 4 processes only (about a fifth of the time; noisier)."""
+    shorter timings, 2 and 4 processes only (about a fifth of the time; noisier), and without native
+    bf16 (``auto`` trains in fp32) bf16 at one width and sequence (most of the time there)."""
     gemm_sizes, worlds = ((128, 512, 2048), (2, 4)) if quick else (GEMM_SIZES, WORLDS)
     seqs = (256, 512, 1024) if quick else ATTENTION_SEQS
     row_widths, row_counts = ((128, 512), (128, 512)) if quick else (ROW_WIDTHS, ROW_COUNTS)
@@ -439,7 +441,8 @@ def calibrate(cache_dir: str = "~/.cache/shardwise", log: Callable[[str], None] 
     threads = sorted({1, cores})
     old_threads = torch.get_num_threads()
     try:
-        rates, bandwidth = _thread_rates(threads, gemm_sizes, seqs, (row_widths, row_counts), secs, log)
+        rates, bandwidth = _thread_rates(threads, gemm_sizes, seqs, (row_widths, row_counts), secs, log,
+                                         slim_bf16=quick and not cpu_has_native_bf16())
         torch.set_num_threads(1 if cores == 1 else cores)
         per_block, per_step, per_moe_block, probe = host_overhead_ms(secs)
         log(f"  host overhead: {per_block:.2f} ms per block ({per_moe_block:.2f} per MoE block), "

@@ -40,7 +40,9 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
 START = [a for a in TINY_ARGS if not a.startswith("--model.")] + ["--training.seq_len=64"]
 
 
-@pytest.mark.parametrize("layout", [[], ["--nproc=4", "--parallel.dp_shard=2", "--parallel.tp=2"],
+# (the one-rank start is in make test-all; test_cli.py's HF round trip trains one rank from a folder)
+@pytest.mark.parametrize("layout", [pytest.param([], marks=pytest.mark.slow),
+                                    ["--nproc=4", "--parallel.dp_shard=2", "--parallel.tp=2"],
                                     ["--nproc=2", "--parallel.pp=2", "--training.micro_batch=2",
                                      "--data.document_mask=false"]],
                          ids=["1-rank", "fsdp2_tp2", "pp2"])

@@ -39,7 +39,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory, data_cache: str) -> Path
     return train(tmp_path_factory.mktemp("ref"), "ref", data_cache)
 
 
-@pytest.mark.parametrize("layout", [["--parallel.dp_shard=4"],
+@pytest.mark.parametrize("layout", [pytest.param(["--parallel.dp_shard=4"], marks=pytest.mark.slow),
                                     ["--parallel.dp_replicate=2", "--parallel.dp_shard=2"]],
                          ids=["fsdp_2x2", "hsdp_replicate_across_nodes"])
 def test_two_nodes_form_one_job(layout: list[str], reference: Path, tmp_path: Path, data_cache: str):

@@ -39,7 +39,11 @@ SLOW = {"fsdp4", "hsdp2_tp2", "cp2_no_load_balance_alltoall", "cp4", "hsdp2_cp2"
         "pp2_interleaved_tp2", "pp2_zbv", "pp2_dualpipev", "fsdp2_ac_selective", "tp2_ac_full",
         "fsdp2_chunked_loss", "cp2_ac_selective", "fsdp2_tp2_chunked_loss", "fsdp2_tp2_ac_layer",
         "pp2_cp2", "cp2_tp2", "tp2_gathered_logits", "fsdp2_gloo_override", "pp2_tp2",
-        "moe_ep2_ac_selective_half"}
+        "moe_ep2_ac_selective_half",
+        # covered in CI by a larger case of the same kind: the accumulation test, pp2_fsdp2_tp2 (also
+        # for 1F1B), moe_cp2_ep2_chunked_loss, fsdp2_tp2 and tp2_ac_selective_half, fsdp2_cp2 (and
+        # verify's cp=2), moe_ep2_tp2
+        "fsdp2_accum2", "pp2_fsdp2", "moe_cp2_ep2", "tp2", "cp2", "pp2_1f1b", "moe_ep2"}
 
 
 def layouts(table: dict[str, list[str]], slow: set[str] = SLOW) -> list:
@@ -290,8 +294,10 @@ def test_gradient_accumulation_4x1_equals_1x4(tmp_path: Path, data_cache: str):
     assert param_error(one, four) <= PARAM_RTOL
 
 
-@pytest.mark.parametrize("nproc,mixed,chat", [(1, False, False), (2, False, False), (2, True, False),
-                                              (2, False, True)])
+# (CI: the two-rank mixed-source and chat runs; the plain ones on one and two ranks in make test-all)
+@pytest.mark.parametrize("nproc,mixed,chat", [pytest.param(1, False, False, marks=pytest.mark.slow),
+                                              pytest.param(2, False, False, marks=pytest.mark.slow),
+                                              (2, True, False), (2, False, True)])
 def test_resume_continues_the_same_run(tmp_path: Path, data_cache: str, nproc: int, mixed: bool, chat: bool):
     """Stop after step 4 and resume: steps 5..10 are bit-identical to the uninterrupted run. Mixed:
     two weighted sources, the small one going round its epochs several times. Chat: the shipped chat

@@ -21,16 +21,16 @@ REQUIRED = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "exec_util
 
 
 def test_main_job_short_schedule(tmp_path: Path, data_cache: str):
-    """What `make run` runs (configs/debug.toml), cut to 30 steps: the loss visibly falls and the run
-    directory holds everything the README promises."""
+    """What `make run` runs (configs/debug.toml), cut to 20 steps: the loss visibly falls (8.07 to
+    5.71 over the last five steps here) and the run directory holds everything the README promises."""
     run_dir = tmp_path / "debug"
     proc = run_cli(["train", "--config", "configs/debug.toml", "--run.overwrite", "true",
-                    f"--run.dir={run_dir}", "--training.steps=30", "--lr_scheduler.warmup_steps=5",
-                    "--eval.interval=15", "--checkpoint.interval=15", f"--data.cache_dir={data_cache}"],
+                    f"--run.dir={run_dir}", "--training.steps=20", "--lr_scheduler.warmup_steps=5",
+                    "--eval.interval=10", "--checkpoint.interval=10", f"--data.cache_dir={data_cache}"],
                    timeout=900)
     assert "MFU peak" in proc.stdout and "run directory" in proc.stdout
     rows = metrics(run_dir)
-    assert [r["step"] for r in rows] == list(range(1, 31))
+    assert [r["step"] for r in rows] == list(range(1, 21))
     assert all(REQUIRED <= r.keys() for r in rows)
     first, last = rows[0]["loss"], sum(r["loss"] for r in rows[-5:]) / 5
     assert first > 7.0 and last < first - 1.5, (first, last)  # from ~ln(2048) down
@@ -42,12 +42,12 @@ def test_main_job_short_schedule(tmp_path: Path, data_cache: str):
     ratio = executed_flops(args, s, attention_pairs(s)).total / (flops_per_token(args, s) * s)
     assert all(r["exec_util"] / r["mfu"] == pytest.approx(ratio, rel=1e-6) for r in rows)
     saved = tomllib.loads((run_dir / "config.toml").read_text())
-    assert saved["training"]["steps"] == 30 and saved["model"]["dim"] == 256
-    assert load_config(run_dir / "config.toml").training.steps == 30
+    assert saved["training"]["steps"] == 20 and saved["model"]["dim"] == 256
+    assert load_config(run_dir / "config.toml").training.steps == 20
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
     png = (run_dir / "loss.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
-    for step in (15, 30):
+    for step in (10, 20):
         assert (run_dir / "checkpoints" / f"step-{step}" / ".metadata").is_file()
     assert not list((run_dir / "checkpoints").glob("*.tmp"))
 
@@ -283,13 +283,14 @@ def test_hf_folder_to_training_and_back_with_no_model_flags(tmp_path: Path, data
 
 def test_fine_tuning_on_chat_data_lowers_the_assistant_loss(tmp_path: Path, data_cache: str):
     """configs/chat-debug.toml: the shipped chat set, the loss on assistant tokens only (test_chat.py
-    checks the counting); the training and held-out assistant-token losses fall."""
+    checks the counting); the training and held-out assistant-token losses fall (8.08 to 5.58 in 20
+    steps here)."""
     run_dir = tmp_path / "chat"
     run_cli(["train", "--config", str(ROOT / "configs" / "chat-debug.toml"), f"--run.dir={run_dir}",
-             f"--data.cache_dir={data_cache}", "--training.steps=30", "--eval.interval=10",
+             f"--data.cache_dir={data_cache}", "--training.steps=20", "--eval.interval=10",
              "--metrics.progress=false", "--compile.enabled=false", "--checkpoint.interval=0"])
     rows = metrics(run_dir)
     losses = [r["loss"] for r in rows]
     vals = [r["val_loss"] for r in rows if "val_loss" in r]
     assert losses[-1] < losses[0] - 1.0, losses
-    assert len(vals) == 3 and vals[-1] < vals[0], vals
+    assert len(vals) == 2 and vals[-1] < vals[0], vals

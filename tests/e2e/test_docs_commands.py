@@ -7,12 +7,15 @@ whose command left the docs.
 A command runs in a scratch directory (``configs/``, ``examples/`` and ``bench/`` linked in), with
 the repository's environment first on PATH, exactly as typed plus a few appended overrides that
 keep it short -- later overrides win, so ``--training.steps 500`` becomes 2 -- and point its outputs
-and the token cache into the scratch directory. The cheap ones run in ``make test``, the long ones
-(layout matrices, calibration, benchmarks) in ``make test-all``.
+and the token cache into the scratch directory. The cheap ones run in ``make test``; the long ones
+(layout matrices, calibration, benchmarks) and those whose path another ``make test`` test already
+runs (``covered``: the 4-rank layouts, torchrun, verify, report, the HF round trip) run as written in
+``make test-all``, which keeps ``make test`` within its 30 minutes on 2 cores.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -50,18 +53,31 @@ def documented_commands() -> dict[str, str]:
 class Check:
     """How a documented command is checked: ``run`` it (with ``extra`` appended, after ``setup``
     commands in the same scratch directory), in ``make test`` or only in ``make test-all``
-    (``slow``); or not run here, for the stated ``reason`` (another test runs the same command, or
-    it needs what this machine has not got)."""
+    (``slow``, or ``covered``: a test in ``make test``, ``file::name``, runs the same code path --
+    the same layout, launcher or tool -- and the command as written runs in ``make test-all``); or
+    not run here, for the stated ``reason`` (another test runs the same command, or it needs what
+    this machine has not got)."""
 
     extra: str = ""
     setup: tuple[str, ...] = ()
     slow: bool = False
     reason: str = ""
     needs: str = ""
+    covered: str = ""
 
     @property
     def runs(self) -> bool:
         return not self.reason
+
+    @property
+    def long(self) -> bool:
+        return self.slow or bool(self.covered)
+
+
+def covered(by: str, check: Check | None = None) -> Check:
+    """``check`` (default: a short training run), run as written in ``make test-all`` only; ``by``
+    runs the same path in ``make test``."""
+    return dataclasses.replace(check or train(), covered=by)
 
 
 def train(run_dir: str = "") -> Check:
@@ -71,33 +87,41 @@ def train(run_dir: str = "") -> Check:
 _CORPUS = f"zcat {ROOT / 'shardwise/data/assets/kjv.jsonl.gz'} > corpus.jsonl"  # a user's own jsonl
 _TINY_VERIFY = Check(VERIFY, slow=True)  # layout matrices of 5-8 layouts each: make test-all
 _DEBUG_RUN = "shardwise train --config configs/debug.toml --training.steps 2 --eval.interval 0"
+_PARITY = "tests/distributed/test_parity.py::test_layout_matches_single_rank"
+_HF = "tests/e2e/test_cli.py::test_hf_folder_to_training_and_back_with_no_model_flags"
 _SMOKE = ("shardwise train --config configs/debug.toml --training.steps 2 --run.dir runs/smoke "
           "--eval.interval 0")
 
 HOW: dict[str, Check] = {
     "make run": Check(reason="the main job: tests/e2e/test_cli.py::test_main_job_short_schedule runs its "
-                             "config (configs/debug.toml, run.overwrite) on a 30-step schedule"),
+                             "config (configs/debug.toml, run.overwrite) on a 20-step schedule"),
     "make test": Check(reason="this test suite itself (CI runs it through .ci/run)"),
     "shardwise train --config configs/debug.toml --training.steps 5 --run.dir runs/smoke": Check(
         reason="tests/e2e/test_first_commands.py::test_a_five_step_smoke_run runs it as typed"),
+    # (the layouts' parity tests train them on 2-4 ranks against one rank: fsdp2, hsdp2x2, fsdp2_tp2)
     "shardwise train --config configs/debug.toml --nproc 4 --parallel.dp_shard 4 "
-    "--run.dir runs/fsdp4": train(),
+    "--run.dir runs/fsdp4": covered(_PARITY),
     "shardwise train --config configs/debug.toml --nproc 4 --parallel.dp_replicate 2 "
-    "--run.dir runs/hsdp": train(),
-    "shardwise train --config configs/debug.toml --nproc 4 --parallel.tp 2 --run.dir runs/tp2": train(),
+    "--run.dir runs/hsdp": covered(_PARITY),
+    "shardwise train --config configs/debug.toml --nproc 4 --parallel.tp 2 --run.dir runs/tp2":
+        covered(_PARITY),
     "shardwise train --config configs/debug.toml --nproc 2 --parallel.pp 2 --run.dir runs/pp2": Check(
         reason="tests/e2e/test_first_commands.py::test_pipeline_on_two_ranks_picks_its_micro_batch runs it "
                "(3 steps)"),
-    "shardwise verify --config configs/debug.toml --layouts dp_shard=4 tp=2,dp_shard=2": Check(VERIFY),
+    "shardwise verify --config configs/debug.toml --layouts dp_shard=4 tp=2,dp_shard=2": covered(
+        "tests/e2e/test_verify.py::test_verify_passes_real_layouts_and_catches_a_wrong_one", Check(VERIFY)),
     "torchrun --standalone --nproc-per-node 4 -m shardwise train --config configs/debug.toml "
-    "--run.dir runs/torchrun": train(),
+    "--run.dir runs/torchrun": covered("tests/distributed/test_parity.py::test_torchrun_entry_point"),
     "shardwise train --config configs/debug.toml --activation_checkpoint.mode selective "
     "--compile.enabled true --float8.enabled true --optimizer.state_dtype bf16 --training.loss_chunk 1024 "
-    "--run.dir runs/lean": train(),
+    "--run.dir runs/lean": covered(
+        "tests/distributed/test_precision_layouts.py::test_compile_with_checkpointing_matches_single_rank"),
     "sbatch examples/slurm.sbatch configs/debug.toml": Check(
         reason="needs a Slurm cluster; test_multinode.py runs the script through stand-in srun/scontrol"),
+    # (the trainer's fp32 path is the main job's here; the WSD schedule: tests/unit/test_optim.py)
     "shardwise train --config configs/debug.toml --training.steps 500 --training.mixed_precision fp32 "
-    "--optimizer.lr 1e-3 --lr_scheduler.decay wsd --run.dir runs/mine": train(),
+    "--optimizer.lr 1e-3 --lr_scheduler.decay wsd --run.dir runs/mine": covered(
+        "tests/e2e/test_cli.py::test_main_job_short_schedule"),
     "shardwise train --config configs/debug.toml --print-config": Check(),
     "shardwise train --help-config": Check(),
     "shardwise estimate --config configs/debug.toml --world 4 --parallel.tp 2 --hardware h100": Check(),
@@ -109,16 +133,18 @@ HOW: dict[str, Check] = {
         reason="runs as the first step of the sequence below"),
     "shardwise convert --from-hf hf/ --out init/step-0": Check(
         reason="runs as the second step of the sequence below"),
-    "shardwise train --config init/step-0.toml --run.dir runs/from-hf": Check(TRAIN, setup=(
+    "shardwise train --config init/step-0.toml --run.dir runs/from-hf": covered(_HF, Check(TRAIN, setup=(
         _DEBUG_RUN, "mv runs/debug/checkpoints/step-2 runs/debug/checkpoints/step-100",
         "shardwise convert --to-hf runs/debug/checkpoints/step-100 --out hf/ --dtype bf16",
-        "shardwise convert --from-hf hf/ --out init/step-0")),
+        "shardwise convert --from-hf hf/ --out init/step-0"))),
     # docs/observability.md
-    "shardwise report runs/debug": Check(setup=(_DEBUG_RUN,)),
-    "shardwise report runs/smoke runs/fsdp4 --out runs/compare --screenshot": Check(
-        needs="chromium", setup=(_SMOKE, "shardwise train --config configs/debug.toml --training.steps 2 "
-                                         "--eval.interval 0 --nproc 4 --parallel.dp_shard 4 "
-                                         "--run.dir runs/fsdp4")),
+    "shardwise report runs/debug": covered("tests/distributed/test_report.py::test_report_of_two_real_runs",
+                                           Check(setup=(_DEBUG_RUN,))),
+    "shardwise report runs/smoke runs/fsdp4 --out runs/compare --screenshot": covered(
+        "tests/distributed/test_report.py::test_report_screenshot_in_headless_chromium", Check(
+            needs="chromium", setup=(_SMOKE, "shardwise train --config configs/debug.toml --training.steps 2 "
+                                             "--eval.interval 0 --nproc 4 --parallel.dp_shard 4 "
+                                             "--run.dir runs/fsdp4"))),
     # docs/parallelism.md: the layout matrices behind its tables
     "shardwise verify --config configs/debug.toml --layouts dp_shard=4 tp=2,dp_shard=2 "
     "--steps 20": _TINY_VERIFY,
@@ -126,7 +152,8 @@ HOW: dict[str, Check] = {
     "python bench/plan_accuracy.py --calibrate": Check(
         reason="a long benchmark (calibration, then 14 layouts run for real); BENCHMARKS.md has its output"),
     "python bench/published.py --plan": Check(slow=True),
-    "python bench/published.py --fit": Check(),
+    "python bench/published.py --fit": covered(
+        "tests/unit/test_plan_gpu.py::test_published_rows_fitted_on_8b_and_predicted_beyond", Check()),
     "python bench/gpu_model.py --hardware h100 --only-attention --out h100_attention.json": Check(
         reason="needs a CUDA GPU; BENCHMARKS.md has its output (one H100 and one H200, 2026-11-26)"),
     "python bench/gpu_model.py --fit-attention bench/results/h100_attention.json": Check(),
@@ -144,13 +171,16 @@ HOW: dict[str, Check] = {
     "shardwise train --config plan.toml --nproc 4 --training.steps 20": Check(
         reason="test_plan_cli.py trains the written plan.toml with the command plan prints"),
     # docs/data.md
-    "shardwise train --config configs/chat-debug.toml": Check(TRAIN),
+    "shardwise train --config configs/chat-debug.toml": covered(
+        "tests/e2e/test_cli.py::test_fine_tuning_on_chat_data_lowers_the_assistant_loss"),
     "shardwise prepare --config configs/debug.toml": Check(),
     "shardwise prepare --config configs/debug.toml --data.path corpus.jsonl --data.prepared_dir prepared":
         Check(setup=(_CORPUS,)),
+    # (training on a user's own jsonl: the mixed-source resume test trains on one, prepared)
     "shardwise train --config configs/debug.toml --data.path corpus.jsonl --data.prepared_dir prepared":
-        Check(TRAIN, setup=(_CORPUS, "shardwise prepare --config configs/debug.toml --data.path corpus.jsonl "
-                                     "--data.prepared_dir prepared")),
+        covered("tests/distributed/test_parity.py::test_resume_continues_the_same_run", Check(
+            TRAIN, setup=(_CORPUS, "shardwise prepare --config configs/debug.toml --data.path corpus.jsonl "
+                                   "--data.prepared_dir prepared"))),
 }
 
 
@@ -172,9 +202,20 @@ def test_every_documented_command_is_checked():
     assert not stale, f"checks for commands no document shows any more: {stale}"
 
 
+def test_each_covering_test_exists():
+    """A command left to ``make test-all`` names a test that ``make test`` runs (not ``slow``)."""
+    for command, how in HOW.items():
+        if how.covered:
+            path, name = how.covered.split("::")
+            text = (ROOT / path).read_text()
+            at = text.find(f"\ndef {name}(")
+            assert at > 0, f"{command}: no test {how.covered}"
+            assert "@pytest.mark.slow" not in text[text.rfind("\n\n", 0, at):at], how.covered
+
+
 def _params(slow: bool) -> list:
     return [pytest.param(c, id=c[:80], marks=[pytest.mark.slow] if slow else [])
-            for c, how in HOW.items() if how.runs and how.slow == slow]
+            for c, how in HOW.items() if how.runs and how.long == slow]
 
 
 def _run(command: str, cwd: Path, data_cache: str) -> subprocess.CompletedProcess:

@@ -58,7 +58,8 @@ def loadable(path: Path) -> None:
     checkpoint.load_model_only(path, model)
 
 
-@pytest.mark.parametrize(("nproc", "group"), [pytest.param(1, False, id="1"), pytest.param(2, False, id="2"),
+@pytest.mark.parametrize(("nproc", "group"), [pytest.param(1, False, id="1"),
+                                             pytest.param(2, False, id="2", marks=pytest.mark.slow),
                                              pytest.param(2, True, id="2-group")])
 def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path: Path, data_cache: str, nproc: int,
                                                      group: bool):

@@ -33,6 +33,7 @@ def test_pipeline_on_two_ranks_picks_its_micro_batch(tmp_path: Path, data_cache:
     assert tomllib.loads((tmp_path / "config.toml").read_text())["training"]["micro_batch"] == 1
 
 
+@pytest.mark.slow  # (make test-all; in CI test_verify.py verifies pp=2 on the tiny model)
 def test_verify_a_pipeline_layout(tmp_path: Path, data_cache: str):
     proc = run_cli(["verify", "--config", "configs/debug.toml", "--layouts", "pp=2", "--steps", "3",
                     f"--out={tmp_path}", f"--data.cache_dir={data_cache}"], timeout=900)

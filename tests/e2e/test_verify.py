@@ -21,13 +21,14 @@ def test_verify_passes_real_layouts_and_catches_a_wrong_one(tmp_path: Path, data
     # Unmasked attention: context parallel's ring attention is causal-only.
     proc = run_cli(["verify", *args, "--data.document_mask=false", f"--data.cache_dir={data_cache}",
                     "--steps=6", f"--out={out}", "--layouts", "dp_shard=2", "tp=2,dp_shard=2", "cp=2",
-                    "dp_shard=2,optimizer.lr=0.002"],
+                    "pp=2", "dp_shard=2,optimizer.lr=0.002"],
                    check=False, timeout=600)
     assert proc.returncode == 1, proc.stdout + proc.stderr  # one layout must fail
     rows = {ln.split("|")[1].strip(): ln for ln in proc.stdout.splitlines() if ln.startswith("| ")}
     assert rows["dp_shard=2"].rstrip().endswith("| PASS |")
     assert rows["tp=2,dp_shard=2"].rstrip().endswith("| PASS |")
     assert rows["cp=2"].rstrip().endswith("| PASS |")
+    assert rows["pp=2"].rstrip().endswith("| PASS |")  # (its micro-batches picked, as training does)
     assert "| FAIL" in rows["dp_shard=2,optimizer.lr=0.002"]
     assert "tolerances (fp32): loss rel <= 1e-05" in proc.stdout
     assert (out / "loss_overlay.png").stat().st_size > 10_000
