@@ -162,6 +162,7 @@ HOW: dict[str, Check] = {
         reason="a long benchmark (calibration, then 6 layouts trained for real 3 times); BENCHMARKS.md has "
                "its output"),
     "python bench/plan_ranking.py --set moe": Check(reason="a long benchmark; BENCHMARKS.md has its output"),
+    "python bench/plan_ranking.py --report bench/results/ranking_avx2_moe_2026-11-26.json": Check(),
     "python bench/plan_ranking.py --set 125m --steps 8": Check(
         reason="a long benchmark; BENCHMARKS.md has its output"),
     # docs/planning.md, the local flow: tests/e2e/test_plan_cli.py runs these three in this order
