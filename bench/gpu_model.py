@@ -50,7 +50,13 @@ from shardwise.device import init_distributed  # noqa: E402
 from shardwise.models import ModelArgs  # noqa: E402
 from shardwise.plan.calibrate import _time, _tiny_step  # noqa: E402
 from shardwise.plan.cost import host_ops  # noqa: E402
-from shardwise.plan.hardware import BYTES_PER, attention_efficiency, gemm_seconds, load_hardware  # noqa: E402
+from shardwise.plan.hardware import (  # noqa: E402
+    BYTES_PER,
+    Hardware,
+    attention_efficiency,
+    gemm_seconds,
+    load_hardware,
+)
 
 
 def _shapes() -> list[tuple[str, int, int, int]]:
@@ -205,11 +211,11 @@ elementwise and norm kernels, copies, casts, reductions) is ``memory-bound``. Th
 kernels include the clipping norm's (``_foreach_norm``), which the planner also counts there."""
 
 
-def step_kernels(profile: dict, hw_name: str) -> dict[str, dict[str, float]]:
+def step_kernels(profile: dict, hw: Hardware) -> dict[str, dict[str, float]]:
     """A profiled training step (``bench/throughput.py --profile-json``) by the planner's compute
-    terms: measured kernel seconds beside ``estimate``'s on ``hw_name`` for the same preset and
-    shape, and the GPU's idle time (the step's time from the measured tokens/s, less its kernels)
-    beside the planner's host term."""
+    terms: measured kernel seconds beside ``estimate``'s on ``hw`` for the same preset and shape,
+    and the GPU's idle time (the step's time from the measured tokens/s, less its kernels) beside
+    the planner's host term."""
     from shardwise.config_checks import load_config
     from shardwise.plan.estimate import estimate
 
@@ -224,7 +230,7 @@ def step_kernels(profile: dict, hw_name: str) -> dict[str, dict[str, float]]:
     cfg = load_config(None, [f"--model.name={profile['preset']}", f"--training.global_batch={batch}",
                              f"--training.seq_len={seq}", f"--model.max_seq_len={max(seq, 2048)}",
                              "--training.steps=100000", "--run.device=cuda"], device="cuda")
-    est = estimate(cfg, 1, load_hardware(hw_name), exact=False)
+    est = estimate(cfg, 1, hw, exact=False)
     predicted = dict(est.time.ranks[0].compute)
     return {"measured": {**measured, "step": step}, "predicted": {**predicted, "step": est.time.step}}
 
@@ -293,7 +299,7 @@ def main() -> None:
         return
     if a.step_kernels:
         profile = json.loads(Path(a.step_kernels).read_text())
-        r = step_kernels(profile, a.hardware)
+        r = step_kernels(profile, load_hardware(a.hardware))
         print(f"{profile['preset']} {profile['batch']} x {profile['seq']} on {profile['device']}: ms per "
               f"step, measured kernels against the {a.hardware} profile\n")
         print("| term | measured | predicted | predicted / measured |\n|---|---|---|---|")
