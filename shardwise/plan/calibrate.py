@@ -45,6 +45,7 @@ from shardwise.optim.clip import clip_grad_norm_
 from shardwise.parallel.build import build_rank_model
 from shardwise.plan.estimate import estimate
 from shardwise.plan.hardware import GRID_ROWS, Hardware, local_path, save_hardware
+from shardwise.process import enter_rank, start_rank_server
 from shardwise.resolve import resolve_run
 
 GEMM_SIZES = (128, 256, 512, 1024, 2048)
@@ -217,8 +218,7 @@ def memory_efficiency(hw: Hardware, probe_seconds: float) -> float:
 
 
 def _timed_collective(fn: Callable[[], object], runs: int = 5) -> float:
-    """Median of a fixed number of calls: every rank must issue the same collectives (a loop until
-    a time is up would let ranks disagree on the count and hang)."""
+    """Median of a fixed number of calls (all ranks must make the same calls: not until a time is up)."""
     fn()
     return statistics.median(_collective_samples(fn, runs))
 
@@ -276,14 +276,10 @@ def _kind_rates(world: int, sizes_mib: list[int]) -> dict[str, float]:
     return rates
 
 
-SYNC_PAIRS = 9
-"""Paired runs of compute with and without a collective per iteration behind the measured wait."""
-LATENCY_CALLS = 50
-"""Tiny all-reduces per timing of the per-hop latency."""
-KIND_ROUNDS = 3
-"""Rounds through every collective kind and buffer size, 3 calls each per round."""
-SHARE_ROUNDS = 5
-"""Barrier-to-barrier rounds of the same work on every process behind the measured share of the cores."""
+SYNC_PAIRS = 9  # paired runs of compute with and without a collective per iteration: the wait
+LATENCY_CALLS = 50  # tiny all-reduces per timing of the per-hop latency
+KIND_ROUNDS = 3  # rounds through every collective kind and buffer size, 3 calls each per round
+SHARE_ROUNDS = 5  # barrier-to-barrier rounds of the same work on every process: the share of the cores
 
 
 def _share_work(a: torch.Tensor, b: torch.Tensor, calls: int = 40) -> None:
@@ -293,11 +289,13 @@ def _share_work(a: torch.Tensor, b: torch.Tensor, calls: int = 40) -> None:
         torch.mm(a, b)
 
 
-def _collective_worker(rank: int, world: int, init: str, out: str, sizes_mib: tuple[int, ...]) -> None:
+def _collective_worker(rank: int, world: int, init: str, out: str, sizes_mib: tuple[int, ...],
+                       quick: bool) -> None:
     import json
 
     import torch.distributed as dist
 
+    enter_rank({})  # (forked from the rank server, as training's ranks are)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     size = 4 * 2**20  # fp32 elements: 16 MiB gathered / reduced
@@ -337,7 +335,7 @@ def _collective_worker(rank: int, world: int, init: str, out: str, sizes_mib: tu
     # drift cancels, and their median (two medians of separate runs differed by 20x across
     # calibrations an hour apart).
     work(False), work(True)
-    diffs = [once(True) - once(False) for _ in range(SYNC_PAIRS)]
+    diffs = [once(True) - once(False) for _ in range(SYNC_PAIRS // 2 + 1 if quick else SYNC_PAIRS)]
     results["sync_s"] = max(0.0, statistics.median(diffs) / 40 - t_lat)
     # What sharing the cores does to compute, as a step meets it: the same fixed work on every process
     # from one barrier to the next (each process timing its own calls let one that ran while others
@@ -348,7 +346,7 @@ def _collective_worker(rank: int, world: int, init: str, out: str, sizes_mib: tu
     dist.all_reduce(makespan, op=dist.ReduceOp.MAX)
     results["share_makespan_s"] = makespan.item()
     if world == 2:
-        results["tp_block_s"] = _tp_block_seconds()
+        results["tp_block_s"] = _tp_block_seconds(8 if quick else 15)
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -371,18 +369,19 @@ def _tp_block_seconds(rounds: int = 15) -> float:
     return max(0.0, statistics.median(diffs))
 
 
-def collective_bandwidth(world: int, sizes_mib: tuple[int, ...] = (1, 4, 16, 64)) -> dict:
-    """Gloo among ``world`` local processes: bus bandwidth (GB/s), per-hop latency (s), each kind's
-    bus bandwidth per buffer size (``kinds``: ``"reduce_scatter@4:16777216"`` -> GB/s), and with 2
-    processes the host time tensor parallel adds per block (s)."""
+def collective_bandwidth(world: int, mib: tuple[int, ...] = (1, 4, 16, 64), quick: bool = False) -> dict:
+    """Gloo among ``world`` local processes forked from the rank server: bus bandwidth (GB/s), per-hop
+    latency (s), each kind's bus bandwidth per buffer size (``"reduce_scatter@4:16777216"`` -> GB/s),
+    and with 2 processes tensor parallel's host time per block (s). ``quick``: fewer rounds."""
     import json
 
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as d:
         out = str(Path(d) / "result.json")
-        mp.start_processes(_collective_worker, args=(world, f"file://{Path(d) / 'pg'}", out, sizes_mib),
-                           nprocs=world, start_method="spawn")
+        start_rank_server(world, 0)
+        args = (world, f"file://{Path(d) / 'pg'}", out, mib, quick)
+        mp.start_processes(_collective_worker, args=args, nprocs=world, start_method="forkserver")
         r = json.loads(Path(out).read_text())
     r["bw_gbs"] = statistics.median(r["kinds"][f"{k}@{world}:{16 * 2**20}"]
                                     for k in ("all_gather", "reduce_scatter", "all_reduce"))
@@ -421,7 +420,8 @@ def _thread_rates(threads: list[int], gemm_sizes: tuple[int, ...], seqs: tuple[i
             f"{att['fp32']:.3f}, bf16 {att['bf16']:.3f}; "
             f"memory {bandwidth[str(th)]:.1f} GB/s ({bandwidth[f'large@{th}']:.1f} for outputs over "
             "16 MiB)")
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
+    start_rank_server(1, 0)  # (its imports start only now: they would slow the timings above)
+    with multiprocessing.get_context("forkserver").Pool(1, enter_rank, ({},)) as pool:
         bandwidth.update(pool.apply(_cached_memory_gbs, (tuple(threads), 0.3 * secs)))
     log("  memory on outputs over 16 MiB with freed memory kept (training's default): "
         + ", ".join(f"{bandwidth[f'cached@{th}']:.1f} GB/s on {th} thread(s)" for th in threads))
@@ -430,9 +430,9 @@ def _thread_rates(threads: list[int], gemm_sizes: tuple[int, ...], seqs: tuple[i
 
 def calibrate(cache_dir: str = "~/.cache/shardwise", log: Callable[[str], None] = print,
               quick: bool = False) -> Hardware:
-    """Measure this machine and save it as the ``local`` profile. ``quick``: fewer GEMM widths,
-    shorter timings, 2 and 4 processes only (about a fifth of the time; noisier), and without native
-    bf16 (``auto`` trains in fp32) bf16 at one width and sequence (most of the time there)."""
+    """Measure this machine and save it as the ``local`` profile. ``quick``: fewer GEMM widths, shorter
+    timings, fewer rounds, 2 and 4 processes only (about a fifth of the time; noisier), and without
+    native bf16 (``auto`` trains in fp32) bf16 at one width and sequence (most of the time there)."""
     gemm_sizes, worlds = ((128, 512, 2048), (2, 4)) if quick else (GEMM_SIZES, WORLDS)
     seqs = (256, 512, 1024) if quick else ATTENTION_SEQS
     row_widths, row_counts = ((128, 512), (128, 512)) if quick else (ROW_WIDTHS, ROW_COUNTS)
@@ -456,7 +456,7 @@ def calibrate(cache_dir: str = "~/.cache/shardwise", log: Callable[[str], None] 
     alone = _time(lambda: _share_work(a, b), 0.0, min_runs=SHARE_ROUNDS)  # the workers' work, alone
     torch.set_num_threads(old_threads)
     for w in worlds:
-        r = collective_bandwidth(w, (4, 16) if quick else (1, 4, 16, 64))
+        r = collective_bandwidth(w, (4, 16) if quick else (1, 4, 16, 64), quick)
         coll[str(w)] = r["bw_gbs"]
         kinds.update(r["kinds"])
         if "pair_gbs" in r:
