@@ -48,7 +48,6 @@ from torch._dynamo.utils import counters  # noqa: E402
 
 from shardwise.device import init_distributed  # noqa: E402
 from shardwise.models import ModelArgs  # noqa: E402
-from shardwise.plan.calibrate import _time, _tiny_step  # noqa: E402
 from shardwise.plan.cost import host_ops  # noqa: E402
 from shardwise.plan.hardware import (  # noqa: E402
     BYTES_PER,
@@ -57,6 +56,7 @@ from shardwise.plan.hardware import (  # noqa: E402
     gemm_seconds,
     load_hardware,
 )
+from shardwise.plan.probes import _time, _tiny_step  # noqa: E402
 
 
 def _shapes() -> list[tuple[str, int, int, int]]:

@@ -34,19 +34,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from shardwise.config_checks import load_config
-from shardwise.data.dataset import Batch
 from shardwise.device import cpu_has_native_bf16, keep_freed_cpu_memory, usable_cores
-from shardwise.ops.loss import TokenLoss
-from shardwise.optim.adamw import build_optimizer
-from shardwise.optim.clip import clip_grad_norm_
-from shardwise.parallel.build import build_rank_model
-from shardwise.plan.estimate import estimate
 from shardwise.plan.hardware import GRID_ROWS, Hardware, local_path, save_hardware
+from shardwise.plan.probes import (
+    DTYPES,
+    _time,
+    _tiny_step,
+    attention_step,
+    host_overhead_ms,
+    linear_step,
+    memory_efficiency,
+)
 from shardwise.process import enter_rank, start_rank_server
-from shardwise.resolve import resolve_run
 
 GEMM_SIZES = (128, 256, 512, 1024, 2048)
 HEAD_DIMS = (16, 32, 64, 128)
@@ -56,37 +56,16 @@ ROW_WIDTHS = (128, 256, 512, 1024)
 share of the tokens, a small micro-batch."""
 ROW_COUNTS = (64, 128, 256, 512, 1024)
 WORLDS = (2, 4, 8)
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def _time(fn: Callable[[], object], seconds: float, min_runs: int = 2) -> float:
-    """Median seconds per call of ``fn`` over about ``seconds`` (one warm-up call first)."""
-    fn()
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < min_runs or time.perf_counter() - start < seconds:
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def gemm_tflops(dtype: torch.dtype, k: int, n: int, seconds: float = 0.2, rows: int = 0) -> float:
-    """A linear layer's forward and backward (``F.linear`` as the model calls it: the output, the
-    input gradient and the weight gradient) with ``k`` inputs and ``n`` outputs, 6 * T * k * n
-    FLOPs, on ``rows`` rows T -- or (0) on T sized from a first small call so that one call takes
-    about 0.1 s, at most ``GRID_ROWS`` (CPUs without native bf16 run bf16 GEMMs tens of times
-    slower than fp32). (A grouped expert GEMM runs at the rate of one of these on its rows.)"""
-    w = torch.randn(n, k).to(dtype).requires_grad_()
-
+    """A linear layer's forward and backward (:func:`~shardwise.plan.probes.linear_step`) with ``k``
+    inputs and ``n`` outputs, 6 * T * k * n FLOPs, on ``rows`` rows T -- or (0) on T sized from a
+    first small call so that one call takes about 0.1 s, at most ``GRID_ROWS`` (CPUs without native
+    bf16 run bf16 GEMMs tens of times slower than fp32). (A grouped expert GEMM runs at the rate of
+    one of these on its rows.)"""
     def rate(tokens: int, secs: float) -> float:
-        x = torch.randn(tokens, k).to(dtype).requires_grad_()
-        grad = torch.randn(tokens, n).to(dtype)
-
-        def step() -> None:
-            F.linear(x, w).backward(grad)
-            x.grad = w.grad = None
-        return 6 * tokens * k * n / _time(step, secs) / 1e12
+        return 6 * tokens * k * n / _time(linear_step(dtype, k, n, tokens), secs) / 1e12
     if rows:
         return rate(rows, seconds)
     probe = rate(64, 0.0)
@@ -99,15 +78,9 @@ def attention_tflops(dtype: torch.dtype, head_dim: int, seconds: float = 0.2, se
     4 * H * D per (query, key) pair forward, 2.5x that backward, S(S+1)/2 pairs. (On CPUs the rate
     depends on the sequence length -- 0.019 against 0.026 TFLOP/s for 256 and 512 positions at
     one thread -- and hardly on batch or heads.)"""
-    b, s = 2, seq
-    heads = max(1, 256 // head_dim)
-    q, k, v = (torch.randn(b, heads, s, head_dim).to(dtype).requires_grad_() for _ in range(3))
-    grad = torch.randn(b, heads, s, head_dim).to(dtype)
-
-    def step() -> None:
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+    b, s, heads = 2, seq, max(1, 256 // head_dim)
     flops = 4 * heads * head_dim * b * s * (s + 1) / 2 * 3.5
-    return flops / _time(step, seconds) / 1e12
+    return flops / _time(attention_step(dtype, b, heads, s, head_dim), seconds) / 1e12
 
 
 def memory_gbs(large: bool = False, seconds: float = 0.3) -> float:
@@ -136,85 +109,6 @@ def _cached_memory_gbs(threads: tuple[int, ...], seconds: float) -> dict[str, fl
         memory_gbs(large=True, seconds=seconds)  # (the heap grows to the working set first)
         rates[f"cached@{th}"] = memory_gbs(large=True, seconds=seconds)
     return rates
-
-
-def _tiny_step(layers: int, layout: tuple[str, ...] = (), device: str = "cpu") -> Callable[[], None]:
-    """A training step (forward, backward, clipping, AdamW) of a dim-32 model with ``layers``
-    blocks through the trainer's own parallelization and loss, on the current process group
-    (``layout``: parallel or other overrides such as ``--parallel.tp=2``)."""
-    return _train_step(["--model.dim=32", f"--model.n_layers={layers}", "--model.n_heads=2",
-                        "--model.n_kv_heads=2", "--model.vocab_size=64", "--model.multiple_of=32",
-                        "--training.seq_len=8", *layout], sequences=1, device=device)
-
-
-PROBE = ("--model.dim=192", "--model.n_layers=3", "--model.n_heads=6", "--model.n_kv_heads=6",
-         "--model.vocab_size=1024", "--model.multiple_of=64", "--training.seq_len=256",
-         "--training.global_batch=4", "--training.micro_batch=4", "--activation_checkpoint.mode=none",
-         "--compile.enabled=false")
-"""A small dense model whose real training step ``calibrate`` times on one process: a shape none of
-the presets or benchmark sets uses (4 x 256 tokens, dim 192, head width 32)."""
-
-
-def _train_step(overrides: list[str], sequences: int, device: str = "cpu") -> Callable[[], None]:
-    """A training step on ``sequences`` sequences of the model ``overrides`` configure, on the
-    current process group (``device``: ``cuda`` for bench/gpu_model.py's host-time probe; the step
-    then ends by waiting for the GPU)."""
-    import torch.distributed as dist
-
-    cfg = load_config(None, overrides, device=device)
-    run = resolve_run(cfg, dist.get_world_size())
-    run.dims.build_mesh(device)
-    model = build_rank_model(run, device)
-    opt = build_optimizer(model, cfg.optimizer, device)
-    b, s, vocab = sequences, cfg.training.seq_len, cfg.model.vocab_size
-    tokens = torch.randint(0, vocab, (b, s), device=device)
-    batch, n_valid = Batch(tokens, tokens, None, b * s), torch.tensor(b * s, device=device)
-    wait = torch.cuda.synchronize if device == "cuda" else dist.barrier
-
-    def step() -> None:
-        TokenLoss(run.loss_chunk)(model, batch, n_valid)
-        clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        wait()
-    return step
-
-
-MOE_TINY = ("--model.n_experts=4", "--model.moe_top_k=2", "--model.moe_hidden_dim=32",
-            "--model.n_dense_layers=0")
-
-
-def host_overhead_ms(seconds: float = 1.0) -> tuple[float, float, float, float]:
-    """(ms per block, ms per step, ms per MoE block) of training steps whose kernels take no time
-    (1 and 5 blocks; an MoE block's routing, token sort and grouped GEMMs are many more small ops),
-    and the seconds of one real step of the ``PROBE`` model."""
-    import torch.distributed as dist
-
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("gloo", init_method=f"file://{Path(d) / 'pg'}", rank=0, world_size=1)
-        try:
-            one, five = (_time(_tiny_step(n), seconds, min_runs=10) for n in (1, 5))
-            moe_one, moe_five = (_time(_tiny_step(n, MOE_TINY), seconds, min_runs=10) for n in (1, 5))
-            probe = _time(_train_step(list(PROBE), 4), 2 * seconds, min_runs=5)
-        finally:
-            dist.destroy_process_group()
-    per_block = (five - one) / 4
-    # (the step's own part is a small difference of noisy timings: it came out at -0.5 ms once)
-    return 1e3 * per_block, max(0.0, 1e3 * (one - per_block)), 1e3 * (moe_five - moe_one) / 4, probe
-
-
-def memory_efficiency(hw: Hardware, probe_seconds: float) -> float:
-    """The fraction of the measured elementwise bandwidth a real training step's memory-bound work
-    reaches: what the ``PROBE`` step took beyond its GEMMs, attention and host time (costed on
-    ``hw``, just measured), against what its memory-bound work and optimizer cost at the
-    microbenchmark's bandwidth. A step's eager elementwise ops -- broadcasts, fp32 upcasts, complex
-    RoPE products, casts, small reductions -- run well below a plain add's rate. Clamped to
-    [0.2, 1]."""
-    cfg = load_config(None, list(PROBE), device="cpu")
-    parts = estimate(cfg, 1, hw).time.ranks[0].compute
-    memory = parts["memory-bound"] + parts["optimizer"]
-    rest = probe_seconds - parts["matmul"] - parts["attention"] - parts["host"]
-    return min(1.0, max(0.2, memory / rest)) if rest > 0 else 1.0
 
 
 def _timed_collective(fn: Callable[[], object], runs: int = 5) -> float:
@@ -444,7 +338,7 @@ def calibrate(cache_dir: str = "~/.cache/shardwise", log: Callable[[str], None] 
         rates, bandwidth = _thread_rates(threads, gemm_sizes, seqs, (row_widths, row_counts), secs, log,
                                          slim_bf16=quick and not cpu_has_native_bf16())
         torch.set_num_threads(1 if cores == 1 else cores)
-        per_block, per_step, per_moe_block, probe = host_overhead_ms(secs)
+        per_block, per_step, per_moe_block, probe, rest = host_overhead_ms(secs)
         log(f"  host overhead: {per_block:.2f} ms per block ({per_moe_block:.2f} per MoE block), "
             f"{per_step:.2f} ms per step")
     finally:
@@ -486,8 +380,9 @@ def calibrate(cache_dir: str = "~/.cache/shardwise", log: Callable[[str], None] 
         collective_bw_gbs=coll, collective_kind_bw_gbs=kinds, memory_bw_per_thread_gbs=bandwidth,
         shared_compute=shared,
         collective_sync_us=sync)
-    hw = dataclasses.replace(hw, efficiency={"memory": memory_efficiency(hw, probe)})
-    log(f"  a real step of a dim-192 model: {1e3 * probe:.0f} ms; its memory-bound work ran at "
+    hw = dataclasses.replace(hw, efficiency={"memory": memory_efficiency(hw, rest)})
+    log(f"  a real step of a dim-192 model: {1e3 * probe:.0f} ms, {1e3 * rest:.0f} beyond its GEMMs and "
+        "attention (timed in pairs); its memory-bound work ran at "
         f"{hw.efficiency['memory']:.2f} of the elementwise microbenchmark's bandwidth")
     save_hardware(hw, local_path(cache_dir))
     return hw

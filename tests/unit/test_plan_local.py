@@ -146,24 +146,42 @@ def test_large_outputs_cost_what_the_allocator_makes_them():
 
 
 def test_memory_efficiency_makes_the_probe_step_its_own_measurement():
-    """``calibrate`` times one real step of its probe model; the fraction of the elementwise
-    bandwidth it derives from it scales every memory-bound term on ``local``, and with it the
-    probe's own predicted step is the measured one."""
-    from shardwise.plan.calibrate import PROBE, memory_efficiency
+    """``calibrate`` times one real step of its probe model against its own GEMMs and attention;
+    the fraction of the elementwise bandwidth it derives from the remainder scales every
+    memory-bound term on ``local``, and with it the probe's predicted step beyond its GEMMs and
+    attention is the measured remainder."""
     from shardwise.plan.estimate import estimate
+    from shardwise.plan.probes import PROBE, memory_efficiency
 
     hw = _local_profile(2)
     cfg = load_config(None, list(PROBE), device="cpu")
     parts = estimate(cfg, 1, hw).time.ranks[0].compute
     bytes_bound = parts["memory-bound"] + parts["optimizer"]
-    measured = parts["matmul"] + parts["attention"] + parts["host"] + 2 * bytes_bound
-    eff = memory_efficiency(hw, measured)
+    rest = parts["host"] + 2 * bytes_bound  # the step less its GEMMs and attention, measured
+    eff = memory_efficiency(hw, rest)
     assert eff == pytest.approx(0.5)
     slow = dataclasses.replace(hw, efficiency={"memory": eff})
     assert slow.memory_bw(4, 2**20) == pytest.approx(hw.memory_bw(4, 2**20) / 2)
-    assert estimate(cfg, 1, slow).time.step == pytest.approx(measured)
-    # clamped: a probe faster than its GEMMs and attention alone leaves the bandwidth as measured
-    assert memory_efficiency(hw, parts["matmul"]) == 1.0
+    assert estimate(cfg, 1, slow).time.step == pytest.approx(parts["matmul"] + parts["attention"] + rest)
+    # clamped: a remainder within the host time leaves the bandwidth as measured
+    assert memory_efficiency(hw, parts["host"]) == 1.0
+
+
+def test_the_probes_kernels_are_the_cost_models_gemms_and_attention(monkeypatch: pytest.MonkeyPatch):
+    """What the probe step is timed against: every GEMM the cost model counts for it (each block's,
+    and the output head's over the fused loss's chunks) and each block's attention, once each."""
+    from shardwise.plan import probes
+
+    made = []  # (each call of a kernel: the fakes record when run)
+    monkeypatch.setattr(probes, "linear_step",
+                        lambda dtype, k, n, rows: lambda: made.append(("mm", k, n, rows)))
+    monkeypatch.setattr(probes, "attention_step", lambda *a: lambda: made.append(("sdpa", *a[1:])))
+    probes.step_kernels(list(probes.PROBE))()
+    tokens, mm = 4 * 256, [m for m in made if m[0] == "mm"]
+    assert sorted(mm[:7]) == sorted([("mm", 192, 192, tokens)] * 4 + [("mm", 192, 512, tokens)] * 2
+                                    + [("mm", 512, 192, tokens)])
+    assert len(mm) == 3 * 7 + 1 and mm[-1] == ("mm", 192, 1024, tokens)
+    assert [m for m in made if m[0] == "sdpa"] == [("sdpa", 4, 6, 256, 32)] * 3
 
 
 def test_cpu_expert_groups_cost_their_padding():
