@@ -116,7 +116,7 @@ def _train_step(overrides: list[str], sequences: int, device: str = "cpu") -> Ca
     return step
 
 
-def step_kernels(overrides: list[str]) -> Callable[[], None]:
+def probe_kernels(overrides: list[str]) -> Callable[[], None]:
     """The GEMMs (forward and backward, at the widths and rows the cost model gives each block and
     the output head) and the causal attention of one 1-rank step of the model ``overrides``
     configure, run back to back."""
@@ -156,7 +156,7 @@ def host_overhead_ms(seconds: float = 1.0) -> tuple[float, float, float, float, 
     """(ms per block, ms per step, ms per MoE block) of training steps whose kernels take no time
     (1 and 5 blocks; an MoE block's routing, token sort and grouped GEMMs are many more small ops),
     and the seconds of one real step of the ``PROBE`` model and of its part beyond its GEMMs and
-    attention (:func:`step_kernels`), timed in pairs."""
+    attention (:func:`probe_kernels`), timed in pairs."""
     import torch.distributed as dist
 
     with tempfile.TemporaryDirectory() as d:
@@ -164,7 +164,7 @@ def host_overhead_ms(seconds: float = 1.0) -> tuple[float, float, float, float, 
         try:
             one, five = (_time(_tiny_step(n), seconds, min_runs=10) for n in (1, 5))
             moe_one, moe_five = (_time(_tiny_step(n, MOE_TINY), seconds, min_runs=10) for n in (1, 5))
-            probe, rest = _paired(_train_step(list(PROBE), 4), step_kernels(list(PROBE)), 3 * seconds, 7)
+            probe, rest = _paired(_train_step(list(PROBE), 4), probe_kernels(list(PROBE)), 3 * seconds, 7)
         finally:
             dist.destroy_process_group()
     per_block = (five - one) / 4

@@ -176,7 +176,7 @@ def test_the_probes_kernels_are_the_cost_models_gemms_and_attention(monkeypatch:
     monkeypatch.setattr(probes, "linear_step",
                         lambda dtype, k, n, rows: lambda: made.append(("mm", k, n, rows)))
     monkeypatch.setattr(probes, "attention_step", lambda *a: lambda: made.append(("sdpa", *a[1:])))
-    probes.step_kernels(list(probes.PROBE))()
+    probes.probe_kernels(list(probes.PROBE))()
     tokens, mm = 4 * 256, [m for m in made if m[0] == "mm"]
     assert sorted(mm[:7]) == sorted([("mm", 192, 192, tokens)] * 4 + [("mm", 192, 512, tokens)] * 2
                                     + [("mm", 512, 192, tokens)])
