@@ -56,7 +56,7 @@ from shardwise.plan.hardware import (  # noqa: E402
     gemm_seconds,
     load_hardware,
 )
-from shardwise.plan.probes import _time, _tiny_step  # noqa: E402
+from shardwise.plan.probes import median_seconds, tiny_step  # noqa: E402
 
 
 def _shapes() -> list[tuple[str, int, int, int]]:
@@ -86,7 +86,7 @@ def _gemm_seconds_measured(m: int, k: int, n: int, device: torch.device) -> tupl
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
     w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
     if device.type != "cuda":
-        t = _time(lambda: F.linear(x, w), 0.05)
+        t = median_seconds(lambda: F.linear(x, w), 0.05)
         return t, t
     for _ in range(3):
         F.linear(x, w)
@@ -239,7 +239,7 @@ def _event_seconds(fn, device: torch.device, calls: int = 3) -> float:
     """Median seconds per call of ``fn``: CUDA events around five windows of ``calls`` calls each,
     after two warm-up calls (CPU: wall time)."""
     if device.type != "cuda":
-        return _time(fn, 0.05)
+        return median_seconds(fn, 0.05)
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
@@ -262,7 +262,8 @@ def host_time(device: torch.device, seconds: float) -> dict:
     out = {}
     for compiled in (False, True):
         flags = (f"--compile.enabled={str(compiled).lower()}", "--activation_checkpoint.mode=none")
-        times = {n: _time(_tiny_step(n, flags, device=device.type), seconds, min_runs=10) for n in (1, 5, 9)}
+        times = {n: median_seconds(tiny_step(n, flags, device=device.type), seconds, min_runs=10)
+                 for n in (1, 5, 9)}
         per_block = (times[9] - times[1]) / 8
         ops = host_ops(args, 0, recomputed=False)
         key = "compiled" if compiled else "eager"

@@ -39,12 +39,12 @@ from shardwise.device import cpu_has_native_bf16, keep_freed_cpu_memory, usable_
 from shardwise.plan.hardware import GRID_ROWS, Hardware, local_path, save_hardware
 from shardwise.plan.probes import (
     DTYPES,
-    _time,
-    _tiny_step,
     attention_step,
     host_overhead_ms,
     linear_step,
+    median_seconds,
     memory_efficiency,
+    tiny_step,
 )
 from shardwise.process import enter_rank, start_rank_server
 
@@ -65,7 +65,7 @@ def gemm_tflops(dtype: torch.dtype, k: int, n: int, seconds: float = 0.2, rows: 
     bf16 run bf16 GEMMs tens of times slower than fp32). (A grouped expert GEMM runs at the rate of
     one of these on its rows.)"""
     def rate(tokens: int, secs: float) -> float:
-        return 6 * tokens * k * n / _time(linear_step(dtype, k, n, tokens), secs) / 1e12
+        return 6 * tokens * k * n / median_seconds(linear_step(dtype, k, n, tokens), secs) / 1e12
     if rows:
         return rate(rows, seconds)
     probe = rate(64, 0.0)
@@ -80,7 +80,7 @@ def attention_tflops(dtype: torch.dtype, head_dim: int, seconds: float = 0.2, se
     one thread -- and hardly on batch or heads.)"""
     b, s, heads = 2, seq, max(1, 256 // head_dim)
     flops = 4 * heads * head_dim * b * s * (s + 1) / 2 * 3.5
-    return flops / _time(attention_step(dtype, b, heads, s, head_dim), seconds) / 1e12
+    return flops / median_seconds(attention_step(dtype, b, heads, s, head_dim), seconds) / 1e12
 
 
 def memory_gbs(large: bool = False, seconds: float = 0.3) -> float:
@@ -95,7 +95,7 @@ def memory_gbs(large: bool = False, seconds: float = 0.3) -> float:
     def step() -> None:
         for a, b in pairs:
             torch.add(a, b)
-    return 3 * 4 * sum(sizes) / _time(step, seconds) / 1e9
+    return 3 * 4 * sum(sizes) / median_seconds(step, seconds) / 1e9
 
 
 def _cached_memory_gbs(threads: tuple[int, ...], seconds: float) -> dict[str, float]:
@@ -252,7 +252,7 @@ def _tp_block_seconds(rounds: int = 15) -> float:
     blocks, so kernels play no part. Each round times the four steps back to back and yields one
     difference of differences; the median of the rounds (medians of separate runs, differenced,
     gave 12 and 25 ms in two calibrations an hour apart)."""
-    steps = [_tiny_step(n, layout) for layout in (("--parallel.dp_shard=2",), ("--parallel.tp=2",))
+    steps = [tiny_step(n, layout) for layout in (("--parallel.dp_shard=2",), ("--parallel.tp=2",))
              for n in (1, 5)]  # fsdp 1, fsdp 5, tp 1, tp 5
     for step in steps:  # (first calls build caches)
         step()
@@ -347,7 +347,7 @@ def calibrate(cache_dir: str = "~/.cache/shardwise", log: Callable[[str], None] 
     old_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     a, b = torch.randn(256, 1024), torch.randn(1024, 1024)
-    alone = _time(lambda: _share_work(a, b), 0.0, min_runs=SHARE_ROUNDS)  # the workers' work, alone
+    alone = median_seconds(lambda: _share_work(a, b), 0.0, min_runs=SHARE_ROUNDS)  # the workers' work, alone
     torch.set_num_threads(old_threads)
     for w in worlds:
         r = collective_bandwidth(w, (4, 16) if quick else (1, 4, 16, 64), quick)

@@ -46,7 +46,7 @@ MOE_TINY = ("--model.n_experts=4", "--model.moe_top_k=2", "--model.moe_hidden_di
             "--model.n_dense_layers=0")
 
 
-def _time(fn: Callable[[], object], seconds: float, min_runs: int = 2) -> float:
+def median_seconds(fn: Callable[[], object], seconds: float, min_runs: int = 2) -> float:
     """Median seconds per call of ``fn`` over about ``seconds`` (one warm-up call first)."""
     fn()
     times: list[float] = []
@@ -82,7 +82,7 @@ def attention_step(dtype: torch.dtype, batch: int, heads: int, seq: int, head_di
     return step
 
 
-def _tiny_step(layers: int, layout: tuple[str, ...] = (), device: str = "cpu") -> Callable[[], None]:
+def tiny_step(layers: int, layout: tuple[str, ...] = (), device: str = "cpu") -> Callable[[], None]:
     """A training step (forward, backward, clipping, AdamW) of a dim-32 model with ``layers``
     blocks through the trainer's own parallelization and loss, on the current process group
     (``layout``: parallel or other overrides such as ``--parallel.tp=2``)."""
@@ -162,8 +162,8 @@ def host_overhead_ms(seconds: float = 1.0) -> tuple[float, float, float, float, 
     with tempfile.TemporaryDirectory() as d:
         dist.init_process_group("gloo", init_method=f"file://{Path(d) / 'pg'}", rank=0, world_size=1)
         try:
-            one, five = (_time(_tiny_step(n), seconds, min_runs=10) for n in (1, 5))
-            moe_one, moe_five = (_time(_tiny_step(n, MOE_TINY), seconds, min_runs=10) for n in (1, 5))
+            one, five = (median_seconds(tiny_step(n), seconds, min_runs=10) for n in (1, 5))
+            moe_one, moe_five = (median_seconds(tiny_step(n, MOE_TINY), seconds, min_runs=10) for n in (1, 5))
             probe, rest = _paired(_train_step(list(PROBE), 4), probe_kernels(list(PROBE)), 3 * seconds, 7)
         finally:
             dist.destroy_process_group()
