@@ -45,6 +45,9 @@ class ParallelDims:
     ep: int
     world_size: int
     _mesh: DeviceMesh | None = field(default=None, repr=False)
+    target_device: str = field(default="", repr=False)
+    """The device type the model is parallelized for: the mesh's, or for the planner (whose fake
+    world's mesh is on the CPU) the device of the run it plans (:func:`build_mesh`)."""
     _flat: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -112,8 +115,11 @@ class ParallelDims:
             raise RuntimeError("ParallelDims.build_mesh() has not been called")
         return self._mesh
 
-    def build_mesh(self, device_type: str, backend_override: dict[str, str] | None = None) -> DeviceMesh:
-        """Create the world mesh (all five dims) and its flattened views."""
+    def build_mesh(self, device_type: str, backend_override: dict[str, str] | None = None,
+                   target_device: str = "") -> DeviceMesh:
+        """Create the world mesh (all five dims) and its flattened views. ``target_device``: the
+        device the model is parallelized for when it is not the mesh's (the planner's fake world)."""
+        self.target_device = target_device or device_type
         shape = tuple(getattr(self, d) for d in MESH_DIMS)
         overrides = {dim: backend_options(*parse_backend_spec(dim, spec))
                      for dim, spec in (backend_override or {}).items()}

@@ -50,7 +50,8 @@ def one_unit(fsdp_ranks: int, pp: int, device_type: str) -> bool:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig,
-               mp_policy: MixedPrecisionPolicy, moe_meshes: dict[str, DeviceMesh] | None = None) -> None:
+               mp_policy: MixedPrecisionPolicy, moe_meshes: dict[str, DeviceMesh] | None = None,
+               device_type: str = "") -> None:
     """Shard each transformer block, then the root (embeddings, final norm, output head).
 
     One FSDP group per block lets the next block's all-gather overlap this block's compute. The
@@ -59,12 +60,14 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig,
     different tokens), with the experts in a group of their own on ``moe_meshes["experts"]`` under
     expert parallel. With an FSDP mesh of one rank (:func:`one_unit`) the blocks are not wrapped:
     the root holds them (an MoE feed-forward whose own mesh spans ranks stays a group).
+    ``device_type``: the device the units are for when it is not the mesh's (the planner's fake
+    world plans a GPU's units on a CPU mesh).
     """
     layers = list(model.layers.values())  # type: ignore[union-attr]
     # A block's hidden-state input is already in the compute dtype (the root's embedding produced
     # it); casting its floating inputs would only round the fp32 RoPE table to bf16.
     block_mp = dataclasses.replace(mp_policy, cast_forward_inputs=False)
-    single = one_unit(mesh.size(), cfg.pp, mesh.device_type)
+    single = one_unit(mesh.size(), cfg.pp, device_type or mesh.device_type)
     for i, block in enumerate(layers):
         if cfg.reshard_after_forward == "never":
             reshard = False

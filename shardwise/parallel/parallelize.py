@@ -44,4 +44,4 @@ def parallelize(model: nn.Module, dims: ParallelDims, config: Config, compiled: 
     apply_ac(model, config.activation_checkpoint)
     apply_compile(model, compiled)
     mp = mixed_precision_policy(config.training.mixed_precision, cfg.fsdp_reduce_dtype)
-    apply_fsdp(model, dims.fsdp_mesh(), cfg, mp, moe_meshes)
+    apply_fsdp(model, dims.fsdp_mesh(), cfg, mp, moe_meshes, dims.target_device)

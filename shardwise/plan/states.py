@@ -116,7 +116,8 @@ def build_rank(cfg: Config, world: int, rank: int, every_block: bool = False) ->
     (:func:`_drop_alike_blocks`) are built once unless ``every_block``; the model's ``alike``
     attribute maps each dropped block to the one kept for it."""
     run = resolve_run(cfg, world, detect_device=False)
-    run.dims.build_mesh("cpu")
+    # The fake world's mesh is on the CPU; FSDP's units are the planned device's (one_unit).
+    run.dims.build_mesh("cpu", target_device=planned_device(cfg))
     model = build_stage(run)
     model.alike = {} if every_block else _drop_alike_blocks(model)
     with warnings.catch_warnings():
