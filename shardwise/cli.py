@@ -16,7 +16,7 @@ import sys
 import textwrap
 import traceback
 
-from shardwise import config, process
+from shardwise import config, generate_flags, process
 from shardwise.config import Config, ConfigError
 
 
@@ -439,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     _estimate_parser(sub)
     _plan_parser(sub)
     _calibrate_parser(sub)
+    generate_flags.add_parser(sub)
     args, rest = parser.parse_known_args(argv)
     try:
         if args.command == "train":
@@ -457,6 +458,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_plan(args, rest)
         if args.command == "calibrate":
             return cmd_calibrate(args, rest)
+        if args.command == "generate":
+            from shardwise.generate import cmd_generate
+
+            return cmd_generate(args, rest)
     except ConfigError as e:
         from shardwise.launch import rank_error
 

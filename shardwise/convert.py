@@ -3,8 +3,9 @@
 
 - :func:`args_from_hf`: the model shape from an HF ``config.json`` -- no preset or model flags.
 - :func:`hf_config`: the ``config.json`` of the HF class matching a shape.
-- :func:`export_hf`: a shardwise checkpoint (any layout; DCP gathers the shards) -> an HF folder that
-  ``from_pretrained`` loads, in bf16 or fp32, written one safetensors shard at a time.
+- :func:`export_hf`: a shardwise checkpoint (any layout; DCP gathers the shards) -> a complete HF
+  folder (weights in bf16 or fp32, written one safetensors shard at a time, config, generation
+  config, and the run's tokenizer with its chat template) that ``from_pretrained`` loads.
 - :func:`import_hf`: an HF folder -> a weights-only shardwise checkpoint, to start training from
   with ``--checkpoint.path`` (optimizer, schedule and data start fresh), tensors read one at a time.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -26,7 +28,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardwise.checkpoint import CheckpointError, ModelTensors, read_manifest, save_model_only
-from shardwise.config import ConfigError, ModelConfig
+from shardwise.config import ConfigError, ModelConfig, read_config
+from shardwise.data.tokenizer import SHIPPED_TOKENIZER, load_tokenizer
 from shardwise.hf_config import (  # (hf_family: re-exported for the tests)
     args_from_hf,
     check_hf_config,
@@ -127,10 +130,43 @@ def from_hf_tensors(get: Callable[[str], torch.Tensor], args: ModelArgs,
             yield ours, torch.stack([get(hf).t() for hf in experts[ours]])
 
 
-def export_hf(checkpoint: Path, out: Path, dtype: str = "bf16") -> list[Path]:
-    """Write ``out/config.json`` and safetensors (sharded above 5 GiB) from a shardwise checkpoint:
-    each tensor is read from the checkpoint, converted and added to the shard being built, which is
-    written when full (one tensor in fp32 plus one shard in memory, never the whole model)."""
+def run_tokenizer(checkpoint: Path) -> str:
+    """The data.tokenizer of the run that wrote ``checkpoint`` (its run directory's config.toml:
+    ``<run>/checkpoints/step-<N>``); "" (the shipped one, the run default) outside a run directory."""
+    for folder in (checkpoint.parent.parent, checkpoint.parent):
+        if (folder / "config.toml").is_file():
+            return read_config(folder / "config.toml").data.tokenizer
+    return ""
+
+
+def write_tokenizer(spec: str, out: Path) -> tuple[int, int] | None:
+    """The tokenizer of data.tokenizer ``spec`` into HF folder ``out``: tokenizer.json, and its
+    tokenizer_config.json (special tokens, chat template; ``tokenizer_class`` set to the fast
+    tokenizer class when it names none, so ``AutoTokenizer`` reads the file as it is),
+    special_tokens_map.json and chat_template.jinja where the source has them. Returns (bos, eos)
+    ids; None for the byte tokenizer, which has no HF form."""
+    if spec == "byte":
+        return None
+    tok = load_tokenizer(spec)  # (checks it, and finds its bos/eos as training did)
+    path = Path(spec).expanduser() if spec else SHIPPED_TOKENIZER
+    path = path / "tokenizer.json" if path.is_dir() else path
+    shutil.copyfile(path, out / "tokenizer.json")
+    config_path = path.parent / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1, ensure_ascii=False))
+    for name in ("special_tokens_map.json", "chat_template.jinja"):
+        if (path.parent / name).is_file():
+            shutil.copyfile(path.parent / name, out / name)
+    return tok.bos_id, tok.eos_id
+
+
+def export_hf(checkpoint: Path, out: Path, dtype: str = "bf16", tokenizer: str | None = None) -> list[Path]:
+    """Write a complete HF folder at ``out`` from a shardwise checkpoint: ``config.json``, safetensors
+    (sharded above 5 GiB), ``generation_config.json`` and the tokenizer (``tokenizer``: a
+    data.tokenizer spec; None = the run's, from its config.toml). Each tensor is read from the
+    checkpoint, converted and added to the shard being built, which is written when full (one tensor
+    in fp32 plus one shard in memory, never the whole model)."""
     from safetensors.torch import save_file
 
     manifest = read_manifest(checkpoint)
@@ -154,6 +190,11 @@ def export_hf(checkpoint: Path, out: Path, dtype: str = "bf16") -> list[Path]:
     files = [out / "model.safetensors"] if n == 1 else \
         [out / f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     out.mkdir(parents=True, exist_ok=True)
+    ids = write_tokenizer(run_tokenizer(checkpoint) if tokenizer is None else tokenizer, out)
+    if ids is not None:  # the ids the model was trained with, not the family's defaults
+        config["bos_token_id"], config["eos_token_id"] = ids
+        (out / "generation_config.json").write_text(json.dumps(
+            {"bos_token_id": ids[0], "eos_token_id": ids[1], "do_sample": False}, indent=1))
     (out / "config.json").write_text(json.dumps(config, indent=1))
     if n > 1:
         index = {"metadata": {"total_size": sum(b for _, b in plan)},

@@ -34,6 +34,10 @@ class Tokenizer(Protocol):
 
     def encode_chats(self, chats: list[list[Message]]) -> list[tuple[list[int], list[int]]]: ...
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt to continue, with the special tokens the tokenizer itself adds (generation)."""
+        ...
+
     def decode(self, ids: list[int]) -> str: ...
 
 
@@ -51,6 +55,9 @@ class ByteTokenizer:
 
     def encode_chats(self, chats: list[list[Message]]) -> list[tuple[list[int], list[int]]]:
         raise ConfigError("data.format=chat needs a tokenizer with a chat template; 'byte' has none")
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -132,6 +139,11 @@ class HFTokenizer:
         encoded = self._tok.encode_batch([text for text, _ in rendered], add_special_tokens=False)
         return [(e.ids, token_mask(e.offsets, spans))
                 for e, (_, spans) in zip(encoded, rendered, strict=True)]
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """``text`` as ``transformers``' tokenizer call encodes it: with the special tokens the
+        tokenizer's post-processor adds (Llama 3's begin-of-text; none for Qwen3)."""
+        return self._tok.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -92,7 +93,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
+                mask: torch.Tensor | None, cache: LayerCache | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         # view(b, s, -1, head_dim): the head count follows the local shard under tensor parallel.
         q = self.wq(x).view(b, s, -1, self.head_dim)  # (B, S, H, D)
@@ -105,6 +106,8 @@ class Attention(nn.Module):
         rope = rope[:s] if rope.dim() == 3 else rope
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
+        if cache is not None:  # generation: attend to the earlier tokens' keys and values too
+            k, v, mask = cache.update(k, v)  # (B, Hkv, T, D), T = earlier + S
         out = self.core(q, k, v, mask)  # (B, H, S, D)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))  # (B, S, dim)
 
@@ -120,9 +123,51 @@ class TransformerBlock(nn.Module):
                                         else FeedForward(args.dim, args.ffn_hidden_dim))
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, mask)
+                mask: torch.Tensor | None, cache: KVCache | None = None) -> torch.Tensor:
+        kv = cache.layer(self.layer_id) if cache is not None else None
+        h = x + self.attention(self.attention_norm(x), rope, mask, kv)
         return h + self.feed_forward(self.ffn_norm(h))
+
+
+class KVCache:
+    """Keys and values of every block for generation: each forward given the cache appends its
+    tokens' keys and values (at the positions after those held) and attends to all of them. Room
+    for ``max_len`` tokens is allocated per block at its first use."""
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len, self.length = max_len, 0
+        self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def layer(self, layer_id: int) -> LayerCache:
+        return LayerCache(self, layer_id)
+
+    def append(self, layer_id: int, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """k, v (B, Hkv, S, D) of the new tokens -> every held token's (B, Hkv, T, D), and the mask
+        of the new queries over them (None: plain causal, when nothing was held before)."""
+        b, h, s, d = k.shape
+        end = self.length + s
+        if end > self.max_len:
+            raise ValueError(f"the KV cache holds {self.max_len} tokens; {end} asked")
+        if layer_id not in self._kv:
+            self._kv[layer_id] = (k.new_zeros(b, h, self.max_len, d), v.new_zeros(b, h, self.max_len, d))
+        keys, values = self._kv[layer_id]
+        keys[:, :, self.length:end], values[:, :, self.length:end] = k, v
+        mask = None if self.length == 0 else torch.ones(s, end, dtype=torch.bool, device=k.device).tril(
+            self.length)  # (S, T): new query i sees the held tokens and new ones up to itself
+        return keys[:, :, :end], values[:, :, :end], mask
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    """One block's view of a :class:`KVCache`."""
+
+    cache: KVCache
+    layer_id: int
+
+    def update(self, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return self.cache.append(self.layer_id, k, v)
 
 
 def causal_mask(s: int, device: torch.device) -> torch.Tensor:
@@ -164,8 +209,8 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                ignore_index: int = -100, loss_chunk: int = 4096, loss_compiled: bool = False
-                ) -> torch.Tensor:
+                ignore_index: int = -100, loss_chunk: int = 4096, loss_compiled: bool = False,
+                cache: KVCache | None = None) -> torch.Tensor:
         """tokens (B, S) -> logits (B, S, vocab). ``doc_ids`` (B, S) enables document masking;
         ``positions`` (B, S) overrides the RoPE positions (default 0..S-1).
 
@@ -174,12 +219,18 @@ class Transformer(nn.Module):
         the logits never exist (``loss_compiled``: its softmax-gradient pass compiled).
 
         A pipeline stage without the embedding takes hidden states (B, S, dim) instead of tokens,
-        and one without the head returns hidden states."""
+        and one without the head returns hidden states. ``cache`` (generation): the tokens continue
+        the ones it holds (their positions follow), and it keeps their keys and values."""
+        if cache is not None and positions is None:
+            s = tokens.shape[1]
+            positions = torch.arange(cache.length, cache.length + s, device=tokens.device)[None]  # (1, S)
         rope = self.rope[positions] if positions is not None else self.rope
         mask = document_mask(doc_ids, self._causal_mask(doc_ids)) if doc_ids is not None else None
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, S, dim)
         for layer in self.layers.values():
-            h = layer(h, rope, mask)
+            h = layer(h, rope, mask) if cache is None else layer(h, rope, mask, cache)
+        if cache is not None:
+            cache.length += h.shape[1]
         if self.norm is None:
             return h
         h = self.norm(h)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 import tomllib
+import torch
 import torch.distributed as dist
 
 from shardwise.cli import main
@@ -279,10 +281,22 @@ def test_hf_folder_to_training_and_back_with_no_model_flags(tmp_path: Path, data
              "--training.steps=2", "--training.seq_len=64", "--training.global_batch=4",
              "--eval.interval=0", "--metrics.progress=false", "--compile.enabled=false"])
     assert len(metrics(run_dir)) >= 1
-    run_cli(["convert", "--to-hf", str(run_dir / "checkpoints" / "step-2"), "--out", str(tmp_path / "back"),
+    back = tmp_path / "back"
+    run_cli(["convert", "--to-hf", str(run_dir / "checkpoints" / "step-2"), "--out", str(back),
              "--dtype", "fp32"])
-    assert type(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")).__name__ == \
-        "Qwen3ForCausalLM"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(back)
+    assert type(hf).__name__ == "Qwen3ForCausalLM"
+    # the folder alone is a model to chat with: the run's tokenizer, chat template and end token
+    tok = transformers.AutoTokenizer.from_pretrained(back)
+    assert tok.chat_template and tok.eos_token == "<|eos|>"
+    assert json.loads((back / "generation_config.json").read_text())["eos_token_id"] == tok.eos_token_id
+    prompt = tok("And God said")["input_ids"]
+    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                         pad_token_id=tok.pad_token_id)[0, len(prompt):].tolist()
+    for source in (["--hf", str(back)], ["--checkpoint", str(run_dir)]):  # a run directory: its latest
+        out = json.loads(run_cli(["generate", *source, "--prompt", "And God said", "--max-new-tokens", "12",
+                                  "--dtype", "fp32", "--json"]).stdout)
+        assert out["prompt_tokens"] == prompt and out["tokens"] == theirs
     again = run_cli(["convert", "--from-hf", str(tmp_path / "qwen3"), "--out", str(tmp_path / "x"),
                      "--toml", str(toml)], check=False)
     assert again.returncode == 2 and again.stderr.count("\n") == 1 and "is not replaced" in again.stderr
@@ -303,3 +317,28 @@ def test_fine_tuning_on_chat_data_lowers_the_assistant_loss(tmp_path: Path, data
     vals = [r["val_loss"] for r in rows if "val_loss" in r]
     assert losses[-1] < losses[0] - 1.0, losses
     assert len(vals) == 2 and vals[-1] < vals[0], vals
+
+
+def test_generate_bad_input_is_one_line(tmp_path: Path, capsys):
+    """generate's refusals, in-process: a missing checkpoint, a folder that is no run, an HF folder
+    without a tokenizer, a prompt longer than the context, a messages file that is not one."""
+    transformers = require("transformers")
+    folder = tmp_path / "hf"
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2, vocab_size=2048,
+                                   max_position_embeddings=64)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "bad.json").write_text('{"role": "user"}')
+    capsys.readouterr()  # (transformers' progress bar)
+    cases = [(["--checkpoint", str(tmp_path / "nope"), "--prompt", "x"], "does not exist"),
+             (["--checkpoint", str(tmp_path / "empty"), "--prompt", "x"], "nor a run directory"),
+             (["--hf", str(folder), "--prompt", "x"], "has no tokenizer.json: pass --tokenizer"),
+             (["--hf", str(folder), "--tokenizer", str(ROOT / "shardwise" / "data" / "assets"),
+               "--prompt", "word " * 80], "exceeds the model's context of 64 tokens"),
+             (["--hf", str(folder), "--messages", str(tmp_path / "bad.json")], "not a list of messages"),
+             (["--hf", str(folder), "--prompt", "x", "--top-p", "0"], "--top-p must be in (0, 1]")]
+    for args, fragment in cases:
+        code = main(["generate", *args])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and fragment in err, (args, err)
