@@ -330,12 +330,15 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from shardwise.config_checks import notice
     from shardwise.plan.hardware import load_hardware, profile_device
     from shardwise.plan.search import (
+        data_note,
         format_plan,
         layout_toml,
         parse_tokens,
         plan,
+        plan_base,
         plan_config,
         run_command,
+        shape_differs,
         why_nothing,
     )
 
@@ -351,18 +354,14 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
             known = ", ".join(config.choices(key))
             raise ConfigError(f"{name}: unknown {', '.join(bad)}; choose from {known}")
     model = [f"--model.name={args.model}"] if args.model else []
-    cfg = load_config(args.config, model + overrides, device=profile_device(args.hardware))
+    base, said = plan_base(args.model, args.config)
+    cfg = load_config(base, model + overrides, device=profile_device(args.hardware))
     hw = load_hardware(args.hardware, cfg.data.cache_dir)
     seq = args.seq or cfg.training.seq_len
     tokens = (parse_tokens(args.global_batch_tokens) if args.global_batch_tokens
               else max(cfg.training.global_batch, args.gpus) * seq)
     cfg = plan_config(cfg, seq, tokens)
-    notes = []
-    if not cfg.data.path and not cfg.data.sources:
-        shipped = "chat set" if cfg.data.format == "chat" else "4 MB KJV corpus"
-        tokenizer = "" if cfg.data.tokenizer else " with the shipped 2048-token tokenizer"
-        notes.append(f"data.path is not set, so this config trains on the shipped {shipped}{tokenizer}: "
-                     "plan --config your.toml keeps your data, tokenizer, optimizer and checkpoint sections")
+    notes = [n for n in (said, shape_differs(cfg), data_note(cfg)) if n]
     start = time.perf_counter()
     result = plan(cfg, args.gpus, hw, args.top, args.memory_fraction, ac, schedules)
     print(format_plan(result, cfg, args.gpus, hw))

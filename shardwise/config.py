@@ -427,6 +427,16 @@ def choices(key: str) -> tuple[str, ...]:
     return typing.get_args(section_fields(sections()[section])[name])
 
 
+PRESET_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+"""The shipped TOML of each model people run (``configs/<preset>.toml``), beside the package."""
+
+
+def preset_toml(name: str) -> Path | None:
+    """``configs/<name>.toml``: the preset's published training shape, when it exists."""
+    path = PRESET_CONFIGS / f"{name}.toml"
+    return path if name and path.is_file() else None
+
+
 def read_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults <- TOML file <- CLI overrides, each value checked against its field's type (the
     rest -- preset, relations between fields, ``auto`` -- is :func:`shardwise.config_checks.load_config`)."""

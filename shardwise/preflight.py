@@ -8,12 +8,13 @@ import tempfile
 from pathlib import Path
 
 from shardwise import checkpoint, rundir
-from shardwise.config import Config, ConfigError
+from shardwise.config import Config, ConfigError, model_label
 from shardwise.config_checks import notice
 from shardwise.data.prepare import check_prepared
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.device import launched_world_size
 from shardwise.models import ModelArgs, build_model
+from shardwise.models.presets import FAMILY_TOKENIZERS, vocab_beyond_padding
 from shardwise.observe.routing import read_meta
 from shardwise.parallel.float8 import float8_summary
 from shardwise.resilience import restart_count
@@ -33,9 +34,7 @@ def preflight(cfg: Config, world_size: int) -> ResolvedRun:
         raise ConfigError("metrics.wandb=true needs the wandb package: pip install wandb (or "
                           "shardwise[wandb]), or set metrics.wandb=false")
     tok = load_tokenizer(cfg.data.tokenizer)
-    if tok.vocab_size > args.vocab_size:
-        raise ConfigError(f"the tokenizer has {tok.vocab_size} tokens but model.vocab_size="
-                          f"{args.vocab_size}: raise model.vocab_size or use a smaller tokenizer")
+    check_tokenizer(cfg, args, tok.vocab_size)
     check_prepared(cfg.data, tok)
     run_dir = Path(cfg.run.dir)
     if run_dir.exists() and not run_dir.is_dir():
@@ -53,6 +52,25 @@ def preflight(cfg: Config, world_size: int) -> ResolvedRun:
     check_run_dir(cfg, run_dir, args)
     check_routing(cfg, world_size, args)
     return run
+
+
+def check_tokenizer(cfg: Config, args: ModelArgs, tokens: int) -> None:
+    """The tokenizer's ``tokens`` ids against the model's vocabulary: more ids than rows is refused;
+    a family's model (or an imported one) on a tokenizer far smaller than its vocabulary is refused,
+    naming both and the fix; a benchmark preset there trains with a notice."""
+    if tokens > args.vocab_size:
+        raise ConfigError(f"the tokenizer has {tokens} tokens but model.vocab_size="
+                          f"{args.vocab_size}: raise model.vocab_size or use a smaller tokenizer")
+    if not vocab_beyond_padding(args.vocab_size, tokens):
+        return
+    name, spec = cfg.model.name, cfg.data.tokenizer or "the shipped tokenizer"
+    family = FAMILY_TOKENIZERS.get(name)
+    if family or not name:
+        raise ConfigError(f"model {model_label(cfg.model)} has a vocabulary of {args.vocab_size:,} but data."
+                          f"tokenizer ({spec}) has {tokens:,} tokens: train it with its {family or 'own'} "
+                          "tokenizer, --data.tokenizer DIR (a folder with its tokenizer.json)")
+    notice(f"model {name} has {args.vocab_size:,} embedding rows and {spec} {tokens:,} ids: the rows "
+           "beyond are never trained (a benchmark shape; --model.vocab_size matches them)")
 
 
 def check_routing(cfg: Config, world_size: int, args: ModelArgs) -> None:

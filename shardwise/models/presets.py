@@ -45,3 +45,17 @@ PRESETS: dict[str, ModelArgs] = {
     "405b": ModelArgs(**{**_LLAMA3, "multiple_of": 4096}, dim=16384, n_layers=126, n_heads=128,
                       ffn_dim_multiplier=1.2, rope_scaling_factor=8.0, max_seq_len=131072),
 }
+
+
+FAMILY_TOKENIZERS: dict[str, str] = {
+    **dict.fromkeys(("1b", "3b", "8b", "70b", "405b"), "Llama 3"),
+    **dict.fromkeys(("qwen3-0.6b", "qwen3-30b-a3b"), "Qwen3"),
+}
+"""Presets whose vocabulary is a model family's: they train with that family's tokenizer (the
+others -- debug, moe-debug, 125m -- are shapes that train on the shipped one)."""
+
+
+def vocab_beyond_padding(model_vocab: int, tokenizer_vocab: int) -> bool:
+    """Whether a model's embedding has more rows than a tokenizer's ids by more than padding explains
+    (families round their vocabularies up: Qwen3's 151,669 tokens to 151,936 rows)."""
+    return model_vocab > tokenizer_vocab + max(1024, tokenizer_vocab // 64)

@@ -77,14 +77,21 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.3f}"
 
 
+def shape_line(cfg: Config) -> str:
+    """What a plan or estimate is for: the model, the sequence, the sequences and tokens per step,
+    the precision (``plan`` and ``estimate`` both start with it)."""
+    args, t = model_args(cfg.model), cfg.training
+    f8 = f" + float8 linears ({cfg.float8.recipe})" if cfg.float8.enabled else ""
+    return (f"model {model_label(cfg.model)} ({num_params(args) / 1e9:.3g}B params), sequence {t.seq_len:,}, "
+            f"{t.global_batch} sequences = {t.global_batch * t.seq_len:,} tokens per step, "
+            f"{t.mixed_precision}{f8}, optimizer states {cfg.optimizer.state_dtype}")
+
+
 def format_estimate(est: Estimate) -> str:
     """The estimate as a few plain-text tables."""
     cfg, lay, hw = est.cfg, est.layout, est.hardware
-    args = model_args(cfg.model)
     t = cfg.training
-    lines = [f"model {model_label(cfg.model)} ({num_params(args) / 1e9:.3g}B params), "
-             f"{t.global_batch} x {t.seq_len} tokens/step, {t.mixed_precision}, optimizer states "
-             f"{cfg.optimizer.state_dtype}",
+    lines = [shape_line(cfg),
              f"layout {lay} on {lay.world} ranks ({lay.micro_batches(t.global_batch)} micro-batch(es) per "
              f"rank), hardware {hw.name}: {hw.description}", ""]
     heads = [f"pp rank {m.pp_rank}" for m in est.memory]

@@ -23,11 +23,12 @@ import multiprocessing
 from collections import Counter
 from dataclasses import dataclass, field
 
-from shardwise.config import Config, ConfigError, model_label
+from shardwise.config import Config, ConfigError, model_label, preset_toml, read_config
 from shardwise.device import usable_cores
 from shardwise.models import model_args
+from shardwise.models.presets import FAMILY_TOKENIZERS
 from shardwise.plan.cost import step_time
-from shardwise.plan.estimate import Estimate, GiB, estimate
+from shardwise.plan.estimate import Estimate, GiB, estimate, shape_line
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import Layout
 from shardwise.plan.memory import memory_floor, step_memory
@@ -265,6 +266,45 @@ def parse_tokens(text: str) -> int:
         raise ConfigError(f"--global-batch-tokens '{text}': expected a number like 4M or 524288") from None
 
 
+def plan_base(model: str, config_path: str | None) -> tuple[str | None, str]:
+    """The TOML a plan starts from and what to say of it: ``--config``, or with ``--model`` alone
+    the preset's own ``configs/<model>.toml`` (its sequence, batch, precision, checkpointing), not
+    the built-in defaults' debug shape."""
+    if config_path or not model:
+        return config_path, ""
+    if path := preset_toml(model):
+        return str(path), (f"planning {model} as {path.name} trains it (its sequence, batch, precision "
+                           "and checkpointing); --config FILE plans another shape")
+    return None, (f"model {model} has no configs/{model}.toml: planning it at the built-in defaults' "
+                  "sequence and batch (--seq, --global-batch-tokens set them)")
+
+
+def shape_differs(cfg: Config) -> str:
+    """A line when the planned sequence or batch differs from the preset's own TOML, else ""."""
+    path = preset_toml(cfg.model.name)
+    if path is None:
+        return ""
+    ref, t = read_config(path).training, cfg.training
+    if (ref.seq_len, ref.global_batch) == (t.seq_len, t.global_batch):
+        return ""
+    return (f"this plan's shape (sequence {t.seq_len:,}, {t.global_batch} sequences per step) differs from "
+            f"{path.name}'s (sequence {ref.seq_len:,}, {ref.global_batch} sequences per step)")
+
+
+def data_note(cfg: Config) -> str:
+    """What the written config trains on when it names no data or tokenizer of its own."""
+    family = FAMILY_TOKENIZERS.get(cfg.model.name)
+    if family and not cfg.data.tokenizer:
+        return (f"{cfg.model.name} trains with the {family} tokenizer: run the written config with "
+                "--data.tokenizer DIR (a folder with its tokenizer.json) and --data.path DATA")
+    if cfg.data.path or cfg.data.sources:
+        return ""
+    shipped = "chat set" if cfg.data.format == "chat" else "4 MB KJV corpus"
+    tokenizer = "" if cfg.data.tokenizer else " with the shipped 2048-token tokenizer"
+    return (f"data.path is not set, so this config trains on the shipped {shipped}{tokenizer}: plan "
+            "--config your.toml keeps your data, tokenizer, optimizer and checkpoint sections")
+
+
 def plan_config(base: Config, seq: int, global_batch_tokens: int) -> Config:
     """``base`` with the sequence length and the global batch (in sequences) of the plan."""
     if global_batch_tokens < seq or global_batch_tokens % seq:
@@ -278,8 +318,8 @@ def plan_config(base: Config, seq: int, global_batch_tokens: int) -> Config:
 
 
 def format_plan(result: PlanResult, cfg: Config, gpus: int, hw: Hardware) -> str:
-    lines = [f"{result.considered} layouts of {model_label(cfg.model)} on {gpus} x {hw.name}: "
-             f"{len(result.ranked)} feasible"]
+    lines = [shape_line(cfg), f"{result.considered} layouts of {model_label(cfg.model)} on {gpus} x "
+             f"{hw.name}: {len(result.ranked)} feasible"]
     for reason, n in result.dropped.most_common():
         lines.append(f"  dropped {n}: {reason}")
     lines += ["", "| # | layout | tok/s/device | MFU | peak GiB | reserved GiB | step s | compute s | "

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from shardwise.cli import main
 from shardwise.config_checks import load_config
-from shardwise.models import PRESETS
+from shardwise.models import PRESETS, model_args
 from shardwise.observe.flops import attention_pairs, executed_flops, flops_per_token
 from tests.conftest import ROOT, TINY_ARGS, metrics, require, run_cli
 
@@ -67,6 +67,18 @@ def test_help_config_lists_every_key():
         assert key in out
 
 
+def test_a_benchmark_shape_on_the_shipped_tokenizer_trains_with_a_notice(capsys):
+    from shardwise.config_checks import load_config
+    from shardwise.preflight import check_tokenizer
+
+    cfg = load_config(None, ["--model.name=125m"], device="cpu")
+    check_tokenizer(cfg, model_args(cfg.model), 2048)
+    assert ("notice: model 125m has 32,000 embedding rows and the shipped tokenizer 2,048 ids: the rows "
+            "beyond are never trained") in capsys.readouterr().out
+    check_tokenizer(cfg, model_args(cfg.model), 31_800)  # within padding: nothing to say
+    assert capsys.readouterr().out == ""
+
+
 @pytest.mark.parametrize("args,fragment", [
     (["--training.stpes=3"], "did you mean 'training.steps'"),
     (["--training.steps=abc"], "expects int"),
@@ -112,6 +124,11 @@ def test_help_config_lists_every_key():
     (["--training.micro_batch=3"], "training.micro_batch=3 must divide"),
     (["--data.path=/nonexistent/corpus.jsonl"], "data.path '/nonexistent/corpus.jsonl' does not exist"),
     (["--data.tokenizer=byte", "--model.vocab_size=100"], "the tokenizer has 258 tokens"),
+    # a family's model on a tokenizer far smaller than its vocabulary (beyond padding), and an
+    # imported (custom) one: refused; the 125m benchmark shape trains with a notice (below)
+    (["--model.name=qwen3-0.6b"], "model qwen3-0.6b has a vocabulary of 151,936 but data.tokenizer (the "
+     "shipped tokenizer) has 2,048 tokens: train it with its Qwen3 tokenizer, --data.tokenizer DIR"),
+    (["--model.name=", "--model.vocab_size=32000"], "model custom has a vocabulary of 32,000 but"),
     (["--checkpoint.path=/nonexistent/step-3"], "checkpoint.path '/nonexistent/step-3' does not exist"),
     (["--config=/nonexistent.toml"], "config file '/nonexistent.toml' does not exist"),
     (["--foo.bar=1"], "unknown config key 'foo.bar'"),

@@ -171,3 +171,36 @@ def test_nothing_accepted_says_the_trainers_reason(capsys):
                "--global-batch-tokens", "4096", "--out", ""])
     err = _one_line_error(capsys, rc, code=1)
     assert err.startswith("no layout of debug on 7 x h100 is accepted: "), err
+
+
+def test_plan_for_a_preset_plans_its_published_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys):
+    """The pretraining journey's first half, as documented: `plan --model 8b --gpus 8 --hardware h100`
+    plans configs/8b.toml's shape (sequence 8192, 16 sequences, bf16 + float8) and says so; the
+    written TOML, estimated on the same GPUs, is the same shape and layout at the same speed; training
+    it without the Llama 3 tokenizer is refused in one line naming both sizes and the fix."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--model", "8b", "--gpus", "8", "--hardware", "h100"]) == 0
+    out = capsys.readouterr().out
+    shape = ("model 8b (8.03B params), sequence 8,192, 16 sequences = 131,072 tokens per step, bf16 + "
+             "float8 linears (tensorwise)")
+    assert out.startswith(shape)
+    assert "notice: planning 8b as 8b.toml trains it" in out
+    assert "8b trains with the Llama 3 tokenizer: run the written config with --data.tokenizer DIR" in out
+    best = next(line for line in out.splitlines() if line.startswith("| 1 |")).split(" | ")
+    written = tomllib.loads((tmp_path / "plan.toml").read_text())
+    assert (written["training"]["seq_len"], written["training"]["global_batch"]) == (8192, 16)
+    assert main(["estimate", "--config", "plan.toml", "--world", "8", "--hardware", "h100"]) == 0
+    est = capsys.readouterr().out
+    assert est.startswith(shape) and f"layout {best[1]} on 8 ranks" in est
+    assert f"tokens/s, {best[2]} per device" in est
+    # another shape is said
+    assert main(["plan", "--model", "8b", "--gpus", "8", "--hardware", "h100", "--seq", "4096",
+                 "--out", ""]) == 0
+    assert "differs from 8b.toml's (sequence 8,192, 16 sequences per step)" in capsys.readouterr().out
+    code = main(["train", "--config", "plan.toml", "--run.dir", str(tmp_path / "run"),
+                 "--parallel.dp_shard=-1", "--run.device=cpu"])  # (here: one CPU rank)
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert ("model 8b has a vocabulary of 128,256 but data.tokenizer (the shipped tokenizer) has 2,048 "
+            "tokens: train it with its Llama 3 tokenizer, --data.tokenizer DIR") in err
