@@ -16,7 +16,7 @@ import sys
 import textwrap
 import traceback
 
-from shardwise import config, generate_flags, process
+from shardwise import config, flags, process
 from shardwise.config import Config, ConfigError
 
 
@@ -438,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     _estimate_parser(sub)
     _plan_parser(sub)
     _calibrate_parser(sub)
-    generate_flags.add_parser(sub)
+    flags.generate_parser(sub)
+    flags.eval_parser(sub)
     args, rest = parser.parse_known_args(argv)
     try:
         if args.command == "train":
@@ -461,6 +462,10 @@ def main(argv: list[str] | None = None) -> int:
             from shardwise.generate import cmd_generate
 
             return cmd_generate(args, rest)
+        if args.command == "eval":
+            from shardwise.evaluate import cmd_eval
+
+            return cmd_eval(args, rest, argv, rank_main)
     except ConfigError as e:
         from shardwise.launch import rank_error
 

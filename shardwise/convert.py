@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from shardwise.checkpoint import CheckpointError, ModelTensors, read_manifest, save_model_only
+from shardwise.checkpoint import CheckpointError, ModelTensors, read_manifest, run_config, save_model_only
 from shardwise.config import ConfigError, ModelConfig, read_config
 from shardwise.data.tokenizer import SHIPPED_TOKENIZER, load_tokenizer
 from shardwise.hf_config import (  # (hf_family: re-exported for the tests)
@@ -131,12 +131,10 @@ def from_hf_tensors(get: Callable[[str], torch.Tensor], args: ModelArgs,
 
 
 def run_tokenizer(checkpoint: Path) -> str:
-    """The data.tokenizer of the run that wrote ``checkpoint`` (its run directory's config.toml:
-    ``<run>/checkpoints/step-<N>``); "" (the shipped one, the run default) outside a run directory."""
-    for folder in (checkpoint.parent.parent, checkpoint.parent):
-        if (folder / "config.toml").is_file():
-            return read_config(folder / "config.toml").data.tokenizer
-    return ""
+    """The data.tokenizer of the run that wrote ``checkpoint`` (its run directory's config.toml);
+    "" (the shipped one, the run default) outside a run directory."""
+    path = run_config(checkpoint)
+    return read_config(path).data.tokenizer if path else ""
 
 
 def write_tokenizer(spec: str, out: Path) -> tuple[int, int] | None:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from shardwise.checkpoint import read_manifest
-from shardwise.checkpoint.manifest import MANIFEST, list_checkpoints
+from shardwise.checkpoint.manifest import checkpoint_or_latest
 from shardwise.checkpoint.reader import check_compatible, load_model_only
 from shardwise.config import ConfigError, ModelConfig
 from shardwise.convert import load_hf_weights, run_tokenizer
@@ -117,17 +117,6 @@ class Loaded:
     source: str
 
 
-def resolve_checkpoint(path: Path) -> Path:
-    """A checkpoint directory, or a run directory (its latest checkpoint, under checkpoints/)."""
-    if (path / MANIFEST).is_file():
-        return path
-    found = list_checkpoints(path / "checkpoints") or list_checkpoints(path)
-    if not found:
-        raise ConfigError(f"--checkpoint '{path}' is neither a checkpoint (a step-<N> folder with "
-                          f"{MANIFEST}) nor a run directory holding one")
-    return found[-1][1]
-
-
 def _materialized(args: Any, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """The model on ``device`` with its buffers set and its parameters still to be loaded."""
     model = build_model(args).to_empty(device=device)
@@ -163,7 +152,7 @@ def load(checkpoint: str = "", hf: str = "", tokenizer: str = "", device: str = 
         path = Path(checkpoint)
         if not path.exists():
             raise ConfigError(f"--checkpoint '{checkpoint}' does not exist")
-        path = resolve_checkpoint(path)
+        path = checkpoint_or_latest(path)
         manifest = read_manifest(path)
         args = model_args(ModelConfig(**manifest["model"]))
         check_compatible(path, build_model(args))

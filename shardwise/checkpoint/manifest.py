@@ -66,6 +66,25 @@ def list_checkpoints(folder: Path, warn: bool = False) -> list[tuple[int, Path]]
     return sorted(found)
 
 
+def checkpoint_or_latest(path: Path) -> Path:
+    """``path`` if it is a checkpoint, else the latest one of the run directory ``path``."""
+    if (path / MANIFEST).is_file():
+        return path
+    found = list_checkpoints(path / "checkpoints") or list_checkpoints(path)
+    if not found:
+        raise CheckpointError(f"'{path}' is neither a checkpoint (a step-<N> folder with {MANIFEST}) nor a "
+                              "run directory holding one")
+    return found[-1][1]
+
+
+def run_config(checkpoint: Path) -> Path | None:
+    """The config.toml of the run that wrote ``checkpoint`` (``<run>/checkpoints/step-<N>``)."""
+    for folder in (checkpoint.parent.parent, checkpoint.parent):
+        if (folder / "config.toml").is_file():
+            return folder / "config.toml"
+    return None
+
+
 def set_aside(path: Path, why: str) -> Path:
     """Rename checkpoint ``path`` to ``<name>.<why>-<time>``: out of the way of the run (never loaded,
     never swept), and nothing deleted. Returns the new path."""

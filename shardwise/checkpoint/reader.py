@@ -189,6 +189,15 @@ def load_model_only(path: Path, model: nn.Module) -> None:
     model.load_state_dict(state["model"])
 
 
+def load_weights(path: Path, model: nn.Module, checksums: bool = True) -> None:
+    """Only the model weights of checkpoint ``path`` (a full or a weights-only one) into ``model``,
+    parallelized in any layout (each rank reads its shards); the files are verified first."""
+    verify_distributed(path, checksums)
+    state = {"model": get_model_state_dict(model)}
+    _dcp_load(state, path)
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
+
+
 def verify_distributed(path: Path, checksums: bool) -> dict[str, Any]:
     """Every rank checks its share of ``path``'s files; all raise the same error on any problem."""
     manifest = read_manifest(path)

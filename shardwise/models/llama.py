@@ -124,8 +124,11 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor,
                 mask: torch.Tensor | None, cache: KVCache | None = None) -> torch.Tensor:
-        kv = cache.layer(self.layer_id) if cache is not None else None
-        h = x + self.attention(self.attention_norm(x), rope, mask, kv)
+        a = self.attention_norm(x)
+        # (without a cache, exactly the inputs tensor parallel's plan for the attention expects)
+        a = self.attention(a, rope, mask) if cache is None else self.attention(a, rope, mask,
+                                                                                cache.layer(self.layer_id))
+        h = x + a
         return h + self.feed_forward(self.ffn_norm(h))
 
 

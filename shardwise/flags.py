@@ -1,12 +1,13 @@
-"""``shardwise generate``'s flags, apart from the command (shardwise/generate.py): the CLI builds
-every parser before it imports torch, so ``--help`` and a bad flag answer at once."""
+"""The flags of the commands whose code lives outside cli.py (``generate``: shardwise/generate.py;
+``eval``: shardwise/evaluate.py): the CLI builds every parser before it imports torch, so ``--help``
+and a bad flag answer at once."""
 
 from __future__ import annotations
 
 import argparse
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="sample text from a checkpoint or an HF folder", allow_abbrev=False,
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        description="Continue a prompt, or answer a conversation, with a trained model: "
@@ -29,3 +30,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="auto: bf16 on a GPU, fp32 on a CPU")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each token")
     p.add_argument("--json", action="store_true", help="print {prompt_tokens, tokens, text} as JSON")
+
+
+def eval_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="loss and perplexity of a checkpoint on a data set", allow_abbrev=False,
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="Score a checkpoint: its mean token loss and perplexity over every "
+                                   "whole global batch of a data set, prepared as training prepares it "
+                                   "(the run's config.toml, or --config, with --section.key=value "
+                                   "overrides: --data.path FILE_OR_FOLDER scores other data). Any layout "
+                                   "(--parallel.*) on --nproc ranks or under torchrun.")
+    p.add_argument("--checkpoint", required=True, help="a step-<N> checkpoint, or a run directory (its "
+                   "latest one)")
+    p.add_argument("--config", help="TOML for the data, batch and layout (default: the run's config.toml)")
+    p.add_argument("--split", default="auto", choices=["auto", "val", "all"],
+                   help="held-out part (val) or all of each source; auto: val of the run's own data, "
+                        "all of data named by --data.path / --data.sources")
+    p.add_argument("--nproc", type=int, default=None, help="local ranks (not under torchrun)")
+    p.add_argument("--json", action="store_true", help="print the scores as JSON")
