@@ -3,23 +3,57 @@
 A chat row is a list of messages ``{"role": ..., "content": ...}``. It is rendered with the
 tokenizer's Jinja chat template (the ``chat_template`` of a Hugging Face ``tokenizer_config.json``, in
 a sandbox, as ``transformers`` renders it) and tokenized once; the tokens that belong to an assistant
-turn are the ones the loss counts. An assistant turn's span is what rendering it adds after the
-generation prompt: from ``render(messages[:i], add_generation_prompt=True)`` to
-``render(messages[:i + 1])`` -- its content and whatever closes the turn (the end-of-turn token the
-model must learn to emit), never the role header the prompt already holds. That needs a template
-under which earlier turns render the same when later ones follow (ChatML, Llama 3 and the shipped
-one do); one that rewrites history is refused with one line.
+turn are the ones the loss counts, found in the rendered conversation in one of three ways:
+
+- **Generation markers.** A template that wraps what the assistant writes in ``{% generation %}``
+  ... ``{% endgeneration %}`` (Hugging Face's convention) says where each turn is: those spans.
+- **Prefixes.** An assistant turn's span is what rendering it adds after the generation prompt: from
+  ``render(messages[:i], add_generation_prompt=True)`` to ``render(messages[:i + 1])`` -- its content
+  and whatever closes the turn (the end-of-turn token the model must learn to emit), never the role
+  header the prompt already holds. That holds for templates under which earlier turns render the same
+  when later ones follow (ChatML, Llama 3, the shipped one).
+- **A probe,** for a template that rewrites history (Qwen3's drops the reasoning of assistant turns
+  before the last user turn): the turn's content is swapped for a marker the template cannot alter
+  and the conversation rendered again; the two renderings agree everywhere but where the turn's
+  content went, which locates it as the full conversation renders it. The span runs from the end of
+  the generation prompt to the end of the turn's closing (what follows its content when the turn ends
+  the conversation). A template that leaves an assistant turn out altogether is refused.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 from typing import Any
 
 from shardwise.config import ConfigError
 
 Message = dict[str, str]
+
+
+OPEN, CLOSE = "\ue000", "\ue001"
+"""Private-use characters that mark a ``{% generation %}`` block's output."""
+_MARKED = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def _generation_tag() -> type:
+    """The ``{% generation %}`` ... ``{% endgeneration %}`` block: its output, between markers."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationTag(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+        def _mark(self, caller: Any) -> str:
+            return OPEN + caller() + CLOSE
+
+    return GenerationTag
 
 
 class ChatTemplate:
@@ -32,7 +66,8 @@ class ChatTemplate:
         def raise_exception(message: str) -> None:
             raise TemplateError(message)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[_generation_tag()])
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
         env.globals["raise_exception"] = raise_exception
         try:
@@ -40,13 +75,20 @@ class ChatTemplate:
         except TemplateError as e:
             raise ConfigError(f"the tokenizer's chat template does not compile: {e}") from None
         self.source, self.special = source, special
+        self.marked = bool(_MARKED.search(source))
 
-    def render(self, messages: list[Message], add_generation_prompt: bool = False) -> str:
+    def _render(self, messages: list[Message], add_generation_prompt: bool = False) -> str:
+        """The rendering with any generation markers left in."""
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      **self.special)
 
+    def render(self, messages: list[Message], add_generation_prompt: bool = False) -> str:
+        return self._render(messages, add_generation_prompt).replace(OPEN, "").replace(CLOSE, "")
+
     def assistant_spans(self, messages: list[Message]) -> tuple[str, list[tuple[int, int]]]:
         """(the rendered conversation, the [start, end) character span of each assistant turn)."""
+        if self.marked:
+            return _marked_spans(self._render(messages))
         full = self.render(messages)
         spans = []
         for i, m in enumerate(messages):
@@ -54,12 +96,54 @@ class ChatTemplate:
                 continue
             before = self.render(messages[:i], add_generation_prompt=True)
             after = self.render(messages[:i + 1])
-            if not (full.startswith(after) and after.startswith(before)):
-                raise ValueError("the chat template renders an earlier turn differently once later turns "
-                                 "follow, so an assistant turn's tokens cannot be found: use a template "
-                                 "that keeps history as rendered (e.g. ChatML)")
-            spans.append((len(before), len(after)))
+            if full.startswith(after) and after.startswith(before):
+                spans.append((len(before), len(after)))
+            else:
+                spans.append(self._probed_span(messages, i, full, before))
         return full, spans
+
+    def _probed_span(self, messages: list[Message], i: int, full: str, before: str) -> tuple[int, int]:
+        """Assistant turn ``i``'s span in ``full`` where the template renders history differently
+        from the prefixes (the module's docstring)."""
+        probe = "\ue002turn\ue003"  # (not the generation markers, which rendering removes)
+        swapped = [*messages[:i], {**messages[i], "content": probe}, *messages[i + 1:]]
+        other = self.render(swapped)
+        if probe not in other:
+            raise ValueError(f"the chat template leaves assistant turn {i + 1} of {len(messages)} messages "
+                             "out of the rendered conversation, so its tokens cannot be trained: use a "
+                             "template that renders every assistant turn (or marks them with "
+                             "{% generation %})")
+        start = 0
+        while start < min(len(full), len(other)) and full[start] == other[start]:
+            start += 1
+        tail = 0
+        while tail < min(len(full), len(other)) - start and full[-1 - tail] == other[-1 - tail]:
+            tail += 1
+        end = len(full) - tail  # the end of the turn's content as the conversation renders it
+        last = self.render(swapped[:i + 1])
+        closing = last[last.index(probe) + len(probe):]  # what ends the turn (its end-of-turn token)
+        if not full.startswith(before) or len(before) > start or not full.startswith(closing, end):
+            raise ValueError(f"the chat template renders assistant turn {i + 1} so that its tokens cannot "
+                             "be found (its generation prompt or closing moves): mark what the assistant "
+                             "writes with {% generation %} ... {% endgeneration %}")
+        return len(before), end + len(closing)
+
+
+def _marked_spans(text: str) -> tuple[str, list[tuple[int, int]]]:
+    """Text with generation markers -> (the text without them, the spans they enclosed)."""
+    out, spans, start = [], [], None
+    length = 0
+    for piece in re.split(f"([{OPEN}{CLOSE}])", text):
+        if piece == OPEN:
+            start = length
+        elif piece == CLOSE:
+            if start is not None and length > start:
+                spans.append((start, length))
+            start = None
+        else:
+            out.append(piece)
+            length += len(piece)
+    return "".join(out), spans
 
 
 def check_messages(value: Any) -> str:

@@ -45,14 +45,14 @@ def test_the_mask_is_each_assistant_turn_and_its_end_of_turn():
                     "And the earth was without form, and void.<|eos|>")
 
 
-def test_a_template_that_rewrites_history_is_refused(tmp_path: Path):
-    """A template that drops earlier assistant turns: their tokens cannot be found. One line."""
+def test_a_template_that_drops_history_is_refused(tmp_path: Path):
+    """A template that leaves earlier assistant turns out: their tokens cannot be trained. One line."""
     (tmp_path / "tokenizer.json").write_bytes((ASSETS / "tokenizer.json").read_bytes())
     config = json.loads((ASSETS / "tokenizer_config.json").read_text())
     config["chat_template"] = ("{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}"
                                "{{ m['role'] + ': ' + m['content'] + eos_token }}{% endif %}{% endfor %}")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match="renders an earlier turn differently"):
+    with pytest.raises(ConfigError, match="leaves assistant turn 3 of 5 messages out of the rendered"):
         load_tokenizer(str(tmp_path)).encode_chats([CHAT])
 
 
@@ -123,3 +123,92 @@ def test_the_shipped_chat_set_prepares_with_masks(tmp_path: Path):
     assert manifest["data_format"] == "chat" and manifest["docs"] > 3000
     assert 0 < manifest["assistant_tokens"] < manifest["tokens"]
     assert Shard(where / "shards" / "00000.train.mask").n_tokens == manifest["tokens"]
+
+
+# Templates written here to reproduce what the families' own do (not copies of theirs). Each one's
+# expected loss text is written out by hand from the conversation: what each assistant turn renders
+# as in the whole conversation, and the token that closes it.
+SPECIAL = ["<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+           "<think>", "</think>"]
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+          "{{ m['content'] | trim }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
+          "<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+# Qwen3's behaviour: an assistant turn's reasoning (before </think>) is kept only after the last user
+# turn; earlier turns keep their answer alone.
+QWEN3 = ("{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+         "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+         "{% for m in messages %}{% if m['role'] == 'assistant' %}"
+         "{% set parts = m['content'].split('</think>') %}"
+         "{% set answer = parts[-1].lstrip('\n') %}"
+         "{% set thought = parts[0].replace('<think>', '').strip('\n') if parts | length > 1 else '' %}"
+         "<|im_start|>assistant\n{% if loop.index0 > ns.last %}<think>\n{{ thought }}\n</think>\n\n"
+         "{% endif %}{{ answer }}<|im_end|>\n"
+         "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+MARKED = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
+          "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}\n{% else %}{{ m['content'] }}"
+          "<|im_end|>\n{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+THINKING = [*CHAT[:2], {"role": "assistant",
+                        "content": "<think>\nGenesis opens so.\n</think>\n\n" + CHAT[2]["content"]},
+            CHAT[3], {"role": "assistant",
+                      "content": "<think>\nVerse two.\n</think>\n\n" + CHAT[4]["content"]}]
+EXPECTED = {
+    "chatml": (CHAT, CHAT[2]["content"] + "<|im_end|>\n" + CHAT[4]["content"] + "<|im_end|>\n"),
+    "llama3": (CHAT, CHAT[2]["content"] + "<|eot_id|>" + CHAT[4]["content"] + "<|eot_id|>"),
+    # the earlier turn as the conversation renders it (no reasoning); the last with its reasoning
+    "qwen3": (THINKING, CHAT[2]["content"] + "<|im_end|>\n<think>\nVerse two.\n</think>\n\n"
+              + CHAT[4]["content"] + "<|im_end|>\n"),
+    "marked": (CHAT, CHAT[2]["content"] + "<|im_end|>" + CHAT[4]["content"] + "<|im_end|>"),
+}
+TEMPLATES = {"chatml": CHATML, "llama3": LLAMA3, "qwen3": QWEN3, "marked": MARKED}
+
+
+def _folder(tmp_path: Path, template: str) -> Path:
+    """The shipped tokenizer with the templates' special tokens (one token each) and ``template``."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(ASSETS / "tokenizer.json"))
+    tok.add_special_tokens(SPECIAL)
+    folder = tmp_path / "tok"
+    folder.mkdir(exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = json.loads((ASSETS / "tokenizer_config.json").read_text())
+    config.update(chat_template=template, tokenizer_class="PreTrainedTokenizerFast")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("name", list(TEMPLATES))
+def test_each_kind_of_template_trains_exactly_its_assistant_turns(tmp_path: Path, name: str):
+    """ChatML, Llama-3 style, Qwen3 style (history rewritten: earlier reasoning dropped) and
+    generation markers: the masked tokens are exactly the assistant text written out by hand, and
+    the rendering is transformers'. Where transformers reads the markers itself
+    (``return_assistant_tokens_mask``), its mask is ours."""
+    transformers = require("transformers")
+    folder = _folder(tmp_path, TEMPLATES[name])
+    messages, expected = EXPECTED[name]
+    tok = load_tokenizer(str(folder))
+    ids, mask = tok.encode_chats([messages])[0]
+    kept = tok._tok.decode([i for i, m in zip(ids, mask, strict=True) if m], skip_special_tokens=False)
+    assert kept == expected
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    assert tok.chat.render(messages) == hf.apply_chat_template(messages, tokenize=False)
+    assert tok.chat.render(messages[:4], add_generation_prompt=True) == hf.apply_chat_template(
+        messages[:4], tokenize=False, add_generation_prompt=True)
+    if name == "marked":
+        out = hf.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                     return_assistant_tokens_mask=True)
+        assert out["input_ids"] == ids and out["assistant_masks"] == mask
+
+
+def test_a_template_whose_turns_cannot_be_found_is_refused(tmp_path: Path):
+    """A template that renders an assistant turn's closing differently when the turn ends the
+    conversation: neither the prefixes nor the probe can place it, so it is refused (one line)."""
+    odd = CHATML.replace("<|im_end|>\n{% endfor %}",
+                         "{{ '<|im_end|>' if loop.last else '<|eot_id|>' }}\n{% endfor %}")
+    tok = load_tokenizer(str(_folder(tmp_path, odd)))
+    with pytest.raises(ConfigError, match="assistant turn 3 so that its tokens cannot be found"):
+        tok.encode_chats([CHAT])
