@@ -26,6 +26,8 @@ from shardwise.data.dataset import Batch, Corpus, PackedLoader, Stream, check_vo
 from shardwise.data.prepare import prepare
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.device import init_distributed, launched_world_size
+from shardwise.generate import load
+from shardwise.harness import run_tasks
 from shardwise.launch import launch, strip_launcher_flags
 from shardwise.ops.loss import TokenLoss
 from shardwise.parallel.build import batch_sharder, build_pipe, build_rank_model
@@ -149,6 +151,8 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str], argv: list[str],
     path = Path(args.checkpoint)
     if not path.exists():
         raise ConfigError(f"--checkpoint '{path}' does not exist")
+    if args.tasks:
+        return lm_eval_tasks(args, overrides)
     ckpt = checkpoint_or_latest(path)
     cfg = load_config(args.config or run_config(ckpt), overrides)
     cfg.model = ModelConfig(**read_manifest(ckpt)["model"])  # the checkpoint's own shape
@@ -179,4 +183,21 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str], argv: list[str],
             for s in scores:
                 print(f"  {s.name}: loss {s.loss:.4f}, perplexity {s.perplexity:.2f} ({s.tokens:,} tokens, "
                       f"{s.sequences} sequences)")
+    return 0
+
+
+def lm_eval_tasks(args: argparse.Namespace, overrides: list[str]) -> int:
+    """``eval --tasks``: lm-evaluation-harness tasks on the checkpoint, on one device."""
+    if overrides or args.nproc or launched_world_size() is not None:
+        raise ConfigError("eval --tasks runs on one device from the checkpoint alone: drop --nproc and "
+                          "config overrides (--tokenizer-like choices come from the run)")
+    loaded = load(checkpoint=args.checkpoint)
+    results = run_tasks(loaded, [t for t in args.tasks.split(",") if t], args.tasks_path, args.limit,
+                        args.num_fewshot)
+    if args.json:
+        print(json.dumps({"checkpoint": loaded.source, "tasks": results}))
+    else:
+        for task, metrics in results.items():
+            print(f"{task}: " + ", ".join(f"{k.removesuffix(',none')} {v:.4f}" for k, v in metrics.items()
+                                         if isinstance(v, float)))
     return 0

@@ -48,3 +48,8 @@ def eval_parser(sub: argparse._SubParsersAction) -> None:
                         "all of data named by --data.path / --data.sources")
     p.add_argument("--nproc", type=int, default=None, help="local ranks (not under torchrun)")
     p.add_argument("--json", action="store_true", help="print the scores as JSON")
+    p.add_argument("--tasks", default="", help="comma-separated lm-evaluation-harness tasks to score instead "
+                   "(one device; needs pip install 'shardwise[eval]')")
+    p.add_argument("--tasks-path", default="", help="a folder of task YAML files for --tasks (local data)")
+    p.add_argument("--limit", type=int, default=None, help="--tasks: at most this many examples per task")
+    p.add_argument("--num-fewshot", type=int, default=None, help="--tasks: few-shot examples per prompt")

@@ -82,7 +82,9 @@ def shape_line(cfg: Config) -> str:
     the precision (``plan`` and ``estimate`` both start with it)."""
     args, t = model_args(cfg.model), cfg.training
     f8 = f" + float8 linears ({cfg.float8.recipe})" if cfg.float8.enabled else ""
-    return (f"model {model_label(cfg.model)} ({num_params(args) / 1e9:.3g}B params), sequence {t.seq_len:,}, "
+    n = num_params(args)
+    size = f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+    return (f"model {model_label(cfg.model)} ({size} params), sequence {t.seq_len:,}, "
             f"{t.global_batch} sequences = {t.global_batch * t.seq_len:,} tokens per step, "
             f"{t.mixed_precision}{f8}, optimizer states {cfg.optimizer.state_dtype}")
 

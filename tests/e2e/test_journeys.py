@@ -1,17 +1,45 @@
-"""The fine-tuning journey as a user runs it: an HF model folder with its own chat template (one
-that rewrites history, as Qwen3's does) -> chat fine-tuning started from it with no more flags than
-the folder and the data -> export -> the exported folder loads in transformers, whose greedy answer
-to a conversation is shardwise generate's."""
+"""Journeys as a user runs them, through the CLI, each command after the one before:
+
+- pretraining: plan a preset on GPUs -> train the written config (here on 2 CPU ranks) -> a rank is
+  lost -> resume from the last checkpoint, on the planned shape and layout throughout;
+- fine-tuning: an HF model folder with its own chat template (one that rewrites history, as Qwen3's
+  does) -> chat fine-tuning started from it with no more flags than the folder and the data ->
+  export -> the exported folder loads in transformers, whose greedy answer to a conversation is
+  shardwise generate's.
+
+(Generation and evaluation: tests/unit/test_generate.py, tests/e2e/test_eval.py; the documented
+commands of docs/*.md: tests/e2e/test_docs_commands.py.)"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import tomllib
 import torch
 
 from tests.conftest import metrics, require, run_cli
 from tests.unit.test_chat import QWEN3, _folder
+
+
+def test_pretraining_plan_train_lose_a_rank_resume(tmp_path: Path, data_cache: str):
+    plan = tmp_path / "plan.toml"
+    out = run_cli(["plan", "--model", "debug", "--gpus", "2", "--hardware", "h100",
+                   "--out", str(plan)]).stdout
+    assert out.startswith("model debug (6.16M params), sequence 512, 8 sequences = 4,096 tokens per step")
+    written = tomllib.loads(plan.read_text())
+    run_dir = tmp_path / "run"
+    # the planned GPUs are 2 CPU ranks here (run.device cpu, the plan's bf16 kept)
+    common = ["train", "--config", str(plan), "--run.device", "cpu", "--nproc", "2", f"--run.dir={run_dir}",
+              f"--data.cache_dir={data_cache}", "--training.steps=6", "--checkpoint.interval=2",
+              "--eval.interval=0", "--metrics.progress=false"]
+    lost = run_cli([*common, "--debug.fail_step=5"], check=False)  # a rank is killed in step 5
+    assert lost.returncode != 0 and [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
+    run_cli([*common, "--checkpoint.resume=true"])
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
+    ran = tomllib.loads((run_dir / "config.toml").read_text())
+    assert ran["parallel"] == written["parallel"] and ran["training"]["seq_len"] == 512
+    assert ran["training"]["global_batch"] == 8 and ran["training"]["mixed_precision"] == "bf16"
 
 
 def test_chat_fine_tuning_from_an_hf_folder_to_a_model_transformers_chats_with(tmp_path: Path,
