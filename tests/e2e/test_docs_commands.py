@@ -89,6 +89,11 @@ _TINY_VERIFY = Check(VERIFY, slow=True)  # layout matrices of 5-8 layouts each: 
 _DEBUG_RUN = "shardwise train --config configs/debug.toml --training.steps 2 --eval.interval 0"
 _PARITY = "tests/distributed/test_parity.py::test_layout_matches_single_rank"
 _HF = "tests/e2e/test_cli.py::test_hf_folder_to_training_and_back_with_no_model_flags"
+_PRETRAIN = "tests/e2e/test_journeys.py::test_pretraining_plan_train_lose_a_rank_resume"
+_PLAN_DEBUG = "shardwise plan --model debug --gpus 2 --hardware h100 --out plan-debug.toml"
+_SFT = ("tests/e2e/test_journeys.py::"
+        "test_chat_fine_tuning_from_an_hf_folder_to_a_model_transformers_chats_with")
+_EVAL = "tests/e2e/test_eval.py::test_eval_scores_a_checkpoint_as_training_does"
 _SMOKE = ("shardwise train --config configs/debug.toml --training.steps 2 --run.dir runs/smoke "
           "--eval.interval 0")
 
@@ -182,6 +187,46 @@ HOW: dict[str, Check] = {
         covered("tests/distributed/test_parity.py::test_resume_continues_the_same_run", Check(
             TRAIN, setup=(_CORPUS, "shardwise prepare --config configs/debug.toml --data.path corpus.jsonl "
                                    "--data.prepared_dir prepared"))),
+    # docs/pretraining.md: the GPU commands, then the same journey on CPU ranks
+    "shardwise plan --model 8b --gpus 8 --hardware h100": Check(),
+    "shardwise estimate --config plan.toml --world 8 --hardware h100": Check(
+        setup=("shardwise plan --model 8b --gpus 8 --hardware h100",)),
+    "torchrun --nproc-per-node 8 -m shardwise train --config plan.toml --data.path DATA --data.tokenizer TOK":
+        Check(reason="needs 8 GPUs and the Llama 3 tokenizer; test_plan_cli.py::"
+                     "test_plan_for_a_preset_plans_its_published_shape runs the plan, estimates it and "
+                     "checks the refusal without the tokenizer"),
+    "torchrun --nproc-per-node 8 -m shardwise train --config plan.toml --data.path DATA --data.tokenizer TOK "
+    "--checkpoint.resume true": Check(reason="needs 8 GPUs; test_journeys.py resumes the CPU rehearsal"),
+    "shardwise plan --model debug --gpus 2 --hardware h100 --out plan-debug.toml": Check(),
+    "shardwise train --config plan-debug.toml --run.device cpu --nproc 2 --run.dir runs/pretrain": covered(
+        _PRETRAIN, Check(TRAIN, setup=(_PLAN_DEBUG,))),
+    "shardwise train --config plan-debug.toml --run.device cpu --nproc 2 --run.dir runs/pretrain "
+    "--checkpoint.resume true": covered(_PRETRAIN, Check(TRAIN, setup=(
+        _PLAN_DEBUG, "shardwise train --config plan-debug.toml --run.device cpu --nproc 2 "
+                     "--run.dir runs/pretrain --training.steps 2"))),
+    # docs/fine-tuning.md: a Hugging Face folder from the hub, which this machine cannot reach
+    "shardwise train --checkpoint.initial_hf Qwen3-0.6B/ --data.format chat --data.path chats.jsonl "
+    "--run.dir runs/sft": Check(reason=f"needs Qwen3-0.6B from the hub; {_SFT} runs the same commands on a "
+                                       "tiny Qwen3 that transformers makes"),
+    "shardwise convert --to-hf runs/sft/checkpoints/step-100 --out sft-hf/": Check(
+        reason=f"exports the run above; {_SFT} exports its own"),
+    # docs/inspecting.md
+    "shardwise generate --checkpoint runs/debug --prompt \"And God said\"": covered(
+        _HF, Check(setup=(_DEBUG_RUN,))),
+    "shardwise generate --checkpoint runs/debug --prompt \"And God said\" --temperature 0.8 --top-p 0.95 "
+    "--seed 1": covered("tests/unit/test_generate.py::test_sampling_top_k_top_p_and_seed",
+                        Check(setup=(_DEBUG_RUN,))),
+    "shardwise generate --hf sft-hf/ --messages conversation.json": Check(
+        reason=f"needs the fine-tuned folder of docs/fine-tuning.md; {_SFT} runs it on its own"),
+    "shardwise eval --checkpoint runs/debug": covered(_EVAL, Check(setup=(_DEBUG_RUN,))),
+    "shardwise eval --checkpoint runs/debug --data.path corpus.jsonl": covered(
+        _EVAL, Check(setup=(_DEBUG_RUN, _CORPUS))),
+    "shardwise eval --checkpoint runs/debug --nproc 2 --parallel.tp 2": covered(
+        _EVAL, Check(setup=(_DEBUG_RUN,))),
+    "shardwise eval --checkpoint runs/debug --tasks my_task --tasks-path tasks/": Check(
+        reason="tasks/ is your own folder of task files; tests/e2e/test_eval.py::"
+               "test_lm_eval_scores_a_checkpoint_as_its_hf_backend_scores_the_export runs eval --tasks on "
+               "two"),
 }
 
 
