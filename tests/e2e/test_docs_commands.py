@@ -214,7 +214,7 @@ HOW: dict[str, Check] = {
     "shardwise generate --checkpoint runs/debug --prompt \"And God said\"": covered(
         _HF, Check(setup=(_DEBUG_RUN,))),
     "shardwise generate --checkpoint runs/debug --prompt \"And God said\" --temperature 0.8 --top-p 0.95 "
-    "--seed 1": covered("tests/unit/test_generate.py::test_sampling_top_k_top_p_and_seed",
+    "--seed 1": covered("tests/unit/test_generate.py::test_sampling_through_the_command_line_is_seeded",
                         Check(setup=(_DEBUG_RUN,))),
     "shardwise generate --hf sft-hf/ --messages conversation.json": Check(
         reason=f"needs the fine-tuned folder of docs/fine-tuning.md; {_SFT} runs it on its own"),

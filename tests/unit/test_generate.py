@@ -1,7 +1,7 @@
 """Generation: greedy output token for token equal to ``transformers``' ``generate`` on the same
 weights (Llama and Qwen3 tiny models made here), the KV cache equal to recomputing the sequence,
-sampling's top-k / top-p, the chat prompt as ``transformers`` renders it, and the exported folder
-complete (tokenizer, chat template, generation config)."""
+sampling's top-k / top-p and seed (also through the command line), the chat prompt as
+``transformers`` renders it. (The exported folder's completeness: tests/e2e/test_cli.py.)"""
 
 from __future__ import annotations
 
@@ -147,3 +147,17 @@ def test_context_limit_is_one_line():
     model = _model("debug")
     with pytest.raises(ConfigError, match="exceeds the model's context of 128 tokens"):
         gen.generate(model, list(range(100)), gen.Sampling(max_new_tokens=40), set())
+
+
+def test_sampling_through_the_command_line_is_seeded(tmp_path: Path, capsys):
+    """`generate --temperature --top-p --seed` (in-process): the same seed, the same tokens."""
+    from shardwise.cli import main
+
+    folder = _hf_folder(tmp_path, "llama")
+    capsys.readouterr()
+    runs = []
+    for _ in range(2):
+        assert main(["generate", "--hf", str(folder), "--prompt", "And God said", "--temperature", "0.8",
+                     "--top-p", "0.95", "--seed", "1", "--max-new-tokens", "16", "--json"]) == 0
+        runs.append(json.loads(capsys.readouterr().out)["tokens"])
+    assert runs[0] == runs[1] and len(runs[0]) >= 1
