@@ -474,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
         if not rank_error(f"{prefix}{e}", "config"):
             print(f"shardwise: error: {prefix}{e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `shardwise plan ... | head`: the reader left; nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except Exception:
         from shardwise.launch import peer_failed_first, rank_error
 

@@ -204,3 +204,17 @@ def test_plan_for_a_preset_plans_its_published_shape(tmp_path: Path, monkeypatch
     assert code == 2 and err.count("\n") == 1
     assert ("model 8b has a vocabulary of 128,256 but data.tokenizer (the shipped tokenizer) has 2,048 "
             "tokens: train it with its Llama 3 tokenizer, --data.tokenizer DIR") in err
+
+
+def test_output_piped_into_head_ends_quietly():
+    """`shardwise plan ... | head -1`: the reader goes (here before the first line, so every write
+    finds the pipe closed); no traceback follows."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "shardwise", "plan", "--model", "8b", "--gpus", "8",
+                          "--hardware", "h100", "--out", ""], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # as head does once it has its line
+    err = p.stderr.read().decode()
+    p.wait(timeout=120)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
