@@ -57,6 +57,21 @@ class AuxLossGrad(torch.autograd.Function):
         return grad, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad.device)
 
 
+@torch.library.custom_op("shardwise::count_routed", mutates_args=("total",))
+def count_routed(total: torch.Tensor, counts: torch.Tensor) -> None:
+    """Add a forward's routed slots per expert ``counts`` (E,) to ``total`` (E,) -- unless this
+    forward is activation checkpointing's recompute inside backward, so each token counts once. An
+    opaque op: a compiled block runs it as it is, where reading the autograd task in Python would
+    split the block's graph (three graph breaks per MoE block, each a trip back to the host)."""
+    if torch._C._current_graph_task_id() == -1:
+        total.add_(counts.to(total.dtype))
+
+
+@count_routed.register_fake
+def _(total: torch.Tensor, counts: torch.Tensor) -> None:
+    return None
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -108,6 +123,11 @@ def pad_groups(x: torch.Tensor, counts: torch.Tensor, align: int) -> tuple[torch
     return x.new_zeros(n_pad, x.shape[1]).index_put((index,), x), padded, index
 
 
+def pads_groups(x: torch.Tensor) -> bool:
+    """Whether the expert groups of rows ``x`` are padded (:data:`CPU_GROUP_ROWS`): on a CPU only."""
+    return x.device.type == "cpu" and x.shape[0] > 0
+
+
 class GroupedExperts(nn.Module):
     """``n`` SwiGLU experts as 3-D weights: w1, w3 (n, dim, hidden), w2 (n, hidden, dim). On CPU
     each expert's rows are padded to a multiple of :func:`group_alignment` (zero rows: their outputs
@@ -125,7 +145,7 @@ class GroupedExperts(nn.Module):
         # already been exchanged: this rank runs its own experts on plain local tensors.
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
         index = None
-        if x.device.type == "cpu" and x.shape[0]:
+        if pads_groups(x):
             x, counts, index = pad_groups(x, counts, group_alignment(x.shape[0], counts.numel()))
         h = F.silu(grouped_mm(x, w1, counts)) * grouped_mm(x, w3, counts)  # (N, hidden)
         out = grouped_mm(h, w2, counts)  # (N, dim)
@@ -191,11 +211,9 @@ class MoE(nn.Module):
         # (E,) slots per expert; scatter_add rather than bincount, which has no meta kernel
         counts = flat_ids.new_zeros(self.n_experts).scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
         training = self.training and torch.is_grad_enabled()  # not evaluation
-        # Not when activation checkpointing reruns this forward inside backward: counted once.
-        recompute = torch._C._current_graph_task_id() != -1
-        if training and self.count_tokens and not recompute:
+        if training and self.count_tokens:  # (not in a checkpointed block's recompute: count_routed)
             with torch.no_grad():
-                self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+                count_routed(self.tokens_per_expert, counts)
         aux = None
         if training and self.balance == "aux_loss" and self.aux_coef > 0:
             # Computed before the experts so the block's last ops are the experts' (activation

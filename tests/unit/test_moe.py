@@ -206,6 +206,40 @@ def test_counts_only_training_forwards():
     assert moe.tokens_per_expert.sum() == 2 * 8 * 2  # every token, top-2
 
 
+@pytest.mark.parametrize("mode,compiled", [("full", False), ("selective", False), ("full", True)])
+def test_a_checkpointed_block_counts_its_tokens_once(mode: str, compiled: bool):
+    """Activation checkpointing runs a block's forward again inside backward: the routed tokens are
+    counted in the forward only (count_routed, an opaque op, so a compiled block keeps one graph)."""
+    from shardwise.config import ActivationCheckpointConfig
+    from shardwise.parallel.ac import apply_ac
+    from shardwise.parallel.compile import apply_compile
+
+    torch._dynamo.reset()
+    model = build_model(tiny(n_layers=1), device="cpu")
+    init_weights(model, 0)
+    apply_ac(model, ActivationCheckpointConfig(mode=mode))
+    apply_compile(model, compiled)
+    moe = model.layers["0"].feed_forward
+    model(torch.randint(0, 128, (2, 8))).float().sum().backward()
+    assert moe.tokens_per_expert.sum() == 2 * 8 * 2  # every token once, top-2
+
+
+def test_an_moe_block_compiles_to_one_graph_on_the_gpu_path(monkeypatch: pytest.MonkeyPatch):
+    """Without the CPU's group padding (whose host sync is CPU-only), a bf16 MoE block traces to one
+    graph: nothing in routing, counting or the grouped GEMMs sends the compiled block back to the
+    host (the token count's autograd check once broke it into four graphs)."""
+    from shardwise.models import moe
+
+    monkeypatch.setattr(moe, "pads_groups", lambda x: False)
+    args = dataclasses.replace(tiny(n_layers=1), moe_balance="bias", moe_aux_coef=0.0)
+    model = build_model(args, device="cpu")
+    init_weights(model, 0)
+    model = model.bfloat16()
+    x = torch.randn(2, 16, args.dim, dtype=torch.bfloat16, requires_grad=True)
+    explained = torch._dynamo.explain(model.layers["0"])(x, model.rope.float(), None)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
 def test_presets_count_parameters():
     """Qwen3-30B-A3B's published sizes: 30.5B parameters, 3.3B active."""
     args = PRESETS["qwen3-30b-a3b"]
