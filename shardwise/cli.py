@@ -52,7 +52,7 @@ def help_text() -> str:
         docs = field_docs(cls)
         for name, tp in config.section_fields(cls).items():
             default = getattr(getattr(defaults, section), name)
-            shown = "(preset)" if default is None else repr(default)
+            shown = "(preset)" if default is None else config.toml_value(default)
             lines.append(f"  --{section}.{name}  ({config.type_name(tp)}, default {shown})")
             lines.append("      " + " ".join(docs.get(name, "").split()))
     return "\n".join(lines)
@@ -440,8 +440,11 @@ def main(argv: list[str] | None = None) -> int:
     _calibrate_parser(sub)
     flags.generate_parser(sub)
     flags.eval_parser(sub)
-    args, rest = parser.parse_known_args(argv)
+    parser.add_argument("--version", action="version", version=flags.version())
     try:
+        flags.check_command(argv, sub.choices)
+        args, rest = parser.parse_known_args(argv)
+        flags.check_unknown_flags(sub.choices[args.command], rest)
         if args.command == "train":
             return cmd_train(args, rest, argv)
         if args.command == "verify":

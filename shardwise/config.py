@@ -403,7 +403,8 @@ def _apply(cfg: Config, key: str, value: Any, from_cli: bool, where: str) -> Non
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
-    """``['--a.b=1', '--c.d', '2']`` -> ``[('a.b', '1'), ('c.d', '2')]``."""
+    """``['--a.b=1', '--c.d', '2', '--e.flag']`` -> ``[('a.b', '1'), ('c.d', '2'), ('e.flag', 'true')]``:
+    a boolean key alone means true."""
     out: list[tuple[str, str]] = []
     i = 0
     while i < len(args):
@@ -413,12 +414,29 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
         key, eq, value = arg[2:].partition("=")
         if not eq:
             if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                if _is_bool(key):
+                    out.append((key, "true"))
+                    i += 1
+                    continue
                 raise ConfigError(f"override '--{key}' has no value: use --{key}=VALUE")
             value = args[i + 1]
             i += 1
         out.append((key, value))
         i += 1
     return out
+
+
+def _is_bool(key: str) -> bool:
+    """Whether config key ``key`` (section.name) takes a boolean (``compile.enabled``'s auto too)."""
+    section, _, name = key.partition(".")
+    cls = sections().get(section)
+    tp = section_fields(cls).get(name) if cls is not None else None
+    return tp is bool or True in typing.get_args(tp)
+
+
+def toml_value(value: Any) -> str:
+    """``value`` as a TOML file writes it (``false``, ``"auto"``, ``[]``)."""
+    return tomli_w.dumps({"v": value}).partition("=")[2].strip()
 
 
 def choices(key: str) -> tuple[str, ...]:

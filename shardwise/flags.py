@@ -5,6 +5,48 @@ and a bad flag answer at once."""
 from __future__ import annotations
 
 import argparse
+import difflib
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as dist_version
+
+from shardwise.config import section_fields, sections
+from shardwise.config_types import ConfigError
+
+
+def version() -> str:
+    """``shardwise --version``: the installed package's version."""
+    try:
+        return f"shardwise {dist_version('shardwise')}"
+    except PackageNotFoundError:
+        return "shardwise (not installed: run from a source tree)"
+
+
+def _suggest(word: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(word, known, n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def check_command(argv: list[str], commands: dict[str, argparse.ArgumentParser]) -> None:
+    """A misspelt command, refused with the nearest one (before argparse's own list)."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    if word is not None and argv and not argv[0].startswith("-") and word not in commands:
+        raise ConfigError(f"unknown command '{word}'{_suggest(word, list(commands))} "
+                          f"(commands: {', '.join(commands)})")
+
+
+def check_unknown_flags(parser: argparse.ArgumentParser, rest: list[str]) -> None:
+    """A flag the command does not have and that is not a --section.key override: refused with the
+    nearest flag (``--confg`` -> ``--config``)."""
+    flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"]
+    keys = [f"--{section}.{name}" for section, cls in sections().items() for name in section_fields(cls)]
+    for arg in rest:
+        name = arg.split("=", 1)[0]
+        if name.startswith("--") and "." not in name and name not in flags:
+            same = [k for k in keys if k.rsplit(".", 1)[1] == name[2:]]  # --steps: --training.steps
+            hint = (f"; did you mean {' or '.join(repr(k) for k in same)}?" if same
+                    else _suggest(name, flags))
+            raise ConfigError(f"unknown flag '{name}' for '{parser.prog}'{hint} (config keys take the form "
+                              "--section.key=value)")
 
 
 def generate_parser(sub: argparse._SubParsersAction) -> None:

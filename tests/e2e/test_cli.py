@@ -359,3 +359,36 @@ def test_generate_bad_input_is_one_line(tmp_path: Path, capsys):
         code = main(["generate", *args])
         err = capsys.readouterr().err
         assert code == 2 and err.count("\n") == 1 and fragment in err, (args, err)
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["train", "--confg", "configs/debug.toml"], "unknown flag '--confg' for 'shardwise train'; did you mean "
+                                                 "'--config'?"),
+    (["train", "--steps", "3"], "did you mean '--training.steps' or '--eval.steps'?"),
+    (["train", "--nproc-per-node", "2"], "did you mean '--nproc'?"),
+    (["trian", "--config", "configs/debug.toml"], "unknown command 'trian'; did you mean 'train'?"),
+])
+def test_misspelt_flags_and_commands_get_the_nearest_one(argv: list[str], fragment: str, capsys):
+    """One line with the nearest flag, config key or command -- before torch is imported."""
+    import sys
+
+    torch_loaded = "torch" in sys.modules
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and fragment in err, err
+    if not torch_loaded:  # (in-process: only meaningful when no earlier test imported it)
+        assert "torch" not in sys.modules
+
+
+def test_version_a_bare_boolean_and_toml_defaults(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("shardwise ")
+    assert main(["train", "--config", str(ROOT / "configs" / "debug.toml"), "--compile.enabled",
+                 "--run.overwrite", "--print-config"]) == 0
+    printed = tomllib.loads(capsys.readouterr().out)
+    assert printed["compile"]["enabled"] is True and printed["run"]["overwrite"] is True
+    assert main(["train", "--help-config"]) == 0
+    out = capsys.readouterr().out
+    assert "--run.overwrite  (bool, default false)" in out and "default False" not in out
+    assert '(str, default "runs/default")' in out

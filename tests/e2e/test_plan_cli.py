@@ -137,7 +137,7 @@ def test_estimate_writes_its_json(tmp_path: Path, capsys):
     (["plan", "--model", "8b", "--gpus", "8", "--global-batch-tokens", "lots"], "global-batch-tokens"),
     (["plan", "--model", "8b", "--gpus", "8", "--seq", "8192", "--global-batch-tokens", "12000"],
      "multiple of --seq"),
-    (["calibrate", "--nonsense"], "unexpected argument"),
+    (["calibrate", "--nonsense"], "unknown flag '--nonsense' for 'shardwise calibrate'"),
 ])
 def test_bad_input_gets_one_line(argv: list[str], match: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                  capsys):
