@@ -466,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return cmd_generate(args, rest)
         if args.command == "eval":
-            from shardwise.evaluate import cmd_eval
+            from shardwise.eval_command import cmd_eval
 
             return cmd_eval(args, rest, argv, rank_main)
     except ConfigError as e:

@@ -1,5 +1,5 @@
 """The flags of the commands whose code lives outside cli.py (``generate``: shardwise/generate.py;
-``eval``: shardwise/evaluate.py): the CLI builds every parser before it imports torch, so ``--help``
+``eval``: shardwise/eval_command.py): the CLI builds every parser before it imports torch, so ``--help``
 and a bad flag answer at once."""
 
 from __future__ import annotations

@@ -117,14 +117,14 @@ class Loaded:
     source: str
 
 
-def _materialized(args: Any, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """The model on ``device`` with its buffers set and its parameters still to be loaded."""
+def _materialized(args: Any, device: torch.device) -> torch.nn.Module:
+    """The model on ``device`` (fp32) with its buffers set and its parameters still to be loaded."""
     model = build_model(args).to_empty(device=device)
     for name, b in model.named_buffers():
         if name != "rope":
             b.zero_()  # MoE routing state: a loaded checkpoint overwrites the persistent ones
     model.rope = rope_table(args, device=device)
-    return model.to(dtype).eval()
+    return model.eval()
 
 
 def load(checkpoint: str = "", hf: str = "", tokenizer: str = "", device: str = "auto",
@@ -138,14 +138,14 @@ def load(checkpoint: str = "", hf: str = "", tokenizer: str = "", device: str = 
         folder = Path(hf)
         if not (folder / "config.json").is_file():
             raise ConfigError(f"--hf '{hf}' is not a Hugging Face model folder (no config.json)")
-        args = args_from_hf(read_hf_config(folder))
-        model = _materialized(args, dev, torch.float32)
-        load_hf_weights(model, folder, args)
-        model = model.to(dt)
-        spec = tokenizer or str(folder)
-        if not tokenizer and not (folder / "tokenizer.json").is_file():
+        if not tokenizer and not (folder / "tokenizer.json").is_file():  # (before reading any weights)
             raise ConfigError(f"--hf '{hf}' has no tokenizer.json: pass --tokenizer with the model's "
                               "tokenizer folder")
+        spec = tokenizer or str(folder)
+        args = args_from_hf(read_hf_config(folder))
+        model = _materialized(args, dev)
+        load_hf_weights(model, folder, args)
+        model = model.to(dt)
         stop |= generation_eos(folder)
         source = str(folder)
     else:
@@ -156,7 +156,7 @@ def load(checkpoint: str = "", hf: str = "", tokenizer: str = "", device: str = 
         manifest = read_manifest(path)
         args = model_args(ModelConfig(**manifest["model"]))
         check_compatible(path, build_model(args))
-        model = _materialized(args, torch.device("cpu"), torch.float32)
+        model = _materialized(args, torch.device("cpu"))
         load_model_only(path, model)
         model = model.to(device=dev, dtype=dt)
         spec = tokenizer or run_tokenizer(path)

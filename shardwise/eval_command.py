@@ -1,0 +1,145 @@
+"""``shardwise eval``: a checkpoint's loss and perplexity over every whole global batch of a data set,
+prepared as training prepares it, on one rank or in any layout (:func:`evaluate_checkpoint`); or,
+with ``--tasks``, lm-evaluation-harness tasks through shardwise/harness.py."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardwise.checkpoint import checkpoint_or_latest, load_weights, read_manifest, run_config
+from shardwise.config import Config, ConfigError, ModelConfig
+from shardwise.config_checks import load_config
+from shardwise.data.dataset import check_vocab, open_corpus
+from shardwise.data.prepare import prepare
+from shardwise.data.tokenizer import load_tokenizer
+from shardwise.device import init_distributed, launched_world_size
+from shardwise.evaluate import score
+from shardwise.generate import load
+from shardwise.harness import run_tasks
+from shardwise.launch import launch, strip_launcher_flags
+from shardwise.ops.loss import TokenLoss
+from shardwise.parallel.build import batch_sharder, build_pipe, build_rank_model
+from shardwise.resolve import resolve_run
+
+
+@dataclass(frozen=True)
+class Score:
+    """One data source's (or the whole set's) loss over the tokens it scored."""
+
+    name: str
+    loss: float
+    tokens: int
+    sequences: int
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(min(self.loss, 700.0))
+
+
+def evaluate_checkpoint(cfg: Config, checkpoint: Path, split: str) -> list[Score]:
+    """``checkpoint``'s weights in ``cfg``'s layout on this process group (started here if there is
+    none), scored on each source of ``cfg.data`` -- its held-out part (``split`` val) or all of it
+    (all) -- in whole global batches; the last entry is the whole set, token-weighted."""
+    env = init_distributed(cfg.run.device, cfg.parallel.backend, cfg.run.cpu_memory_cache)
+    run = resolve_run(cfg, env.world_size)
+    run.dims.build_mesh(env.device.type, cfg.parallel.backend_override)
+    corpus = open_corpus(cfg.data, load_tokenizer(cfg.data.tokenizer))
+    check_vocab(corpus.max_token, run.model.vocab_size)
+    t = cfg.training
+    parts = [(name, [v] if split == "val" else [tr, v])
+             for name, tr, v in zip(corpus.names, corpus.train, corpus.val, strict=True)]
+    if cfg.data.val_path:  # a held-out file of its own
+        parts = [("val_path", corpus.val)] if split == "val" else parts + [("val_path", corpus.val)]
+    counts = [(name, streams, [s.num_windows(t.seq_len) // t.global_batch for s in streams])
+              for name, streams in parts]
+    if not any(sum(n) for _, _, n in counts):
+        windows = sum(s.num_windows(t.seq_len) for _, streams in parts for s in streams)
+        raise ConfigError(f"the {split} data has {windows} sequences of {t.seq_len} tokens, fewer than one "
+                          f"global batch ({t.global_batch}): lower --training.global_batch (or "
+                          "--training.seq_len), or give more data")
+    model = build_rank_model(run, env.device)
+    load_weights(checkpoint, model, cfg.checkpoint.verify_checksums)
+    model.eval()
+    pipe, shard = build_pipe(model, run, env.device), batch_sharder(run.dims, cfg.parallel.cp_load_balance)
+    loss = TokenLoss(run.loss_chunk, compiled=run.compile)
+    out, total = [], torch.zeros(2, dtype=torch.float64)
+    for name, streams, n in counts:
+        sums = torch.zeros(2, dtype=torch.float64)
+        for stream, batches in zip(streams, n, strict=True):
+            if batches:
+                sums += score(model, run, [stream], [1.0], batches, loss, env.device, pipe, shard).cpu()
+        if sums[1] > 0:
+            out.append(Score(name, float(sums[0] / sums[1]), int(sums[1]), sum(n) * t.global_batch))
+        total += sums
+    out.append(Score("all", float(total[0] / total[1]), int(total[1]),
+                     sum(s.sequences for s in out)))
+    return out
+
+
+def cmd_eval(args: argparse.Namespace, overrides: list[str], argv: list[str],
+             rank_main: Callable[..., None]) -> int:
+    """``shardwise eval``: on one rank, on ``--nproc`` local ranks (``rank_main`` runs this command
+    in each), or as a rank under torchrun."""
+    path = Path(args.checkpoint)
+    if not path.exists():
+        raise ConfigError(f"--checkpoint '{path}' does not exist")
+    if args.tasks:
+        return lm_eval_tasks(args, overrides)
+    ckpt = checkpoint_or_latest(path)
+    cfg = load_config(args.config or run_config(ckpt), overrides)
+    cfg.model = ModelConfig(**read_manifest(ckpt)["model"])  # the checkpoint's own shape
+    if not any(o.startswith("--compile.") for o in overrides):
+        cfg.compile.enabled = False  # one forward pass over the data does not repay a compile
+    named = any(o.startswith(("--data.path", "--data.sources", "--data.val_path")) for o in overrides)
+    split = args.split if args.split != "auto" else "all" if named else "val"
+    world = launched_world_size()
+    if world is not None and args.nproc is not None:
+        raise ConfigError("--nproc cannot be used under torchrun: the launcher sets the ranks")
+    nproc = args.nproc if args.nproc is not None else world or 1
+    if nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {nproc}")
+    resolve_run(cfg, nproc, detect_device=True)  # layout errors here, before any process starts
+    if world is None and nproc > 1:
+        prepare(cfg.data, load_tokenizer(cfg.data.tokenizer))  # once, here; the ranks memory-map it
+        with tempfile.TemporaryDirectory(prefix="shardwise-eval-") as tmp:
+            return launch(strip_launcher_flags(argv), nproc, 0, tmp, rank_main)
+    scores = evaluate_checkpoint(cfg, ckpt, split)
+    if dist.get_rank() == 0:
+        t = cfg.training
+        if args.json:
+            print(json.dumps({"checkpoint": str(ckpt), "split": split, "seq_len": t.seq_len,
+                              "scores": [{**dataclasses.asdict(s), "perplexity": s.perplexity}
+                                         for s in scores]}))
+        else:
+            print(f"{ckpt} on {split} data, sequences of {t.seq_len} tokens in batches of {t.global_batch}:")
+            for s in scores:
+                print(f"  {s.name}: loss {s.loss:.4f}, perplexity {s.perplexity:.2f} ({s.tokens:,} tokens, "
+                      f"{s.sequences} sequences)")
+    return 0
+
+
+def lm_eval_tasks(args: argparse.Namespace, overrides: list[str]) -> int:
+    """``eval --tasks``: lm-evaluation-harness tasks on the checkpoint, on one device."""
+    if overrides or args.nproc or launched_world_size() is not None:
+        raise ConfigError("eval --tasks runs on one device from the checkpoint alone: drop --nproc and "
+                          "config overrides (--tokenizer-like choices come from the run)")
+    loaded = load(checkpoint=args.checkpoint)
+    results = run_tasks(loaded, [t for t in args.tasks.split(",") if t], args.tasks_path, args.limit,
+                        args.num_fewshot)
+    if args.json:
+        print(json.dumps({"checkpoint": loaded.source, "tasks": results}))
+    else:
+        for task, metrics in results.items():
+            print(f"{task}: " + ", ".join(f"{k.removesuffix(',none')} {v:.4f}" for k, v in metrics.items()
+                                         if isinstance(v, float)))
+    return 0
