@@ -25,7 +25,8 @@ def seed_checkpoint(preset: str, out: Path) -> int:
     """A weights-only checkpoint of ``preset`` with random weights (fp32); its parameter count."""
     from shardwise.checkpoint import save_model_only
     from shardwise.config import ModelConfig
-    from shardwise.models import PRESETS, build_model, init_weights
+    from shardwise.models import PRESETS
+    from shardwise.models.llama import build_model, init_weights
 
     args = PRESETS[preset]
     model = build_model(args, device="cpu")

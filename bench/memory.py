@@ -41,7 +41,7 @@ def build(row: dict, a: argparse.Namespace) -> tuple:
     import torch
 
     from shardwise.config import ActivationCheckpointConfig, OptimizerConfig
-    from shardwise.models import build_model, init_weights
+    from shardwise.models.llama import build_model, init_weights
     from shardwise.optim.adamw import build_optimizer
     from shardwise.parallel.ac import apply_ac
     from shardwise.parallel.compile import apply_compile
@@ -81,7 +81,8 @@ def trainer_step(row: dict, a: argparse.Namespace) -> tuple:
     from shardwise.config import Config
     from shardwise.data.dataset import Batch
     from shardwise.device import init_distributed, keep_freed_cpu_memory
-    from shardwise.models import PRESETS, build_model, init_weights
+    from shardwise.models import PRESETS
+    from shardwise.models.llama import build_model, init_weights
     from shardwise.ops.loss import TokenLoss
     from shardwise.optim.adamw import build_optimizer
     from shardwise.optim.lr import build_lr_scheduler

@@ -43,7 +43,8 @@ from shardwise.config import Config
 from shardwise.data.dataset import IGNORE_INDEX, PackedLoader, open_corpus
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.device import init_distributed, keep_freed_cpu_memory
-from shardwise.models import PRESETS, build_model, init_weights
+from shardwise.models import PRESETS
+from shardwise.models.llama import build_model, init_weights
 from shardwise.observe.flops import flops_per_token, num_params
 from shardwise.observe.peak import measure_gemm_tflops
 from shardwise.ops.loss import TokenLoss

@@ -20,12 +20,13 @@ from shardwise import config, flags, process
 from shardwise.config import Config, ConfigError
 
 
-def load_config(path: str | None, overrides: list[str], device: str | None = None) -> Config:
+def load_config(path: str | None, overrides: list[str], device: str | None = None,
+                world: int | None = None) -> Config:
     """:func:`shardwise.config_checks.load_config`, imported on first use: the checks load the
     models and torch, which ``shardwise --help`` and a mistyped subcommand never need."""
     from shardwise.config_checks import load_config as load
 
-    return load(path, overrides, device)
+    return load(path, overrides, device, world)
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -58,19 +59,6 @@ def help_text() -> str:
     return "\n".join(lines)
 
 
-def _train_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train a model", allow_abbrev=False,
-                       description="Train a model. Any config key can be overridden with "
-                                   "--section.key=value (see --help-config).")
-    p.add_argument("--config", help="TOML preset, e.g. configs/debug.toml (default: built-in defaults)")
-    p.add_argument("--nproc", type=int, default=None,
-                   help="launch this many local ranks (not under torchrun, which sets the world)")
-    p.add_argument("--max-restarts", type=int, default=0,
-                   help="with --nproc: restart all ranks this many times after a rank fails")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    p.add_argument("--help-config", action="store_true", help="list every config key and exit")
-
-
 def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
     from pathlib import Path
 
@@ -82,12 +70,6 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
     if (args.nproc or 0) > 1 and not args.print_config and launched_world_size() is None:
         # The ranks' imports start now, beside this launcher's own and its config checks.
         process.start_rank_server(args.nproc, args.max_restarts)
-    from shardwise.rundir import LOCK_ENV, take
-
-    cfg = load_config(args.config, overrides)
-    if args.print_config:
-        print(cfg.to_toml(), end="")
-        return 0
     world = launched_world_size()
     if world is not None and (args.nproc is not None or args.max_restarts):
         raise ConfigError("--nproc/--max-restarts cannot be used under torchrun: the launcher already "
@@ -95,7 +77,12 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
     nproc = args.nproc if args.nproc is not None else (world or 1)
     if nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {nproc}")
+    cfg = load_config(args.config, overrides, world=None if args.print_config else nproc)
+    if args.print_config:
+        print(cfg.to_toml(), end="")
+        return 0
     from shardwise.preflight import preflight
+    from shardwise.rundir import LOCK_ENV, take
 
     dims = preflight(cfg, nproc)  # all config errors surface here, before any process group exists
     if world is not None or nproc == 1:
@@ -124,44 +111,19 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
         lock.release()
 
 
-def _verify_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("verify", help="prove layouts match the 1-rank run", allow_abbrev=False,
-                       description="Train the 1-rank reference and each layout for --steps steps from "
-                                   "one seed checkpoint; compare losses and final parameters against "
-                                   "documented tolerances. Extra --section.key=value overrides apply "
-                                   "to every run.")
-    p.add_argument("--config", help="TOML preset, e.g. configs/debug.toml")
-    p.add_argument("--layouts", nargs="+", required=True,
-                   help="layouts as degree lists, e.g. dp_shard=4 tp=2,dp_shard=2")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--out", default="runs/verify", help="where runs, logs and the plot go")
-    p.add_argument("--moe-routing", default="replay", choices=["replay", "free"],
-                   help="MoE models: each layout replays the reference's expert choices per token and "
-                        "reports where its own router differs (default), or routes freely (a near-tie "
-                        "broken the other way then fails the layout)")
-
-
 def cmd_verify(args: argparse.Namespace, overrides: list[str]) -> int:
     from pathlib import Path
 
-    from shardwise.verify import verify
-
     if args.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
-    return 0 if verify(args.config, overrides, args.layouts, args.steps, Path(args.out),
+    layouts = flags.fill_layouts(args.layouts, args.nproc)
+    for layout in layouts:
+        flags.parse_layout(layout)  # a bad one fails before any run
+    base = load_config(args.config, [*overrides, f"--training.steps={args.steps}"])
+    from shardwise.verify import verify
+
+    return 0 if verify(base, args.config, overrides, layouts, args.steps, Path(args.out),
                        args.moe_routing) else 1
-
-
-def _report_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("report", help="HTML + PNG report of one or more runs", allow_abbrev=False,
-                       description="Write a self-contained HTML page and PNGs (loss, lr, grad norm, "
-                                   "tokens/s, MFU, memory and step time per rank) for the given run "
-                                   "directories, overlaid for comparison.")
-    p.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl)")
-    p.add_argument("--out", default="", help="output folder (default: RUN_DIR/report for one run, "
-                                             "runs/report for several)")
-    p.add_argument("--screenshot", action="store_true",
-                   help="also render the page in headless Chromium to report.png")
 
 
 def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
@@ -184,24 +146,6 @@ def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
         except FileNotFoundError as e:
             raise ConfigError(str(e)) from None
     return 0
-
-
-def _convert_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("convert", help="HF safetensors <-> shardwise checkpoint", allow_abbrev=False,
-                       description="Export a checkpoint to a Hugging Face folder (config.json + "
-                                   "safetensors; Llama, Qwen3 or Qwen3-MoE by the model's shape), or "
-                                   "import one as a weights-only checkpoint to start training from. "
-                                   "Import reads the model shape from the folder's config.json and "
-                                   "writes a training config for it (--toml); with --config (and "
-                                   "--model.* overrides) it checks the HF config against that model.")
-    way = p.add_mutually_exclusive_group(required=True)
-    way.add_argument("--to-hf", metavar="CHECKPOINT", help="a step-<N> checkpoint directory to export")
-    way.add_argument("--from-hf", metavar="HF_DIR", help="an HF model folder to import")
-    p.add_argument("--out", required=True, help="output folder (HF folder, or the new checkpoint)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="export dtype")
-    p.add_argument("--config", help="TOML config: its other sections go into the written config "
-                                    "(import only); with model fields, they must match config.json")
-    p.add_argument("--toml", help="import: the training config to write (default: <out>.toml)")
 
 
 def cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -239,16 +183,6 @@ def cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-def _prepare_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("prepare", help="tokenize the data into memory-mapped shards", allow_abbrev=False,
-                       description="Stream data.path (or each of data.sources, and data.val_path), "
-                                   "tokenize it on every core and write the token shards training "
-                                   "memory-maps, into data.prepared_dir (or the cache). Run it on a CPU "
-                                   "node before a GPU job; an interrupted run resumes from the shards "
-                                   "it finished. Extra --section.key=value overrides apply.")
-    p.add_argument("--config", help="TOML preset, e.g. configs/debug.toml")
-
-
 def cmd_prepare(args: argparse.Namespace, overrides: list[str]) -> int:
     import json
 
@@ -264,64 +198,23 @@ def cmd_prepare(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-def _estimate_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("estimate", help="per-rank memory, communication and step time of a layout",
-                       allow_abbrev=False,
-                       description="Predict, without the cluster, what one layout costs per rank: "
-                                   "parameters, gradients and optimizer states (exact: the real model "
-                                   "built and parallelized on torch's fake process group), activations "
-                                   "and the step's peak memory, every collective with its bytes, and "
-                                   "the step time on a hardware profile. Overrides --section.key=value "
-                                   "apply as in train.")
-    p.add_argument("--config", help="TOML preset, e.g. configs/debug.toml")
-    p.add_argument("--world", type=int, required=True, help="number of ranks (devices)")
-    p.add_argument("--hardware", default="h100",
-                   help="h100, h200, a100, b200, mi300x, local (after `shardwise calibrate`) or a .toml")
-    p.add_argument("--json", default="", help="also write the estimate as JSON to this file")
-
-
 def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
-    from shardwise.plan.estimate import estimate, estimate_json, format_estimate
     from shardwise.plan.hardware import load_hardware, profile_device
+
+    world = flags.need_nproc(args, "ranks (devices) to estimate for")
+    # training.mixed_precision=auto resolves for the planned device, not for this machine.
+    cfg = load_config(args.config, overrides, device=profile_device(args.hardware), world=world)
+    hw = load_hardware(args.hardware, cfg.data.cache_dir)
+    from shardwise.plan.estimate import estimate, estimate_json, format_estimate
     from shardwise.resolve import resolve_run
 
-    if args.world < 1:
-        raise ConfigError(f"--world must be >= 1, got {args.world}")
-    # training.mixed_precision=auto resolves for the planned device, not for this machine.
-    cfg = load_config(args.config, overrides, device=profile_device(args.hardware))
     # The trainer's own refusals, one line each (for the planned machine, not this one's device).
-    resolve_run(cfg, args.world, detect_device=False)
-    hw = load_hardware(args.hardware, cfg.data.cache_dir)
-    est = estimate(cfg, args.world, hw)
+    resolve_run(cfg, world, detect_device=False)
+    est = estimate(cfg, world, hw)
     print(format_estimate(est))
     if args.json:
         estimate_json(est, args.json)
     return 0
-
-
-def _plan_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="rank the layouts of a model on a cluster", allow_abbrev=False,
-                       description="Enumerate layouts (pp, dp_replicate, dp_shard, cp, tp, ep, pipeline "
-                                   "schedule, micro-batch, activation checkpointing), drop those the "
-                                   "trainer would refuse or that do not fit in memory, rank the rest by "
-                                   "predicted tokens/s per device, print the best and write the first "
-                                   "as a ready-to-run config. Overrides --section.key=value (e.g. "
-                                   "--float8.enabled true) apply to every candidate.")
-    p.add_argument("--config", help="TOML giving everything but the layout (default: built-in defaults)")
-    p.add_argument("--model", default="", help="model preset (overrides the config's model.name)")
-    p.add_argument("--gpus", type=int, required=True, help="number of devices")
-    p.add_argument("--hardware", default="h100", help="hardware profile (see estimate)")
-    p.add_argument("--seq", type=int, default=0, help="sequence length (default: the config's)")
-    p.add_argument("--global-batch-tokens", default="",
-                   help="tokens per optimizer step, e.g. 4M (default: one sequence of --seq tokens per "
-                        "device, and at least the config's training.global_batch sequences)")
-    p.add_argument("--top", type=int, default=5, help="layouts to show (each estimated exactly)")
-    p.add_argument("--ac", default="none,selective,selective_half,full",
-                   help="activation-checkpointing modes to try")
-    p.add_argument("--schedules", default="1f1b,interleaved1f1b,zbv", help="pipeline schedules to try")
-    p.add_argument("--memory-fraction", type=float, default=0.9,
-                   help="usable fraction of device memory (allocator fragmentation, CUDA context)")
-    p.add_argument("--out", default="plan.toml", help="where the best layout's config is written ('' = not)")
 
 
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -329,21 +222,8 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from shardwise.config_checks import notice
     from shardwise.plan.hardware import load_hardware, profile_device
-    from shardwise.plan.search import (
-        data_note,
-        format_plan,
-        layout_toml,
-        parse_tokens,
-        plan,
-        plan_base,
-        plan_config,
-        run_command,
-        shape_differs,
-        why_nothing,
-    )
 
-    if args.gpus < 1:
-        raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
+    gpus = flags.need_nproc(args, "devices to plan for")
     if not 0 < args.memory_fraction <= 1:
         raise ConfigError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
     ac = tuple(filter(None, args.ac.split(",")))
@@ -353,21 +233,31 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         if bad := [v for v in values if v not in config.choices(key)]:
             known = ", ".join(config.choices(key))
             raise ConfigError(f"{name}: unknown {', '.join(bad)}; choose from {known}")
-    model = [f"--model.name={args.model}"] if args.model else []
-    base, said = plan_base(args.model, args.config)
-    cfg = load_config(base, model + overrides, device=profile_device(args.hardware))
+    cfg = load_config(args.config, overrides, device=profile_device(args.hardware))
     hw = load_hardware(args.hardware, cfg.data.cache_dir)
+    from shardwise.plan.search import (
+        data_note,
+        format_plan,
+        layout_toml,
+        parse_tokens,
+        plan,
+        plan_config,
+        run_command,
+        shape_differs,
+        why_nothing,
+    )
+
     seq = args.seq or cfg.training.seq_len
     tokens = (parse_tokens(args.global_batch_tokens) if args.global_batch_tokens
-              else max(cfg.training.global_batch, args.gpus) * seq)
+              else max(cfg.training.global_batch, gpus) * seq)
     cfg = plan_config(cfg, seq, tokens)
-    notes = [n for n in (said, shape_differs(cfg), data_note(cfg)) if n]
+    notes = [n for n in (args.model_note, shape_differs(cfg), data_note(cfg)) if n]
     start = time.perf_counter()
-    result = plan(cfg, args.gpus, hw, args.top, args.memory_fraction, ac, schedules)
-    print(format_plan(result, cfg, args.gpus, hw))
+    result = plan(cfg, gpus, hw, args.top, args.memory_fraction, ac, schedules)
+    print(format_plan(result, cfg, gpus, hw))
     print(f"({time.perf_counter() - start:.1f} s)")
     if not result.top:
-        print(why_nothing(result, cfg, args.gpus, hw, args.memory_fraction, not args.global_batch_tokens),
+        print(why_nothing(result, cfg, gpus, hw, args.memory_fraction, not args.global_batch_tokens),
               file=sys.stderr)
         return 1
     if args.out:
@@ -378,20 +268,10 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         if kept := keep_aside(Path(args.out)):
             notice(f"the earlier {args.out} is kept as {kept}")
         Path(args.out).write_text(layout_toml(result.top[0], args.out, tuple(notes)))
-        print(f"best layout written to {args.out}: {run_command(args.out, args.gpus, hw)}")
+        print(f"best layout written to {args.out}: {run_command(args.out, gpus, hw)}")
     for n in notes:
         notice(n)
     return 0
-
-
-def _calibrate_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("calibrate", help="measure this machine for --hardware local", allow_abbrev=False,
-                   description="Measure GEMM and attention throughput per dtype and thread count, "
-                               "memory bandwidth, gloo collective bandwidth and latency among local "
-                               "processes, and the host overhead of a step; save them as the 'local' "
-                               "hardware profile (two to five minutes on 2 cores; --quick, about 40 s).")
-    p.add_argument("--quick", action="store_true",
-                   help="fewer sizes and shorter timings (about 40 s on 2 cores; noisier)")
 
 
 def cmd_calibrate(args: argparse.Namespace, extra: list[str]) -> int:
@@ -427,24 +307,20 @@ def rank_main(env: dict[str, str | None], *argv: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="shardwise", allow_abbrev=False,
-                                     description="PyTorch-native N-D parallel LLM training.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    _train_parser(sub)
-    _verify_parser(sub)
-    _report_parser(sub)
-    _convert_parser(sub)
-    _prepare_parser(sub)
-    _estimate_parser(sub)
-    _plan_parser(sub)
-    _calibrate_parser(sub)
-    flags.generate_parser(sub)
-    flags.eval_parser(sub)
-    parser.add_argument("--version", action="version", version=flags.version())
+    parser, commands = flags.build_parser()
     try:
-        flags.check_command(argv, sub.choices)
+        flags.check_command(argv, commands)
         args, rest = parser.parse_known_args(argv)
-        flags.check_unknown_flags(sub.choices[args.command], rest)
+        flags.check_unknown_flags(commands[args.command], rest)
+        flags.nproc_notice(argv)
+        flags.check_paths(args)
+        if args.command == "eval":  # its base config is the run's: the overrides' keys and types now
+            config.read_config(None, rest)
+        rest, args.model_note = flags.apply_model(args, rest)
+        if args.model_note and args.command != "plan":  # (plan writes it into its config, and says it)
+            from shardwise.config_checks import notice
+
+            notice(args.model_note)
         if args.command == "train":
             return cmd_train(args, rest, argv)
         if args.command == "verify":

@@ -16,7 +16,7 @@ from shardwise.hf_config import args_from_hf, hf_tokenizer, model_config_of, rea
 from shardwise.model_args import ModelArgs
 from shardwise.models import check_args, model_args
 from shardwise.models.presets import PRESETS
-from shardwise.parallel.dims import parse_backend_spec
+from shardwise.parallel.dims import ParallelDims, parse_backend_spec
 
 _POSITIVE = ("training.steps", "training.seq_len", "training.global_batch", "metrics.log_interval",
              "eval.steps", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
@@ -31,14 +31,17 @@ _NON_NEGATIVE = ("training.loss_chunk", "training.micro_batch", "training.max_gr
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                device: str | None = None) -> Config:
-    """Defaults <- TOML file <- CLI overrides (:func:`read_config`), then the preset, the checks, and
-    ``auto`` resolved for ``device`` ("cpu" / "cuda"; None = this machine's per ``run.device``, the
-    planner passes the device it plans for, which then also fills ``run.device=auto``)."""
+                device: str | None = None, world: int | None = None) -> Config:
+    """Defaults <- TOML file <- CLI overrides (:func:`read_config`), then the preset, the checks (with
+    ``world``: the layout's degrees against that many ranks), and ``auto`` resolved for ``device``
+    ("cpu" / "cuda"; None = this machine's per ``run.device``, the planner passes the device it plans
+    for, which then also fills ``run.device=auto``). Every check runs before torch is imported."""
     cfg = read_config(path, overrides)
     model_from_hf(cfg)
     resolve_model(cfg)
     validate(cfg)
+    if world is not None:
+        check_layout(cfg, world)
     if cfg.data.format == "chat" and not cfg.data.document_mask:
         notice("data.format=chat: data.document_mask is on (each conversation attends to itself only)")
         cfg.data.document_mask = True
@@ -84,6 +87,13 @@ def validate(cfg: Config) -> None:
                           "tensorwise-scaled weights only): set float8.fsdp_all_gather=false")
     for dim, spec in cfg.parallel.backend_override.items():
         parse_backend_spec(dim, spec)
+
+
+def check_layout(cfg: Config, world: int) -> None:
+    """The parallel degrees against the number of ranks and the model's shape (the trainer's and the
+    planner's own checks run the same code when they resolve the run)."""
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    dims.check_model(model_args(cfg.model), cfg.training.seq_len)
 
 
 # Set by `shardwise train --nproc` for its ranks: the folder where a failing rank leaves its one-line

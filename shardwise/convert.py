@@ -38,7 +38,8 @@ from shardwise.hf_config import (  # (hf_family: re-exported for the tests)
     model_config_of,
     read_hf_config,
 )
-from shardwise.models import ModelArgs, build_model, model_args
+from shardwise.models import ModelArgs, model_args
+from shardwise.models.llama import build_model
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _SHARD_BYTES = 5 << 30  # split safetensors files at this size, as HF's save_pretrained does
@@ -246,7 +247,7 @@ class HFFolder:
 def load_hf_weights(model: nn.Module, folder: Path, args: ModelArgs) -> None:
     """Fill this rank's parameters (any layout: FSDP, TP and EP shards, pipeline stages) from an HF
     folder of ``args``'s shape: each parameter's full tensor is read and converted, and the rank
-    keeps its shard -- the split :func:`shardwise.models.init_weights` makes, one full tensor at a
+    keeps its shard -- the split :func:`shardwise.models.llama.init_weights` makes, one full tensor at a
     time. Buffers (the RoPE table, MoE routing state) stay as init built them."""
     hf = HFFolder(folder)
     check_hf_config(hf.config, args)

@@ -1,16 +1,127 @@
-"""The flags of the commands whose code lives outside cli.py (``generate``: shardwise/generate.py;
-``eval``: shardwise/eval_command.py): the CLI builds every parser before it imports torch, so ``--help``
-and a bad flag answer at once."""
+"""Every command's flags, help and examples, and the checks of a command line that need nothing but
+the line: the CLI (shardwise/cli.py) builds every parser before it imports torch, so ``--help``, a
+misspelt flag and a config error answer at once.
+
+One vocabulary across the commands: ``--nproc`` is the number of ranks (devices) wherever a command
+needs one (``--gpus`` and ``--world``, the planner's older names, still work, with a notice);
+``--model`` names a preset wherever a model can be named."""
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import math
+import textwrap
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
+from pathlib import Path
 
-from shardwise.config import section_fields, sections
+from shardwise.config import preset_toml, section_fields, sections
+from shardwise.config_checks import notice
 from shardwise.config_types import ConfigError
+from shardwise.models import PRESETS
+from shardwise.parallel.dims import DEGREES
+
+EXAMPLES: dict[str, tuple[str, ...]] = {
+    "train": ("shardwise train --config configs/debug.toml",
+              "shardwise train --config configs/debug.toml --nproc 4 --parallel.tp 2",
+              "shardwise train --model 125m --data.path corpus/ --training.steps 1000",
+              "torchrun --nproc-per-node 8 -m shardwise train --config plan.toml"),
+    "plan": ("shardwise plan --model 8b --nproc 8",
+             "shardwise plan --model 70b --nproc 256 --hardware h200 --global-batch-tokens 4M"),
+    "estimate": ("shardwise estimate --model 8b --nproc 8 --parallel.tp 2",
+                 "shardwise estimate --config plan.toml --nproc 64 --json estimate.json"),
+    "verify": ("shardwise verify --config configs/debug.toml --nproc 4",
+               "shardwise verify --config configs/debug.toml --layouts dp_shard=2 tp=2 --steps 10"),
+    "prepare": ("shardwise prepare --config configs/debug.toml --data.path corpus/",),
+    "eval": ("shardwise eval --checkpoint runs/debug",
+             "shardwise eval --checkpoint runs/debug --data.path other.txt --nproc 2"),
+    "generate": ("shardwise generate --checkpoint runs/debug --prompt 'In the beginning'",
+                 "shardwise generate --hf hf-out --prompt 'In the beginning' --temperature 0.8"),
+    "report": ("shardwise report runs/debug", "shardwise report runs/a runs/b --out runs/compare"),
+    "convert": ("shardwise convert --to-hf runs/debug/checkpoints/step-200 --out hf-out",
+                "shardwise convert --from-hf Qwen3-0.6B --out ckpt/qwen3"),
+    "calibrate": ("shardwise calibrate --quick",),
+}
+"""Each command's ``--help`` ends with these (tests/e2e/test_cli.py parses every one)."""
+NPROC_ALIASES = ("--gpus", "--world")
+"""Older spellings of ``--nproc`` (plan, estimate), accepted with a notice."""
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown where there is one to show (not None, "" or a switch's False); the description
+    wrapped here and the examples kept as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, "", False) or "default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action) or ""
+
+
+def command(sub: argparse._SubParsersAction, name: str, summary: str, description: str
+            ) -> argparse.ArgumentParser:
+    """A subcommand's parser: its defaults in ``--help`` and its examples at the end."""
+    epilog = "examples:\n" + "\n".join(f"  {e}" for e in EXAMPLES.get(name, ()))
+    return sub.add_parser(name, help=summary, allow_abbrev=False, formatter_class=_Help,
+                          description=textwrap.fill(description, 100), epilog=epilog)
+
+
+def add_nproc(p: argparse.ArgumentParser, what: str) -> None:
+    """``--nproc``, the one flag for a number of ranks (devices), with the older names hidden."""
+    p.add_argument("--nproc", type=int, default=None, help=what)
+    for alias in NPROC_ALIASES:
+        p.add_argument(alias, type=int, dest="nproc", default=None, help=argparse.SUPPRESS)
+
+
+def add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="", help="model preset, e.g. 8b; alone (no --config), its own "
+                   "configs/<model>.toml is the base; with --config, it replaces that file's model.name")
+
+
+def apply_model(args: argparse.Namespace, overrides: list[str]) -> tuple[list[str], str]:
+    """``--model NAME``: (overrides with ``--model.name=NAME`` first, what to tell the user). With no
+    ``--config``, the preset's own ``configs/<NAME>.toml`` (its sequence, batch, precision) becomes the
+    config, not the built-in defaults' debug shape; ``args.config`` is set to it."""
+    model = getattr(args, "model", "")
+    if not model:
+        return overrides, ""
+    said = ""
+    if not args.config and model in PRESETS:  # (an unknown preset: the config check's error follows)
+        if path := preset_toml(model):
+            args.config = str(path)
+            said = (f"--model {model}: starting from {path.name} (its sequence, batch, precision and "
+                    "checkpointing); --config FILE starts from another")
+        else:
+            said = f"--model {model} has no configs/{model}.toml: the built-in defaults' other sections apply"
+    return [f"--model.name={model}", *overrides], said
+
+
+PATH_FLAGS = ("checkpoint", "hf", "messages", "to_hf", "from_hf", "tasks_path")
+"""Flags that name an existing file or folder (--config: read_config says more of a missing one)."""
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """Each path flag given names something that exists: one line, before any work (and torch)."""
+    for name in PATH_FLAGS:
+        if (path := getattr(args, name, None)) and not Path(path).exists():
+            raise ConfigError(f"--{name.replace('_', '-')} '{path}' does not exist")
+
+
+def nproc_notice(argv: list[str]) -> None:
+    """A notice for each older spelling of ``--nproc`` on the command line."""
+    for alias in NPROC_ALIASES:
+        if any(a == alias or a.startswith(alias + "=") for a in argv):
+            notice(f"{alias} is now --nproc (one name for the number of ranks in train, plan, estimate, "
+                   "verify and eval); the old name still works")
+
+
+def need_nproc(args: argparse.Namespace, what: str) -> int:
+    """The required ``--nproc``, checked: >= 1."""
+    if args.nproc is None:
+        raise ConfigError(f"{args.command} needs --nproc N: the number of {what}")
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+    return args.nproc
 
 
 def version() -> str:
@@ -24,6 +135,18 @@ def version() -> str:
 def _suggest(word: str, known: list[str]) -> str:
     close = difflib.get_close_matches(word, known, n=1, cutoff=0.6)
     return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """``shardwise``'s parser and its commands' parsers by name."""
+    parser = argparse.ArgumentParser(prog="shardwise", allow_abbrev=False,
+                                     description="PyTorch-native N-D parallel LLM training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for make in (train_parser, verify_parser, report_parser, convert_parser, prepare_parser,
+                 estimate_parser, plan_parser, calibrate_parser, generate_parser, eval_parser):
+        make(sub)
+    parser.add_argument("--version", action="version", version=version())
+    return parser, sub.choices
 
 
 def check_command(argv: list[str], commands: dict[str, argparse.ArgumentParser]) -> None:
@@ -49,11 +172,60 @@ def check_unknown_flags(parser: argparse.ArgumentParser, rest: list[str]) -> Non
                               "--section.key=value)")
 
 
+def parse_layout(text: str) -> tuple[list[str], int]:
+    """``"tp=2,dp_shard=2"`` -> (CLI overrides, world size). Bare keys are ``parallel.*``; dotted
+    keys (``optimizer.lr=...``) pass through, which lets a test prove that verify can fail."""
+    overrides, degrees = [], dict.fromkeys(DEGREES, 1)
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"layout '{text}': expected key=value items, e.g. tp=2,dp_shard=2")
+        if "." in key:
+            overrides.append(f"--{key}={value}")
+            continue
+        if key not in DEGREES:
+            raise ConfigError(f"layout '{text}': unknown degree '{key}'; use {', '.join(DEGREES)}")
+        try:
+            degrees[key] = int(value)
+        except ValueError:
+            raise ConfigError(f"layout '{text}': {key} must be an integer, got '{value}'") from None
+    world = math.prod(v for k, v in degrees.items() if k != "ep")
+    overrides += [f"--parallel.{k}={v}" for k, v in degrees.items()]
+    return overrides, world
+
+
+def fill_layouts(layouts: list[str] | None, nproc: int | None) -> list[str]:
+    """The layouts to verify. With ``nproc`` (``--nproc``), each runs on that many ranks: a layout
+    that does not set dp_shard gets the rest of them, one that sets every degree must multiply to
+    it; with no ``layouts``, plain FSDP over ``nproc`` ranks and (``nproc`` even) 2-way TP beside
+    FSDP over the other half."""
+    if layouts is None:
+        if nproc is None:
+            raise ConfigError("verify needs --layouts (e.g. dp_shard=2 tp=2) or --nproc N (the standard "
+                              "layouts of N ranks)")
+        return [f"dp_shard={nproc}"] + ([f"tp=2,dp_shard={nproc // 2}"] if nproc % 2 == 0 else [])
+    if nproc is None:
+        return layouts
+    if nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {nproc}")
+    out = []
+    for text in layouts:
+        overrides, world = parse_layout(text)
+        if "dp_shard" not in (item.partition("=")[0] for item in text.split(",")):
+            if nproc % world:
+                raise ConfigError(f"layout '{text}' uses {world} ranks, which do not divide --nproc {nproc}")
+            text, world = ",".join(filter(None, [text, f"dp_shard={nproc // world}"])), nproc
+        if world != nproc:
+            raise ConfigError(f"layout '{text}' uses {world} ranks, not --nproc {nproc}: change its degrees "
+                              "or leave dp_shard out to fill it")
+        out.append(text)
+    return out
+
+
 def generate_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="sample text from a checkpoint or an HF folder", allow_abbrev=False,
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                       description="Continue a prompt, or answer a conversation, with a trained model: "
-                                   "greedy (--temperature 0) or sampled, with a KV cache.")
+    p = command(sub, "generate", "sample text from a checkpoint or an HF folder",
+                "Continue a prompt, or answer a conversation, with a trained model: "
+                "greedy (--temperature 0) or sampled, with a KV cache.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="a step-<N> checkpoint, or a run directory (its latest one)")
     src.add_argument("--hf", help="a Hugging Face model folder (config.json, safetensors, tokenizer)")
@@ -75,23 +247,148 @@ def generate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def eval_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("eval", help="loss and perplexity of a checkpoint on a data set", allow_abbrev=False,
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                       description="Score a checkpoint: its mean token loss and perplexity over every "
-                                   "whole global batch of a data set, prepared as training prepares it "
-                                   "(the run's config.toml, or --config, with --section.key=value "
-                                   "overrides: --data.path FILE_OR_FOLDER scores other data). Any layout "
-                                   "(--parallel.*) on --nproc ranks or under torchrun.")
+    p = command(sub, "eval", "loss and perplexity of a checkpoint on a data set",
+                "Score a checkpoint: its mean token loss and perplexity over every "
+                "whole global batch of a data set, prepared as training prepares it "
+                "(the run's config.toml, or --config, with --section.key=value "
+                "overrides: --data.path FILE_OR_FOLDER scores other data). Any layout "
+                "(--parallel.*) on --nproc ranks or under torchrun.")
     p.add_argument("--checkpoint", required=True, help="a step-<N> checkpoint, or a run directory (its "
                    "latest one)")
     p.add_argument("--config", help="TOML for the data, batch and layout (default: the run's config.toml)")
     p.add_argument("--split", default="auto", choices=["auto", "val", "all"],
                    help="held-out part (val) or all of each source; auto: val of the run's own data, "
                         "all of data named by --data.path / --data.sources")
-    p.add_argument("--nproc", type=int, default=None, help="local ranks (not under torchrun)")
+    add_nproc(p, "local ranks to score on (not under torchrun, which sets them)")
     p.add_argument("--json", action="store_true", help="print the scores as JSON")
     p.add_argument("--tasks", default="", help="comma-separated lm-evaluation-harness tasks to score instead "
                    "(one device; needs pip install 'shardwise[eval]')")
     p.add_argument("--tasks-path", default="", help="a folder of task YAML files for --tasks (local data)")
     p.add_argument("--limit", type=int, default=None, help="--tasks: at most this many examples per task")
     p.add_argument("--num-fewshot", type=int, default=None, help="--tasks: few-shot examples per prompt")
+
+
+def train_parser(sub: argparse._SubParsersAction) -> None:
+    p = command(sub, "train", "train a model",
+                "Train a model. Any config key can be overridden with "
+                "--section.key=value (see --help-config).")
+    p.add_argument("--config", help="TOML preset, e.g. configs/debug.toml (default: built-in defaults)")
+    add_model(p)
+    add_nproc(p, "launch this many local ranks (not under torchrun, which sets them)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="with --nproc: restart all ranks this many times after a rank fails")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--help-config", action="store_true", help="list every config key and exit")
+
+
+def verify_parser(sub: argparse._SubParsersAction) -> None:
+    p = command(sub, "verify", "prove layouts match the 1-rank run",
+                "Train the 1-rank reference and each layout for --steps steps from "
+                "one seed checkpoint; compare losses and final parameters against "
+                "documented tolerances. Extra --section.key=value overrides apply "
+                "to every run.")
+    p.add_argument("--config", help="TOML preset, e.g. configs/debug.toml")
+    add_model(p)
+    add_nproc(p, "ranks of every layout: a layout without dp_shard fills it to this many; without "
+                 "--layouts, verify dp_shard=N and (N even) tp=2 with dp_shard=N/2")
+    p.add_argument("--layouts", nargs="+", default=None,
+                   help="layouts as degree lists, e.g. dp_shard=4 tp=2,dp_shard=2 (each one's product of "
+                        "degrees is its number of ranks)")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps of every run")
+    p.add_argument("--out", default="runs/verify", help="where runs, logs and the plot go")
+    p.add_argument("--moe-routing", default="replay", choices=["replay", "free"],
+                   help="MoE models: each layout replays the reference's expert choices per token and "
+                        "reports where its own router differs (default), or routes freely (a near-tie "
+                        "broken the other way then fails the layout)")
+
+
+def report_parser(sub: argparse._SubParsersAction) -> None:
+    p = command(sub, "report", "HTML + PNG report of one or more runs",
+                "Write a self-contained HTML page and PNGs (loss, lr, grad norm, "
+                "tokens/s, MFU, memory and step time per rank) for the given run "
+                "directories, overlaid for comparison.")
+    p.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl)")
+    p.add_argument("--out", default="", help="output folder (default: RUN_DIR/report for one run, "
+                                             "runs/report for several)")
+    p.add_argument("--screenshot", action="store_true",
+                   help="also render the page in headless Chromium to report.png")
+
+
+def convert_parser(sub: argparse._SubParsersAction) -> None:
+    p = command(sub, "convert", "HF safetensors <-> shardwise checkpoint",
+                "Export a checkpoint to a Hugging Face folder (config.json + "
+                "safetensors; Llama, Qwen3 or Qwen3-MoE by the model's shape), or "
+                "import one as a weights-only checkpoint to start training from. "
+                "Import reads the model shape from the folder's config.json and "
+                "writes a training config for it (--toml); with --config (and "
+                "--model.* overrides) it checks the HF config against that model.")
+    way = p.add_mutually_exclusive_group(required=True)
+    way.add_argument("--to-hf", metavar="CHECKPOINT", help="a step-<N> checkpoint directory to export")
+    way.add_argument("--from-hf", metavar="HF_DIR", help="an HF model folder to import")
+    p.add_argument("--out", required=True, help="output folder (HF folder, or the new checkpoint)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="export dtype")
+    p.add_argument("--config", help="TOML config: its other sections go into the written config "
+                "(import only); with model fields, they must match config.json")
+    p.add_argument("--toml", help="import: the training config to write (default: <out>.toml)")
+
+
+def prepare_parser(sub: argparse._SubParsersAction) -> None:
+    p = command(sub, "prepare", "tokenize the data into memory-mapped shards",
+                "Stream data.path (or each of data.sources, and data.val_path), "
+                "tokenize it on every core and write the token shards training "
+                "memory-maps, into data.prepared_dir (or the cache). Run it on a CPU "
+                "node before a GPU job; an interrupted run resumes from the shards "
+                "it finished. Extra --section.key=value overrides apply.")
+    p.add_argument("--config", help="TOML preset, e.g. configs/debug.toml")
+    add_model(p)
+
+
+def estimate_parser(sub: argparse._SubParsersAction) -> None:
+    p = command(sub, "estimate", "per-rank memory, communication and step time of a layout",
+                "Predict, without the cluster, what one layout costs per rank: "
+                "parameters, gradients and optimizer states (exact: the real model "
+                "built and parallelized on torch's fake process group), activations "
+                "and the step's peak memory, every collective with its bytes, and "
+                "the step time on a hardware profile. Overrides --section.key=value "
+                "apply as in train.")
+    p.add_argument("--config", help="TOML preset, e.g. configs/debug.toml")
+    add_model(p)
+    add_nproc(p, "number of ranks (devices), required")
+    p.add_argument("--hardware", default="h100",
+                   help="h100, h200, a100, b200, mi300x, local (after `shardwise calibrate`) or a .toml")
+    p.add_argument("--json", default="", help="also write the estimate as JSON to this file")
+
+
+def plan_parser(sub: argparse._SubParsersAction) -> None:
+    p = command(sub, "plan", "rank the layouts of a model on a cluster",
+                "Enumerate layouts (pp, dp_replicate, dp_shard, cp, tp, ep, pipeline "
+                "schedule, micro-batch, activation checkpointing), drop those the "
+                "trainer would refuse or that do not fit in memory, rank the rest by "
+                "predicted tokens/s per device, print the best and write the first "
+                "as a ready-to-run config. Overrides --section.key=value (e.g. "
+                "--float8.enabled true) apply to every candidate.")
+    p.add_argument("--config", help="TOML giving everything but the layout (default: built-in defaults)")
+    add_model(p)
+    add_nproc(p, "number of devices (ranks), required")
+    p.add_argument("--hardware", default="h100", help="hardware profile (see estimate)")
+    p.add_argument("--seq", type=int, default=0, help="sequence length (default: the config's)")
+    p.add_argument("--global-batch-tokens", default="",
+                   help="tokens per optimizer step, e.g. 4M (default: one sequence of --seq tokens per "
+                        "device, and at least the config's training.global_batch, which counts sequences)")
+    p.add_argument("--top", type=int, default=5, help="layouts to show (each estimated exactly)")
+    p.add_argument("--ac", default="none,selective,selective_half,full",
+                   help="activation-checkpointing modes to try")
+    p.add_argument("--schedules", default="1f1b,interleaved1f1b,zbv", help="pipeline schedules to try")
+    p.add_argument("--memory-fraction", type=float, default=0.9,
+                   help="usable fraction of device memory (allocator fragmentation, CUDA context)")
+    p.add_argument("--out", default="plan.toml", help="where the best layout's config is written ('' = not)")
+
+
+def calibrate_parser(sub: argparse._SubParsersAction) -> None:
+    p = command(sub, "calibrate", "measure this machine for --hardware local",
+                "Measure GEMM and attention throughput per dtype and thread count, "
+                "memory bandwidth, gloo collective bandwidth and latency among local "
+                "processes, and the host overhead of a step; save them as the 'local' "
+                "hardware profile (two to five minutes on 2 cores; --quick, about 40 s).")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer sizes and shorter timings (about 40 s on 2 cores; noisier)")

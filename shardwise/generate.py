@@ -27,8 +27,8 @@ from shardwise.data.chat import check_messages
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.device import device_type
 from shardwise.hf_config import args_from_hf, read_hf_config
-from shardwise.models import build_model, model_args
-from shardwise.models.llama import KVCache, rope_table
+from shardwise.models import model_args
+from shardwise.models.llama import KVCache, build_model, rope_table
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ from shardwise.config_checks import notice
 from shardwise.data.prepare import check_prepared
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.device import launched_world_size
-from shardwise.models import ModelArgs, build_model
+from shardwise.models import ModelArgs
+from shardwise.models.llama import build_model
 from shardwise.models.presets import FAMILY_TOKENIZERS, vocab_beyond_padding
 from shardwise.observe.routing import read_meta
 from shardwise.parallel.float8 import float8_summary

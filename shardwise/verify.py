@@ -22,11 +22,10 @@ from pathlib import Path
 import torch
 
 from shardwise.checkpoint import read_model_tensors
-from shardwise.config import ConfigError
-from shardwise.config_checks import load_config
+from shardwise.config import Config, ConfigError
+from shardwise.flags import parse_layout
 from shardwise.observe.metrics import read_metrics
 from shardwise.observe.routing import replay_report
-from shardwise.parallel.dims import DEGREES
 
 
 @dataclass(frozen=True)
@@ -64,28 +63,6 @@ class Result:
     """MoE: {tokens, differ, max_gap} of the replay (see shardwise/observe/routing.py)."""
 
 
-def parse_layout(text: str) -> tuple[list[str], int]:
-    """``"tp=2,dp_shard=2"`` -> (CLI overrides, world size). Bare keys are ``parallel.*``; dotted
-    keys (``optimizer.lr=...``) pass through, which lets a test prove that verify can fail."""
-    overrides, degrees = [], dict.fromkeys(DEGREES, 1)
-    for item in filter(None, text.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"layout '{text}': expected key=value items, e.g. tp=2,dp_shard=2")
-        if "." in key:
-            overrides.append(f"--{key}={value}")
-            continue
-        if key not in DEGREES:
-            raise ConfigError(f"layout '{text}': unknown degree '{key}'; use {', '.join(DEGREES)}")
-        try:
-            degrees[key] = int(value)
-        except ValueError:
-            raise ConfigError(f"layout '{text}': {key} must be an integer, got '{value}'") from None
-    world = math.prod(v for k, v in degrees.items() if k != "ep")
-    overrides += [f"--parallel.{k}={v}" for k, v in degrees.items()]
-    return overrides, world
-
-
 def _train(args: list[str], nproc: int, log: Path) -> str:
     """Run ``shardwise train``; return '' on success, else the last error line."""
     cmd = [sys.executable, "-m", "shardwise", "train", *args] + ([f"--nproc={nproc}"] if nproc > 1 else [])
@@ -117,11 +94,11 @@ def update_error(p: dict[str, torch.Tensor], p_ref: dict[str, torch.Tensor],
                for k in p_ref)
 
 
-def verify(config: str | None, overrides: list[str], layouts: list[str], steps: int, out: Path,
-           moe_routing: str = "replay") -> bool:
-    """Run the reference and every layout; print the table; return True if all pass.
+def verify(base: Config, config: str | None, overrides: list[str], layouts: list[str], steps: int,
+           out: Path, moe_routing: str = "replay") -> bool:
+    """Run the reference and every layout; print the table; return True if all pass. ``base``: the
+    config (``config`` with ``overrides``) of the reference run, loaded and checked by the caller.
     ``moe_routing``: replay the reference's expert choices in MoE layouts, or route freely."""
-    base = load_config(config, [*overrides, f"--training.steps={steps}"])
     tol = TOLERANCES[base.training.mixed_precision]
     parsed = [(name, *parse_layout(name)) for name in layouts]  # bad layouts fail before any run
     out.mkdir(parents=True, exist_ok=True)

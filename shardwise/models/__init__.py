@@ -1,20 +1,17 @@
-"""Model families and presets."""
+"""Model families and presets: which model a config names, and whether it can be built. Torch-free,
+so a config is checked before torch loads; the modules themselves (``build_model``, ``Transformer``,
+``init_weights``) are in :mod:`shardwise.models.llama`."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Any
 
-import torch
-from torch.overrides import TorchFunctionMode
-
 from shardwise.config_types import ConfigError
 from shardwise.model_args import ModelArgs
-from shardwise.models.llama import Transformer, init_weights
 from shardwise.models.presets import PRESETS
 
-__all__ = ["PRESETS", "ModelArgs", "Transformer", "build_model", "check_args", "init_weights", "model_args"]
+__all__ = ["PRESETS", "ModelArgs", "check_args", "model_args"]
 
 
 def model_args(cfg: Any) -> ModelArgs:
@@ -59,28 +56,3 @@ def check_args(args: ModelArgs) -> None:
         if args.n_dense_layers >= args.n_layers:
             raise ConfigError(f"model.n_dense_layers={args.n_dense_layers} leaves no MoE block of "
                               f"model.n_layers={args.n_layers}: lower it or set n_experts=0")
-
-
-class _SkipInitOnMeta(TorchFunctionMode):
-    """Construction without torch's default initializers on meta tensors (nn.Linear's
-    kaiming_uniform_, nn.Embedding's normal_, ...). On meta they compute nothing, yet they run
-    through torch's Python reference kernels: half of a 70B or 405B model's build on meta (0.5 ->
-    0.25 s here), which the planner and every rank pay. ``init_weights`` initializes every
-    parameter once the model is materialized."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        kwargs = kwargs or {}
-        if getattr(func, "__module__", None) == "torch.nn.init":
-            tensor = args[0] if args else kwargs.get("tensor")
-            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
-                return tensor
-        return func(*args, **kwargs)
-
-
-def build_model(args: ModelArgs, device: torch.device | str = "meta", **moe: Any) -> Transformer:
-    """Construct the model; on ``meta`` (the default) no memory is allocated (nor initializers
-    run: :class:`_SkipInitOnMeta`). ``moe``: sequences_per_step and sequence_group for the MoE
-    balance loss (see Transformer)."""
-    skip = _SkipInitOnMeta() if torch.device(device).type == "meta" else contextlib.nullcontext()
-    with torch.device(device), skip:
-        return Transformer(args, **moe)

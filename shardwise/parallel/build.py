@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from shardwise.data.dataset import IGNORE_INDEX, Batch
-from shardwise.models import build_model, init_weights
+from shardwise.models.llama import build_model, init_weights
 from shardwise.ops.loss import token_loss_sum
 from shardwise.parallel.context import shard_sequences
 from shardwise.parallel.dims import ParallelDims

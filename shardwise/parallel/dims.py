@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
-
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from typing import TYPE_CHECKING, Any
 
 from shardwise.config import ConfigError, ParallelConfig, coerce
 from shardwise.model_args import ModelArgs
+
+if TYPE_CHECKING:  # torch loads when a mesh is built: the degree checks run before it (shardwise/cli.py)
+    from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """The world mesh's dims, outermost first (rank = row-major index over them)."""
@@ -119,6 +119,8 @@ class ParallelDims:
                    target_device: str = "") -> DeviceMesh:
         """Create the world mesh (all five dims) and its flattened views. ``target_device``: the
         device the model is parallelized for when it is not the mesh's (the planner's fake world)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
         self.target_device = target_device or device_type
         shape = tuple(getattr(self, d) for d in MESH_DIMS)
         overrides = {dim: backend_options(*parse_backend_spec(dim, spec))
@@ -179,6 +181,8 @@ class ParallelDims:
 
 def backend_options(name: str, opts: dict[str, Any]) -> str | tuple[str, Any]:
     """A backend name, or (name, options object) for ``init_device_mesh``'s backend_override."""
+    import torch.distributed as dist
+
     if not opts:
         return name
     if name == "gloo":

@@ -266,19 +266,6 @@ def parse_tokens(text: str) -> int:
         raise ConfigError(f"--global-batch-tokens '{text}': expected a number like 4M or 524288") from None
 
 
-def plan_base(model: str, config_path: str | None) -> tuple[str | None, str]:
-    """The TOML a plan starts from and what to say of it: ``--config``, or with ``--model`` alone
-    the preset's own ``configs/<model>.toml`` (its sequence, batch, precision, checkpointing), not
-    the built-in defaults' debug shape."""
-    if config_path or not model:
-        return config_path, ""
-    if path := preset_toml(model):
-        return str(path), (f"planning {model} as {path.name} trains it (its sequence, batch, precision "
-                           "and checkpointing); --config FILE plans another shape")
-    return None, (f"model {model} has no configs/{model}.toml: planning it at the built-in defaults' "
-                  "sequence and batch (--seq, --global-batch-tokens set them)")
-
-
 def shape_differs(cfg: Config) -> str:
     """A line when the planned sequence or batch differs from the preset's own TOML, else ""."""
     path = preset_toml(cfg.model.name)

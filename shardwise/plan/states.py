@@ -33,7 +33,8 @@ from torch.distributed.tensor import DTensor
 
 import shardwise.device
 from shardwise.config import Config, ConfigError
-from shardwise.models import ModelArgs, build_model, model_args
+from shardwise.models import ModelArgs, model_args
+from shardwise.models.llama import build_model
 from shardwise.parallel.build import build_stage
 from shardwise.parallel.fsdp import one_unit
 from shardwise.parallel.parallelize import parallelize

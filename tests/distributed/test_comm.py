@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from shardwise.config_checks import load_config
-from shardwise.models import build_model, model_args
+from shardwise.models import model_args
+from shardwise.models.llama import build_model
 from tests.conftest import TINY_ARGS, run_cli
 
 pytestmark = pytest.mark.dist

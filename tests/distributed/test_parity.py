@@ -23,7 +23,8 @@ import torch
 
 from shardwise.config_checks import load_config
 from shardwise.data.tokenizer import SHIPPED_CORPUS
-from shardwise.models import build_model, init_weights, model_args
+from shardwise.models import model_args
+from shardwise.models.llama import build_model, init_weights
 from shardwise.verify import checkpoint_params, update_error
 from tests.conftest import TINY_ARGS, metrics, run_cli
 

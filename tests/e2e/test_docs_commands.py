@@ -90,7 +90,7 @@ _DEBUG_RUN = "shardwise train --config configs/debug.toml --training.steps 2 --e
 _PARITY = "tests/distributed/test_parity.py::test_layout_matches_single_rank"
 _HF = "tests/e2e/test_cli.py::test_hf_folder_to_training_and_back_with_no_model_flags"
 _PRETRAIN = "tests/e2e/test_journeys.py::test_pretraining_plan_train_lose_a_rank_resume"
-_PLAN_DEBUG = "shardwise plan --model debug --gpus 2 --hardware h100 --out plan-debug.toml"
+_PLAN_DEBUG = "shardwise plan --model debug --nproc 2 --hardware h100 --out plan-debug.toml"
 _SFT = ("tests/e2e/test_journeys.py::"
         "test_chat_fine_tuning_from_an_hf_folder_to_a_model_transformers_chats_with")
 _EVAL = "tests/e2e/test_eval.py::test_eval_scores_a_checkpoint_as_training_does"
@@ -129,8 +129,8 @@ HOW: dict[str, Check] = {
         "tests/e2e/test_cli.py::test_main_job_short_schedule"),
     "shardwise train --config configs/debug.toml --print-config": Check(),
     "shardwise train --help-config": Check(),
-    "shardwise estimate --config configs/debug.toml --world 4 --parallel.tp 2 --hardware h100": Check(),
-    "shardwise plan --model 70b --gpus 256 --hardware h100 --seq 8192 --global-batch-tokens 4M": Check(),
+    "shardwise estimate --config configs/debug.toml --nproc 4 --parallel.tp 2 --hardware h100": Check(),
+    "shardwise plan --model 70b --nproc 256 --hardware h100 --seq 8192 --global-batch-tokens 4M": Check(),
     "shardwise calibrate": Check(slow=True),  # two to five minutes of measurements
     # docs/checkpointing.md, run as one sequence: export the run `make run` leaves (its step-100 stood in
     # for by a 2-step run's checkpoint), import it back, train from it.
@@ -172,7 +172,7 @@ HOW: dict[str, Check] = {
         reason="a long benchmark; BENCHMARKS.md has its output"),
     # docs/planning.md, the local flow: tests/e2e/test_plan_cli.py runs these three in this order
     "shardwise calibrate --quick": Check(reason="test_plan_cli.py runs it, then the two commands below"),
-    "shardwise plan --config configs/debug.toml --gpus 4 --hardware local": Check(
+    "shardwise plan --config configs/debug.toml --nproc 4 --hardware local": Check(
         reason="test_plan_cli.py runs it on the profile calibrate --quick wrote"),
     "shardwise train --config plan.toml --nproc 4 --training.steps 20": Check(
         reason="test_plan_cli.py trains the written plan.toml with the command plan prints"),
@@ -188,16 +188,16 @@ HOW: dict[str, Check] = {
             TRAIN, setup=(_CORPUS, "shardwise prepare --config configs/debug.toml --data.path corpus.jsonl "
                                    "--data.prepared_dir prepared"))),
     # docs/pretraining.md: the GPU commands, then the same journey on CPU ranks
-    "shardwise plan --model 8b --gpus 8 --hardware h100": Check(),
-    "shardwise estimate --config plan.toml --world 8 --hardware h100": Check(
-        setup=("shardwise plan --model 8b --gpus 8 --hardware h100",)),
+    "shardwise plan --model 8b --nproc 8 --hardware h100": Check(),
+    "shardwise estimate --config plan.toml --nproc 8 --hardware h100": Check(
+        setup=("shardwise plan --model 8b --nproc 8 --hardware h100",)),
     "torchrun --nproc-per-node 8 -m shardwise train --config plan.toml --data.path DATA --data.tokenizer TOK":
         Check(reason="needs 8 GPUs and the Llama 3 tokenizer; test_plan_cli.py::"
                      "test_plan_for_a_preset_plans_its_published_shape runs the plan, estimates it and "
                      "checks the refusal without the tokenizer"),
     "torchrun --nproc-per-node 8 -m shardwise train --config plan.toml --data.path DATA --data.tokenizer TOK "
     "--checkpoint.resume true": Check(reason="needs 8 GPUs; test_journeys.py resumes the CPU rehearsal"),
-    "shardwise plan --model debug --gpus 2 --hardware h100 --out plan-debug.toml": Check(),
+    "shardwise plan --model debug --nproc 2 --hardware h100 --out plan-debug.toml": Check(),
     "shardwise train --config plan-debug.toml --run.device cpu --nproc 2 --run.dir runs/pretrain": covered(
         _PRETRAIN, Check(TRAIN, setup=(_PLAN_DEBUG,))),
     "shardwise train --config plan-debug.toml --run.device cpu --nproc 2 --run.dir runs/pretrain "

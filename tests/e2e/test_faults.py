@@ -18,7 +18,8 @@ import torch
 
 from shardwise import checkpoint
 from shardwise.config_checks import load_config
-from shardwise.models import build_model, model_args
+from shardwise.models import model_args
+from shardwise.models.llama import build_model
 from shardwise.verify import checkpoint_params
 from tests.conftest import ROOT, TINY_ARGS, metrics, need, run_cli
 

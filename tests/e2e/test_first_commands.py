@@ -46,7 +46,7 @@ def test_plan_405b_at_sequence_8192(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     4M tokens), so any --seq works; a plan.toml already there is kept."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "plan.toml").write_text("# mine\n")
-    assert main(["plan", "--model", "405b", "--gpus", "512", "--hardware", "h100", "--seq", "8192"]) == 0
+    assert main(["plan", "--model", "405b", "--nproc", "512", "--hardware", "h100", "--seq", "8192"]) == 0
     out = capsys.readouterr().out
     plan = tomllib.loads((tmp_path / "plan.toml").read_text())
     assert plan["training"]["seq_len"] == 8192 and plan["training"]["global_batch"] == 512

@@ -24,7 +24,7 @@ from tests.unit.test_chat import QWEN3, _folder
 
 def test_pretraining_plan_train_lose_a_rank_resume(tmp_path: Path, data_cache: str):
     plan = tmp_path / "plan.toml"
-    out = run_cli(["plan", "--model", "debug", "--gpus", "2", "--hardware", "h100",
+    out = run_cli(["plan", "--model", "debug", "--nproc", "2", "--hardware", "h100",
                    "--out", str(plan)]).stdout
     assert out.startswith("model debug (6.16M params), sequence 512, 8 sequences = 4,096 tokens per step")
     written = tomllib.loads(plan.read_text())

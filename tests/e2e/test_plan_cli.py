@@ -48,7 +48,7 @@ def test_calibrate_quick_then_plan_trains_on_four_ranks(tmp_path: Path, data_cac
     assert all(v > 0 for v in hw["collective_kind_bw_gbs"].values())
 
     out = tmp_path / "plan.toml"
-    proc = run_cli(["plan", "--config", "configs/debug.toml", "--gpus", "4", "--hardware", "local",
+    proc = run_cli(["plan", "--config", "configs/debug.toml", "--nproc", "4", "--hardware", "local",
                     f"--out={out}", f"--data.cache_dir={data_cache}", f"--run.dir={tmp_path / 'run'}"])
     assert "notice: data.path is not set, so this config trains on the shipped 4 MB KJV corpus" in proc.stdout
     command = f"shardwise train --config {out} --nproc 4"
@@ -101,7 +101,7 @@ def test_plan_keeps_the_given_config(tmp_path: Path, monkeypatch: pytest.MonkeyP
 [lr_scheduler]\nwarmup_steps = 4\n[checkpoint]\ninterval = 17\nkeep_latest_k = 3\n""")
     base = load_config(str(mine), device="cuda")
     monkeypatch.chdir(tmp_path)
-    assert main(["plan", "--config", str(mine), "--gpus", "8", "--hardware", "h100"]) == 0
+    assert main(["plan", "--config", str(mine), "--nproc", "8", "--hardware", "h100"]) == 0
     assert "data.path is not set" not in capsys.readouterr().out
     written, given = _flat(tomllib.loads((tmp_path / "plan.toml").read_text())), _flat(base.to_dict())
     changed = {k for k in set(written) | set(given) if written.get(k) != given.get(k)}
@@ -113,7 +113,7 @@ def test_plan_keeps_the_given_config(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 def test_estimate_writes_its_json(tmp_path: Path, capsys):
     out = tmp_path / "est.json"
-    assert main(["estimate", "--config", "configs/debug.toml", "--world", "4", "--parallel.pp", "2",
+    assert main(["estimate", "--config", "configs/debug.toml", "--nproc", "4", "--parallel.pp", "2",
                  "--parallel.tp", "2", "--hardware", "h100", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "pp rank 0" in text and "pp rank 1" in text and "pipeline bubble" in text
@@ -123,19 +123,19 @@ def test_estimate_writes_its_json(tmp_path: Path, capsys):
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["estimate", "--config", "configs/debug.toml", "--world", "3", "--parallel.tp", "2"],
+    (["estimate", "--config", "configs/debug.toml", "--nproc", "3", "--parallel.tp", "2"],
      "world size 3 is not divisible"),
-    (["estimate", "--config", "configs/debug.toml", "--world", "0"], "--world must be >= 1"),
-    (["estimate", "--config", "configs/debug.toml", "--world", "2", "--hardware", "h1000"],
+    (["estimate", "--config", "configs/debug.toml", "--nproc", "0"], "--nproc must be >= 1"),
+    (["estimate", "--config", "configs/debug.toml", "--nproc", "2", "--hardware", "h1000"],
      "unknown hardware"),
-    (["estimate", "--config", "configs/debug.toml", "--world", "2", "--hardware", "nothere.toml"],
+    (["estimate", "--config", "configs/debug.toml", "--nproc", "2", "--hardware", "nothere.toml"],
      "does not exist"),
-    (["plan", "--model", "8b", "--gpus", "8", "--hardware", "h1000"], "unknown hardware 'h1000'"),
-    (["plan", "--model", "8b", "--gpus", "0"], "--gpus must be >= 1"),
-    (["plan", "--model", "80b", "--gpus", "8"], "model"),
-    (["plan", "--model", "8b", "--gpus", "8", "--ac", "most"], "--ac: unknown most"),
-    (["plan", "--model", "8b", "--gpus", "8", "--global-batch-tokens", "lots"], "global-batch-tokens"),
-    (["plan", "--model", "8b", "--gpus", "8", "--seq", "8192", "--global-batch-tokens", "12000"],
+    (["plan", "--model", "8b", "--nproc", "8", "--hardware", "h1000"], "unknown hardware 'h1000'"),
+    (["plan", "--model", "8b", "--nproc", "0"], "--nproc must be >= 1"),
+    (["plan", "--model", "80b", "--nproc", "8"], "model"),
+    (["plan", "--model", "8b", "--nproc", "8", "--ac", "most"], "--ac: unknown most"),
+    (["plan", "--model", "8b", "--nproc", "8", "--global-batch-tokens", "lots"], "global-batch-tokens"),
+    (["plan", "--model", "8b", "--nproc", "8", "--seq", "8192", "--global-batch-tokens", "12000"],
      "multiple of --seq"),
     (["calibrate", "--nonsense"], "unknown flag '--nonsense' for 'shardwise calibrate'"),
 ])
@@ -151,23 +151,23 @@ def test_bad_input_gets_one_line(argv: list[str], match: str, tmp_path: Path, mo
 def test_a_model_that_fits_nowhere_says_what_would(tmp_path: Path, capsys):
     """405B at 8192 tokens on one node: exit 1, one line with the least memory any layout needs and
     the device count it fits on -- which a second plan confirms."""
-    rc = main(["plan", "--model", "405b", "--gpus", "8", "--hardware", "h100", "--seq", "8192",
+    rc = main(["plan", "--model", "405b", "--nproc", "8", "--hardware", "h100", "--seq", "8192",
                "--out", str(tmp_path / "p.toml")])
     err = _one_line_error(capsys, rc, code=1)
     assert err.startswith("no layout of 405b fits on 8 x h100 (72.0 GiB usable per device): the least "
                           "memory is"), err
     n = int(err.split("it fits on ")[1].split(" x ")[0])
     assert n > 8 and not (tmp_path / "p.toml").exists()
-    assert main(["plan", "--model", "405b", "--gpus", str(n), "--hardware", "h100", "--seq", "8192",
+    assert main(["plan", "--model", "405b", "--nproc", str(n), "--hardware", "h100", "--seq", "8192",
                  "--out", str(tmp_path / "p.toml")]) == 0
-    assert main(["plan", "--model", "405b", "--gpus", str(n // 2), "--hardware", "h100", "--seq", "8192",
+    assert main(["plan", "--model", "405b", "--nproc", str(n // 2), "--hardware", "h100", "--seq", "8192",
                  "--ac", "full", "--schedules", "1f1b", "--out", ""]) == 1
 
 
 def test_nothing_accepted_says_the_trainers_reason(capsys):
     """7 devices and a batch of 8 sequences of the debug model: no degree fits the shapes; the
     answer is the trainer's own refusal, not a memory verdict."""
-    rc = main(["plan", "--config", "configs/debug.toml", "--gpus", "7", "--hardware", "h100",
+    rc = main(["plan", "--config", "configs/debug.toml", "--nproc", "7", "--hardware", "h100",
                "--global-batch-tokens", "4096", "--out", ""])
     err = _one_line_error(capsys, rc, code=1)
     assert err.startswith("no layout of debug on 7 x h100 is accepted: "), err
@@ -175,27 +175,27 @@ def test_nothing_accepted_says_the_trainers_reason(capsys):
 
 def test_plan_for_a_preset_plans_its_published_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                      capsys):
-    """The pretraining journey's first half, as documented: `plan --model 8b --gpus 8 --hardware h100`
+    """The pretraining journey's first half, as documented: `plan --model 8b --nproc 8 --hardware h100`
     plans configs/8b.toml's shape (sequence 8192, 16 sequences, bf16 + float8) and says so; the
     written TOML, estimated on the same GPUs, is the same shape and layout at the same speed; training
     it without the Llama 3 tokenizer is refused in one line naming both sizes and the fix."""
     monkeypatch.chdir(tmp_path)
-    assert main(["plan", "--model", "8b", "--gpus", "8", "--hardware", "h100"]) == 0
+    assert main(["plan", "--model", "8b", "--nproc", "8", "--hardware", "h100"]) == 0
     out = capsys.readouterr().out
     shape = ("model 8b (8.03B params), sequence 8,192, 16 sequences = 131,072 tokens per step, bf16 + "
              "float8 linears (tensorwise)")
     assert out.startswith(shape)
-    assert "notice: planning 8b as 8b.toml trains it" in out
+    assert "notice: --model 8b: starting from 8b.toml" in out
     assert "8b trains with the Llama 3 tokenizer: run the written config with --data.tokenizer DIR" in out
     best = next(line for line in out.splitlines() if line.startswith("| 1 |")).split(" | ")
     written = tomllib.loads((tmp_path / "plan.toml").read_text())
     assert (written["training"]["seq_len"], written["training"]["global_batch"]) == (8192, 16)
-    assert main(["estimate", "--config", "plan.toml", "--world", "8", "--hardware", "h100"]) == 0
+    assert main(["estimate", "--config", "plan.toml", "--nproc", "8", "--hardware", "h100"]) == 0
     est = capsys.readouterr().out
     assert est.startswith(shape) and f"layout {best[1]} on 8 ranks" in est
     assert f"tokens/s, {best[2]} per device" in est
     # another shape is said
-    assert main(["plan", "--model", "8b", "--gpus", "8", "--hardware", "h100", "--seq", "4096",
+    assert main(["plan", "--model", "8b", "--nproc", "8", "--hardware", "h100", "--seq", "4096",
                  "--out", ""]) == 0
     assert "differs from 8b.toml's (sequence 8,192, 16 sequences per step)" in capsys.readouterr().out
     code = main(["train", "--config", "plan.toml", "--run.dir", str(tmp_path / "run"),
@@ -212,7 +212,7 @@ def test_output_piped_into_head_ends_quietly():
     import subprocess
     import sys
 
-    p = subprocess.Popen([sys.executable, "-m", "shardwise", "plan", "--model", "8b", "--gpus", "8",
+    p = subprocess.Popen([sys.executable, "-m", "shardwise", "plan", "--model", "8b", "--nproc", "8",
                           "--hardware", "h100", "--out", ""], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     p.stdout.close()  # as head does once it has its line
     err = p.stderr.read().decode()

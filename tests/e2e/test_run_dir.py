@@ -356,7 +356,7 @@ def test_a_profiled_command_exits_normally_so_the_profile_is_written(tmp_path: P
     profiler the command exits the normal way, not through ``quick_exit``."""
     out = tmp_path / "estimate.prof"
     proc = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(out), "-m", "shardwise", "estimate",
-                           "--config", "configs/debug.toml", "--world", "1", "--hardware", "h100"],
+                           "--config", "configs/debug.toml", "--nproc", "1", "--hardware", "h100"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert out.stat().st_size > 0

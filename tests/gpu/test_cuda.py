@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardwise.models import PRESETS, build_model, init_weights
-from shardwise.models.llama import apply_rope, rope_table
+from shardwise.models import PRESETS
+from shardwise.models.llama import apply_rope, build_model, init_weights, rope_table
 from shardwise.ops.chunked_ce import _addmm_fp32, chunked_linear_cross_entropy, reference_linear_cross_entropy
 from shardwise.ops.loss import TokenLoss
 from shardwise.train import train_step

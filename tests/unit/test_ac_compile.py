@@ -13,7 +13,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardwise.config import ActivationCheckpointConfig
-from shardwise.models import PRESETS, build_model, init_weights
+from shardwise.models import PRESETS
+from shardwise.models.llama import build_model, init_weights
 from shardwise.parallel.ac import apply_ac
 from shardwise.parallel.compile import apply_compile
 

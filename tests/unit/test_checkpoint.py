@@ -15,7 +15,8 @@ import torch
 from shardwise import checkpoint
 from shardwise.checkpoint import Checkpointer, CheckpointError
 from shardwise.config import CheckpointConfig
-from shardwise.models import ModelArgs, build_model, init_weights
+from shardwise.models import ModelArgs
+from shardwise.models.llama import build_model, init_weights
 
 ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=32)
 

@@ -12,7 +12,8 @@ import torch
 
 from shardwise import checkpoint, convert
 from shardwise.config import ConfigError, ModelConfig
-from shardwise.models import build_model, init_weights, model_args
+from shardwise.models import model_args
+from shardwise.models.llama import build_model, init_weights
 from tests.conftest import require
 
 MODEL = ModelConfig(name="debug", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256,

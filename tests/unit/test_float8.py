@@ -11,7 +11,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from shardwise.config import Float8Config
-from shardwise.models import PRESETS, build_model, init_weights
+from shardwise.models import PRESETS
+from shardwise.models.llama import build_model, init_weights
 from shardwise.parallel.float8 import (
     apply_float8,
     float8_groups,

@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from shardwise import generate as gen
-from shardwise.models import build_model, init_weights
-from shardwise.models.llama import KVCache
+from shardwise.models.llama import KVCache, build_model, init_weights
 from shardwise.models.presets import PRESETS
 from tests.conftest import ROOT, require
 

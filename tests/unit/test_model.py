@@ -10,8 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardwise.models import PRESETS, ModelArgs, Transformer, build_model, init_weights
-from shardwise.models.llama import apply_rope, document_mask, rope_table
+from shardwise.models import PRESETS, ModelArgs
+from shardwise.models.llama import (
+    Transformer,
+    apply_rope,
+    build_model,
+    document_mask,
+    init_weights,
+    rope_table,
+)
 from shardwise.observe.flops import num_params
 from tests.conftest import require
 

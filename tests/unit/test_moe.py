@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardwise.models import PRESETS, ModelArgs, build_model, init_weights
+from shardwise.models import PRESETS, ModelArgs
+from shardwise.models.llama import build_model, init_weights
 from shardwise.models.moe import (
     CPU_GROUP_ROWS,
     GroupedExperts,

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardwise.models import PRESETS, build_model
+from shardwise.models import PRESETS
+from shardwise.models.llama import build_model
 from shardwise.observe import peak as peak_mod
 from shardwise.observe.flops import flops_per_token, num_params
 from shardwise.observe.metrics import Throughput
@@ -144,7 +145,7 @@ def test_executed_flops_match_torch_flop_counter(kind: str, monkeypatch: pytest.
 
     from torch.utils.flop_counter import FlopCounterMode
 
-    from shardwise.models import init_weights
+    from shardwise.models.llama import init_weights
     from shardwise.observe.flops import executed_flops, flop_counter_formulas
 
     base = PRESETS["moe-debug"] if kind == "moe" else PRESETS["debug"]
@@ -222,7 +223,7 @@ def test_executed_flops_with_recompute_match_the_flop_counter(kind: str, mode: s
     from torch.utils.flop_counter import FlopCounterMode
 
     from shardwise.config import ActivationCheckpointConfig
-    from shardwise.models import init_weights
+    from shardwise.models.llama import init_weights
     from shardwise.observe.flops import executed_flops, flop_counter_formulas
     from shardwise.parallel.ac import apply_ac
 

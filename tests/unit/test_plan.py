@@ -14,7 +14,8 @@ import torch
 from shardwise.config import ConfigError
 from shardwise.config_checks import load_config
 from shardwise.data.dataset import Batch
-from shardwise.models import build_model, model_args
+from shardwise.models import model_args
+from shardwise.models.llama import build_model
 from shardwise.observe.flops import attention_pairs, executed_flops
 from shardwise.observe.memory import SavedActivations
 from shardwise.ops.loss import TokenLoss
