@@ -31,7 +31,7 @@ def run(layout: str, steps: int, warmup: int, out: Path) -> dict:
     cmd = [sys.executable, "-m", "shardwise", "train", "--config", "configs/debug.toml",
            f"--nproc={world}", *args, f"--run.dir={run_dir}", "--run.overwrite=true",
            f"--training.steps={steps}", "--lr_scheduler.warmup_steps=2", "--eval.interval=0",
-           "--checkpoint.interval=0", "--checkpoint.final=false", "--metrics.progress=false",
+           "--checkpoint.interval=0", "--checkpoint.final=false", "--metrics.log_format=line",
            "--metrics.tensorboard=false", "--metrics.plot=false", "--debug.comm=true"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:

@@ -43,7 +43,7 @@ PRESET_ARGS = {
              "--training.seq_len=256"],
 }
 COMMON = ["--training.mixed_precision=fp32", "--lr_scheduler.warmup_steps=1", "--eval.interval=0",
-          "--checkpoint.interval=0", "--checkpoint.final=false", "--metrics.progress=false",
+          "--checkpoint.interval=0", "--checkpoint.final=false", "--metrics.log_format=line",
           "--metrics.tensorboard=false", "--metrics.plot=false", "--metrics.peak_tflops=1",
           "--debug.comm=true", "--debug.memory=true", "--run.overwrite=true"]
 

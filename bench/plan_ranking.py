@@ -46,7 +46,7 @@ SETS = {
              "tp=4", "pp=4"]),
 }
 COMMON = ["--lr_scheduler.warmup_steps=1", "--eval.interval=0", "--checkpoint.interval=0",
-          "--checkpoint.final=false", "--metrics.progress=false", "--metrics.tensorboard=false",
+          "--checkpoint.final=false", "--metrics.log_format=line", "--metrics.tensorboard=false",
           "--metrics.plot=false", "--run.overwrite=true"]
 
 

@@ -274,8 +274,10 @@ class MetricsConfig:
     """Write a TensorBoard log to run.dir/tb."""
     plot: bool = True
     """Write run.dir/loss.png at the end."""
-    progress: bool = True
-    """Show a progress bar on rank 0 (plain log lines when disabled)."""
+    log_format: Literal["auto", "bar", "line", "json"] = "auto"
+    """What rank 0 prints each log interval: bar (a progress bar), line (one line: time of day,
+    step/total, loss, lr, grad norm, tokens/s per device, MFU, peak memory, ETA), json (the same as one
+    JSON object per line); auto = bar on a terminal, line when output goes to a file (Slurm, nohup)."""
     peak_tflops: float = 0.0
     """Peak TFLOP/s per device for MFU; 0 = from the GPU table, or measured on CPU and cached."""
     wandb: bool = False

@@ -105,7 +105,7 @@ def verify(base: Config, config: str | None, overrides: list[str], layouts: list
     common = ([] if config is None else ["--config", config]) + [
         *overrides, f"--training.steps={steps}", "--debug.deterministic=true", "--eval.interval=0",
         "--checkpoint.interval=0", "--checkpoint.final=true", "--run.overwrite=true",
-        "--metrics.progress=false", "--metrics.tensorboard=false", "--metrics.plot=false",
+        "--metrics.log_format=line", "--metrics.tensorboard=false", "--metrics.plot=false",
         f"--lr_scheduler.warmup_steps={min(base.lr_scheduler.warmup_steps, steps)}"]
     ref_dir = out / "reference"
     # MoE: the layouts replay the reference's routing, so that a near-tie one layout breaks the other

@@ -25,7 +25,7 @@ TINY_ARGS = [
     "--training.steps=10", "--training.mixed_precision=fp32", "--lr_scheduler.warmup_steps=2",
     "--debug.deterministic=true", "--data.document_mask=true", "--eval.interval=0",
     "--checkpoint.interval=0", "--checkpoint.final=false", "--metrics.tensorboard=false",
-    "--metrics.plot=false", "--metrics.progress=false", "--metrics.peak_tflops=1",
+    "--metrics.plot=false", "--metrics.log_format=line", "--metrics.peak_tflops=1",
     # Eager even when a test runs 100,000 steps to be stopped by a signal (compile.enabled=auto
     # would compile those): compile has its own tests, which pass --compile.enabled=true.
     "--compile.enabled=false",

@@ -1,9 +1,12 @@
-"""Metrics sinks on rank 0: ``metrics.jsonl``, TensorBoard, and a progress bar (or log lines)."""
+"""Metrics sinks on rank 0: ``metrics.jsonl``, TensorBoard, W&B, and what the console shows: a
+progress bar on a terminal, or one line (or JSON object) per log interval that a cluster job's log file
+can keep (``metrics.log_format``)."""
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -63,10 +66,44 @@ def per_rank(values: dict[str, float], device: torch.device) -> dict[str, Any]:
     return out
 
 
+def _duration(seconds: float) -> str:
+    s = max(int(seconds), 0)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def console_record(step: int, total: int, metrics: dict[str, Any], now: float) -> dict[str, Any]:
+    """What the console shows of one logged step: time of day, step of total, loss, lr, grad norm,
+    tokens/s per device, MFU, peak memory and the ETA (the steps left at this window's step time)."""
+    out = {"time": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)), "step": step, "total": total,
+           "loss": metrics["loss"], "lr": metrics["lr"], "grad_norm": metrics["grad_norm"],
+           "tokens_per_s_per_device": metrics["tokens_per_s_per_device"], "mfu": metrics["mfu"],
+           "memory_gib": metrics["memory_gib"], "eta_s": (total - step) * metrics["step_time_s"]}
+    if "val_loss" in metrics:
+        out["val_loss"] = metrics["val_loss"]
+    return out
+
+
+def format_line(r: dict[str, Any]) -> str:
+    """One log line of :func:`console_record`, for a file a person reads (``grep``, ``tail -f``)."""
+    val = f" | val {r['val_loss']:.4f}" if "val_loss" in r else ""
+    return (f"{r['time']} step {r['step']}/{r['total']} | loss {r['loss']:.4f}{val} | lr {r['lr']:.2e} | "
+            f"grad {r['grad_norm']:.3f} | tok/s/dev {r['tokens_per_s_per_device']:,.0f} | "
+            f"mfu {100 * r['mfu']:.1f}% | mem {r['memory_gib']:.2f} GiB | eta {_duration(r['eta_s'])}")
+
+
+def console_format(cfg: MetricsConfig) -> str:
+    """``metrics.log_format`` for this process: ``auto`` is the bar where the bar's stream (stderr)
+    is a terminal, else the line."""
+    if cfg.log_format != "auto":
+        return cfg.log_format
+    return "bar" if sys.stderr.isatty() else "line"
+
+
 class MetricsLogger:
     def __init__(self, run_dir: Path, cfg: MetricsConfig, total_steps: int, start_step: int,
                  enabled: bool, run_config: dict[str, Any] | None = None) -> None:
-        self.enabled, self.cfg = enabled, cfg
+        self.enabled, self.cfg, self.total = enabled, cfg, total_steps
+        self.format = console_format(cfg)
         self.path = run_dir / "metrics.jsonl"
         self._tb = self._bar = self._wandb = None
         self.notice = ""
@@ -82,7 +119,7 @@ class MetricsLogger:
 
             self._wandb = wandb.init(project=cfg.wandb_project, dir=str(run_dir), mode=cfg.wandb_mode,
                                      name=run_dir.name, config=run_config or {})
-        if cfg.progress:
+        if self.format == "bar":
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
@@ -105,14 +142,15 @@ class MetricsLogger:
                 self._tb.add_scalar(k.replace("val_", "val/"), v, step)
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
-        short = {"loss": f"{metrics['loss']:.4f}", "tok/s": f"{metrics['tokens_per_s']:,.0f}",
-                 "mfu": f"{100 * metrics['mfu']:.1f}%"}
-        if "val_loss" in metrics:
-            short["val"] = f"{metrics['val_loss']:.4f}"
         if self._bar is not None:
+            short = {"loss": f"{metrics['loss']:.4f}", "tok/s": f"{metrics['tokens_per_s']:,.0f}",
+                     "mfu": f"{100 * metrics['mfu']:.1f}%"}
+            if "val_loss" in metrics:
+                short["val"] = f"{metrics['val_loss']:.4f}"
             self._bar.set_postfix(short, refresh=False)
-        else:
-            print(f"step {step}: " + " ".join(f"{k} {v}" for k, v in short.items()), flush=True)
+            return
+        r = console_record(step, self.total, metrics, time.time())
+        print(json.dumps(r) if self.format == "json" else format_line(r), flush=True)
 
     def advance(self) -> None:
         if self._bar is not None:
@@ -123,6 +161,8 @@ class MetricsLogger:
             return
         if self._bar is not None:
             self._bar.write(text)
+        elif self.format == "json":  # every stdout line stays one JSON object
+            print(json.dumps({"time": time.strftime("%Y-%m-%d %H:%M:%S"), "message": text}), flush=True)
         else:
             print(text, flush=True)
 

@@ -296,7 +296,7 @@ def test_hf_folder_to_training_and_back_with_no_model_flags(tmp_path: Path, data
     run_dir = tmp_path / "run"
     run_cli(["train", "--config", str(toml), f"--run.dir={run_dir}", f"--data.cache_dir={data_cache}",
              "--training.steps=2", "--training.seq_len=64", "--training.global_batch=4",
-             "--eval.interval=0", "--metrics.progress=false", "--compile.enabled=false"])
+             "--eval.interval=0", "--metrics.log_format=line", "--compile.enabled=false"])
     assert len(metrics(run_dir)) >= 1
     back = tmp_path / "back"
     run_cli(["convert", "--to-hf", str(run_dir / "checkpoints" / "step-2"), "--out", str(back),
@@ -327,7 +327,7 @@ def test_fine_tuning_on_chat_data_lowers_the_assistant_loss(tmp_path: Path, data
     run_dir = tmp_path / "chat"
     run_cli(["train", "--config", str(ROOT / "configs" / "chat-debug.toml"), f"--run.dir={run_dir}",
              f"--data.cache_dir={data_cache}", "--training.steps=20", "--eval.interval=10",
-             "--training.global_batch=4", "--metrics.progress=false", "--compile.enabled=false",
+             "--training.global_batch=4", "--metrics.log_format=line", "--compile.enabled=false",
              "--checkpoint.interval=0"])
     rows = metrics(run_dir)
     losses = [r["loss"] for r in rows]

@@ -32,7 +32,7 @@ def test_pretraining_plan_train_lose_a_rank_resume(tmp_path: Path, data_cache: s
     # the planned GPUs are 2 CPU ranks here (run.device cpu, the plan's bf16 kept)
     common = ["train", "--config", str(plan), "--run.device", "cpu", "--nproc", "2", f"--run.dir={run_dir}",
               f"--data.cache_dir={data_cache}", "--training.steps=6", "--checkpoint.interval=2",
-              "--eval.interval=0", "--metrics.progress=false"]
+              "--eval.interval=0", "--metrics.log_format=line"]
     lost = run_cli([*common, "--debug.fail_step=5"], check=False)  # a rank is killed in step 5
     assert lost.returncode != 0 and [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
     run_cli([*common, "--checkpoint.resume=true"])
@@ -65,7 +65,7 @@ def test_chat_fine_tuning_from_an_hf_folder_to_a_model_transformers_chats_with(t
     run_cli(["train", f"--checkpoint.initial_hf={base}", "--data.format=chat", f"--data.path={chats}",
              f"--run.dir={run_dir}", f"--data.cache_dir={data_cache}", "--training.steps=6",
              "--training.seq_len=128", "--training.global_batch=4", "--eval.interval=0",
-             "--compile.enabled=false", "--metrics.progress=false", "--training.mixed_precision=fp32",
+             "--compile.enabled=false", "--metrics.log_format=line", "--training.mixed_precision=fp32",
              "--lr_scheduler.warmup_steps=1"])
     rows = metrics(run_dir)
     assert len(rows) == 6 and rows[-1]["loss"] < rows[0]["loss"]

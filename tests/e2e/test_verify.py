@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from shardwise.config import ConfigError
-from shardwise.verify import parse_layout
+from shardwise.flags import parse_layout
 from tests.conftest import TINY_ARGS, metrics, run_cli
 
 pytestmark = pytest.mark.e2e
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.e2e
 def test_verify_passes_real_layouts_and_catches_a_wrong_one(tmp_path: Path, data_cache: str):
     args = [a for a in TINY_ARGS if not a.startswith(("--training.steps", "--eval.", "--checkpoint.",
                                                       "--metrics.tensorboard", "--metrics.plot",
-                                                      "--metrics.progress", "--data.document_mask"))]
+                                                      "--metrics.log_format", "--data.document_mask"))]
     out = tmp_path / "verify"
     # (each layout's numerics are test_parity.py's; here the command: two real layouts, one wrong run)
     proc = run_cli(["verify", *args, "--data.document_mask=false", f"--data.cache_dir={data_cache}",
