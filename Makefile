@@ -6,10 +6,15 @@ TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: run test test-all lint bench clean
 
+# The runtime set only (what `make run` needs); the tests add the dev extras on top.
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.dev-installed: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
 
@@ -17,16 +22,16 @@ $(VENV)/.installed: pyproject.toml
 run: $(VENV)/.installed
 	$(VENV)/bin/shardwise train --config configs/debug.toml --run.overwrite true
 
-test: $(VENV)/.installed
+test: $(VENV)/.dev-installed
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q --durations=15
 
 # Everything, including the extended layout matrix and the long documented commands (test_docs_commands.py).
-test-all: $(VENV)/.installed
+test-all: $(VENV)/.dev-installed
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q -m ""
 
-bench: $(VENV)/.installed
+bench: $(VENV)/.dev-installed
 	$(PY) bench/throughput.py
 
 clean:

@@ -4,12 +4,11 @@ and is parsed here."""
 
 from __future__ import annotations
 
+import tomllib
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
-
-import tomllib
 
 
 class ConfigError(ValueError):

@@ -17,12 +17,12 @@ files and run offline. lm-eval is optional (``pip install shardwise[eval]``).
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import torch
 
 from shardwise.config import ConfigError
+from shardwise.extras import require_extra
 from shardwise.generate import Loaded, Sampling, generate
 
 
@@ -101,8 +101,7 @@ def _adapter(loaded: Loaded) -> Any:
 def run_tasks(loaded: Loaded, tasks: list[str], tasks_path: str = "", limit: int | None = None,
               num_fewshot: int | None = None) -> dict[str, dict[str, Any]]:
     """The harness's metrics of each task (name -> {metric: value}) for ``loaded``'s model."""
-    if importlib.util.find_spec("lm_eval") is None:
-        raise ConfigError("--tasks needs lm-evaluation-harness: pip install 'shardwise[eval]' (or lm-eval)")
+    require_extra("eval", "--tasks (lm-evaluation-harness)")
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 

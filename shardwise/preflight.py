@@ -3,7 +3,6 @@ run directory, the checkpoint to load -- so a bad run fails in one line before a
 
 from __future__ import annotations
 
-import importlib.util
 import tempfile
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from shardwise.config_checks import notice
 from shardwise.data.prepare import check_prepared
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.device import launched_world_size
+from shardwise.extras import require_extra
 from shardwise.models import ModelArgs
 from shardwise.models.llama import build_model
 from shardwise.models.presets import FAMILY_TOKENIZERS, vocab_beyond_padding
@@ -31,9 +31,8 @@ def preflight(cfg: Config, world_size: int) -> ResolvedRun:
         notice(run.compile_reason)
     if cfg.float8.enabled:  # (here, not in resolve_run: the planner checks thousands of layouts)
         notice(float8_summary(build_model(args), cfg.float8, run.dims.tp))
-    if cfg.metrics.wandb and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("metrics.wandb=true needs the wandb package: pip install wandb (or "
-                          "shardwise[wandb]), or set metrics.wandb=false")
+    if cfg.metrics.wandb:
+        require_extra("wandb", "metrics.wandb=true")
     tok = load_tokenizer(cfg.data.tokenizer)
     check_tokenizer(cfg, args, tok.vocab_size)
     check_prepared(cfg.data, tok)

@@ -26,6 +26,7 @@ from typing import IO, Any
 from shardwise.config import ConfigError, DataConfig
 from shardwise.data.chat import check_messages
 from shardwise.data.tokenizer import SHIPPED_CHAT, SHIPPED_CORPUS
+from shardwise.extras import require_extra
 
 _KINDS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _COMPRESSED = (".gz", ".zst")
@@ -86,6 +87,8 @@ def files_of(path: str, key: str, default: Path = SHIPPED_CORPUS) -> tuple[str, 
             import zstandard  # noqa: F401
         except ImportError:
             raise ConfigError(f"{key} '{path}' has .zst files: pip install zstandard") from None
+    if "parquet" in kinds.values():
+        require_extra("parquet", f"{key} '{path}' (.parquet files)")
     return next(iter(kinds.values())), tuple(kinds)
 
 

@@ -3,10 +3,10 @@ add only a run directory or output folder of their own and the shared token cach
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 
 from shardwise.cli import main
 from tests.conftest import metrics, run_cli

@@ -13,9 +13,9 @@ commands of docs/*.md: tests/e2e/test_docs_commands.py.)"""
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 
-import tomllib
 import torch
 
 from tests.conftest import metrics, require, run_cli

@@ -5,10 +5,10 @@ fits nowhere an answer saying what would fit (exit 1)."""
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 
 from shardwise.cli import main
 from shardwise.config_checks import load_config
