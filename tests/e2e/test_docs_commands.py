@@ -101,6 +101,14 @@ HOW: dict[str, Check] = {
     "make run": Check(reason="the main job: tests/e2e/test_cli.py::test_main_job_short_schedule runs its "
                              "config (configs/debug.toml, run.overwrite) on a 20-step schedule"),
     "make test": Check(reason="this test suite itself (CI runs it through .ci/run)"),
+    "pip install -e .": Check(reason="installs into the environment it runs in; make run installs the same "
+                                     "runtime set into .venv, and tests/unit/test_packaging.py imports "
+                                     "every module with that set alone"),
+    "pip install -e \".[float8,parquet,wandb,eval]\"": Check(
+        reason="installs into the environment it runs in; make test installs these extras with [dev] "
+               "(test_packaging.py checks [dev] holds each)"),
+    "shardwise verify --config configs/debug.toml --nproc 4": covered(
+        "tests/e2e/test_verify.py::test_verify_passes_real_layouts_and_catches_a_wrong_one", Check(VERIFY)),
     "shardwise train --config configs/debug.toml --training.steps 5 --run.dir runs/smoke": Check(
         reason="tests/e2e/test_first_commands.py::test_a_five_step_smoke_run runs it as typed"),
     # (the layouts' parity tests train them on 2-4 ranks against one rank: fsdp2, hsdp2x2, fsdp2_tp2)

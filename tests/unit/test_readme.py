@@ -1,0 +1,41 @@
+"""The README is a guide: short, its commands checked elsewhere (tests/e2e/test_docs_commands.py), and
+no figure of its own -- each number it states is also in BENCHMARKS.md or docs/status.md, where the
+machine and the command behind it are."""
+
+from __future__ import annotations
+
+import re
+
+from tests.conftest import ROOT
+
+README = (ROOT / "README.md").read_text()
+
+
+def _prose(text: str) -> str:
+    """The text without code blocks, inline code and link targets."""
+    text = re.sub(r"```.*?```", " ", text, flags=re.S)
+    text = re.sub(r"`[^`]*`", " ", text)
+    return re.sub(r"\]\([^)]*\)", "]", text)
+
+
+def test_the_readme_is_short_with_short_lines():
+    lines = README.splitlines()
+    assert len(lines) <= 150, len(lines)
+    assert max(len(line) for line in lines) <= 200
+
+
+def test_every_number_in_the_readme_is_also_where_its_evidence_is():
+    evidence = (ROOT / "BENCHMARKS.md").read_text() + (ROOT / "docs" / "status.md").read_text()
+    numbers = set(re.findall(r"(?<![\w.-])\d+(?:[.,]\d+)*(?![\w-])", _prose(README)))  # not bf16, Qwen3
+    assert numbers, "the check reads the README's prose"
+    assert sorted(n for n in numbers if n not in evidence) == []
+
+
+def test_the_status_table_has_short_cells_and_names_a_test_per_row():
+    rows = [line for line in (ROOT / "docs" / "status.md").read_text().splitlines()
+            if line.startswith("| ") and not line.startswith("| feature")]
+    assert len(rows) > 20
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == 3 and max(len(c) for c in cells) <= 200, row[:80]
+        assert re.search(r"`(tests|bench)/", cells[2]), f"no test or benchmark named: {row[:80]}"
