@@ -16,7 +16,7 @@ import sys
 import textwrap
 import traceback
 
-from shardwise import config, flags, process
+from shardwise import config, extras, flags, process
 from shardwise.config import Config, ConfigError
 
 
@@ -199,11 +199,14 @@ def cmd_prepare(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
+    from shardwise.config_checks import notice
     from shardwise.plan.hardware import load_hardware, profile_device
 
     world = flags.need_nproc(args, "ranks (devices) to estimate for")
     # training.mixed_precision=auto resolves for the planned device, not for this machine.
     cfg = load_config(args.config, overrides, device=profile_device(args.hardware), world=world)
+    if said := extras.plan_without_float8(cfg):
+        notice(said)
     hw = load_hardware(args.hardware, cfg.data.cache_dir)
     from shardwise.plan.estimate import estimate, estimate_json, format_estimate
     from shardwise.resolve import resolve_run
@@ -234,6 +237,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
             known = ", ".join(config.choices(key))
             raise ConfigError(f"{name}: unknown {', '.join(bad)}; choose from {known}")
     cfg = load_config(args.config, overrides, device=profile_device(args.hardware))
+    without_float8 = extras.plan_without_float8(cfg)
     hw = load_hardware(args.hardware, cfg.data.cache_dir)
     from shardwise.plan.search import (
         data_note,
@@ -251,7 +255,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     tokens = (parse_tokens(args.global_batch_tokens) if args.global_batch_tokens
               else max(cfg.training.global_batch, gpus) * seq)
     cfg = plan_config(cfg, seq, tokens)
-    notes = [n for n in (args.model_note, shape_differs(cfg), data_note(cfg)) if n]
+    notes = [n for n in (args.model_note, without_float8, shape_differs(cfg), data_note(cfg)) if n]
     start = time.perf_counter()
     result = plan(cfg, gpus, hw, args.top, args.memory_fraction, ac, schedules)
     print(format_plan(result, cfg, gpus, hw))

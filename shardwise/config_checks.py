@@ -12,7 +12,6 @@ from typing import Any
 
 import shardwise.device
 from shardwise.config import Config, ConfigError, ModelConfig, read_config
-from shardwise.extras import require_extra
 from shardwise.hf_config import args_from_hf, hf_tokenizer, model_config_of, read_hf_config
 from shardwise.model_args import ModelArgs
 from shardwise.models import check_args, model_args
@@ -88,8 +87,6 @@ def validate(cfg: Config) -> None:
                           "tensorwise-scaled weights only): set float8.fsdp_all_gather=false")
     for dim, spec in cfg.parallel.backend_override.items():
         parse_backend_spec(dim, spec)
-    if cfg.float8.enabled:
-        require_extra("float8", "float8.enabled=true")
 
 
 def check_layout(cfg: Config, world: int) -> None:

@@ -30,6 +30,7 @@ def preflight(cfg: Config, world_size: int) -> ResolvedRun:
     if run.compile_reason:
         notice(run.compile_reason)
     if cfg.float8.enabled:  # (here, not in resolve_run: the planner checks thousands of layouts)
+        require_extra("float8", "float8.enabled=true")
         notice(float8_summary(build_model(args), cfg.float8, run.dims.tp))
     if cfg.metrics.wandb:
         require_extra("wandb", "metrics.wandb=true")

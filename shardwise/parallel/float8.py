@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
 from shardwise.config import ConfigError, Float8Config
+from shardwise.extras import require_extra
 
 # (column-parallel, row-parallel) linears of each convertible group: the GEMM dims that tensor
 # parallel divides are the column-parallel outputs and the row-parallel inputs.
@@ -49,6 +50,7 @@ GROUPS = {
 
 
 def _torchao() -> Any:
+    require_extra("float8", "float8.enabled=true")
     # Quiet import: torchao logs each optional CUDA extension it cannot load, and torch's pytree
     # warns about an Enum torchao registers.
     logging.getLogger("torchao").setLevel(logging.ERROR)

@@ -93,6 +93,26 @@ print(len(names), absent, flush=True)
     assert int(count) > 60 and present == "[]", out.stdout  # (the optional ones are truly not there)
 
 
+def test_the_documented_plan_runs_with_the_runtime_set_alone(tmp_path: Path):
+    """README's plan of 8B (whose configs/8b.toml enables float8) on an install without the float8
+    extra: it plans without float8 and says so, rather than refusing; training float8 there is one line."""
+    env = {"PYTHONPATH": f"{_runtime_site(tmp_path)}:{ROOT}", "PATH": "/usr/bin:/bin"}
+
+    def shardwise(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-S", "-m", "shardwise", *args], capture_output=True,
+                              text=True, cwd=tmp_path, env=env, timeout=300)
+
+    out = shardwise("plan", "--model", "8b", "--nproc", "8", "--hardware", "h100", "--out", "p.toml")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "notice: float8.enabled needs the torchao package" in out.stdout
+    assert "[float8]\nenabled = false" in (tmp_path / "p.toml").read_text()
+    assert "[float8]\nenabled = true" in shardwise("train", "--model", "8b", "--print-config").stdout
+    out = shardwise("train", "--config", str(ROOT / "configs/debug.toml"), "--float8.enabled")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == (
+        "shardwise: error: float8.enabled=true needs the torchao package: pip install 'shardwise[float8]'")
+
+
 def test_the_runtime_set_leaves_out_what_only_tests_and_options_use():
     runtime = {canonicalize_name(Requirement(r).name) for r in PROJECT["dependencies"]}
     assert not runtime & {"datasets", "torchao", "pyarrow", "wandb", "lm-eval", "transformers", "pytest"}
