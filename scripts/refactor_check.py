@@ -31,10 +31,10 @@ RUNS = {"debug-1": ["--config", "configs/debug.toml"],
 KEYS = ("loss", "grad_norm", "lr", "val_loss")
 _ESTIMATED = (("debug", 4, "h100"), ("moe-debug", 2, "h100"), ("125m", 8, "h100"), ("1b", 8, "h100"),
               ("8b", 8, "h100"), ("70b", 64, "h100"), ("405b", 512, "h100"), ("qwen3-0.6b", 8, "h200"),
-              ("qwen3-30b-a3b", 64, "h100"))
+              ("qwen3-30b-a3b", 8, "h100"))
 _PLANNED = (("debug", 4, "h100"), ("moe-debug", 4, "h100"), ("125m", 8, "h100"), ("1b", 8, "h200"),
             ("8b", 8, "h100"), ("70b", 256, "h100"), ("405b", 512, "h100"), ("qwen3-0.6b", 8, "h100"),
-            ("qwen3-30b-a3b", 64, "h100"))
+            ("qwen3-30b-a3b", 8, "h100"))
 PLANS = {
     **{f"estimate {m} {n}": ["estimate", "--config", f"configs/{m}.toml", "--nproc", str(n), "--hardware", hw]
        for m, n, hw in _ESTIMATED},
