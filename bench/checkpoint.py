@@ -43,7 +43,7 @@ def main() -> None:
     from torch.distributed.fsdp import fully_shard
 
     from shardwise import checkpoint
-    from shardwise.config import CheckpointConfig
+    from shardwise.config.schema import CheckpointConfig
     from shardwise.models import PRESETS
     from shardwise.models.llama import build_model, init_weights
 

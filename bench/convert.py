@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def seed_checkpoint(preset: str, out: Path) -> int:
     """A weights-only checkpoint of ``preset`` with random weights (fp32); its parameter count."""
     from shardwise.checkpoint import save_model_only
-    from shardwise.config import ModelConfig
+    from shardwise.config.schema import ModelConfig
     from shardwise.models import PRESETS
     from shardwise.models.llama import build_model, init_weights
 

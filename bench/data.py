@@ -138,9 +138,9 @@ def first_step(corpus: str, run_dir: Path, cache: Path, prepared: Path | None = 
 
 
 def loader_rate(corpus: Path, prepared: Path, steps: int = 200) -> float:
-    from shardwise.config_checks import load_config
     from shardwise.data.dataset import PackedLoader, open_corpus
     from shardwise.data.tokenizer import load_tokenizer
+    from shardwise.resolve.checks import load_config
 
     cfg = load_config(ROOT / "configs/debug.toml",
                       [f"--data.path={corpus}", f"--data.prepared_dir={prepared}"])

@@ -46,7 +46,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
-from shardwise.device import init_distributed  # noqa: E402
+from shardwise.config.device import init_distributed  # noqa: E402
 from shardwise.models import ModelArgs  # noqa: E402
 from shardwise.plan.cost import host_ops  # noqa: E402
 from shardwise.plan.hardware import (  # noqa: E402
@@ -216,8 +216,8 @@ def step_kernels(profile: dict, hw: Hardware) -> dict[str, dict[str, float]]:
     terms: measured kernel seconds beside ``estimate``'s on ``hw`` for the same preset and shape,
     and the GPU's idle time (the step's time from the measured tokens/s, less its kernels) beside
     the planner's host term."""
-    from shardwise.config_checks import load_config
     from shardwise.plan.estimate import estimate
+    from shardwise.resolve.checks import load_config
 
     measured = dict.fromkeys([*KERNEL_KINDS, "memory-bound"], 0.0)
     for k in profile["kernels"]:

@@ -40,7 +40,7 @@ def build(row: dict, a: argparse.Namespace) -> tuple:
     chunk, state_dtype, ac, compile."""
     import torch
 
-    from shardwise.config import ActivationCheckpointConfig, OptimizerConfig
+    from shardwise.config.schema import ActivationCheckpointConfig, OptimizerConfig
     from shardwise.models.llama import build_model, init_weights
     from shardwise.optim.adamw import build_optimizer
     from shardwise.parallel.ac import apply_ac
@@ -78,18 +78,18 @@ def trainer_step(row: dict, a: argparse.Namespace) -> tuple:
     the loss, the allocator setting and compile."""
     import torch
 
-    from shardwise.config import Config
+    from shardwise.config.device import init_distributed, keep_freed_cpu_memory
+    from shardwise.config.schema import Config
     from shardwise.data.dataset import Batch
-    from shardwise.device import init_distributed, keep_freed_cpu_memory
     from shardwise.models import PRESETS
     from shardwise.models.llama import build_model, init_weights
-    from shardwise.ops.loss import TokenLoss
     from shardwise.optim.adamw import build_optimizer
     from shardwise.optim.lr import build_lr_scheduler
     from shardwise.parallel.dims import ParallelDims
     from shardwise.parallel.parallelize import parallelize
-    from shardwise.resolve import ResolvedRun, loss_chunk_tokens
-    from shardwise.train import train_step
+    from shardwise.resolve.run import ResolvedRun, loss_chunk_tokens
+    from shardwise.trainer.loss import TokenLoss
+    from shardwise.trainer.train import train_step
 
     init_distributed("cpu", cache_cpu_memory=row["cache"])
     keep_freed_cpu_memory(row["cache"])

@@ -57,14 +57,14 @@ def main() -> None:
     p.add_argument("--document-mask", action="store_true")
     a = p.parse_args()
 
-    from shardwise.config_checks import load_config
     from shardwise.data.dataset import Batch
-    from shardwise.ops.loss import TokenLoss
     from shardwise.optim.adamw import build_optimizer
     from shardwise.optim.lr import build_lr_scheduler
-    from shardwise.parallel.build import build_rank_model
-    from shardwise.resolve import resolve_run
-    from shardwise.train import train_step
+    from shardwise.resolve.checks import load_config
+    from shardwise.resolve.run import resolve_run
+    from shardwise.trainer.build import build_rank_model
+    from shardwise.trainer.loss import TokenLoss
+    from shardwise.trainer.train import train_step
 
     torch.set_num_threads(1)  # kernels are tiny; one thread avoids pool wake-ups in the figure
     d = tempfile.mkdtemp()

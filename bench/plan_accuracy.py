@@ -49,7 +49,7 @@ COMMON = ["--training.mixed_precision=fp32", "--lr_scheduler.warmup_steps=1", "-
 
 
 def measure(preset: str, layout: str, steps: int, trace: int, run_dir: Path) -> tuple[list[str], int, dict]:
-    from shardwise.verify import parse_layout
+    from shardwise.launch.verify import parse_layout
 
     overrides, world = parse_layout(layout)
     args = [*PRESET_ARGS[preset], *overrides, *COMMON, f"--training.steps={steps}",
@@ -80,10 +80,10 @@ def by_ranks(layout, totals: dict[str, dict[str, int]], alias: dict[str, str]) -
 
 
 def compare(args: list[str], world: int, meas: dict, hardware: str) -> dict:
-    from shardwise.config_checks import load_config
     from shardwise.plan.comm import totals
     from shardwise.plan.estimate import estimate
     from shardwise.plan.hardware import load_hardware
+    from shardwise.resolve.checks import load_config
 
     cfg = load_config(args[1], [a for a in args[2:] if a.startswith("--") and "run.dir" not in a])
     est = estimate(cfg, world, load_hardware(hardware, cfg.data.cache_dir))

@@ -52,7 +52,7 @@ COMMON = ["--lr_scheduler.warmup_steps=1", "--eval.interval=0", "--checkpoint.in
 
 def measure(base: list[str], layout: str, steps: int, warmup: int, run_dir: Path) -> float:
     """Median step time of a real run of ``layout``, after ``warmup`` steps."""
-    from shardwise.verify import parse_layout
+    from shardwise.launch.verify import parse_layout
 
     overrides, world = parse_layout(layout)
     cmd = [sys.executable, "-m", "shardwise", "train", *base, *overrides, *COMMON,
@@ -66,10 +66,10 @@ def measure(base: list[str], layout: str, steps: int, warmup: int, run_dir: Path
 
 def predict(base: list[str], layout: str, hardware: str) -> tuple[str, float]:
     """(the layout as the planner writes it, its predicted step time)."""
-    from shardwise.config_checks import load_config
+    from shardwise.launch.verify import parse_layout
     from shardwise.plan.estimate import estimate
     from shardwise.plan.hardware import load_hardware
-    from shardwise.verify import parse_layout
+    from shardwise.resolve.checks import load_config
 
     overrides, world = parse_layout(layout)
     cfg = load_config(base[1], base[2:] + overrides + COMMON, device="cpu")
@@ -117,7 +117,7 @@ def report(name: str, hardware: str, base: list[str], names: list[str], pred: li
     repeats agree with each other."""
     verdicts = [judge(list(pred), m) for m in meas]
     tok = {}
-    from shardwise.config_checks import load_config
+    from shardwise.resolve.checks import load_config
     cfg = load_config(base[1], base[2:])
     tokens = cfg.training.global_batch * cfg.training.seq_len
     print(f"\n{name}: {tokens} tokens/step, {len(names)} layouts, {len(meas)} repeat(s), "

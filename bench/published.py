@@ -54,7 +54,7 @@ ROWS = [
 
 def config(model: str, world: int, batch: int, degrees: dict, mb: int, ac: str, compile_: bool, fp8: bool,
            schedule: str):
-    from shardwise.config_checks import load_config
+    from shardwise.resolve.checks import load_config
 
     over = [f"--model.name={model}", "--training.seq_len=8192", f"--training.global_batch={batch}",
             f"--training.micro_batch={mb}", f"--activation_checkpoint.mode={ac}",

@@ -39,21 +39,21 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from shardwise.config import Config
+from shardwise.config.device import init_distributed, keep_freed_cpu_memory
+from shardwise.config.schema import Config
 from shardwise.data.dataset import IGNORE_INDEX, PackedLoader, open_corpus
 from shardwise.data.tokenizer import load_tokenizer
-from shardwise.device import init_distributed, keep_freed_cpu_memory
 from shardwise.models import PRESETS
 from shardwise.models.llama import build_model, init_weights
 from shardwise.observe.flops import flops_per_token, num_params
 from shardwise.observe.peak import measure_gemm_tflops
-from shardwise.ops.loss import TokenLoss
 from shardwise.optim.adamw import build_optimizer
 from shardwise.optim.lr import build_lr_scheduler
 from shardwise.parallel.dims import ParallelDims
 from shardwise.parallel.parallelize import parallelize
-from shardwise.resolve import ResolvedRun, compile_run, loss_chunk_tokens
-from shardwise.train import train_step
+from shardwise.resolve.run import ResolvedRun, compile_run, loss_chunk_tokens
+from shardwise.trainer.loss import TokenLoss
+from shardwise.trainer.train import train_step
 
 SHAPES = {"debug": (8, 2048), "125m": (4, 1024)}  # (sequences per step, sequence length) on CPU
 LONG_RUN = 1000  # training.steps of the run whose steady state this measures (compile.enabled=auto)

@@ -106,7 +106,7 @@ def token_batches(vocab: int, batch: int, seq: int, n: int, seed: int = 0) -> li
 
 def shardwise_config(shape: Shape, device: str, float8: str = "off") -> Any:
     """The shardwise Config of ``shape`` (a run of 1,000 steps: compile.enabled=auto compiles it)."""
-    from shardwise.config import Config
+    from shardwise.config.schema import Config
 
     cfg = Config()
     cfg.model.name = shape.preset
@@ -156,14 +156,14 @@ def run_shardwise(shape: Shape, device: str, steps: int, warmup: int, float8: st
                   profile_json: str) -> dict[str, Any]:
     import torch
 
+    from shardwise.config.device import init_distributed
     from shardwise.data.dataset import Batch
-    from shardwise.device import init_distributed
-    from shardwise.ops.loss import TokenLoss
     from shardwise.optim.adamw import build_optimizer
     from shardwise.optim.lr import build_lr_scheduler
-    from shardwise.parallel.build import build_rank_model
-    from shardwise.resolve import resolve_run
-    from shardwise.train import train_step
+    from shardwise.resolve.run import resolve_run
+    from shardwise.trainer.build import build_rank_model
+    from shardwise.trainer.loss import TokenLoss
+    from shardwise.trainer.train import train_step
 
     t0 = time.perf_counter()
     cfg = shardwise_config(shape, device, float8)

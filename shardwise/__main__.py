@@ -1,5 +1,5 @@
 from shardwise.cli import main
-from shardwise.process import quick_exit
+from shardwise.launch.process import quick_exit
 
 
 def run() -> None:

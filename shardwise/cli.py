@@ -16,15 +16,18 @@ import sys
 import textwrap
 import traceback
 
-from shardwise import config, extras, flags, process
-from shardwise.config import Config, ConfigError
+from shardwise import flags
+from shardwise.config import extras
+from shardwise.config import schema as config
+from shardwise.config.schema import Config, ConfigError
+from shardwise.launch import process
 
 
 def load_config(path: str | None, overrides: list[str], device: str | None = None,
                 world: int | None = None) -> Config:
-    """:func:`shardwise.config_checks.load_config`, imported on first use: the checks load the
+    """:func:`shardwise.resolve.checks.load_config`, imported on first use: the checks load the
     models and torch, which ``shardwise --help`` and a mistyped subcommand never need."""
-    from shardwise.config_checks import load_config as load
+    from shardwise.resolve.checks import load_config as load
 
     return load(path, overrides, device, world)
 
@@ -62,7 +65,7 @@ def help_text() -> str:
 def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
     from pathlib import Path
 
-    from shardwise.device import launched_world_size
+    from shardwise.config.device import launched_world_size
 
     if args.help_config:
         print(help_text())
@@ -81,14 +84,14 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
     if args.print_config:
         print(cfg.to_toml(), end="")
         return 0
-    from shardwise.preflight import preflight
-    from shardwise.rundir import LOCK_ENV, take
+    from shardwise.launch.rundir import LOCK_ENV, take
+    from shardwise.trainer.preflight import preflight
 
     dims = preflight(cfg, nproc)  # all config errors surface here, before any process group exists
     if world is not None or nproc == 1:
         # The trainer's modules are imported only where it runs: the launcher of --nproc ranks
         # starts them a second sooner without torch._dynamo, which the trainer's import brings.
-        from shardwise.train import train
+        from shardwise.trainer.train import train
     if world is not None:  # a rank (of this launcher, torchrun or Slurm)
         train(cfg, dims)
         return 0
@@ -103,7 +106,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
         from shardwise.data.tokenizer import load_tokenizer
 
         prepare(cfg.data, load_tokenizer(cfg.data.tokenizer))  # once, here; the ranks memory-map it
-        from shardwise.launch import launch, strip_launcher_flags
+        from shardwise.launch.agent import launch, strip_launcher_flags
 
         return launch(strip_launcher_flags(argv), nproc, args.max_restarts, cfg.run.dir, rank_main)
     finally:
@@ -114,13 +117,15 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
 def cmd_verify(args: argparse.Namespace, overrides: list[str]) -> int:
     from pathlib import Path
 
+    from shardwise.resolve.layouts import fill_layouts, parse_layout
+
     if args.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
-    layouts = flags.fill_layouts(args.layouts, args.nproc)
+    layouts = fill_layouts(args.layouts, args.nproc)
     for layout in layouts:
-        flags.parse_layout(layout)  # a bad one fails before any run
+        parse_layout(layout)  # a bad one fails before any run
     base = load_config(args.config, [*overrides, f"--training.steps={args.steps}"])
-    from shardwise.verify import verify
+    from shardwise.launch.verify import verify
 
     return 0 if verify(base, args.config, overrides, layouts, args.steps, Path(args.out),
                        args.moe_routing) else 1
@@ -151,7 +156,7 @@ def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
     from pathlib import Path
 
-    from shardwise import convert
+    from shardwise.checkpoint import hf as convert
 
     if args.to_hf:
         if overrides or args.config or args.toml:
@@ -166,8 +171,8 @@ def cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"{toml} exists and is not replaced: pass --toml with a new path")
     cfg = load_config(args.config, overrides)
     # The model comes from config.json unless the user named one (a preset or model fields).
-    from shardwise.config_types import read_toml
-    from shardwise.hf_config import hf_tokenizer
+    from shardwise.config.types import read_toml
+    from shardwise.models.hf_config import hf_tokenizer
 
     named = bool(args.config and "model" in read_toml(Path(args.config), "config file")) or any(
         o.startswith("--model.") for o in overrides)
@@ -199,8 +204,8 @@ def cmd_prepare(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
-    from shardwise.config_checks import notice
     from shardwise.plan.hardware import load_hardware, profile_device
+    from shardwise.resolve.checks import notice
 
     world = flags.need_nproc(args, "ranks (devices) to estimate for")
     # training.mixed_precision=auto resolves for the planned device, not for this machine.
@@ -209,7 +214,7 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
         notice(said)
     hw = load_hardware(args.hardware, cfg.data.cache_dir)
     from shardwise.plan.estimate import estimate, estimate_json, format_estimate
-    from shardwise.resolve import resolve_run
+    from shardwise.resolve.run import resolve_run
 
     # The trainer's own refusals, one line each (for the planned machine, not this one's device).
     resolve_run(cfg, world, detect_device=False)
@@ -223,8 +228,8 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     import time
 
-    from shardwise.config_checks import notice
     from shardwise.plan.hardware import load_hardware, profile_device
+    from shardwise.resolve.checks import notice
 
     gpus = flags.need_nproc(args, "devices to plan for")
     if not 0 < args.memory_fraction <= 1:
@@ -267,7 +272,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.out:
         from pathlib import Path
 
-        from shardwise.rundir import keep_aside
+        from shardwise.launch.rundir import keep_aside
 
         if kept := keep_aside(Path(args.out)):
             notice(f"the earlier {args.out} is kept as {kept}")
@@ -322,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             config.read_config(None, rest)
         rest, args.model_note = flags.apply_model(args, rest)
         if args.model_note and args.command != "plan":  # (plan writes it into its config, and says it)
-            from shardwise.config_checks import notice
+            from shardwise.resolve.checks import notice
 
             notice(args.model_note)
         if args.command == "train":
@@ -342,15 +347,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "calibrate":
             return cmd_calibrate(args, rest)
         if args.command == "generate":
-            from shardwise.generate import cmd_generate
+            from shardwise.infer.generate import cmd_generate
 
             return cmd_generate(args, rest)
         if args.command == "eval":
-            from shardwise.eval_command import cmd_eval
+            from shardwise.infer.eval_command import cmd_eval
 
             return cmd_eval(args, rest, argv, rank_main)
     except ConfigError as e:
-        from shardwise.launch import rank_error
+        from shardwise.launch.agent import rank_error
 
         rank = os.environ.get("RANK")
         prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
@@ -361,14 +366,14 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except Exception:
-        from shardwise.launch import peer_failed_first, rank_error
+        from shardwise.launch.agent import peer_failed_first, rank_error
 
         if peer_failed_first():  # lost a peer that already reported why: nothing more to say
             return 1
         rank_error(traceback.format_exc().strip().splitlines()[-1], "crash")
         raise
     finally:
-        from shardwise.device import leave_distributed
+        from shardwise.config.device import leave_distributed
 
         leave_distributed()  # after the error is recorded: a peer that then fails is the second
     return 1

@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import math
 import textwrap
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
 from pathlib import Path
 
-from shardwise.config import preset_toml, section_fields, sections
-from shardwise.config_checks import notice
-from shardwise.config_types import ConfigError
+from shardwise.config.schema import preset_toml, section_fields, sections
+from shardwise.config.types import ConfigError
 from shardwise.models import PRESETS
-from shardwise.parallel.dims import DEGREES
+from shardwise.resolve.checks import notice
 
 EXAMPLES: dict[str, tuple[str, ...]] = {
     "train": ("shardwise train --config configs/debug.toml",
@@ -170,56 +168,6 @@ def check_unknown_flags(parser: argparse.ArgumentParser, rest: list[str]) -> Non
                     else _suggest(name, flags))
             raise ConfigError(f"unknown flag '{name}' for '{parser.prog}'{hint} (config keys take the form "
                               "--section.key=value)")
-
-
-def parse_layout(text: str) -> tuple[list[str], int]:
-    """``"tp=2,dp_shard=2"`` -> (CLI overrides, world size). Bare keys are ``parallel.*``; dotted
-    keys (``optimizer.lr=...``) pass through, which lets a test prove that verify can fail."""
-    overrides, degrees = [], dict.fromkeys(DEGREES, 1)
-    for item in filter(None, text.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"layout '{text}': expected key=value items, e.g. tp=2,dp_shard=2")
-        if "." in key:
-            overrides.append(f"--{key}={value}")
-            continue
-        if key not in DEGREES:
-            raise ConfigError(f"layout '{text}': unknown degree '{key}'; use {', '.join(DEGREES)}")
-        try:
-            degrees[key] = int(value)
-        except ValueError:
-            raise ConfigError(f"layout '{text}': {key} must be an integer, got '{value}'") from None
-    world = math.prod(v for k, v in degrees.items() if k != "ep")
-    overrides += [f"--parallel.{k}={v}" for k, v in degrees.items()]
-    return overrides, world
-
-
-def fill_layouts(layouts: list[str] | None, nproc: int | None) -> list[str]:
-    """The layouts to verify. With ``nproc`` (``--nproc``), each runs on that many ranks: a layout
-    that does not set dp_shard gets the rest of them, one that sets every degree must multiply to
-    it; with no ``layouts``, plain FSDP over ``nproc`` ranks and (``nproc`` even) 2-way TP beside
-    FSDP over the other half."""
-    if layouts is None:
-        if nproc is None:
-            raise ConfigError("verify needs --layouts (e.g. dp_shard=2 tp=2) or --nproc N (the standard "
-                              "layouts of N ranks)")
-        return [f"dp_shard={nproc}"] + ([f"tp=2,dp_shard={nproc // 2}"] if nproc % 2 == 0 else [])
-    if nproc is None:
-        return layouts
-    if nproc < 1:
-        raise ConfigError(f"--nproc must be >= 1, got {nproc}")
-    out = []
-    for text in layouts:
-        overrides, world = parse_layout(text)
-        if "dp_shard" not in (item.partition("=")[0] for item in text.split(",")):
-            if nproc % world:
-                raise ConfigError(f"layout '{text}' uses {world} ranks, which do not divide --nproc {nproc}")
-            text, world = ",".join(filter(None, [text, f"dp_shard={nproc // world}"])), nproc
-        if world != nproc:
-            raise ConfigError(f"layout '{text}' uses {world} ranks, not --nproc {nproc}: change its degrees "
-                              "or leave dp_shard out to fill it")
-        out.append(text)
-    return out
 
 
 def generate_parser(sub: argparse._SubParsersAction) -> None:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shardwise.config import ConfigError
+from shardwise.config.schema import ConfigError
 
 MANIFEST = "manifest.json"
 FORMAT = 1

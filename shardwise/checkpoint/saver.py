@@ -37,7 +37,7 @@ from shardwise.checkpoint.manifest import (
     set_aside,
     sha256,
 )
-from shardwise.config import CheckpointConfig
+from shardwise.config.schema import CheckpointConfig
 from shardwise.data.dataset import PackedLoader
 
 

@@ -27,7 +27,7 @@ import json
 import re
 from typing import Any
 
-from shardwise.config import ConfigError
+from shardwise.config.schema import ConfigError
 
 Message = dict[str, str]
 

@@ -26,7 +26,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from shardwise.config import ConfigError, DataConfig
+from shardwise.config.schema import ConfigError, DataConfig
 from shardwise.data.indexed import Shard, ShardError
 from shardwise.data.prepare import plan, read_manifest, shard_done
 from shardwise.data.prepare import prepare as run_prepare

@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from shardwise.config import ConfigError, DataConfig
+from shardwise.config.device import usable_cores
+from shardwise.config.schema import ConfigError, DataConfig
 from shardwise.data.indexed import ShardWriter, token_dtype
 from shardwise.data.sources import (
     DataError,
@@ -43,7 +44,6 @@ from shardwise.data.sources import (
     resolve_sources,
 )
 from shardwise.data.tokenizer import Tokenizer, load_tokenizer
-from shardwise.device import usable_cores
 
 FORMAT = 1
 _BATCH_CHARS = 1 << 20  # documents are tokenized ~1 MB of text at a time: a worker's memory bound

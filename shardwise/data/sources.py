@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from shardwise.config import ConfigError, DataConfig
+from shardwise.config.extras import require_extra
+from shardwise.config.schema import ConfigError, DataConfig
 from shardwise.data.chat import check_messages
 from shardwise.data.tokenizer import SHIPPED_CHAT, SHIPPED_CORPUS
-from shardwise.extras import require_extra
 
 _KINDS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _COMPRESSED = (".gz", ".zst")

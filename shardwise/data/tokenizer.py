@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any, Protocol
 
-from shardwise.config import ConfigError
+from shardwise.config.schema import ConfigError
 from shardwise.data.chat import ChatTemplate, Message, template, token_mask
 
 ASSETS = Path(__file__).parent / "assets"

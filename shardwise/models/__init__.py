@@ -7,15 +7,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from shardwise.config_types import ConfigError
-from shardwise.model_args import ModelArgs
+from shardwise.config.model_args import ModelArgs
+from shardwise.config.types import ConfigError
 from shardwise.models.presets import PRESETS
 
 __all__ = ["PRESETS", "ModelArgs", "check_args", "model_args"]
 
 
 def model_args(cfg: Any) -> ModelArgs:
-    """The model a ``[model]`` config section (shardwise.config.ModelConfig) describes: the preset
+    """The model a ``[model]`` config section (shardwise.config.schema.ModelConfig) describes: the preset
     named by ``cfg.name`` (none: ``""``, ModelArgs' defaults) with every field set in ``cfg`` applied
     over it."""
     key = tuple(vars(cfg).items())  # (the planner asks for the same section thousands of times)

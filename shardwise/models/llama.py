@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
-from shardwise.model_args import ModelArgs
+from shardwise.config.model_args import ModelArgs
 from shardwise.models.layers import FeedForward, RMSNorm
 from shardwise.models.moe import MoE
 from shardwise.ops.chunked_ce import chunked_linear_cross_entropy

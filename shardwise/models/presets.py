@@ -7,7 +7,7 @@ planning and must build on the meta device in well under a second.
 
 from __future__ import annotations
 
-from shardwise.model_args import ModelArgs
+from shardwise.config.model_args import ModelArgs
 
 _LLAMA3 = dict(rope_theta=500000.0, vocab_size=128256, multiple_of=1024, n_kv_heads=8)
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise.config import MetricsConfig
+from shardwise.config.schema import MetricsConfig
 
 
 class Throughput:

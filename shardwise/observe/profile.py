@@ -16,7 +16,7 @@ from types import TracebackType
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from shardwise.config import ProfileConfig
+from shardwise.config.schema import ProfileConfig
 
 
 class StepProfiler:

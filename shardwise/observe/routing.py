@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shardwise.config import ConfigError
+from shardwise.config.schema import ConfigError
 from shardwise.models.moe import MoE, moe_layers
 
 TRACE_DIR = "routing"

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardwise.config import OptimizerConfig
+from shardwise.config.schema import OptimizerConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device_type: str) -> torch.optim.Optimizer:

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from shardwise.config import LRSchedulerConfig
+from shardwise.config.schema import LRSchedulerConfig
 
 
 class WarmupDecay:

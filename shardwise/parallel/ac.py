@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from shardwise.config import ActivationCheckpointConfig
+from shardwise.config.schema import ActivationCheckpointConfig
 
 
 def _save_ops() -> set:

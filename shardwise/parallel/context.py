@@ -37,7 +37,7 @@ from torch.distributed.tensor.experimental._context_parallel import (
 )
 from torch.distributed.tensor.parallel import parallelize_module
 
-from shardwise.config import ParallelConfig
+from shardwise.config.schema import ParallelConfig
 
 aten = torch.ops.aten
 SEQ_DIM = 2  # q/k/v inside attention are (B, H, S, D)

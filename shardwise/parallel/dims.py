@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from shardwise.config import ConfigError, ParallelConfig, coerce
-from shardwise.model_args import ModelArgs
+from shardwise.config.model_args import ModelArgs
+from shardwise.config.schema import ConfigError, ParallelConfig, coerce
 
 if TYPE_CHECKING:  # torch loads when a mesh is built: the degree checks run before it (shardwise/cli.py)
     from torch.distributed.device_mesh import DeviceMesh

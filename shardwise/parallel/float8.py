@@ -37,8 +37,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
-from shardwise.config import ConfigError, Float8Config
-from shardwise.extras import require_extra
+from shardwise.config.extras import require_extra
+from shardwise.config.schema import ConfigError, Float8Config
 
 # (column-parallel, row-parallel) linears of each convertible group: the GEMM dims that tensor
 # parallel divides are the column-parallel outputs and the row-parallel inputs.

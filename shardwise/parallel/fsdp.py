@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from shardwise.config import ParallelConfig
+from shardwise.config.schema import ParallelConfig
 from shardwise.models.moe import MoE
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

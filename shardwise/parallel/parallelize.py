@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from shardwise.config import Config
+from shardwise.config.schema import Config
 from shardwise.models.moe import moe_layers
 from shardwise.parallel.ac import apply_ac
 from shardwise.parallel.compile import apply_compile

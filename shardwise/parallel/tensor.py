@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from shardwise.config import ParallelConfig
+from shardwise.config.schema import ParallelConfig
 from shardwise.models.moe import MoE
 from shardwise.parallel.float8 import tp_styles
 

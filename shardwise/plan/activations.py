@@ -25,13 +25,13 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from shardwise.config import Config
+from shardwise.config.schema import Config
 from shardwise.models import ModelArgs, model_args
 from shardwise.models.moe import group_alignment
 from shardwise.parallel.ac import is_checkpointed
 from shardwise.plan.layout import Layout
 from shardwise.plan.states import BYTES
-from shardwise.resolve import loss_chunk_tokens
+from shardwise.resolve.run import loss_chunk_tokens
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ from pathlib import Path
 
 import torch
 
-from shardwise.device import cpu_has_native_bf16, keep_freed_cpu_memory, usable_cores
+from shardwise.config.device import cpu_has_native_bf16, keep_freed_cpu_memory, usable_cores
+from shardwise.launch.process import enter_rank, start_rank_server
 from shardwise.plan.hardware import GRID_ROWS, Hardware, local_path, save_hardware
 from shardwise.plan.probes import (
     DTYPES,
@@ -46,7 +47,6 @@ from shardwise.plan.probes import (
     memory_efficiency,
     tiny_step,
 )
-from shardwise.process import enter_rank, start_rank_server
 
 GEMM_SIZES = (128, 256, 512, 1024, 2048)
 HEAD_DIMS = (16, 32, 64, 128)

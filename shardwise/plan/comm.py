@@ -38,7 +38,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from shardwise.config import Config
+from shardwise.config.schema import Config
 from shardwise.parallel.dims import FLAT_VIEWS, MESH_DIMS, MOE_VIEWS
 from shardwise.parallel.pipeline import rank_stages
 from shardwise.plan.activations import Shape, shape_of

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shardwise.config import Config
-from shardwise.model_args import ModelArgs
+from shardwise.config.model_args import ModelArgs
+from shardwise.config.schema import Config
 from shardwise.observe.flops import ATTENTION_BACKWARD, MATMUL_BACKWARD, attention_pairs
 from shardwise.plan.activations import Shape, expert_rows, shape_of
 from shardwise.plan.comm import Collective, boundary_bytes, fsdp_reduce_bytes, step_collectives
@@ -36,7 +36,7 @@ from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import Layout
 from shardwise.plan.overlap import collective_time, fsdp_exposed_seconds, fsdp_hidden_seconds, per_mesh_dim
 from shardwise.plan.states import BYTES, RankStates
-from shardwise.resolve import compile_run
+from shardwise.resolve.run import compile_run
 
 COMPILE_MEMORY_FACTOR = 0.5
 """torch.compile fuses chains of elementwise ops (norms, RoPE, SwiGLU, casts) into single kernels

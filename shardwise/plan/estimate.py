@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.config import Config, model_label
+from shardwise.config.schema import Config, model_label
 from shardwise.models import model_args
 from shardwise.observe.flops import flops_per_token, num_params
 from shardwise.plan.comm import Collective, step_collectives
@@ -14,7 +14,7 @@ from shardwise.plan.layout import Layout
 from shardwise.plan.memory import RankMemory, step_memory
 from shardwise.plan.overlap import collective_time
 from shardwise.plan.states import RankStates, built_states, shape_states
-from shardwise.resolve import resolve_run
+from shardwise.resolve.run import resolve_run
 
 GiB = 2**30
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import tomli_w
 
-from shardwise.config_types import ConfigError, read_toml
+from shardwise.config.types import ConfigError, read_toml
 
 PROFILE_DIR = Path(__file__).with_name("hardware")
 RESERVED_OVER_LIVE = 1.13

@@ -13,10 +13,10 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from shardwise.config import Config
+from shardwise.config.schema import Config
 from shardwise.parallel.dims import DEGREES, MESH_DIMS, ParallelDims
 from shardwise.parallel.pipeline import stages_per_rank
-from shardwise.resolve import micro_batch_size
+from shardwise.resolve.run import micro_batch_size
 
 
 @dataclass(frozen=True)

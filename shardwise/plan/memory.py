@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shardwise.config import Config
+from shardwise.config.schema import Config
 from shardwise.parallel.pipeline import stage_layers
 from shardwise.plan.activations import (
     Shape,

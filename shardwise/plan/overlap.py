@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 
-from shardwise.config import Config
+from shardwise.config.schema import Config
 from shardwise.plan.activations import Shape
 from shardwise.plan.comm import Collective, group_members, unit_collectives
 from shardwise.plan.hardware import Hardware

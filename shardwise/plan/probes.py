@@ -20,18 +20,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from shardwise.config_checks import load_config
 from shardwise.data.dataset import Batch
-from shardwise.ops.loss import TokenLoss
 from shardwise.optim.adamw import build_optimizer
 from shardwise.optim.clip import clip_grad_norm_
-from shardwise.parallel.build import build_rank_model
 from shardwise.plan.activations import shape_of
 from shardwise.plan.cost import _gemms
 from shardwise.plan.estimate import estimate
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import Layout
-from shardwise.resolve import resolve_run
+from shardwise.resolve.checks import load_config
+from shardwise.resolve.run import resolve_run
+from shardwise.trainer.build import build_rank_model
+from shardwise.trainer.loss import TokenLoss
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

@@ -23,8 +23,8 @@ import multiprocessing
 from collections import Counter
 from dataclasses import dataclass, field
 
-from shardwise.config import Config, ConfigError, model_label, preset_toml, read_config
-from shardwise.device import usable_cores
+from shardwise.config.device import usable_cores
+from shardwise.config.schema import Config, ConfigError, model_label, preset_toml, read_config
 from shardwise.models import model_args
 from shardwise.models.presets import FAMILY_TOKENIZERS
 from shardwise.plan.cost import step_time
@@ -33,7 +33,7 @@ from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import Layout
 from shardwise.plan.memory import memory_floor, step_memory
 from shardwise.plan.states import _param_shapes, shape_states
-from shardwise.resolve import resolve_run
+from shardwise.resolve.run import resolve_run
 
 AC_MODES = ("none", "selective", "selective_half", "full")
 MEMORY_ORDER = ("full", "selective_half", "selective", "none", "layer")

@@ -31,16 +31,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-import shardwise.device
-from shardwise.config import Config, ConfigError
+import shardwise.config.device
+from shardwise.config.schema import Config, ConfigError
 from shardwise.models import ModelArgs, model_args
 from shardwise.models.llama import build_model
-from shardwise.parallel.build import build_stage
 from shardwise.parallel.fsdp import one_unit
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.pipeline import rank_stages, stage_layers
 from shardwise.plan.layout import Layout
-from shardwise.resolve import resolve_run
+from shardwise.resolve.run import resolve_run
+from shardwise.trainer.build import build_stage
 
 BYTES = {"bf16": 2, "fp32": 4}
 
@@ -311,7 +311,7 @@ def _shard_numel(params: list[tuple[str, tuple[int, ...]]], layout: Layout, shar
 def planned_device(cfg: Config) -> str:
     """The device type the plan is for: run.device, or with ``auto`` this machine's (so a one-rank
     layout planned on a CPU machine gets the CPU's FSDP units; --run.device cuda plans a GPU's)."""
-    return cfg.run.device if cfg.run.device != "auto" else shardwise.device.device_type("auto")
+    return cfg.run.device if cfg.run.device != "auto" else shardwise.config.device.device_type("auto")
 
 
 def shape_states(cfg: Config, layout: Layout, shapes: dict | None = None,

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.config_checks import load_config
 from shardwise.models import model_args
 from shardwise.models.llama import build_model
+from shardwise.resolve.checks import load_config
 from tests.conftest import TINY_ARGS, run_cli
 
 pytestmark = pytest.mark.dist

@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardwise.config_checks import load_config
 from shardwise.data.tokenizer import SHIPPED_CORPUS
+from shardwise.launch.verify import checkpoint_params, update_error
 from shardwise.models import model_args
 from shardwise.models.llama import build_model, init_weights
-from shardwise.verify import checkpoint_params, update_error
+from shardwise.resolve.checks import load_config
 from tests.conftest import TINY_ARGS, metrics, run_cli
 
 pytestmark = pytest.mark.dist

@@ -51,9 +51,9 @@ def test_profiling_a_short_run_records_its_last_steps(tmp_path: Path, data_cache
 def test_memory_breakdown_counts_every_tensor(tmp_path: Path, data_cache: str):
     """First-step breakdown: FSDP shards params/grads/optimizer states exactly in two (Adam: two fp32
     moments per parameter); activations halve with half the sequences per micro-batch or per rank."""
-    from shardwise.config_checks import load_config
     from shardwise.models import model_args
     from shardwise.models.llama import build_model
+    from shardwise.resolve.checks import load_config
 
     def breakdown(name: str, *extra: str) -> dict:
         run_cli(["train", *TINY_ARGS, f"--data.cache_dir={data_cache}", f"--run.dir={tmp_path / name}",

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from shardwise import checkpoint
-from shardwise.verify import checkpoint_params, update_error
+from shardwise.launch.verify import checkpoint_params, update_error
 from tests.conftest import TINY_ARGS, metrics, run_cli
 from tests.distributed.test_parity import max_rel
 

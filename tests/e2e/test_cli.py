@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from shardwise.cli import main
-from shardwise.config_checks import load_config
 from shardwise.models import PRESETS, model_args
 from shardwise.observe.flops import attention_pairs, executed_flops, flops_per_token
+from shardwise.resolve.checks import load_config
 from tests.conftest import ROOT, TINY_ARGS, metrics, require, run_cli
 
 pytestmark = pytest.mark.e2e
@@ -68,8 +68,8 @@ def test_help_config_lists_every_key():
 
 
 def test_a_benchmark_shape_on_the_shipped_tokenizer_trains_with_a_notice(capsys):
-    from shardwise.config_checks import load_config
-    from shardwise.preflight import check_tokenizer
+    from shardwise.resolve.checks import load_config
+    from shardwise.trainer.preflight import check_tokenizer
 
     cfg = load_config(None, ["--model.name=125m"], device="cpu")
     check_tokenizer(cfg, model_args(cfg.model), 2048)

@@ -74,8 +74,8 @@ def test_lm_eval_scores_a_checkpoint_as_its_hf_backend_scores_the_export(tmp_pat
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    from shardwise.generate import load
-    from shardwise.harness import _adapter
+    from shardwise.infer.generate import load
+    from shardwise.infer.harness import _adapter
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from shardwise import checkpoint
-from shardwise.config_checks import load_config
+from shardwise.launch.verify import checkpoint_params
 from shardwise.models import model_args
 from shardwise.models.llama import build_model
-from shardwise.verify import checkpoint_params
+from shardwise.resolve.checks import load_config
 from tests.conftest import ROOT, TINY_ARGS, metrics, need, run_cli
 
 

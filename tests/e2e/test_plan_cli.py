@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from shardwise.cli import main
-from shardwise.config_checks import load_config
+from shardwise.resolve.checks import load_config
 from tests.conftest import ROOT, metrics, run_cli
 
 pytestmark = pytest.mark.e2e

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from shardwise import checkpoint
-from shardwise.rundir import LOCK_NAME, RUN_OUTPUTS, clear_outputs
+from shardwise.launch.rundir import LOCK_NAME, RUN_OUTPUTS, clear_outputs
 from tests.conftest import ROOT, TINY_ARGS, metrics, run_cli
 from tests.e2e.test_cli import _flip_byte, _truncate
 
@@ -330,7 +330,7 @@ def test_the_quick_exit_keeps_what_a_normal_exit_keeps(tmp_path: Path):
     out = tmp_path / "left-open.txt"
     script = f"""
 import atexit, threading, time
-from shardwise.process import quick_exit
+from shardwise.launch.process import quick_exit
 f = open({str(out)!r}, "w")
 f.write("buffered ")
 def late():

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.config import ConfigError
-from shardwise.flags import parse_layout
+from shardwise.config.schema import ConfigError
+from shardwise.resolve.layouts import parse_layout
 from tests.conftest import TINY_ARGS, metrics, run_cli
 
 pytestmark = pytest.mark.e2e

@@ -12,6 +12,8 @@ import pytest
 
 from shardwise import flags
 from shardwise.cli import main
+from shardwise.config.types import ConfigError
+from shardwise.resolve.layouts import fill_layouts
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.e2e
@@ -19,7 +21,7 @@ pytestmark = pytest.mark.e2e
 # Runs the CLI in a fresh interpreter and records, at each ConfigError raised, whether torch was loaded.
 _PROBE = """
 import sys
-from shardwise import config_types
+from shardwise.config import types as config_types
 seen = []
 orig = config_types.ConfigError.__init__
 def record(self, *a, **k):
@@ -27,6 +29,8 @@ def record(self, *a, **k):
     orig(self, *a, **k)
 config_types.ConfigError.__init__ = record
 from shardwise.cli import main
+from shardwise.config.types import ConfigError
+from shardwise.resolve.layouts import fill_layouts
 code = main(sys.argv[1:])
 torch_at_error, text = seen[-1]
 print(code, torch_at_error, text, sep="|")
@@ -97,14 +101,14 @@ def test_model_names_a_preset_in_estimate_and_train(capsys):
 
 
 def test_verify_nproc_fills_and_checks_layouts():
-    assert flags.fill_layouts(None, 4) == ["dp_shard=4", "tp=2,dp_shard=2"]
-    assert flags.fill_layouts(None, 3) == ["dp_shard=3"]
-    assert flags.fill_layouts(["tp=2", "dp_shard=2,tp=2"], 4) == ["tp=2,dp_shard=2", "dp_shard=2,tp=2"]
-    assert flags.fill_layouts(["tp=2"], None) == ["tp=2"]
-    with pytest.raises(flags.ConfigError, match="uses 2 ranks, not --nproc 4"):
-        flags.fill_layouts(["dp_shard=2"], 4)
-    with pytest.raises(flags.ConfigError, match="--layouts .* or --nproc N"):
-        flags.fill_layouts(None, None)
+    assert fill_layouts(None, 4) == ["dp_shard=4", "tp=2,dp_shard=2"]
+    assert fill_layouts(None, 3) == ["dp_shard=3"]
+    assert fill_layouts(["tp=2", "dp_shard=2,tp=2"], 4) == ["tp=2,dp_shard=2", "dp_shard=2,tp=2"]
+    assert fill_layouts(["tp=2"], None) == ["tp=2"]
+    with pytest.raises(ConfigError, match="uses 2 ranks, not --nproc 4"):
+        fill_layouts(["dp_shard=2"], 4)
+    with pytest.raises(ConfigError, match="--layouts .* or --nproc N"):
+        fill_layouts(None, None)
 
 
 def test_help_shows_defaults_and_ends_with_examples_that_parse(capsys):

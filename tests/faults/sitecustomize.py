@@ -31,7 +31,7 @@ def _install(fault: str) -> None:
 
         dist.reduce_scatter_single = reduce_scatter_single
     elif fault == "double_grads":
-        import shardwise.train as train
+        import shardwise.trainer.train as train
 
         real_clip = train.clip_grad_norm_
 
@@ -57,7 +57,7 @@ def _install(fault: str) -> None:
     elif fault == "near_tie_router":
         import torch
 
-        import shardwise.parallel.build as build
+        import shardwise.trainer.build as build
         from shardwise.models.moe import moe_layers
 
         real_init = build.init_weights

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from shardwise.models import PRESETS
 from shardwise.models.llama import apply_rope, build_model, init_weights, rope_table
 from shardwise.ops.chunked_ce import _addmm_fp32, chunked_linear_cross_entropy, reference_linear_cross_entropy
-from shardwise.ops.loss import TokenLoss
-from shardwise.train import train_step
+from shardwise.trainer.loss import TokenLoss
+from shardwise.trainer.train import train_step
 from tests.unit import test_chunked_ce as ce
 from tests.unit.test_train_step import STEPS, Reference, _hf_params, trainer
 
@@ -96,7 +96,7 @@ def test_float8_on_cuda_is_close_to_bf16(recipe: str):
     """Real float8 GEMMs (torch._scaled_mm on the tensor cores): loss within 1% of bf16, gradients
     within 15% (the CPU's emulated bounds are 0.2% and 15% on a smaller model)."""
     pytest.importorskip("torchao")
-    from shardwise.config import Float8Config
+    from shardwise.config.schema import Float8Config
     from shardwise.parallel.float8 import apply_float8, is_float8
 
     args = dataclasses.replace(PRESETS["debug"], max_seq_len=512)
@@ -144,7 +144,7 @@ def test_trainer_step_on_cuda_matches_a_plain_pytorch_step(data_cache: str, loss
 
 
 def test_a_rank_forked_from_the_rank_server_can_use_cuda():
-    """``--nproc N`` forks its ranks from a server that imported shardwise.process.RANK_MODULES; CUDA
+    """``--nproc N`` forks its ranks from a server that imported shardwise.launch.process.RANK_MODULES; CUDA
     survives a fork only if the parent never initialized it. A fresh process imports exactly those
     modules, forks, and the child runs a CUDA kernel (passed on one H100, 2026-11-26)."""
     import subprocess
@@ -153,7 +153,7 @@ def test_a_rank_forked_from_the_rank_server_can_use_cuda():
     code = """
 import importlib, os
 import torch
-from shardwise.process import RANK_MODULES
+from shardwise.launch.process import RANK_MODULES
 for name in RANK_MODULES:
     try:
         importlib.import_module(name)
@@ -173,7 +173,7 @@ raise SystemExit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
 def test_generation_on_cuda_matches_the_cpu_and_its_cache():
     """shardwise generate's decoding on CUDA: fp32 greedy tokens equal the CPU's on the same weights;
     in bf16 the cached logits equal recomputing the sequence's within bf16's rounding."""
-    from shardwise.generate import Sampling, generate
+    from shardwise.infer.generate import Sampling, generate
     from shardwise.models.llama import KVCache
 
     args = dataclasses.replace(PRESETS["debug"], n_layers=2, max_seq_len=256)

@@ -12,7 +12,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardwise.config import ActivationCheckpointConfig
+from shardwise.config.schema import ActivationCheckpointConfig
 from shardwise.models import PRESETS
 from shardwise.models.llama import build_model, init_weights
 from shardwise.parallel.ac import apply_ac
@@ -114,11 +114,11 @@ def test_the_compiled_step_has_no_graph_breaks(one_rank_group: None, loss_chunk:
     it) and one for the loss, and a second step compiles nothing new."""
     from torch._dynamo.utils import counters
 
-    from shardwise.config import Config
+    from shardwise.config.schema import Config
     from shardwise.data.dataset import Batch
-    from shardwise.ops.loss import TokenLoss
     from shardwise.parallel.dims import ParallelDims
     from shardwise.parallel.parallelize import parallelize
+    from shardwise.trainer.loss import TokenLoss
 
     torch._dynamo.reset()
     counters.clear()

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shardwise.config import Config, ConfigError
+from shardwise.config.schema import Config, ConfigError
 from shardwise.data.dataset import IGNORE_INDEX, PackedLoader, open_corpus
 from shardwise.data.indexed import Shard
 from shardwise.data.sources import DataError

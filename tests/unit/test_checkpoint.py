@@ -14,7 +14,7 @@ import torch
 
 from shardwise import checkpoint
 from shardwise.checkpoint import Checkpointer, CheckpointError
-from shardwise.config import CheckpointConfig
+from shardwise.config.schema import CheckpointConfig
 from shardwise.models import ModelArgs
 from shardwise.models.llama import build_model, init_weights
 
@@ -268,7 +268,7 @@ def test_a_checkpoint_that_would_run_code_is_refused(where: str, tmp_path: Path,
 def test_changing_what_the_model_computes_is_refused(tmp_path: Path, one_rank_group: None):
     """Shapes alone do not tell a checkpoint's function: RoPE base and scaling, norm epsilon, routing
     do too. Each differing field is named with both values; training-only fields may differ."""
-    from shardwise.config_checks import load_config
+    from shardwise.resolve.checks import load_config
 
     model, opt, sched, loader = trainer()
     cfg = load_config(None, ["--model.name=moe-debug"])

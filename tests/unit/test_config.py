@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from shardwise.cli import field_docs, help_text
-from shardwise.config import Config, ConfigError, parse_overrides
-from shardwise.config_checks import load_config
+from shardwise.config.schema import Config, ConfigError, parse_overrides
+from shardwise.resolve.checks import load_config
 
 CONFIGS = sorted(Path(__file__).parents[2].joinpath("configs").glob("*.toml"))
 
@@ -128,7 +128,7 @@ def test_every_field_is_documented():
 def test_auto_precision_resolves_per_device(monkeypatch: pytest.MonkeyPatch):
     """auto is bf16 on GPUs and on CPUs that multiply bf16 natively, fp32 on other CPUs; the loaded
     config names the dtype, so a saved run resumes with the same one on any machine."""
-    import shardwise.device as device
+    import shardwise.config.device as device
 
     def mp(args: list[str], device: str | None = None) -> str:
         return load_config(None, args, device=device).training.mixed_precision
@@ -165,7 +165,7 @@ def test_auto_compile_compiles_long_runs_on_tested_layouts(args: list[str], want
     """compile.enabled=auto, resolved once per run (ResolvedRun.compile) with the reason preflight
     prints; the planner's step-time model takes the same decision for its layouts."""
     from shardwise.plan.layout import Layout
-    from shardwise.resolve import compile_run, resolve_run
+    from shardwise.resolve.run import compile_run, resolve_run
 
     cfg = load_config(None, ["--run.device=cpu", *args])
     run = resolve_run(cfg, 2)
@@ -177,7 +177,7 @@ def test_auto_compile_compiles_long_runs_on_tested_layouts(args: list[str], want
 def test_compile_without_the_toolchain_is_refused_or_left_off(monkeypatch: pytest.MonkeyPatch):
     """No C++ compiler on a CPU machine: compile.enabled=true fails in one line before any rank
     starts (inductor would fail at the first step); auto stays eager and says why."""
-    from shardwise.resolve import resolve_run
+    from shardwise.resolve.run import resolve_run
 
     monkeypatch.setenv("CXX", "no-such-compiler-xyz")
     cfg = load_config(None, ["--run.device=cpu", "--training.steps=500", "--compile.enabled=true"])

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardwise import checkpoint, convert
-from shardwise.config import ConfigError, ModelConfig
+from shardwise import checkpoint
+from shardwise.checkpoint import hf as convert
+from shardwise.config.schema import ConfigError, ModelConfig
 from shardwise.models import model_args
 from shardwise.models.llama import build_model, init_weights
 from tests.conftest import require
@@ -21,8 +22,8 @@ MODEL = ModelConfig(name="debug", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, v
 
 
 def saved_model(tmp_path: Path, cfg: ModelConfig = MODEL, seed: int = 1) -> tuple[Path, torch.nn.Module]:
-    from shardwise.config import Config
-    from shardwise.config_checks import resolve_model
+    from shardwise.config.schema import Config
+    from shardwise.resolve.checks import resolve_model
 
     full = Config(model=dataclasses.replace(cfg))
     resolve_model(full)
@@ -101,8 +102,8 @@ def test_import_of_a_transformers_model_needs_no_model_config(tmp_path: Path, fa
 
 
 def _resolved(cfg: ModelConfig) -> ModelConfig:
-    from shardwise.config import Config
-    from shardwise.config_checks import resolve_model
+    from shardwise.config.schema import Config
+    from shardwise.resolve.checks import resolve_model
 
     full = Config(model=dataclasses.replace(cfg))
     resolve_model(full)

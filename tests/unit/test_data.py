@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shardwise.config import ConfigError
+from shardwise.config.schema import ConfigError
 from shardwise.data.dataset import IGNORE_INDEX, PackedLoader, ShardStream, TokenStream, check_vocab
 from shardwise.data.indexed import HEADER, Shard, ShardError, ShardWriter, token_dtype
 from shardwise.data.tokenizer import ByteTokenizer, load_tokenizer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardwise.config import ConfigError, ParallelConfig
+from shardwise.config.schema import ConfigError, ParallelConfig
 from shardwise.models import ModelArgs
 from shardwise.parallel.dims import ParallelDims
 
@@ -107,7 +107,7 @@ def test_backend_options_are_built():
     ("gloo:threads=many", "expects int, got 'many'"),
 ])
 def test_bad_backend_specs(spec: str, fragment: str):
-    from shardwise.config_checks import load_config
+    from shardwise.resolve.checks import load_config
 
     with pytest.raises(ConfigError) as e:
         load_config(None, [f"--parallel.backend_override=tp={spec}"])

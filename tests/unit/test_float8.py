@@ -10,7 +10,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from shardwise.config import Float8Config
+from shardwise.config.schema import Float8Config
 from shardwise.models import PRESETS
 from shardwise.models.llama import build_model, init_weights
 from shardwise.parallel.float8 import (
@@ -133,9 +133,11 @@ def test_precomputed_scales_are_16_byte_aligned(one_rank_group: None):
 
 
 def test_the_log_says_what_float8_converts_and_converting_nothing_is_an_error(capsys, tmp_path):
-    from shardwise.config import ConfigError
-    from shardwise.config_checks import load_config
-    from shardwise.preflight import preflight as check_layout  # (the trainer's checks, no process group)
+    from shardwise.config.schema import ConfigError
+    from shardwise.resolve.checks import load_config
+    from shardwise.trainer.preflight import (
+        preflight as check_layout,  # (the trainer's checks, no process group)
+    )
 
     cfg = load_config(ROOT / "configs" / "moe-debug.toml",
                       ["--float8.enabled=true", f"--run.dir={tmp_path}", "--compile.enabled=false"])

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardwise import generate as gen
+from shardwise.infer import generate as gen
 from shardwise.models.llama import KVCache, build_model, init_weights
 from shardwise.models.presets import PRESETS
 from tests.conftest import ROOT, require
@@ -141,7 +141,7 @@ def test_generation_config_end_tokens(tmp_path: Path):
 
 
 def test_context_limit_is_one_line():
-    from shardwise.config import ConfigError
+    from shardwise.config.schema import ConfigError
 
     model = _model("debug")
     with pytest.raises(ConfigError, match="exceeds the model's context of 128 tokens"):

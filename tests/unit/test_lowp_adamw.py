@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.config import OptimizerConfig
+from shardwise.config.schema import OptimizerConfig
 from shardwise.optim.adamw import LowPrecisionAdamW, build_optimizer, state_bytes_per_param
 
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}

@@ -211,7 +211,7 @@ def test_counts_only_training_forwards():
 def test_a_checkpointed_block_counts_its_tokens_once(mode: str, compiled: bool):
     """Activation checkpointing runs a block's forward again inside backward: the routed tokens are
     counted in the forward only (count_routed, an opaque op, so a compiled block keeps one graph)."""
-    from shardwise.config import ActivationCheckpointConfig
+    from shardwise.config.schema import ActivationCheckpointConfig
     from shardwise.parallel.ac import apply_ac
     from shardwise.parallel.compile import apply_compile
 
@@ -255,7 +255,7 @@ def test_presets_count_parameters():
 # the resident set in MiB. argv: the cache cap to set first ("none": the library defaults), rounds.
 _ROW_COUNTS = """
 import os, random, sys
-from shardwise.device import bound_matmul_caches, keep_freed_cpu_memory
+from shardwise.config.device import bound_matmul_caches, keep_freed_cpu_memory
 if sys.argv[1] != "none":
     assert bound_matmul_caches(int(sys.argv[1]))
 import torch
@@ -276,7 +276,7 @@ print(rss() - start)
 
 
 def _row_count_growth(cap: str, rounds: int = 300) -> float:
-    from shardwise.device import MATMUL_CACHE_ENV
+    from shardwise.config.device import MATMUL_CACHE_ENV
 
     env = {k: v for k, v in os.environ.items() if k not in MATMUL_CACHE_ENV}
     proc = subprocess.run([sys.executable, "-c", _ROW_COUNTS, cap, str(rounds)], capture_output=True,
@@ -299,7 +299,7 @@ def test_capped_matmul_caches_stop_the_row_count_growth():
 
 
 def test_matmul_cache_caps_leave_a_users_setting(monkeypatch: pytest.MonkeyPatch):
-    from shardwise.device import MATMUL_CACHE_ENV, bound_matmul_caches
+    from shardwise.config.device import MATMUL_CACHE_ENV, bound_matmul_caches
 
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "2048")
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)

@@ -222,7 +222,7 @@ def test_executed_flops_with_recompute_match_the_flop_counter(kind: str, mode: s
 
     from torch.utils.flop_counter import FlopCounterMode
 
-    from shardwise.config import ActivationCheckpointConfig
+    from shardwise.config.schema import ActivationCheckpointConfig
     from shardwise.models.llama import init_weights
     from shardwise.observe.flops import executed_flops, flop_counter_formulas
     from shardwise.parallel.ac import apply_ac

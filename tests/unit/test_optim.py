@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from shardwise.config import LRSchedulerConfig, OptimizerConfig
+from shardwise.config.schema import LRSchedulerConfig, OptimizerConfig
 from shardwise.models.llama import RMSNorm
 from shardwise.optim.adamw import build_optimizer
 from shardwise.optim.clip import clip_grad_norm_

@@ -15,8 +15,8 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
-from shardwise.config_types import ConfigError
-from shardwise.extras import EXTRAS, require_extra
+from shardwise.config.extras import EXTRAS, require_extra
+from shardwise.config.types import ConfigError
 from tests.conftest import ROOT
 
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]

@@ -11,17 +11,14 @@ import random
 import pytest
 import torch
 
-from shardwise.config import ConfigError
-from shardwise.config_checks import load_config
+from shardwise.config.schema import ConfigError
 from shardwise.data.dataset import Batch
 from shardwise.models import model_args
 from shardwise.models.llama import build_model
 from shardwise.observe.flops import attention_pairs, executed_flops
 from shardwise.observe.memory import SavedActivations
-from shardwise.ops.loss import TokenLoss
 from shardwise.optim.adamw import build_optimizer
 from shardwise.parallel import fsdp
-from shardwise.parallel.build import build_rank_model
 from shardwise.plan import states
 from shardwise.plan.activations import activations
 from shardwise.plan.comm import group_members
@@ -32,7 +29,10 @@ from shardwise.plan.memory import Timeline, memory_floor, one_pass, repeat, step
 from shardwise.plan.schedule import in_flight, schedule_actions
 from shardwise.plan.search import check_layout, enumerate_layouts, parse_tokens, plan, plan_config
 from shardwise.plan.states import build_rank, built_states, fake_world, shape_states
-from shardwise.resolve import resolve_run
+from shardwise.resolve.checks import load_config
+from shardwise.resolve.run import resolve_run
+from shardwise.trainer.build import build_rank_model
+from shardwise.trainer.loss import TokenLoss
 from tests.conftest import ROOT, one_rank_pg
 
 DEBUG, MOE = str(ROOT / "configs" / "debug.toml"), str(ROOT / "configs" / "moe-debug.toml")
@@ -352,7 +352,7 @@ def test_hardware_profiles_load():
 def test_plan_returns_layouts_the_trainer_accepts():
     """8B on 8 H100: the ranked layouts pass the trainer's own layout checks, fit, are sorted, and
     the top ones are estimated exactly."""
-    from shardwise.resolve import resolve_run
+    from shardwise.resolve.run import resolve_run
 
     cfg = plan_config(load_config(None, ["--model.name=8b"], device="cuda"), 8192, parse_tokens("128K"))
     assert cfg.training.global_batch == 16
@@ -446,7 +446,7 @@ def test_folded_passes_replay_as_their_events_do():
 def test_plan_with_float8_checks_layouts_without_building_the_model(monkeypatch: pytest.MonkeyPatch, capsys):
     """The trainer's per-run float8 summary (which builds the model on meta) stays out of the layout
     checks the planner runs on every candidate: a 405B search would otherwise take tens of minutes."""
-    import shardwise.preflight as preflight
+    import shardwise.trainer.preflight as preflight
 
     calls = []
     monkeypatch.setattr(preflight, "float8_summary", lambda *a: calls.append(a) or "")
@@ -527,7 +527,7 @@ def test_cuda_ranks_expand_allocator_segments_unless_configured(monkeypatch: pyt
     (expandable segments); an allocator setting of the user's, under either name, is kept."""
     import os
 
-    from shardwise.device import CUDA_ALLOC_ENV, expandable_cuda_segments
+    from shardwise.config.device import CUDA_ALLOC_ENV, expandable_cuda_segments
 
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:128")
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
@@ -558,7 +558,7 @@ def test_the_gpu_profiles_predict_our_own_gpu_rows(hardware: str, preset: str, b
     rows at 2,048 tokens wait on the host: without the host term each is predicted at least 4%
     faster (H100) and 15% (H200)."""
     from shardwise.plan.estimate import estimate
-    from shardwise.resolve import compile_run
+    from shardwise.resolve.run import compile_run
 
     cfg = load_config(None, [f"--model.name={preset}", f"--training.global_batch={batch}",
                              f"--training.seq_len={seq}", f"--model.max_seq_len={max(seq, 2048)}",

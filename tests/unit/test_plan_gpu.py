@@ -13,7 +13,6 @@ import sys
 import pytest
 import torch
 
-from shardwise.config_checks import load_config
 from shardwise.models import model_args
 from shardwise.plan.comm import Collective, step_collectives, unit_collectives
 from shardwise.plan.cost import (
@@ -28,6 +27,7 @@ from shardwise.plan.hardware import GEMM_TILE, Hardware, gemm_seconds, load_hard
 from shardwise.plan.layout import Layout
 from shardwise.plan.overlap import collective_time, fsdp_exposed_seconds
 from shardwise.plan.states import shape_states
+from shardwise.resolve.checks import load_config
 from tests.conftest import ROOT
 
 TFLOPS, SMS = 132.0, 132  # 1 TFLOP/s per multiprocessor
@@ -257,9 +257,9 @@ def test_host_ops_per_block_are_what_a_block_dispatches():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from shardwise.data.dataset import Batch
-    from shardwise.ops.loss import TokenLoss
-    from shardwise.parallel.build import build_rank_model
-    from shardwise.resolve import resolve_run
+    from shardwise.resolve.run import resolve_run
+    from shardwise.trainer.build import build_rank_model
+    from shardwise.trainer.loss import TokenLoss
     from tests.conftest import one_rank_pg
 
     class Count(TorchDispatchMode):

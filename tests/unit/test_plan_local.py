@@ -8,11 +8,11 @@ import dataclasses
 
 import pytest
 
-from shardwise.config_checks import load_config
 from shardwise.models import model_args
 from shardwise.plan.hardware import load_hardware
 from shardwise.plan.layout import Layout
 from shardwise.plan.states import shape_states
+from shardwise.resolve.checks import load_config
 from tests.conftest import ROOT
 
 DEBUG, MOE = str(ROOT / "configs" / "debug.toml"), str(ROOT / "configs" / "moe-debug.toml")

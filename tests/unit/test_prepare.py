@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shardwise.config import ConfigError, DataConfig
+from shardwise.config.schema import ConfigError, DataConfig
 from shardwise.data import prepare as prep
 from shardwise.data.dataset import PackedLoader, open_corpus
 from shardwise.data.indexed import Shard

@@ -81,7 +81,7 @@ def test_no_import_cycles_even_through_function_local_imports():
     assert _cycle(_graph()) == []
     # The search finds one when there is one (a planted edge back to the top).
     planted = _graph()
-    planted["shardwise.config_types"].add("shardwise.train")
+    planted["shardwise.config.types"].add("shardwise.trainer.train")
     assert _cycle(planted)
 
 
@@ -91,13 +91,37 @@ def test_no_function_local_imports_of_the_package_outside_the_cli():
     assert found == []
 
 
+# The stages, bottom up (docs/architecture.md): a module imports only from its own stage and those
+# below it. The library folders share a stage; the cycle test above keeps them acyclic.
+STAGES = [{"config"}, {"data", "ops", "models", "optim", "parallel", "observe", "checkpoint"}, {"resolve"},
+          {"launch"}, {"trainer"}, {"infer", "plan"}, {""}]
+
+
+def _folder(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (PACKAGE / parts[-1]).is_dir() else ""
+
+
+def test_folders_import_only_their_own_stage_and_those_below():
+    stage = {folder: i for i, folders in enumerate(STAGES) for folder in folders}
+    found = sorted({name for name in MODULES} - {m for m in MODULES if _folder(m) in stage})
+    assert found == [], f"modules outside every stage: {found}"
+    upward = sorted(f"{m} -> {t}" for m, targets in _graph().items() for t in targets
+                    if stage[_folder(t)] > stage[_folder(m)])
+    assert upward == []
+    folders: dict[str, set[str]] = {}
+    for m, targets in _graph().items():
+        folders.setdefault(_folder(m), set()).update(_folder(t) for t in targets if _folder(t) != _folder(m))
+    assert _cycle(folders) == []  # (no two library folders import each other, even indirectly)
+
+
 def test_config_sits_at_the_bottom():
     """config.py imports only leaf modules, which import nothing from the package."""
     graph = _graph()
-    assert graph["shardwise.config"] <= {"shardwise.config_types", "shardwise.model_args"}
-    for leaf in graph["shardwise.config"]:
+    assert graph["shardwise.config.schema"] <= {"shardwise.config.types", "shardwise.config.model_args"}
+    for leaf in graph["shardwise.config.schema"]:
         assert graph[leaf] == set(), leaf
-    assert graph["shardwise.device"] <= {"shardwise.config_types"}
+    assert graph["shardwise.config.device"] <= {"shardwise.config.types"}
 
 
 def test_the_cli_and_the_preparation_workers_start_without_torch():
@@ -122,7 +146,7 @@ def test_functions_and_files_are_short():
 
 
 def test_the_training_loop_fits_on_one_screen():
-    funcs = {f.name: f for f in _functions(PACKAGE / "train.py")}
+    funcs = {f.name: f for f in _functions(PACKAGE / "trainer" / "train.py")}
     train = funcs["train"]
     assert train.end_lineno - train.lineno + 1 <= 45
     (loop,) = [n for n in ast.walk(funcs["loop"]) if isinstance(n, ast.For)]

@@ -16,17 +16,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardwise.config_checks import load_config
-from shardwise.convert import hf_config, to_hf_state
+from shardwise.checkpoint.hf import hf_config, to_hf_state
 from shardwise.data.dataset import IGNORE_INDEX
-from shardwise.ops.loss import TokenLoss
 from shardwise.optim.adamw import build_optimizer
 from shardwise.optim.lr import build_lr_scheduler
-from shardwise.parallel.build import build_rank_model
 from shardwise.parallel.tensor import full_value
-from shardwise.resolve import resolve_run
-from shardwise.session import build_data
-from shardwise.train import train_step
+from shardwise.resolve.checks import load_config
+from shardwise.resolve.run import resolve_run
+from shardwise.trainer.build import build_rank_model
+from shardwise.trainer.loss import TokenLoss
+from shardwise.trainer.session import build_data
+from shardwise.trainer.train import train_step
 from tests.conftest import ROOT, one_rank_pg, require
 
 STEPS = 3

@@ -14,12 +14,12 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from shardwise.data.dataset import IGNORE_INDEX, Batch
 from shardwise.models.llama import build_model, init_weights
-from shardwise.ops.loss import token_loss_sum
 from shardwise.parallel.context import shard_sequences
 from shardwise.parallel.dims import ParallelDims
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.pipeline import Pipe, attach_stage_views, rank_stages, split_stage
-from shardwise.resolve import ResolvedRun
+from shardwise.resolve.run import ResolvedRun
+from shardwise.trainer.loss import token_loss_sum
 
 
 def build_rank_model(run: ResolvedRun, device: torch.device | str) -> nn.Module:

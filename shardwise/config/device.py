@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from shardwise.config_types import ConfigError
+from shardwise.config.types import ConfigError
 
 if TYPE_CHECKING:
     import torch

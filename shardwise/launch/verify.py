@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from shardwise.checkpoint import read_model_tensors
-from shardwise.config import Config, ConfigError
-from shardwise.flags import parse_layout
+from shardwise.config.schema import Config, ConfigError
 from shardwise.observe.metrics import read_metrics
 from shardwise.observe.routing import replay_report
+from shardwise.resolve.layouts import parse_layout
 
 
 @dataclass(frozen=True)

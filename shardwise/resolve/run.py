@@ -8,12 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-import shardwise.device
-from shardwise.config import Config, ConfigError, TrainingConfig
-from shardwise.config_checks import notice
+import shardwise.config.device
+from shardwise.config.schema import Config, ConfigError, TrainingConfig
 from shardwise.models import ModelArgs, model_args
 from shardwise.parallel.dims import ParallelDims
 from shardwise.parallel.pipeline import stages_per_rank
+from shardwise.resolve.checks import notice
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def resolve_run(cfg: Config, world_size: int, detect_device: bool = True) -> Res
     if dims.cp > 1 and cfg.data.document_mask:
         raise ConfigError("data.document_mask with parallel.cp > 1 is not available (the ring "
                           "attention is causal-only): set data.document_mask=false or cp=1")
-    device_type = shardwise.device.device_type(cfg.run.device) if detect_device else cfg.run.device
+    device_type = shardwise.config.device.device_type(cfg.run.device) if detect_device else cfg.run.device
     compiled, why = compile_run(cfg, dims, device_type, toolchain=detect_device)
     check_async_tp(cfg, dims, device_type, compiled)
     micro_batch = micro_batch_size(cfg.training, dims.dp)
@@ -111,7 +111,7 @@ def compile_run(cfg: Config, dims: _Degrees, device_type: str, toolchain: bool =
     is refused in one line (inductor would fail at the first step); ``auto`` compiles long runs on
     the tested layouts. ``toolchain=False`` (the planner, planning other machines) skips that check."""
     want = cfg.compile.enabled
-    missing = shardwise.device.compile_toolchain(device_type) if toolchain and want else None
+    missing = shardwise.config.device.compile_toolchain(device_type) if toolchain and want else None
     if want is True and missing:
         raise ConfigError(f"compile.enabled=true needs {missing} to build its {device_type} kernels: "
                           "install it, or set compile.enabled=false")

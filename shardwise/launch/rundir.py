@@ -32,8 +32,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from shardwise.checkpoint import list_checkpoints
-from shardwise.config import Config, ConfigError
-from shardwise.resilience import restart_count
+from shardwise.config.schema import Config, ConfigError
+from shardwise.launch.resilience import restart_count
 
 LOCK_NAME = ".shardwise.lock"
 # Under `shardwise train --nproc`, the launcher holds the lock and tells its ranks so here.

@@ -18,12 +18,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise import checkpoint, convert, rundir
-from shardwise.config import Config, model_label
+from shardwise import checkpoint
+from shardwise.checkpoint import hf as convert
+from shardwise.config.device import DistEnv
+from shardwise.config.schema import Config, model_label
 from shardwise.data.dataset import Batch, Corpus, PackedLoader, check_vocab, open_corpus
 from shardwise.data.tokenizer import load_tokenizer
-from shardwise.device import DistEnv
-from shardwise.evaluate import Evaluator
+from shardwise.launch import rundir
+from shardwise.launch.resilience import NonFiniteError, StopRequest, nonfinite_message
 from shardwise.observe.comm import trace_step
 from shardwise.observe.flops import batch_pairs, executed_flops, flops_per_token, num_params
 from shardwise.observe.memory import GiB, current_memory_gib, peak_memory_gib, peak_reserved_gib, track_peak
@@ -32,17 +34,17 @@ from shardwise.observe.peak import peak_tflops
 from shardwise.observe.plot import plot_loss
 from shardwise.observe.profile import StepProfiler
 from shardwise.observe.routing import RoutingTrace, routing_trace
-from shardwise.ops.loss import TokenLoss
 from shardwise.optim.adamw import build_optimizer
 from shardwise.optim.lr import build_lr_scheduler
-from shardwise.parallel.build import batch_sharder, build_pipe, build_rank_model
 from shardwise.parallel.context import shard_sequences
 from shardwise.parallel.dims import DEGREES
 from shardwise.parallel.float8 import gathers_float8
 from shardwise.parallel.pipeline import Pipe
-from shardwise.preflight import load_candidates, no_good_checkpoint
-from shardwise.resilience import NonFiniteError, StopRequest, nonfinite_message
-from shardwise.resolve import ResolvedRun
+from shardwise.resolve.run import ResolvedRun
+from shardwise.trainer.build import batch_sharder, build_pipe, build_rank_model
+from shardwise.trainer.evaluate import Evaluator
+from shardwise.trainer.loss import TokenLoss
+from shardwise.trainer.preflight import load_candidates, no_good_checkpoint
 
 
 @dataclasses.dataclass

@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from shardwise.config_types import ConfigError
+from shardwise.config.types import ConfigError
 
 EXTRAS = {"float8": "torchao", "parquet": "pyarrow", "wandb": "wandb", "eval": "lm_eval"}
 """shardwise extra -> the module it installs."""

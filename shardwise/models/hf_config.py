@@ -1,4 +1,4 @@
-"""The model shape of a Hugging Face ``config.json`` and back, for the families :mod:`shardwise.convert`
+"""The model shape of a Hugging Face ``config.json`` and back, for the families :mod:`shardwise.checkpoint.hf`
 speaks (Llama, Qwen3, Qwen3-MoE). Plain data: the config checks use it to take a run's model from an
 HF folder (``checkpoint.initial_hf``) without loading the converter."""
 
@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from shardwise.config import ConfigError, ModelConfig
+from shardwise.config.schema import ConfigError, ModelConfig
 from shardwise.models import ModelArgs, check_args
 from shardwise.models.presets import PRESETS
 

@@ -6,20 +6,21 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from shardwise import checkpoint, rundir
-from shardwise.config import Config, ConfigError, model_label
-from shardwise.config_checks import notice
+from shardwise import checkpoint
+from shardwise.config.device import launched_world_size
+from shardwise.config.extras import require_extra
+from shardwise.config.schema import Config, ConfigError, model_label
 from shardwise.data.prepare import check_prepared
 from shardwise.data.tokenizer import load_tokenizer
-from shardwise.device import launched_world_size
-from shardwise.extras import require_extra
+from shardwise.launch import rundir
+from shardwise.launch.resilience import restart_count
 from shardwise.models import ModelArgs
 from shardwise.models.llama import build_model
 from shardwise.models.presets import FAMILY_TOKENIZERS, vocab_beyond_padding
 from shardwise.observe.routing import read_meta
 from shardwise.parallel.float8 import float8_summary
-from shardwise.resilience import restart_count
-from shardwise.resolve import ResolvedRun, resolve_run
+from shardwise.resolve.checks import notice
+from shardwise.resolve.run import ResolvedRun, resolve_run
 
 
 def preflight(cfg: Config, world_size: int) -> ResolvedRun:

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from shardwise.config import ConfigError
-from shardwise.extras import require_extra
-from shardwise.generate import Loaded, Sampling, generate
+from shardwise.config.extras import require_extra
+from shardwise.config.schema import ConfigError
+from shardwise.infer.generate import Loaded, Sampling, generate
 
 
 def _adapter(loaded: Loaded) -> Any:

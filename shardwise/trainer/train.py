@@ -17,20 +17,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise import rundir
-from shardwise.config import Config
+from shardwise.config.device import bound_matmul_caches, init_distributed
+from shardwise.config.schema import Config
 from shardwise.data.dataset import Batch
-from shardwise.device import bound_matmul_caches, init_distributed
+from shardwise.launch import rundir
+from shardwise.launch.resilience import exit_with_launcher, maybe_fail
 from shardwise.models.moe import update_expert_bias
 from shardwise.observe.memory import SavedActivations, state_bytes
-from shardwise.ops.loss import TokenLoss
 from shardwise.optim.clip import clip_grad_norm_
 from shardwise.parallel.float8 import precompute_scales
 from shardwise.parallel.pipeline import Pipe
-from shardwise.preflight import preflight
-from shardwise.resilience import exit_with_launcher, maybe_fail
-from shardwise.resolve import ResolvedRun
-from shardwise.session import Session, open_session
+from shardwise.resolve.run import ResolvedRun
+from shardwise.trainer.loss import TokenLoss
+from shardwise.trainer.preflight import preflight
+from shardwise.trainer.session import Session, open_session
 
 
 def train(cfg: Config, run: ResolvedRun | None = None) -> None:

@@ -22,7 +22,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from shardwise.config import ConfigError, DebugConfig
+from shardwise.config.schema import ConfigError, DebugConfig
 
 
 class NonFiniteError(ConfigError):

@@ -19,15 +19,15 @@ from typing import Any
 import torch
 
 from shardwise.checkpoint import read_manifest
+from shardwise.checkpoint.hf import load_hf_weights, run_tokenizer
 from shardwise.checkpoint.manifest import checkpoint_or_latest
 from shardwise.checkpoint.reader import check_compatible, load_model_only
-from shardwise.config import ConfigError, ModelConfig
-from shardwise.convert import load_hf_weights, run_tokenizer
+from shardwise.config.device import device_type
+from shardwise.config.schema import ConfigError, ModelConfig
 from shardwise.data.chat import check_messages
 from shardwise.data.tokenizer import load_tokenizer
-from shardwise.device import device_type
-from shardwise.hf_config import args_from_hf, read_hf_config
 from shardwise.models import model_args
+from shardwise.models.hf_config import args_from_hf, read_hf_config
 from shardwise.models.llama import KVCache, build_model, rope_table
 
 

@@ -28,9 +28,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardwise.checkpoint import CheckpointError, ModelTensors, read_manifest, run_config, save_model_only
-from shardwise.config import ConfigError, ModelConfig, read_config
+from shardwise.config.schema import ConfigError, ModelConfig, read_config
 from shardwise.data.tokenizer import SHIPPED_TOKENIZER, load_tokenizer
-from shardwise.hf_config import (  # (hf_family: re-exported for the tests)
+from shardwise.models import ModelArgs, model_args
+from shardwise.models.hf_config import (  # (hf_family: re-exported for the tests)
     args_from_hf,
     check_hf_config,
     hf_config,
@@ -38,7 +39,6 @@ from shardwise.hf_config import (  # (hf_family: re-exported for the tests)
     model_config_of,
     read_hf_config,
 )
-from shardwise.models import ModelArgs, model_args
 from shardwise.models.llama import build_model
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -17,8 +17,8 @@ from typing import Any, Literal
 
 import tomli_w
 
-from shardwise.config_types import ConfigError, coerce, read_toml, type_name
-from shardwise.model_args import ModelArgs
+from shardwise.config.model_args import ModelArgs
+from shardwise.config.types import ConfigError, coerce, read_toml, type_name
 
 __all__ = ["ConfigError", "coerce", "type_name"]  # re-exported: the package imports them from here
 
@@ -447,7 +447,7 @@ def choices(key: str) -> tuple[str, ...]:
     return typing.get_args(section_fields(sections()[section])[name])
 
 
-PRESET_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+PRESET_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 """The shipped TOML of each model people run (``configs/<preset>.toml``), beside the package."""
 
 
@@ -459,7 +459,7 @@ def preset_toml(name: str) -> Path | None:
 
 def read_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults <- TOML file <- CLI overrides, each value checked against its field's type (the
-    rest -- preset, relations between fields, ``auto`` -- is :func:`shardwise.config_checks.load_config`)."""
+    rest -- preset, relations between fields, ``auto`` -- is :func:`shardwise.resolve.checks.load_config`)."""
     cfg = Config()
     if path is not None:
         p = Path(path)

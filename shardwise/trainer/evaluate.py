@@ -11,9 +11,9 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.data.dataset import Batch, Corpus, PackedLoader, Stream
-from shardwise.ops.loss import TokenLoss
 from shardwise.parallel.pipeline import Pipe
-from shardwise.resolve import ResolvedRun
+from shardwise.resolve.run import ResolvedRun
+from shardwise.trainer.loss import TokenLoss
 
 
 class Evaluator:

@@ -17,19 +17,19 @@ import torch
 import torch.distributed as dist
 
 from shardwise.checkpoint import checkpoint_or_latest, load_weights, read_manifest, run_config
-from shardwise.config import Config, ConfigError, ModelConfig
-from shardwise.config_checks import load_config
+from shardwise.config.device import init_distributed, launched_world_size
+from shardwise.config.schema import Config, ConfigError, ModelConfig
 from shardwise.data.dataset import check_vocab, open_corpus
 from shardwise.data.prepare import prepare
 from shardwise.data.tokenizer import load_tokenizer
-from shardwise.device import init_distributed, launched_world_size
-from shardwise.evaluate import score
-from shardwise.generate import load
-from shardwise.harness import run_tasks
-from shardwise.launch import launch, strip_launcher_flags
-from shardwise.ops.loss import TokenLoss
-from shardwise.parallel.build import batch_sharder, build_pipe, build_rank_model
-from shardwise.resolve import resolve_run
+from shardwise.infer.generate import load
+from shardwise.infer.harness import run_tasks
+from shardwise.launch.agent import launch, strip_launcher_flags
+from shardwise.resolve.checks import load_config
+from shardwise.resolve.run import resolve_run
+from shardwise.trainer.build import batch_sharder, build_pipe, build_rank_model
+from shardwise.trainer.evaluate import score
+from shardwise.trainer.loss import TokenLoss
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.checkpoint import list_checkpoints
-from shardwise.config_checks import LAUNCHED_RANK_ENV
-from shardwise.process import env_since_server_start, set_rank_env, start_rank_server
+from shardwise.launch.process import env_since_server_start, set_rank_env, start_rank_server
+from shardwise.resolve.checks import LAUNCHED_RANK_ENV
 
 
 def strip_launcher_flags(argv: list[str]) -> list[str]:

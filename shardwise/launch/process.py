@@ -29,18 +29,18 @@ import sys
 import threading
 import time
 
-from shardwise.device import usable_cores
+from shardwise.config.device import usable_cores
 
 _BUFFERED = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
 
 # What a rank imports before its first step: the server imports them once, every rank inherits them.
-# First shardwise.rank_server (the server's own rules: it ignores group signals, leaves at once);
+# First shardwise.launch.rank_server (the server's own rules: it ignores group signals, leaves at once);
 # besides shardwise's own, torch._dynamo (FSDP2 imports it at its first shard, through
 # torch._disable_dynamo), the tokenizer library and the chat template's engine (loaded by the config
 # checks); a module that is not installed is left out.
-RANK_MODULES = ["shardwise.rank_server", "shardwise.cli", "shardwise.config_checks", "shardwise.preflight",
-                "shardwise.rundir", "shardwise.launch", "shardwise.train", "torch._dynamo", "tokenizers",
-                "jinja2"]
+RANK_MODULES = ["shardwise.launch.rank_server", "shardwise.cli", "shardwise.resolve.checks",
+                "shardwise.trainer.preflight", "shardwise.launch.rundir", "shardwise.launch.agent",
+                "shardwise.trainer.train", "torch._dynamo", "tokenizers", "jinja2"]
 
 
 def finish() -> None:

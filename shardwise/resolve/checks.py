@@ -1,4 +1,4 @@
-"""What happens to a :class:`~shardwise.config.Config` once it is read: the model preset fills the
+"""What happens to a :class:`~shardwise.config.schema.Config` once it is read: the model preset fills the
 unset model fields, values are checked (choices, signs, ranges and the relations between fields
 that need no process group; each failure is one line naming the field and the fix), and ``auto``
 settings are resolved for the device."""
@@ -10,11 +10,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-import shardwise.device
-from shardwise.config import Config, ConfigError, ModelConfig, read_config
-from shardwise.hf_config import args_from_hf, hf_tokenizer, model_config_of, read_hf_config
-from shardwise.model_args import ModelArgs
+import shardwise.config.device
+from shardwise.config.model_args import ModelArgs
+from shardwise.config.schema import Config, ConfigError, ModelConfig, read_config
 from shardwise.models import check_args, model_args
+from shardwise.models.hf_config import args_from_hf, hf_tokenizer, model_config_of, read_hf_config
 from shardwise.models.presets import PRESETS
 from shardwise.parallel.dims import ParallelDims, parse_backend_spec
 
@@ -142,8 +142,8 @@ def resolve_precision(cfg: Config, device: str | None = None) -> None:
     Every rank of a job decides alike: from CPU feature flags, not from a timing."""
     if cfg.training.mixed_precision != "auto":
         return
-    device = device or shardwise.device.device_type(cfg.run.device)
-    fast = device != "cpu" or shardwise.device.cpu_has_native_bf16()
+    device = device or shardwise.config.device.device_type(cfg.run.device)
+    fast = device != "cpu" or shardwise.config.device.cpu_has_native_bf16()
     cfg.training.mixed_precision = "bf16" if fast else "fp32"
 
 
