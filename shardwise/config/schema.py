@@ -175,7 +175,7 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel degree."""
     ep: int = 1
-    """Expert-parallel degree (MoE models; borrows ranks from dp_shard*cp)."""
+    """Expert-parallel degree (MoE models; borrows its ranks from dp_shard*cp*tp)."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved1f1b", "zbv", "dualpipev"] = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved1f1b, zbv or dualpipev (over the micro-batches)."""
     pp_stages_per_rank: int = 2
