@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from shardwise.config.model_args import ModelArgs
@@ -23,17 +24,46 @@ from shardwise.config.schema import ConfigError, ParallelConfig, coerce
 if TYPE_CHECKING:  # torch loads when a mesh is built: the degree checks run before it (shardwise/cli.py)
     from torch.distributed.device_mesh import DeviceMesh
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+class Mesh(StrEnum):
+    """Every mesh dim and flattened view, by name: code names a mesh through this, never a string
+    (tests/unit/test_structure.py holds it). A member is its name as a ``str`` (``Mesh.TP == "tp"``),
+    which is what DeviceMesh indexing, the planner's reports and their JSON read."""
+
+    PP = "pp"
+    DP_REPLICATE = "dp_replicate"
+    DP_SHARD = "dp_shard"
+    CP = "cp"
+    TP = "tp"
+    DP = "dp"
+    DP_SHARD_CP = "dp_shard_cp"
+    DP_CP = "dp_cp"
+    DP_CP_TP = "dp_cp_tp"
+    CP_TP = "cp_tp"
+    HSDP = "hsdp"
+    DP_SHARD_CP_TP = "dp_shard_cp_tp"
+    MOE = "moe"
+    EP = "ep"
+    EXPERTS = "experts"
+    EFSDP = "efsdp"
+
+
+MESH_DIMS = (Mesh.PP, Mesh.DP_REPLICATE, Mesh.DP_SHARD, Mesh.CP, Mesh.TP)
 """The world mesh's dims, outermost first (rank = row-major index over them)."""
-DEGREES = (*MESH_DIMS, "ep")
+DEGREES = (*MESH_DIMS, Mesh.EP)
 """The parallel degrees a layout sets (``ep`` borrows its ranks from dp_shard x cp x tp)."""
-FLAT_VIEWS = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
-              "dp_cp": ("dp_replicate", "dp_shard", "cp"),
-              "dp_cp_tp": ("dp_replicate", "dp_shard", "cp", "tp"), "cp_tp": ("cp", "tp")}
+FLAT_VIEWS = {Mesh.DP: (Mesh.DP_REPLICATE, Mesh.DP_SHARD),
+              Mesh.DP_SHARD_CP: (Mesh.DP_SHARD, Mesh.CP),
+              Mesh.DP_CP: (Mesh.DP_REPLICATE, Mesh.DP_SHARD, Mesh.CP),
+              Mesh.DP_CP_TP: (Mesh.DP_REPLICATE, Mesh.DP_SHARD, Mesh.CP, Mesh.TP),
+              Mesh.CP_TP: (Mesh.CP, Mesh.TP)}
 """The flattened views :meth:`ParallelDims.build_mesh` makes, by name -> the mesh dims they span."""
-MOE_VIEWS = {"dp_shard_cp_tp": ("dp_shard", "cp", "tp"), "moe": ("dp_shard", "cp", "tp")}
+MOE_VIEWS = {Mesh.DP_SHARD_CP_TP: (Mesh.DP_SHARD, Mesh.CP, Mesh.TP),
+             Mesh.MOE: (Mesh.DP_SHARD, Mesh.CP, Mesh.TP)}
 """The views :meth:`ParallelDims.moe_meshes` makes (``moe``: the FSDP group of routers and shared
 experts; ``ep`` and ``efsdp`` split it, innermost ``ep``)."""
+
 
 @dataclass
 class ParallelDims:
@@ -48,29 +78,29 @@ class ParallelDims:
     target_device: str = field(default="", repr=False)
     """The device type the model is parallelized for: the mesh's, or for the planner (whose fake
     world's mesh is on the CPU) the device of the run it plans (:func:`build_mesh`)."""
-    _flat: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
+    _flat: dict[Mesh, DeviceMesh] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
         """Resolve ``dp_shard=-1`` and validate; raises ConfigError with a one-line message."""
         degrees = {k: getattr(cfg, k) for k in DEGREES}
         for k, v in degrees.items():
-            if v < 1 and not (k == "dp_shard" and v == -1):
+            if v < 1 and not (k == Mesh.DP_SHARD and v == -1):
                 raise ConfigError(f"parallel.{k} must be >= 1 (dp_shard may be -1), got {v}")
-        rest = degrees["dp_replicate"] * degrees["cp"] * degrees["tp"] * degrees["pp"]
-        if degrees["dp_shard"] == -1:
+        rest = degrees[Mesh.DP_REPLICATE] * degrees[Mesh.CP] * degrees[Mesh.TP] * degrees[Mesh.PP]
+        if degrees[Mesh.DP_SHARD] == -1:
             if world_size % rest:
                 raise ConfigError(f"world size {world_size} is not divisible by dp_replicate*cp*tp*pp"
                                   f"={rest}: change the degrees or the number of ranks")
-            degrees["dp_shard"] = world_size // rest
-        product = rest * degrees["dp_shard"]
+            degrees[Mesh.DP_SHARD] = world_size // rest
+        product = rest * degrees[Mesh.DP_SHARD]
         if product != world_size:
             raise ConfigError(
                 f"parallel degrees pp*dp_replicate*dp_shard*cp*tp = {product} != world size "
                 f"{world_size}: make the product equal the number of ranks or set dp_shard=-1")
-        borrow = degrees["dp_shard"] * degrees["cp"] * degrees["tp"]
-        if borrow % degrees["ep"]:
-            raise ConfigError(f"parallel.ep={degrees['ep']} must divide dp_shard*cp*tp={borrow} (expert "
+        borrow = degrees[Mesh.DP_SHARD] * degrees[Mesh.CP] * degrees[Mesh.TP]
+        if borrow % degrees[Mesh.EP]:
+            raise ConfigError(f"parallel.ep={degrees[Mesh.EP]} must divide dp_shard*cp*tp={borrow} (expert "
                               "parallel borrows those ranks): change ep or the other degrees")
         return cls(world_size=world_size, **degrees)
 
@@ -131,23 +161,23 @@ class ParallelDims:
         self._flat = {name: mesh[spans]._flatten(name) for name, spans in FLAT_VIEWS.items()}
         if self.dp_replicate > 1 and self.cp > 1:
             # HSDP over (dp_replicate, dp_shard x cp): a 2-D view made by unflattening dp_cp.
-            self._flat["hsdp"] = self._flat["dp_cp"]._unflatten(
-                0, (self.dp_replicate, self.dp_shard * self.cp), ("dp_replicate", "dp_shard_cp"))
+            self._flat[Mesh.HSDP] = self._flat[Mesh.DP_CP]._unflatten(
+                0, (self.dp_replicate, self.dp_shard * self.cp), (Mesh.DP_REPLICATE, Mesh.DP_SHARD_CP))
         self._mesh = mesh
         return mesh
 
     @property
-    def flat_meshes(self) -> dict[str, DeviceMesh]:
+    def flat_meshes(self) -> dict[Mesh, DeviceMesh]:
         """The flattened views (:data:`FLAT_VIEWS`, and the MoE ones once made) by name."""
         return dict(self._flat)
 
-    def submesh(self, name: str) -> DeviceMesh:
+    def submesh(self, name: Mesh) -> DeviceMesh:
         """A mesh dim of the world mesh, or one of the flattened views (:data:`FLAT_VIEWS`)."""
         if name in self._flat:
             return self._flat[name]
         return self.mesh[name]
 
-    def moe_meshes(self) -> dict[str, DeviceMesh]:
+    def moe_meshes(self) -> dict[Mesh, DeviceMesh]:
         """Meshes of MoE blocks (built on first use, on every rank alike):
 
         - ``moe``: FSDP mesh of router and shared expert -- all of dp_shard x cp x tp (2-D with
@@ -156,27 +186,28 @@ class ParallelDims:
         - ``experts``: FSDP mesh of the expert weights, the rest of dp_shard x cp x tp (``efsdp``),
           with dp_replicate for HSDP.
         """
-        if "moe" in self._flat:
-            return {k: self._flat[k] for k in ("moe", "ep", "experts") if k in self._flat}
+        if Mesh.MOE in self._flat:
+            return {k: self._flat[k] for k in (Mesh.MOE, Mesh.EP, Mesh.EXPERTS) if k in self._flat}
         shard = self.dp_shard * self.cp * self.tp
-        all_but_pp = self._flat["dp_cp_tp"]
+        all_but_pp = self._flat[Mesh.DP_CP_TP]
         if self.dp_replicate > 1:
-            self._flat["moe"] = all_but_pp._unflatten(0, (self.dp_replicate, shard),
-                                                      ("dp_replicate", "dp_shard_cp_tp"))
+            self._flat[Mesh.MOE] = all_but_pp._unflatten(0, (self.dp_replicate, shard),
+                                                      (Mesh.DP_REPLICATE, Mesh.DP_SHARD_CP_TP))
         else:
-            self._flat["moe"] = self.mesh["dp_shard", "cp", "tp"]._flatten("dp_shard_cp_tp")
+            self._flat[Mesh.MOE] = self.mesh[Mesh.DP_SHARD, Mesh.CP, Mesh.TP]._flatten(Mesh.DP_SHARD_CP_TP)
         if self.ep > 1:
             grid = all_but_pp._unflatten(0, (self.dp_replicate, shard // self.ep, self.ep),
-                                         ("dp_replicate", "efsdp", "ep"))
-            self._flat["ep"] = grid["ep"]
-            self._flat["experts"] = grid["dp_replicate", "efsdp"] if self.dp_replicate > 1 else grid["efsdp"]
+                                         (Mesh.DP_REPLICATE, Mesh.EFSDP, Mesh.EP))
+            self._flat[Mesh.EP] = grid[Mesh.EP]
+            experts = (Mesh.DP_REPLICATE, Mesh.EFSDP) if self.dp_replicate > 1 else Mesh.EFSDP
+            self._flat[Mesh.EXPERTS] = grid[experts]
         return self.moe_meshes()
 
     def fsdp_mesh(self) -> DeviceMesh:
         """1-D over dp_shard x cp for FSDP, or 2-D (dp_replicate, dp_shard x cp) for HSDP."""
         if self.dp_replicate > 1:
-            return self._flat["hsdp"] if self.cp > 1 else self.mesh["dp_replicate", "dp_shard"]
-        return self.submesh("dp_shard" if self.cp == 1 else "dp_shard_cp")
+            return self._flat[Mesh.HSDP] if self.cp > 1 else self.mesh[Mesh.DP_REPLICATE, Mesh.DP_SHARD]
+        return self.submesh(Mesh.DP_SHARD if self.cp == 1 else Mesh.DP_SHARD_CP)
 
 
 def backend_options(name: str, opts: dict[str, Any]) -> str | tuple[str, Any]:

@@ -17,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from shardwise.config.schema import ParallelConfig
 from shardwise.models.moe import MoE
+from shardwise.parallel.dims import Mesh
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -76,11 +77,11 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig,
         else:  # default: the last block's parameters are needed again first in backward, and
             # under PP every block's are, once per micro-batch: keep them gathered.
             reshard = i < len(layers) - 1 and cfg.pp == 1
-        if isinstance(block.feed_forward, MoE) and not (single and moe_meshes["moe"].size() == 1):
-            if "experts" in (moe_meshes or {}):
-                fully_shard(block.feed_forward.experts, mesh=moe_meshes["experts"], mp_policy=block_mp,
+        if isinstance(block.feed_forward, MoE) and not (single and moe_meshes[Mesh.MOE].size() == 1):
+            if Mesh.EXPERTS in (moe_meshes or {}):
+                fully_shard(block.feed_forward.experts, mesh=moe_meshes[Mesh.EXPERTS], mp_policy=block_mp,
                             reshard_after_forward=reshard)
-            fully_shard(block.feed_forward, mesh=moe_meshes["moe"], mp_policy=block_mp,
+            fully_shard(block.feed_forward, mesh=moe_meshes[Mesh.MOE], mp_policy=block_mp,
                         reshard_after_forward=reshard)
         if not single:
             fully_shard(block, mesh=mesh, mp_policy=block_mp, reshard_after_forward=reshard)

@@ -18,7 +18,7 @@ from shardwise.models.moe import moe_layers
 from shardwise.parallel.ac import apply_ac
 from shardwise.parallel.compile import apply_compile
 from shardwise.parallel.context import apply_cp
-from shardwise.parallel.dims import ParallelDims
+from shardwise.parallel.dims import Mesh, ParallelDims
 from shardwise.parallel.expert import apply_ep
 from shardwise.parallel.float8 import apply_float8
 from shardwise.parallel.fsdp import apply_fsdp, mixed_precision_policy
@@ -32,15 +32,15 @@ def parallelize(model: nn.Module, dims: ParallelDims, config: Config, compiled: 
     cfg = config.parallel
     apply_float8(model, config.float8, dims.tp, dims.mesh.device_type)
     if dims.tp > 1:
-        apply_tp(model, dims.submesh("tp"), cfg)
+        apply_tp(model, dims.submesh(Mesh.TP), cfg)
     if dims.cp > 1:
         # The training sequence length fixes which positions each cp rank holds.
-        apply_cp(model, dims.submesh("cp"), cfg, config.training.seq_len)
+        apply_cp(model, dims.submesh(Mesh.CP), cfg, config.training.seq_len)
     moe_meshes = {}
     if moe_layers(model):
         moe_meshes = dims.moe_meshes()
         if dims.ep > 1:
-            apply_ep(model, moe_meshes["ep"])
+            apply_ep(model, moe_meshes[Mesh.EP])
     apply_ac(model, config.activation_checkpoint)
     apply_compile(model, compiled)
     mp = mixed_precision_policy(config.training.mixed_precision, cfg.fsdp_reduce_dtype)

@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass
 
 from shardwise.config.schema import Config
-from shardwise.parallel.dims import FLAT_VIEWS, MESH_DIMS, MOE_VIEWS
+from shardwise.parallel.dims import FLAT_VIEWS, MESH_DIMS, MOE_VIEWS, Mesh
 from shardwise.parallel.pipeline import rank_stages
 from shardwise.plan.activations import Shape, shape_of
 from shardwise.plan.layout import Layout
@@ -78,9 +78,9 @@ def group_members(layout: Layout, group: str, pp_rank: int = 0) -> frozenset[int
     and every other coordinate 0. Ranks are laid out pp, dp_replicate, dp_shard, cp, tp (outermost
     first); expert parallel takes the innermost ``ep`` of dp_shard x cp x tp, efsdp the rest."""
     base = pp_rank * (layout.world // layout.pp)
-    if group in ("ep", "efsdp"):
+    if group in (Mesh.EP, Mesh.EFSDP):
         inner = layout.dp_shard * layout.cp * layout.tp
-        members = range(layout.ep) if group == "ep" else range(0, inner, layout.ep)
+        members = range(layout.ep) if group == Mesh.EP else range(0, inner, layout.ep)
         return frozenset(base + r for r in members)
     dims = _spanned_dims(group)
     strides = {d: math.prod(getattr(layout, x) for x in MESH_DIMS[MESH_DIMS.index(d) + 1:]) for d in dims}
@@ -90,7 +90,7 @@ def group_members(layout: Layout, group: str, pp_rank: int = 0) -> frozenset[int
 
 def group_size(layout: Layout, group: str) -> int:
     """Ranks in one ``group`` mesh dim of ``layout``."""
-    if group == "efsdp":
+    if group == Mesh.EFSDP:
         return layout.dp_shard * layout.cp * layout.tp // layout.ep
     return math.prod(getattr(layout, d) for d in _spanned_dims(group))
 
@@ -153,7 +153,7 @@ def unit_collectives(cfg: Config, layout: Layout, unit: FsdpUnit, shape: Shape) 
                    "FSDP parameter all-gather", "fsdp")
     issued.add(unit.group, "reduce_scatter", reduce_buffer, reductions, "backward",
                "FSDP gradient reduce-scatter", "fsdp")
-    issued.add("dp_replicate", "all_reduce", reduce_buffer // unit.shard, reductions, "backward",
+    issued.add(Mesh.DP_REPLICATE, "all_reduce", reduce_buffer // unit.shard, reductions, "backward",
                "HSDP gradient all-reduce", "fsdp")
     return issued.collectives
 
@@ -171,20 +171,22 @@ def tensor_collectives(cfg: Config, layout: Layout, rank_states: RankStates,
     activation_bytes = shape.e * shape.tokens * dim  # one gathered (tokens x dim) activation
     # attention of every block, dense FFNs: gather in, reduce-scatter out; mirrored in backward
     regions = micro_batches * (n_layers + n_layers - _moe_layers(shape, rank_states))
-    add("tp", "all_gather", activation_bytes, regions, "forward", "sequence-parallel gather")
-    add("tp", "reduce_scatter", activation_bytes, regions, "forward", "sequence-parallel reduce-scatter")
-    add("tp", "reduce_scatter", activation_bytes, regions, "backward", "sequence-parallel gather (grad)")
-    add("tp", "all_gather", activation_bytes, regions, "backward", "sequence-parallel reduce-scatter (grad)")
-    add("tp", "all_reduce", shape.e * dim, micro_batches * 2 * n_layers, "backward", "norm weight gradients")
+    add(Mesh.TP, "all_gather", activation_bytes, regions, "forward", "sequence-parallel gather")
+    add(Mesh.TP, "reduce_scatter", activation_bytes, regions, "forward", "sequence-parallel reduce-scatter")
+    add(Mesh.TP, "reduce_scatter", activation_bytes, regions, "backward", "sequence-parallel gather (grad)")
+    add(Mesh.TP, "all_gather", activation_bytes, regions, "backward",
+        "sequence-parallel reduce-scatter (grad)")
+    add(Mesh.TP, "all_reduce", shape.e * dim, micro_batches * 2 * n_layers, "backward",
+        "norm weight gradients")
     if rank_states.has_embedding:
-        add("tp", "reduce_scatter", activation_bytes, micro_batches, "forward", "vocab-parallel embedding")
-        add("tp", "all_gather", activation_bytes, micro_batches, "backward",
+        add(Mesh.TP, "reduce_scatter", activation_bytes, micro_batches, "forward", "vocab-parallel embedding")
+        add(Mesh.TP, "all_gather", activation_bytes, micro_batches, "backward",
             "vocab-parallel embedding (grad)")
     if rank_states.has_head:
-        add("tp", "all_gather", activation_bytes, micro_batches, "forward", "output head input gather")
-        add("tp", "reduce_scatter", activation_bytes, micro_batches, "backward",
+        add(Mesh.TP, "all_gather", activation_bytes, micro_batches, "forward", "output head input gather")
+        add(Mesh.TP, "reduce_scatter", activation_bytes, micro_batches, "backward",
             "output head input gather (grad)")
-        add("tp", "all_reduce", shape.e * dim, micro_batches, "backward", "norm weight gradients")
+        add(Mesh.TP, "all_reduce", shape.e * dim, micro_batches, "backward", "norm weight gradients")
         _tensor_loss(issued, cfg, shape, micro_batches)
     return issued.collectives
 
@@ -196,16 +198,16 @@ def _tensor_loss(issued: _Issued, cfg: Config, shape: Shape, micro_batches: int)
         # per chunk of C tokens: the row max (C values), then the sum of exponentials and the
         # target logit (2C), fp32
         chunks, per_chunk = math.ceil(tokens / chunk_tokens), min(chunk_tokens, tokens)
-        issued.add("tp", "all_reduce", 4 * per_chunk, micro_batches * chunks, "forward",
+        issued.add(Mesh.TP, "all_reduce", 4 * per_chunk, micro_batches * chunks, "forward",
                    "vocab-parallel chunked loss (max)")
-        issued.add("tp", "all_reduce", 8 * per_chunk, micro_batches * chunks, "forward",
+        issued.add(Mesh.TP, "all_reduce", 8 * per_chunk, micro_batches * chunks, "forward",
                    "vocab-parallel chunked loss (sums)")
     elif cfg.parallel.loss_parallel:
-        issued.add("tp", "all_reduce", 4 * tokens, micro_batches * 3, "forward", "loss parallel")
+        issued.add(Mesh.TP, "all_reduce", 4 * tokens, micro_batches * 3, "forward", "loss parallel")
     else:
         logits_bytes = shape.e * tokens * shape.args.vocab_size
-        issued.add("tp", "all_gather", logits_bytes, micro_batches, "forward", "logits gather")
-        issued.add("tp", "reduce_scatter", logits_bytes, micro_batches, "backward", "logits gather (grad)")
+        issued.add(Mesh.TP, "all_gather", logits_bytes, micro_batches, "forward", "logits gather")
+        issued.add(Mesh.TP, "reduce_scatter", logits_bytes, micro_batches, "backward", "logits gather (grad)")
 
 
 def context_collectives(cfg: Config, layout: Layout, rank_states: RankStates,
@@ -223,12 +225,12 @@ def context_collectives(cfg: Config, layout: Layout, rank_states: RankStates,
     attentions = layout.micro_batches(cfg.training.global_batch) * len(rank_states.layers)
     for phase in ("forward", "backward"):
         if cfg.parallel.cp_rotate_method == "allgather":
-            issued.add("cp", "all_gather", layout.cp * local_kv_bytes, attentions, phase,
+            issued.add(Mesh.CP, "all_gather", layout.cp * local_kv_bytes, attentions, phase,
                        "ring attention K/V")
         else:
-            issued.add("cp", "all_to_all", local_kv_bytes, attentions * (layout.cp - 1), phase,
+            issued.add(Mesh.CP, "all_to_all", local_kv_bytes, attentions * (layout.cp - 1), phase,
                        "ring attention K/V")
-    issued.add("cp", "all_to_all", local_kv_bytes * 4 // shape.e, attentions * layout.cp, "backward",
+    issued.add(Mesh.CP, "all_to_all", local_kv_bytes * 4 // shape.e, attentions * layout.cp, "backward",
                "ring attention K/V gradients")
     return issued.collectives
 
@@ -240,13 +242,13 @@ def expert_collectives(cfg: Config, layout: Layout, rank_states: RankStates,
     issued, args = _Issued(layout), shape.args
     moe_blocks = layout.micro_batches(cfg.training.global_batch) * _moe_layers(shape, rank_states)
     if layout.cp * layout.tp > 1 and args.moe_balance == "aux_loss" and args.moe_aux_coef > 0:
-        issued.add("cp_tp", "all_reduce", 4 * layout.micro_batch * (args.n_experts + 1), moe_blocks,
+        issued.add(Mesh.CP_TP, "all_reduce", 4 * layout.micro_batch * (args.n_experts + 1), moe_blocks,
                    "forward", "MoE balance-loss counts")
     if layout.ep > 1:
         sent_bytes = shape.e * shape.norm_tokens * args.moe_top_k * args.dim  # balanced routing
-        issued.add("ep", "all_to_all", 8 * args.n_experts, moe_blocks, "forward", "expert-parallel counts")
-        issued.add("ep", "all_to_all", sent_bytes, 2 * moe_blocks, "forward", "expert-parallel tokens")
-        issued.add("ep", "all_to_all", sent_bytes, 2 * moe_blocks, "backward", "expert-parallel tokens")
+        issued.add(Mesh.EP, "all_to_all", 8 * args.n_experts, moe_blocks, "forward", "expert-parallel counts")
+        issued.add(Mesh.EP, "all_to_all", sent_bytes, 2 * moe_blocks, "forward", "expert-parallel tokens")
+        issued.add(Mesh.EP, "all_to_all", sent_bytes, 2 * moe_blocks, "backward", "expert-parallel tokens")
     return issued.collectives
 
 
@@ -265,14 +267,14 @@ def pipeline_collectives(cfg: Config, layout: Layout, rank_states: RankStates,
     boundary = boundary_bytes(cfg, layout, shape)
     sends = sum(1 for x in stages if x + 1 < n_stages and owner[x + 1] != pp_rank)
     recvs = sum(1 for x in stages if x > 0 and owner[x - 1] != pp_rank)
-    issued.add("pp", "send", boundary, micro_batches * sends, "forward", "pipeline activations")
-    issued.add("pp", "recv", boundary, micro_batches * recvs, "forward", "pipeline activations")
-    issued.add("pp", "send", boundary, micro_batches * recvs, "backward", "pipeline gradients")
-    issued.add("pp", "recv", boundary, micro_batches * sends, "backward", "pipeline gradients")
-    issued.add("pp", "all_reduce", 4, 1, "step", "loss to every stage")
-    issued.add("pp", "all_reduce", 8, 1, "step", "gradient norm")
+    issued.add(Mesh.PP, "send", boundary, micro_batches * sends, "forward", "pipeline activations")
+    issued.add(Mesh.PP, "recv", boundary, micro_batches * recvs, "forward", "pipeline activations")
+    issued.add(Mesh.PP, "send", boundary, micro_batches * recvs, "backward", "pipeline gradients")
+    issued.add(Mesh.PP, "recv", boundary, micro_batches * sends, "backward", "pipeline gradients")
+    issued.add(Mesh.PP, "all_reduce", 4, 1, "step", "loss to every stage")
+    issued.add(Mesh.PP, "all_reduce", 8, 1, "step", "gradient norm")
     if shape.args.n_experts:
-        issued.add("pp", "all_reduce", 4, 1, "step", "MoE load")
+        issued.add(Mesh.PP, "all_reduce", 4, 1, "step", "MoE load")
     return issued.collectives
 
 
@@ -287,12 +289,12 @@ def step_reductions(cfg: Config, layout: Layout, rank_states: RankStates,
     """Once per step, issued even over one rank: valid tokens (int64) and the loss (fp32) over
     dp x cp, the gradient norm's partial sums, the MoE token counts."""
     issued, n_experts = _Issued(layout), shape.args.n_experts
-    issued.add("dp_cp", "all_reduce", 8, 1, "step", "valid-token count", size_one=True)
-    issued.add("dp_cp", "all_reduce", 4, 1, "step", "loss", size_one=True)
+    issued.add(Mesh.DP_CP, "all_reduce", 8, 1, "step", "valid-token count", size_one=True)
+    issued.add(Mesh.DP_CP, "all_reduce", 4, 1, "step", "loss", size_one=True)
     for group, calls in _norm_groups(layout, rank_states, n_experts > 0).items():
         issued.add(group, "all_reduce", 8, calls, "step", "gradient norm", size_one=True)
     if moe_layers := _moe_layers(shape, rank_states):
-        issued.add("dp_cp_tp", "all_reduce", 4 * moe_layers * n_experts, 1, "step", "MoE token counts",
+        issued.add(Mesh.DP_CP_TP, "all_reduce", 4 * moe_layers * n_experts, 1, "step", "MoE token counts",
                    size_one=True)
     return issued.collectives
 
@@ -307,14 +309,14 @@ def _norm_groups(layout: Layout, rank_states: RankStates, moe: bool) -> dict[str
             calls[group] = calls.get(group, 0) + 1
 
     unit_groups = {unit.group for unit in rank_states.units}
-    fsdp = "dp_shard_cp"
+    fsdp = Mesh.DP_SHARD_CP
     if layout.tp > 1:
-        count(fsdp, "tp")  # tensor-parallel weights: sharded on FSDP's dim and tp
+        count(fsdp, Mesh.TP)  # tensor-parallel weights: sharded on FSDP's dim and tp
     count(fsdp)  # norms (and everything without TP)
-    if moe and "moe" in unit_groups:
-        count("moe")
-    if "efsdp" in unit_groups:
-        count("efsdp", "ep")
+    if moe and Mesh.MOE in unit_groups:
+        count(Mesh.MOE)
+    if Mesh.EFSDP in unit_groups:
+        count(Mesh.EFSDP, Mesh.EP)
     return calls
 
 

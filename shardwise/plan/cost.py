@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from shardwise.config.model_args import ModelArgs
 from shardwise.config.schema import Config
 from shardwise.observe.flops import ATTENTION_BACKWARD, MATMUL_BACKWARD, attention_pairs
+from shardwise.parallel.dims import Mesh
 from shardwise.plan.activations import Shape, expert_rows, shape_of
 from shardwise.plan.comm import Collective, boundary_bytes, fsdp_reduce_bytes, step_collectives
 from shardwise.plan.hardware import Hardware
@@ -329,7 +330,7 @@ def host_seconds(layout: Layout, rank_states: RankStates, hw: Hardware, micro_ba
     return host * max(1.0, layout.world / hw.cores) / hw.sharing(layout.world)
 
 
-HOST_OPS_PER_BLOCK = {"dense": (102, 301), "moe": (162, 504)}
+HOST_OPS_PER_BLOCK = {"dense": (102, 301), "moe_block": (162, 504)}
 """ATen ops one eager block dispatches (forward, forward + backward), counted with a dispatch
 mode on the debug presets (tests/unit/test_plan.py recounts them): about half launch a kernel, the
 rest are views and bookkeeping, which cost host time all the same."""
@@ -341,7 +342,7 @@ def host_ops(args: ModelArgs, layer: int, recomputed: bool) -> int:
     (bench/gpu_model.py, BENCHMARKS.md 2026-11-26), a compiled dense block's host side took 2.24
     and 2.87 ms per forward + backward in two runs, an eager one 2.70 and 2.68 ms -- the compiled
     graph's call, guards and autograd wrappers cost about what the eager ops they replace do."""
-    forward, both = HOST_OPS_PER_BLOCK["moe" if args.is_moe_layer(layer) else "dense"]
+    forward, both = HOST_OPS_PER_BLOCK["moe_block" if args.is_moe_layer(layer) else "dense"]
     return both + (forward if recomputed else 0)
 
 
@@ -409,4 +410,4 @@ def pipeline_hop_seconds(cfg: Config, layout: Layout, hw: Hardware) -> float:
     if layout.pp == 1:
         return 0.0
     nbytes = boundary_bytes(cfg, layout, shape_of(cfg, layout))
-    return 2 * collective_time(Collective("pp", "send", nbytes, 1, "forward", "pipeline"), layout, hw)
+    return 2 * collective_time(Collective(Mesh.PP, "send", nbytes, 1, "forward", "pipeline"), layout, hw)

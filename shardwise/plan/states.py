@@ -35,6 +35,7 @@ import shardwise.config.device
 from shardwise.config.schema import Config, ConfigError
 from shardwise.models import ModelArgs, model_args
 from shardwise.models.llama import build_model
+from shardwise.parallel.dims import Mesh
 from shardwise.parallel.fsdp import one_unit
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.pipeline import rank_stages, stage_layers
@@ -225,7 +226,7 @@ def _read_states(model: nn.Module, cfg: Config, pp_rank: int) -> RankStates:
         shard = info.shard_mesh_size
         padded = sum(fp.padded_sharded_param_size.numel() for fp in group.fsdp_params) * shard
         mesh_name = info.mesh.mesh_dim_names[-1] if info.mesh.mesh_dim_names else ""
-        kind = {"efsdp": "efsdp", "dp_shard_cp_tp": "moe"}.get(mesh_name, "dp_shard_cp")
+        kind = {Mesh.EFSDP: Mesh.EFSDP, Mesh.DP_SHARD_CP_TP: Mesh.MOE}.get(mesh_name, Mesh.DP_SHARD_CP)
         parts = name.split(".")
         layer = int(parts[1]) if len(parts) > 1 and parts[0] == "layers" else None
         blocks: tuple[tuple[int, int], ...] = ()
@@ -272,7 +273,7 @@ def _param_shapes(args: ModelArgs) -> dict[str, list[tuple[str, tuple[int, ...]]
     out["dense"] = [(n, tuple(p.shape)) for n, p in dense.layers["0"].named_parameters()]
     if args.n_experts:
         moe = build_model(dataclasses.replace(args, n_layers=1, n_dense_layers=0))
-        out["moe"] = [(n, tuple(p.shape)) for n, p in moe.layers["0"].named_parameters()]
+        out["moe_block"] = [(n, tuple(p.shape)) for n, p in moe.layers["0"].named_parameters()]
     out["embedding"] = [("tok_embeddings.weight", tuple(dense.tok_embeddings.weight.shape))]
     out["head"] = [("norm.weight", tuple(dense.norm.weight.shape))]
     if dense.output is not None:
@@ -354,7 +355,7 @@ def _rank_states(cfg: Config, layout: Layout, args: ModelArgs, shapes: dict, pp_
             sizes[key] = _shard_numel(params, layout, shard, moe_ffn)
         local, padded = sizes[key]
         numel += local
-        if params and single and group == "dp_shard_cp" and layer is not None:  # (padded == local)
+        if params and single and group == Mesh.DP_SHARD_CP and layer is not None:  # (padded == local)
             held.append((layer, padded))
         elif params:
             blocks = tuple(held) if layer is None else ()
@@ -364,28 +365,28 @@ def _rank_states(cfg: Config, layout: Layout, args: ModelArgs, shapes: dict, pp_
     for i in layers:
         # apply_fsdp: the last block of the rank stays gathered for backward; pipeline ranks keep all
         reshard = mode == "always" or (mode == "default" and i != layers[-1] and layout.pp == 1)
-        kind = "moe" if args.is_moe_layer(i) else "dense"
+        kind = "moe_block" if args.is_moe_layer(i) else "dense"
         block = [(n, sh) for n, sh in shapes[kind] if not n.startswith("feed_forward.")]
         ffn = [(n, sh) for n, sh in shapes[kind] if n.startswith("feed_forward.")]
-        if kind == "moe":
+        if kind == "moe_block":
             experts = [(n, sh) for n, sh in ffn if n.startswith("feed_forward.experts.")]
             rest = [(n, sh) for n, sh in ffn if not n.startswith("feed_forward.experts.")]
             if single and moe_shard == 1:  # the root holds the MoE feed-forward too
                 block += ffn
             else:
                 if layout.ep > 1:
-                    unit(f"layers.{i}.feed_forward.experts", experts, moe_shard // layout.ep, "efsdp",
+                    unit(f"layers.{i}.feed_forward.experts", experts, moe_shard // layout.ep, Mesh.EFSDP,
                          reshard, i, moe_ffn=True)
                     experts = []
-                unit(f"layers.{i}.feed_forward", rest + experts, moe_shard, "moe", reshard, i,
+                unit(f"layers.{i}.feed_forward", rest + experts, moe_shard, Mesh.MOE, reshard, i,
                      moe_ffn=True)
         else:
             block += ffn
-        unit(f"layers.{i}", block, fsdp, "dp_shard_cp", reshard, i)
+        unit(f"layers.{i}", block, fsdp, Mesh.DP_SHARD_CP, reshard, i)
     roots = [(shapes["embedding"] if has_emb else []) + (shapes["head"] if has_head else [])]
     if layout.stages_per_rank > 1:  # each stage view is a root of its own
         roots = [r for r, keep in ((shapes["embedding"], has_emb), (shapes["head"], has_head)) if keep]
     for params in roots:
-        unit("(root)", params, fsdp, "dp_shard_cp", mode == "always", None)
+        unit("(root)", params, fsdp, Mesh.DP_SHARD_CP, mode == "always", None)
     return RankStates(pp_rank, 4 * numel, 4 * numel, optimizer_bytes_per_element(cfg) * numel,
                       tuple(units), tuple(layers), has_emb, has_head)

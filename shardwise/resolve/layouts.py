@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from shardwise.config.schema import ConfigError
-from shardwise.parallel.dims import DEGREES
+from shardwise.parallel.dims import DEGREES, Mesh
 
 __all__ = ["fill_layouts", "parse_layout"]
 
@@ -28,7 +28,7 @@ def parse_layout(text: str) -> tuple[list[str], int]:
             degrees[key] = int(value)
         except ValueError:
             raise ConfigError(f"layout '{text}': {key} must be an integer, got '{value}'") from None
-    world = math.prod(v for k, v in degrees.items() if k != "ep")
+    world = math.prod(v for k, v in degrees.items() if k != Mesh.EP)
     overrides += [f"--parallel.{k}={v}" for k, v in degrees.items()]
     return overrides, world
 
@@ -50,7 +50,7 @@ def fill_layouts(layouts: list[str] | None, nproc: int | None) -> list[str]:
     out = []
     for text in layouts:
         overrides, world = parse_layout(text)
-        if "dp_shard" not in (item.partition("=")[0] for item in text.split(",")):
+        if Mesh.DP_SHARD not in (item.partition("=")[0] for item in text.split(",")):
             if nproc % world:
                 raise ConfigError(f"layout '{text}' uses {world} ranks, which do not divide --nproc {nproc}")
             text, world = ",".join(filter(None, [text, f"dp_shard={nproc // world}"])), nproc

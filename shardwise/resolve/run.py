@@ -11,7 +11,7 @@ from typing import Protocol
 import shardwise.config.device
 from shardwise.config.schema import Config, ConfigError, TrainingConfig
 from shardwise.models import ModelArgs, model_args
-from shardwise.parallel.dims import ParallelDims
+from shardwise.parallel.dims import Mesh, ParallelDims
 from shardwise.parallel.pipeline import stages_per_rank
 from shardwise.resolve.checks import notice
 
@@ -117,7 +117,7 @@ def compile_run(cfg: Config, dims: _Degrees, device_type: str, toolchain: bool =
                           "install it, or set compile.enabled=false")
     if want != "auto":
         return bool(want), ""
-    untested = [k for k in ("pp", "cp", "ep") if getattr(dims, k) > 1]
+    untested = [k for k in (Mesh.PP, Mesh.CP, Mesh.EP) if getattr(dims, k) > 1]
     steps = cfg.training.steps
     if steps < COMPILE_MIN_STEPS:
         return False, (f"compile.enabled=auto: eager, {steps} steps do not amortize the compile "

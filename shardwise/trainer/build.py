@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from shardwise.data.dataset import IGNORE_INDEX, Batch
 from shardwise.models.llama import build_model, init_weights
 from shardwise.parallel.context import shard_sequences
-from shardwise.parallel.dims import ParallelDims
+from shardwise.parallel.dims import Mesh, ParallelDims
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.pipeline import Pipe, attach_stage_views, rank_stages, split_stage
 from shardwise.resolve.run import ResolvedRun
@@ -36,11 +36,11 @@ def build_stage(run: ResolvedRun) -> nn.Module:
     """The model on meta, or with pipeline parallel only this rank's stages of it (one module)."""
     dims, pc = run.dims, run.cfg.parallel
     # A sequence's tokens are split over cp x tp: the MoE balance loss counts over those ranks.
-    group = dims.submesh("cp_tp").get_group() if dims.cp * dims.tp > 1 else None
+    group = dims.submesh(Mesh.CP_TP).get_group() if dims.cp * dims.tp > 1 else None
     model = build_model(run.model, sequences_per_step=run.cfg.training.global_batch, sequence_group=group)
     if dims.pp == 1:
         return model
-    ids = rank_stages(dims.submesh("pp").get_local_rank(), dims.pp, pc.pp_schedule, pc.pp_stages_per_rank)
+    ids = rank_stages(dims.submesh(Mesh.PP).get_local_rank(), dims.pp, pc.pp_schedule, pc.pp_stages_per_rank)
     part = split_stage(model, ids, dims.pp * len(ids))
     attach_stage_views(part, ids, dims.pp * len(ids))
     return part
@@ -53,7 +53,7 @@ def build_pipe(model: nn.Module, run: ResolvedRun, device: torch.device) -> Pipe
         return None
     # Loss parallel's backward must run inside its context, and the schedule runs the backward.
     ctx = loss_parallel if dims.tp > 1 and pc.loss_parallel else contextlib.nullcontext
-    return Pipe(model, dims.submesh("pp"), device, pc.pp_schedule, run.micro_batches, token_loss_sum, ctx,
+    return Pipe(model, dims.submesh(Mesh.PP), device, pc.pp_schedule, run.micro_batches, token_loss_sum, ctx,
                 pc.pp_stages_per_rank)
 
 
@@ -61,7 +61,7 @@ def batch_sharder(dims: ParallelDims, load_balance: bool) -> Callable[[list[Batc
     """Identity, or under context parallel: each micro-batch cut to this cp rank's positions."""
     if dims.cp == 1:
         return list
-    mesh = dims.submesh("cp")
+    mesh = dims.submesh(Mesh.CP)
 
     def shard(batches: list[Batch]) -> list[Batch]:
         out = []

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.data.dataset import Batch, Corpus, PackedLoader, Stream
+from shardwise.parallel.dims import Mesh
 from shardwise.parallel.pipeline import Pipe
 from shardwise.resolve.run import ResolvedRun
 from shardwise.trainer.loss import TokenLoss
@@ -54,7 +55,7 @@ def score(model: nn.Module, run: ResolvedRun, streams: list[Stream], weights: li
     (in order, mixed by ``weights``), summed over every rank: a float64 (2,) tensor."""
     t, dims = run.cfg.training, run.dims
     loader = PackedLoader(streams, t.seq_len, t.global_batch, run.micro_batch,
-                          dims.submesh("dp").get_local_rank(), dims.dp, seed=0,
+                          dims.submesh(Mesh.DP).get_local_rank(), dims.dp, seed=0,
                           document_mask=run.cfg.data.document_mask, device=device, shuffle=False,
                           weights=weights)
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, valid tokens)
@@ -67,5 +68,5 @@ def score(model: nn.Module, run: ResolvedRun, streams: list[Stream], weights: li
                 continue
             for b in mbs:
                 sums[0] += loss(model, b)
-    dist.all_reduce(sums, group=dims.submesh("dp_cp").get_group())  # over dp x cp
+    dist.all_reduce(sums, group=dims.submesh(Mesh.DP_CP).get_group())  # over dp x cp
     return sums

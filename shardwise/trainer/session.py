@@ -37,7 +37,7 @@ from shardwise.observe.routing import RoutingTrace, routing_trace
 from shardwise.optim.adamw import build_optimizer
 from shardwise.optim.lr import build_lr_scheduler
 from shardwise.parallel.context import shard_sequences
-from shardwise.parallel.dims import DEGREES
+from shardwise.parallel.dims import DEGREES, Mesh
 from shardwise.parallel.float8 import gathers_float8
 from shardwise.parallel.pipeline import Pipe
 from shardwise.resolve.run import ResolvedRun
@@ -223,7 +223,7 @@ def build_data(run: ResolvedRun, device: torch.device) -> tuple[PackedLoader, Co
     corpus = open_corpus(cfg.data, load_tokenizer(cfg.data.tokenizer))
     check_vocab(corpus.max_token, run.model.vocab_size)
     loader = PackedLoader(corpus.train, t.seq_len, t.global_batch, run.micro_batch,
-                          dims.submesh("dp").get_local_rank(), dims.dp, t.seed,
+                          dims.submesh(Mesh.DP).get_local_rank(), dims.dp, t.seed,
                           cfg.data.document_mask, device, weights=corpus.weights, names=corpus.names)
     return loader, corpus
 
@@ -236,9 +236,9 @@ def build_routing_trace(run: ResolvedRun, model: nn.Module, run_dir: Path, rank:
         return None
     cp_shard = None
     if dims.cp > 1:
-        mesh, balance = dims.submesh("cp"), cfg.parallel.cp_load_balance
+        mesh, balance = dims.submesh(Mesh.CP), cfg.parallel.cp_load_balance
         cp_shard = lambda pos: shard_sequences(mesh, [pos], balance)[0]  # noqa: E731 -- (B, S/cp)
-    tp = (dims.submesh("tp").get_local_rank(), dims.tp)
+    tp = (dims.submesh(Mesh.TP).get_local_rank(), dims.tp)
     return routing_trace(model, run_dir=run_dir, replay_from=d.routing_replay, seq_len=cfg.training.seq_len,
                          global_batch=cfg.training.global_batch, rank=rank, tp=tp, cp_shard=cp_shard)
 

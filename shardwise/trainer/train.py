@@ -25,6 +25,7 @@ from shardwise.launch.resilience import exit_with_launcher, maybe_fail
 from shardwise.models.moe import update_expert_bias
 from shardwise.observe.memory import SavedActivations, state_bytes
 from shardwise.optim.clip import clip_grad_norm_
+from shardwise.parallel.dims import Mesh
 from shardwise.parallel.float8 import precompute_scales
 from shardwise.parallel.pipeline import Pipe
 from shardwise.resolve.run import ResolvedRun
@@ -116,7 +117,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     ``inject_nan`` (fault injection) makes this step's loss NaN; ``float8_scales``: precompute the
     float8 weight scales FSDP gathers with, after the update (one all-reduce)."""
     dims = run.dims
-    dp_cp = dims.submesh("dp_cp").get_group()
+    dp_cp = dims.submesh(Mesh.DP_CP).get_group()
     device = batches[0].inputs.device
     n_valid = torch.tensor(sum(b.n_valid for b in batches), dtype=torch.int64, device=device)
     dist.all_reduce(n_valid, group=dp_cp)  # all-reduce over dp x cp: the global valid-token count
@@ -135,7 +136,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
         for batch, tracker in zip(batches, saved, strict=True):
             with tracker:
                 loss_sum += loss(model, batch, backward_over=n_valid)
-    stages = dims.submesh("pp").get_group() if dims.pp > 1 else None
+    stages = dims.submesh(Mesh.PP).get_group() if dims.pp > 1 else None
     # (the clip's division is folded into a fused optimizer's kernel: one pass over the gradients)
     grad_norm = clip_grad_norm_(model.parameters(), run.cfg.training.max_grad_norm, stages, optimizer)
     lr = optimizer.param_groups[0]["lr"]
@@ -161,10 +162,10 @@ def expert_load(model: nn.Module, run: ResolvedRun, device: torch.device) -> tor
     if not run.model.n_experts:
         return None
     dims = run.dims
-    load = update_expert_bias(model, dims.submesh("dp_cp_tp").get_group())
+    load = update_expert_bias(model, dims.submesh(Mesh.DP_CP_TP).get_group())
     if dims.pp > 1:  # a stage may hold no MoE block
         load = load if load is not None else torch.zeros((), device=device)
-        dist.all_reduce(load, op=dist.ReduceOp.MAX, group=dims.submesh("pp").get_group())
+        dist.all_reduce(load, op=dist.ReduceOp.MAX, group=dims.submesh(Mesh.PP).get_group())
     return load
 
 

@@ -271,7 +271,7 @@ def test_host_ops_per_block_are_what_a_block_dispatches():
 
     counted = {}
     with one_rank_pg():
-        for kind, path in (("dense", "debug.toml"), ("moe", "moe-debug.toml")):
+        for kind, path in (("dense", "debug.toml"), ("moe_block", "moe-debug.toml")):
             ops = {}
             for layers in (2, 4):
                 cfg = load_config(str(ROOT / "configs" / path), [

@@ -115,6 +115,29 @@ def test_folders_import_only_their_own_stage_and_those_below():
     assert _cycle(folders) == []  # (no two library folders import each other, even indirectly)
 
 
+def _docstrings(tree: ast.AST) -> set[int]:
+    return {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+
+
+def test_mesh_names_are_spelled_once():
+    """A mesh dim or view is named through ``parallel.dims.Mesh``: no string literal of a mesh name
+    outside parallel/dims.py (docstrings aside)."""
+    from shardwise.parallel.dims import Mesh
+
+    names = {m.value for m in Mesh}
+    found = []
+    for name, path in MODULES.items():
+        if name == "shardwise.parallel.dims":
+            continue
+        tree = ast.parse(path.read_text())
+        docs = _docstrings(tree)
+        found += [f"{path.relative_to(ROOT)}:{n.lineno} {n.value!r}" for n in ast.walk(tree)
+                  if isinstance(n, ast.Constant) and n.value in names and id(n) not in docs]
+    assert found == []
+
+
 def test_config_sits_at_the_bottom():
     """config.py imports only leaf modules, which import nothing from the package."""
     graph = _graph()
