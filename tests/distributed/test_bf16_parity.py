@@ -33,8 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY_ARGS, metrics, run_cli
-from tests.distributed.test_parity import max_rel, param_error
+from tests.helpers import max_rel, metrics, param_error, parity_run
 
 pytestmark = pytest.mark.dist
 
@@ -57,10 +56,7 @@ LAYOUTS = {
 
 
 def train(tmp: Path, name: str, cache: str, *extra: str, fault: str = "") -> Path:
-    run_dir = tmp / name
-    run_cli(["train", *TINY_ARGS, f"--data.cache_dir={cache}", f"--run.dir={run_dir}", *BF16, *extra],
-            fault=fault)
-    return run_dir
+    return parity_run(tmp, name, cache, *BF16, *extra, fault=fault)
 
 
 def differences(ref: Path, run: Path) -> tuple[float, float, float]:

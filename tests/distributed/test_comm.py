@@ -10,7 +10,7 @@ import pytest
 from shardwise.models import model_args
 from shardwise.models.llama import build_model
 from shardwise.resolve.checks import load_config
-from tests.conftest import TINY_ARGS, run_cli
+from tests.helpers import TINY_ARGS, run_cli
 
 pytestmark = pytest.mark.dist
 

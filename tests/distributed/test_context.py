@@ -8,7 +8,6 @@ with the same rows of single-process SDPA.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -21,15 +20,10 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from shardwise.models.llama import AttentionCore
 from shardwise.parallel.context import SEQ_DIM, enable_ring_attention, local_positions
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.dist
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int, dtype: torch.dtype, load_balance: bool, rotate: str,
@@ -75,7 +69,7 @@ def _sdpa_and_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def run(dtype: torch.dtype, load_balance: bool, rotate: str = "allgather") -> dict:
     results = mp.Manager().dict()
-    mp.spawn(_worker, args=(_free_port(), dtype, load_balance, rotate, results), nprocs=WORLD)
+    mp.spawn(_worker, args=(free_port(), dtype, load_balance, rotate, results), nprocs=WORLD)
     return dict(results)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import TINY_ARGS, metrics, require, run_cli
+from tests.helpers import TINY_ARGS, metrics, require, run_cli
 
 pytestmark = pytest.mark.dist
 

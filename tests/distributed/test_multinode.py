@@ -15,9 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, TINY_ARGS, metrics
-from tests.distributed.test_context import _free_port
-from tests.distributed.test_parity import check_same_run, train
+from tests.helpers import ROOT, TINY_ARGS, check_same_run, free_port, metrics, parity_run
 
 pytestmark = pytest.mark.dist
 
@@ -36,7 +34,7 @@ def _wait(procs: list[subprocess.Popen], timeout: float = 300) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory, data_cache: str) -> Path:
-    return train(tmp_path_factory.mktemp("ref"), "ref", data_cache)
+    return parity_run(tmp_path_factory.mktemp("ref"), "ref", data_cache)
 
 
 @pytest.mark.parametrize("layout", [pytest.param(["--parallel.dp_shard=4"], marks=pytest.mark.slow),
@@ -45,7 +43,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory, data_cache: str) -> Path
 def test_two_nodes_form_one_job(layout: list[str], reference: Path, tmp_path: Path, data_cache: str):
     """2 nodes x 2 ranks through c10d rendezvous: FSDP over all 4, and HSDP whose replicate dim spans
     the nodes (ranks 0-1 on one node shard, 0 and 2 replicate) -- the same run as one rank."""
-    port, run_dir = _free_port(), tmp_path / "run"
+    port, run_dir = free_port(), tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-nodes",
            "-m", "shardwise", "train", *TINY_ARGS, f"--data.cache_dir={data_cache}",
@@ -88,7 +86,7 @@ def test_the_slurm_example_runs_through_a_standin_srun(reference: Path, tmp_path
     path = os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), os.environ["PATH"]])
     env = {**_env(), "PATH": path,
            "SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "2",
-           "SLURM_JOB_NODELIST": "node[1-2]", "RDZV_PORT": str(_free_port()), "STANDIN_LOGS": str(logs)}
+           "SLURM_JOB_NODELIST": "node[1-2]", "RDZV_PORT": str(free_port()), "STANDIN_LOGS": str(logs)}
     config, *overrides = TINY_ARGS[1:]  # (TINY_ARGS starts with --config PATH)
     work = tmp_path / "job"
     work.mkdir()

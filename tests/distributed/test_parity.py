@@ -22,15 +22,19 @@ import pytest
 import torch
 
 from shardwise.data.tokenizer import SHIPPED_CORPUS
-from shardwise.launch.verify import checkpoint_params, update_error
-from shardwise.models import model_args
-from shardwise.models.llama import build_model, init_weights
-from shardwise.resolve.checks import load_config
-from tests.conftest import TINY_ARGS, metrics, run_cli
+from shardwise.launch.verify import checkpoint_params
+from tests.helpers import (
+    LOSS_RTOL,
+    PARAM_RTOL,
+    check_same_run,
+    layouts,
+    max_rel,
+    metrics,
+    param_error,
+    parity_run,
+)
 
 pytestmark = pytest.mark.dist
-LOSS_RTOL = 1e-5
-PARAM_RTOL = 1e-4
 
 # The extended matrix: further combinations whose parts CI already covers (each parallelism, and
 # each memory switch in some multi-rank layout). They run with `make test-all` (CI's 30-minute
@@ -47,39 +51,9 @@ SLOW = {"fsdp4", "hsdp2_tp2", "cp2_no_load_balance_alltoall", "cp4", "hsdp2_cp2"
         "fsdp2_accum2", "pp2_fsdp2", "moe_cp2_ep2", "tp2", "cp2", "pp2_1f1b", "moe_ep2"}
 
 
-def layouts(table: dict[str, list[str]], slow: set[str] = SLOW) -> list:
-    """Parametrize over ``table``'s layouts, marking the extended ones ``slow``."""
-    return [pytest.param(k, marks=pytest.mark.slow) if k in slow else k for k in table]
-
-
-def train(tmp: Path, name: str, cache: str, *extra: str, launcher: list[str] | None = None) -> Path:
-    run_dir = tmp / name
-    run_cli(["train", *TINY_ARGS, f"--data.cache_dir={cache}",
-             f"--run.dir={run_dir}", "--checkpoint.final=true", *extra], launcher=launcher)
-    return run_dir
-
-
-def initial_params(run_dir: Path) -> dict[str, torch.Tensor]:
-    """The weights the run started from: init is layout-independent, so rebuild it on one CPU."""
-    cfg = load_config(run_dir / "config.toml")
-    model = build_model(model_args(cfg.model), device="cpu")
-    init_weights(model, cfg.training.seed)
-    return model.state_dict()
-
-
-def param_error(ref_dir: Path, run_dir: Path) -> float:
-    """max over tensors of ||p_run - p_ref|| / ||p_ref - p_init|| (verify's measure)."""
-    final = lambda d: checkpoint_params(d / "checkpoints" / "step-10")  # noqa: E731
-    return update_error(final(run_dir), final(ref_dir), initial_params(ref_dir))
-
-
-def max_rel(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory, data_cache: str) -> Path:
-    return train(tmp_path_factory.mktemp("ref"), "ref", data_cache)
+    return parity_run(tmp_path_factory.mktemp("ref"), "ref", data_cache)
 
 
 LAYOUTS = {
@@ -154,14 +128,14 @@ MOE_LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def reference_moe(tmp_path_factory: pytest.TempPathFactory, data_cache: str) -> Path:
-    return train(tmp_path_factory.mktemp("ref_moe"), "ref", data_cache, *MOE_ARGS)
+    return parity_run(tmp_path_factory.mktemp("ref_moe"), "ref", data_cache, *MOE_ARGS)
 
 
-@pytest.mark.parametrize("layout", layouts(MOE_LAYOUTS))
+@pytest.mark.parametrize("layout", layouts(MOE_LAYOUTS, SLOW))
 def test_moe_layout_matches_single_rank(layout: str, reference_moe: Path, tmp_path: Path, data_cache: str):
     """Expert parallel alone and with FSDP, HSDP, TP, CP and PP; the expert load each step (from
     counts summed over all ranks) is the reference's too."""
-    run_dir = train(tmp_path, layout, data_cache, *MOE_ARGS, *MOE_LAYOUTS[layout])
+    run_dir = parity_run(tmp_path, layout, data_cache, *MOE_ARGS, *MOE_LAYOUTS[layout])
     check_same_run(reference_moe, run_dir, layout)
     loads = [r["expert_load"] for r in metrics(run_dir)]
     assert loads == pytest.approx([r["expert_load"] for r in metrics(reference_moe)], rel=1e-6)
@@ -171,20 +145,22 @@ def test_moe_bias_balancing_sigmoid_matches_single_rank(tmp_path: Path, data_cac
     """Auxiliary-loss-free balancing (routing bias updated from global counts) with sigmoid scores:
     the same run on 1 rank and on EP2 x TP2."""
     extra = [*MOE_ARGS, "--model.moe_balance=bias", "--model.moe_score=sigmoid", "--model.moe_bias_rate=0.01"]
-    ref = train(tmp_path, "ref", data_cache, *extra)
-    check_same_run(ref, train(tmp_path, "ep2_tp2", data_cache, *extra, "--nproc=4", "--parallel.ep=2",
+    ref = parity_run(tmp_path, "ref", data_cache, *extra)
+    check_same_run(ref, parity_run(tmp_path, "ep2_tp2", data_cache, *extra, "--nproc=4", "--parallel.ep=2",
                               "--parallel.tp=2"), "bias ep2_tp2")
 
 
 @pytest.fixture(scope="module")
 def reference_unmasked(tmp_path_factory: pytest.TempPathFactory, data_cache: str) -> Path:
-    return train(tmp_path_factory.mktemp("ref_unmasked"), "ref", data_cache, "--data.document_mask=false")
+    return parity_run(tmp_path_factory.mktemp("ref_unmasked"), "ref", data_cache,
+                      "--data.document_mask=false")
 
 
-@pytest.mark.parametrize("layout", layouts(UNMASKED_LAYOUTS))
+@pytest.mark.parametrize("layout", layouts(UNMASKED_LAYOUTS, SLOW))
 def test_unmasked_layout_matches_single_rank(layout: str, reference_unmasked: Path, tmp_path: Path,
                                              data_cache: str):
-    run_dir = train(tmp_path, layout, data_cache, "--data.document_mask=false", *UNMASKED_LAYOUTS[layout])
+    run_dir = parity_run(tmp_path, layout, data_cache, "--data.document_mask=false",
+                         *UNMASKED_LAYOUTS[layout])
     check_same_run(reference_unmasked, run_dir, layout)
 
 
@@ -207,21 +183,22 @@ QWEN3_UNMASKED_LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def reference_qwen3(tmp_path_factory: pytest.TempPathFactory, data_cache: str) -> Path:
-    return train(tmp_path_factory.mktemp("ref_qwen3"), "ref", data_cache, *QWEN3_ARGS)
+    return parity_run(tmp_path_factory.mktemp("ref_qwen3"), "ref", data_cache, *QWEN3_ARGS)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(QWEN3_UNMASKED_LAYOUTS))
 def test_qwen3_unmasked_layout_matches_single_rank(layout: str, tmp_path: Path, data_cache: str):
     extra = [*QWEN3_ARGS, "--data.document_mask=false"]
-    ref = train(tmp_path, "ref", data_cache, *extra)
-    check_same_run(ref, train(tmp_path, layout, data_cache, *extra, *QWEN3_UNMASKED_LAYOUTS[layout]), layout)
+    ref = parity_run(tmp_path, "ref", data_cache, *extra)
+    run_dir = parity_run(tmp_path, layout, data_cache, *extra, *QWEN3_UNMASKED_LAYOUTS[layout])
+    check_same_run(ref, run_dir, layout)
 
 
 @pytest.mark.parametrize("layout", layouts(QWEN3_LAYOUTS, {"qwen3_fsdp2_tp2", "qwen3_fsdp2"}))
 def test_qwen3_layout_matches_single_rank(layout: str, reference_qwen3: Path, tmp_path: Path,
                                           data_cache: str):
-    run_dir = train(tmp_path, layout, data_cache, *QWEN3_ARGS, *QWEN3_LAYOUTS[layout])
+    run_dir = parity_run(tmp_path, layout, data_cache, *QWEN3_ARGS, *QWEN3_LAYOUTS[layout])
     check_same_run(reference_qwen3, run_dir, layout)
 
 
@@ -246,40 +223,25 @@ MULTI_STAGE_LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def reference_4_layers(tmp_path_factory: pytest.TempPathFactory, data_cache: str) -> Path:
-    return train(tmp_path_factory.mktemp("ref4"), "ref", data_cache, *MULTI_STAGE)
+    return parity_run(tmp_path_factory.mktemp("ref4"), "ref", data_cache, *MULTI_STAGE)
 
 
-@pytest.mark.parametrize("layout", layouts(MULTI_STAGE_LAYOUTS))
+@pytest.mark.parametrize("layout", layouts(MULTI_STAGE_LAYOUTS, SLOW))
 def test_multi_stage_pipeline_matches_single_rank(layout: str, reference_4_layers: Path, tmp_path: Path,
                                                   data_cache: str):
-    run_dir = train(tmp_path, layout, data_cache, *MULTI_STAGE, *MULTI_STAGE_LAYOUTS[layout])
+    run_dir = parity_run(tmp_path, layout, data_cache, *MULTI_STAGE, *MULTI_STAGE_LAYOUTS[layout])
     assert sum("val_loss" in r for r in metrics(run_dir)) == 2
     check_same_run(reference_4_layers, run_dir, layout)
 
 
-@pytest.mark.parametrize("layout", layouts(LAYOUTS))
+@pytest.mark.parametrize("layout", layouts(LAYOUTS, SLOW))
 def test_layout_matches_single_rank(layout: str, reference: Path, tmp_path: Path, data_cache: str):
-    check_same_run(reference, train(tmp_path, layout, data_cache, *LAYOUTS[layout]), layout)
-
-
-def check_same_run(reference: Path, run_dir: Path, layout: str) -> None:
-    ref, got = metrics(reference), metrics(run_dir)
-    assert [r["step"] for r in got] == list(range(1, 11))
-    loss_diff = max_rel([r["loss"] for r in got], [r["loss"] for r in ref])
-    norm_diff = max_rel([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref])
-    assert loss_diff <= LOSS_RTOL, f"{layout}: loss max rel diff {loss_diff:.2e}"
-    assert norm_diff <= LOSS_RTOL, f"{layout}: grad-norm max rel diff {norm_diff:.2e}"
-    assert ref[-1]["loss"] < ref[0]["loss"] - 0.2  # the run actually trains
-    vals = [r["val_loss"] for r in ref if "val_loss" in r]  # held-out loss, where the run evaluates
-    assert [r["val_loss"] for r in got if "val_loss" in r] == pytest.approx(vals, rel=LOSS_RTOL), layout
-    # The parameters after 10 steps (not just losses) are the same.
-    err = param_error(reference, run_dir)
-    assert err <= PARAM_RTOL, f"{layout}: final params differ by {err:.2e} of the update"
+    check_same_run(reference, parity_run(tmp_path, layout, data_cache, *LAYOUTS[layout]), layout)
 
 
 def test_torchrun_entry_point(reference: Path, tmp_path: Path, data_cache: str):
     """The same command under torch's own launcher (torchrun) is the same run."""
-    run_dir = train(tmp_path, "torchrun", data_cache, launcher=[
+    run_dir = parity_run(tmp_path, "torchrun", data_cache, launcher=[
         "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "shardwise"])
     losses = [r["loss"] for r in metrics(run_dir)]
     assert max_rel(losses, [r["loss"] for r in metrics(reference)]) <= LOSS_RTOL
@@ -288,8 +250,8 @@ def test_torchrun_entry_point(reference: Path, tmp_path: Path, data_cache: str):
 def test_gradient_accumulation_4x1_equals_1x4(tmp_path: Path, data_cache: str):
     """One rank: 4 micro-batches of 1 sequence == 1 micro-batch of 4 sequences."""
     common = ["--training.global_batch=4"]
-    one = train(tmp_path, "mb4", data_cache, *common, "--training.micro_batch=4")
-    four = train(tmp_path, "mb1", data_cache, *common, "--training.micro_batch=1")
+    one = parity_run(tmp_path, "mb4", data_cache, *common, "--training.micro_batch=4")
+    four = parity_run(tmp_path, "mb1", data_cache, *common, "--training.micro_batch=1")
     diff = max_rel([r["loss"] for r in metrics(four)], [r["loss"] for r in metrics(one)])
     assert diff <= LOSS_RTOL, f"accumulation loss max rel diff {diff:.2e}"
     assert param_error(one, four) <= PARAM_RTOL
@@ -311,11 +273,11 @@ def test_resume_continues_the_same_run(tmp_path: Path, data_cache: str, nproc: i
         small.write_text("\n".join(json.dumps({"text": f"Psalm {i}: " + "praise ye the Lord. " * 8})
                                    for i in range(12)))
         layout.append(f"--data.sources=path={SHIPPED_CORPUS},weight=3;path={small},weight=1,name=small")
-    full = train(tmp_path, "full", data_cache, *layout, "--checkpoint.interval=4")
+    full = parity_run(tmp_path, "full", data_cache, *layout, "--checkpoint.interval=4")
     # The interrupted run: everything the full run had on disk right after its step-4 save.
     part = tmp_path / "part"
     shutil.copytree(full / "checkpoints" / "step-4", part / "checkpoints" / "step-4")
-    train(tmp_path, "part", data_cache, *layout, "--checkpoint.resume=true", "--checkpoint.interval=4")
+    parity_run(tmp_path, "part", data_cache, *layout, "--checkpoint.resume=true", "--checkpoint.interval=4")
     want, got = metrics(full), metrics(part)
     assert [r["step"] for r in got] == list(range(5, 11))
     for a, b in zip(want[4:], got, strict=True):

@@ -14,7 +14,7 @@ from shardwise.plan.comm import group_members, totals
 from shardwise.plan.estimate import estimate
 from shardwise.plan.hardware import load_hardware
 from shardwise.resolve.checks import load_config
-from tests.conftest import TINY_ARGS, run_cli
+from tests.helpers import TINY_ARGS, run_cli
 
 pytestmark = pytest.mark.dist
 GiB = 2**30

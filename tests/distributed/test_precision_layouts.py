@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import metrics, run_cli
-from tests.distributed.test_parity import layouts, max_rel, train
+from tests.helpers import TINY_ARGS, layouts, max_rel, metrics, parity_run, run_cli
 
 pytestmark = pytest.mark.dist
 
@@ -42,18 +41,19 @@ def close_runs(ref: Path, run: Path, rtol: float, what: str) -> None:
 
 @pytest.fixture(scope="module")
 def fp8_reference(tmp_path_factory: pytest.TempPathFactory, data_cache: str) -> Path:
-    return train(tmp_path_factory.mktemp("fp8"), "ref", data_cache, *FP8)
+    return parity_run(tmp_path_factory.mktemp("fp8"), "ref", data_cache, *FP8)
 
 
 @pytest.mark.parametrize("layout", layouts(FP8_LAYOUTS, slow={"fsdp2_tp2_ac_selective"}))
 def test_float8_layout_matches_single_rank(layout: str, fp8_reference: Path, tmp_path: Path,
                                            data_cache: str):
-    close_runs(fp8_reference, train(tmp_path, layout, data_cache, *FP8, *FP8_LAYOUTS[layout]), 1e-4, layout)
+    run_dir = parity_run(tmp_path, layout, data_cache, *FP8, *FP8_LAYOUTS[layout])
+    close_runs(fp8_reference, run_dir, 1e-4, layout)
 
 
 def test_float8_trains_like_high_precision(fp8_reference: Path, tmp_path: Path, data_cache: str):
     """The float8 run's losses stay within 1% of the high-precision run's (and are not equal)."""
-    hp = train(tmp_path, "hp", data_cache, "--model.multiple_of=32")
+    hp = parity_run(tmp_path, "hp", data_cache, "--model.multiple_of=32")
     diff = max_rel([r["loss"] for r in metrics(fp8_reference)], [r["loss"] for r in metrics(hp)])
     assert 1e-6 < diff < 1e-2, diff
 
@@ -62,13 +62,13 @@ def test_bf16_states_fsdp2_matches_single_rank_and_resumes_exactly(tmp_path: Pat
     """BF16 AdamW states on FSDP2 DTensor shards: the 1-rank run's losses, and a resume from the
     step-4 distributed checkpoint continues bit-identically (states reload as bf16)."""
     states = ["--optimizer.state_dtype=bf16", "--checkpoint.interval=4"]
-    ref = train(tmp_path, "ref", data_cache, *states)
-    full = train(tmp_path, "fsdp2", data_cache, *states, "--nproc=2")
+    ref = parity_run(tmp_path, "ref", data_cache, *states)
+    full = parity_run(tmp_path, "fsdp2", data_cache, *states, "--nproc=2")
     close_runs(ref, full, 1e-4, "bf16 states fsdp2")
     part = tmp_path / "part"
     (part / "checkpoints").mkdir(parents=True)
     (full / "checkpoints" / "step-4").rename(part / "checkpoints" / "step-4")
-    train(tmp_path, "part", data_cache, *states, "--nproc=2", "--checkpoint.resume=true")
+    parity_run(tmp_path, "part", data_cache, *states, "--nproc=2", "--checkpoint.resume=true")
     want, got = metrics(full)[4:], metrics(part)
     assert [(r["loss"], r["grad_norm"]) for r in want] == [(r["loss"], r["grad_norm"]) for r in got]
 
@@ -80,8 +80,8 @@ def test_compile_with_checkpointing_matches_single_rank(layout: list[str], tmp_p
     """Compiled, selectively checkpointed blocks under FSDP (and TP) against the eager 1-rank run.
     Under TP the embedding's in-flight reduce-scatter enters the first compiled block: torch 2.13
     dropped the gradient back to the embedding there (see shardwise/parallel/compile.py)."""
-    ref = train(tmp_path, "ref", data_cache)
-    close_runs(ref, train(tmp_path, "compiled", data_cache, *layout, "--compile.enabled=true",
+    ref = parity_run(tmp_path, "ref", data_cache)
+    close_runs(ref, parity_run(tmp_path, "compiled", data_cache, *layout, "--compile.enabled=true",
                           "--activation_checkpoint.mode=selective"), 1e-4, f"compile {layout}")
 
 
@@ -103,6 +103,5 @@ def test_bf16_states_loss_curve_tracks_fp32_states(tmp_path: Path, data_cache: s
 
 
 def _tiny(cache: str, run_dir: Path) -> list[str]:
-    from tests.conftest import TINY_ARGS
 
     return [*TINY_ARGS, f"--data.cache_dir={cache}", f"--run.dir={run_dir}"]

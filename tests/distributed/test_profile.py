@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY_ARGS, metrics, run_cli
+from tests.helpers import TINY_ARGS, metrics, run_cli
 
 pytestmark = pytest.mark.dist
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY_ARGS, metrics, need, run_cli
+from tests.helpers import TINY_ARGS, metrics, need, run_cli
 
 pytestmark = pytest.mark.dist
 

@@ -18,8 +18,7 @@ import pytest
 
 from shardwise import checkpoint
 from shardwise.launch.verify import checkpoint_params, update_error
-from tests.conftest import TINY_ARGS, metrics, run_cli
-from tests.distributed.test_parity import max_rel
+from tests.helpers import TINY_ARGS, max_rel, metrics, run_cli
 
 LOSS_RTOL = 1e-5  # the layouts' own parity tolerances (tests/distributed/test_parity.py)
 PARAM_RTOL = 1e-4

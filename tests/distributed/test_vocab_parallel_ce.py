@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from shardwise.ops.chunked_ce import chunked_linear_cross_entropy, reference_linear_cross_entropy
-from tests.distributed.test_context import _free_port
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.dist
 WORLD = 2
@@ -72,7 +72,7 @@ def _worker(rank: int, port: int, results: dict) -> None:
 
 def test_vocab_parallel_matches_full_logits():
     results = mp.Manager().dict()
-    mp.spawn(_worker, args=(_free_port(), results), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), results), nprocs=WORLD, join=True)
     for rank in range(WORLD):
         for (dtype, reduction, placement), (errs, plain_errs) in results[rank].items():
             for err, plain_err in zip(errs, plain_errs, strict=True):

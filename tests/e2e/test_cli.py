@@ -15,7 +15,7 @@ from shardwise.cli import main
 from shardwise.models import PRESETS, model_args
 from shardwise.observe.flops import attention_pairs, executed_flops, flops_per_token
 from shardwise.resolve.checks import load_config
-from tests.conftest import ROOT, TINY_ARGS, metrics, require, run_cli
+from tests.helpers import ROOT, TINY_ARGS, flip_byte, metrics, require, run_cli, truncate_shard
 
 pytestmark = pytest.mark.e2e
 REQUIRED = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "exec_util", "memory_gib",
@@ -179,18 +179,6 @@ def saved_run(tmp_path_factory: pytest.TempPathFactory, data_cache: str) -> Path
     return run_dir
 
 
-def _truncate(ckpt: Path) -> None:
-    shard = next(ckpt.glob("*.distcp"))
-    shard.write_bytes(shard.read_bytes()[:-100])
-
-
-def _flip_byte(ckpt: Path) -> None:
-    shard = next(ckpt.glob("*.distcp"))
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 3] ^= 0x55
-    shard.write_bytes(bytes(data))
-
-
 def _bad_vocab_tokenizer(tmp: Path) -> str:
     """A tokenizer whose ids reach past the model's vocabulary (id 5000 > vocab 2048)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -210,7 +198,7 @@ def _bad_vocab_tokenizer(tmp: Path) -> str:
 BAD_FILES = {
     "ckpt_no_manifest": (lambda c, t: (c / "manifest.json").unlink(), "ckpt",
                          "is incomplete (no manifest.json", "early"),
-    "ckpt_truncated": (lambda c, t: _truncate(c), "ckpt", "is truncated or altered", "early"),
+    "ckpt_truncated": (lambda c, t: truncate_shard(c), "ckpt", "is truncated or altered", "early"),
     "ckpt_other_shape": (lambda c, t: None, "ckpt --model.dim=128 --model.n_heads=8",
                          "parameter 'tok_embeddings.weight' has shape (2048, 64) there but (2048, 128) "
                          "in this model", "early"),
@@ -220,7 +208,7 @@ BAD_FILES = {
                              "cannot be created", "early"),
     "empty_data_file": (lambda c, t: (t / "empty.txt").write_text(""), "--data.path={t}/empty.txt",
                         "is empty", "early"),
-    "ckpt_tampered": (lambda c, t: _flip_byte(c), "ckpt", "does not match its SHA-256", "late"),
+    "ckpt_tampered": (lambda c, t: flip_byte(c), "ckpt", "does not match its SHA-256", "late"),
     "corrupt_jsonl": (lambda c, t: (t / "bad.jsonl").write_text('{"text": "a"}\n{"text": \n'),
                       "--data.path={t}/bad.jsonl", "bad.jsonl' row 2: not valid JSON", "late"),
     "token_beyond_vocab": (lambda c, t: None, "--data.tokenizer={tok}",

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, need
+from tests.helpers import ROOT, need
 
 pytestmark = pytest.mark.e2e
 

@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 
 from shardwise.cli import main
-from tests.conftest import TINY_ARGS, metrics, require, run_cli
+from tests.helpers import TINY_ARGS, metrics, require, run_cli
 
 
 def test_eval_scores_a_checkpoint_as_training_does(tmp_path: Path, data_cache: str, capsys):

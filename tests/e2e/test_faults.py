@@ -21,7 +21,7 @@ from shardwise.launch.verify import checkpoint_params
 from shardwise.models import model_args
 from shardwise.models.llama import build_model
 from shardwise.resolve.checks import load_config
-from tests.conftest import ROOT, TINY_ARGS, metrics, need, run_cli
+from tests.helpers import ROOT, TINY_ARGS, metrics, need, run_cli
 
 
 def start(args: list[str], new_session: bool = False) -> subprocess.Popen:

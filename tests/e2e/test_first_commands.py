@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from shardwise.cli import main
-from tests.conftest import metrics, run_cli
+from tests.helpers import metrics, run_cli
 
 pytestmark = pytest.mark.e2e
 

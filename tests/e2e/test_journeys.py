@@ -18,8 +18,7 @@ from pathlib import Path
 
 import torch
 
-from tests.conftest import metrics, require, run_cli
-from tests.unit.test_chat import QWEN3, _folder
+from tests.helpers import QWEN3, chat_folder, metrics, require, run_cli
 
 
 def test_pretraining_plan_train_lose_a_rank_resume(tmp_path: Path, data_cache: str):
@@ -45,7 +44,7 @@ def test_pretraining_plan_train_lose_a_rank_resume(tmp_path: Path, data_cache: s
 def test_chat_fine_tuning_from_an_hf_folder_to_a_model_transformers_chats_with(tmp_path: Path,
                                                                             data_cache: str):
     transformers = require("transformers")
-    tok_dir = _folder(tmp_path, QWEN3)  # the shipped BPE with ChatML/think special tokens
+    tok_dir = chat_folder(tmp_path, QWEN3)  # the shipped BPE with ChatML/think special tokens
     hf_cfg = transformers.Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                       vocab_size=2112, max_position_embeddings=256, tie_word_embeddings=True)

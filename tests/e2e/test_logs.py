@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from shardwise.observe.metrics import console_record, format_line
-from tests.conftest import ROOT, TINY_ARGS
+from tests.helpers import ROOT, TINY_ARGS
 
 pytestmark = pytest.mark.e2e
 

@@ -12,7 +12,7 @@ import pytest
 
 from shardwise.cli import main
 from shardwise.resolve.checks import load_config
-from tests.conftest import ROOT, metrics, run_cli
+from tests.helpers import ROOT, metrics, run_cli
 
 pytestmark = pytest.mark.e2e
 

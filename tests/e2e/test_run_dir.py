@@ -19,15 +19,13 @@ import pytest
 
 from shardwise import checkpoint
 from shardwise.launch.rundir import LOCK_NAME, RUN_OUTPUTS, clear_outputs
-from tests.conftest import ROOT, TINY_ARGS, metrics, run_cli
-from tests.e2e.test_cli import _flip_byte, _truncate
+from tests.helpers import ROOT, TINY_ARGS, flip_byte, metrics, train_tiny, truncate_shard
 
 pytestmark = pytest.mark.e2e
 
 
 def train(run_dir: Path, cache: str, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
-    return run_cli(["train", *TINY_ARGS, f"--data.cache_dir={cache}", f"--run.dir={run_dir}", *extra],
-                   check=check)
+    return train_tiny(run_dir, cache, *extra, check=check)
 
 
 def snapshot(run_dir: Path) -> dict[str, bytes]:
@@ -147,7 +145,7 @@ def test_resume_when_no_checkpoint_verifies_stops_with_one_line(damage: str, fin
     ranks): exit 2 naming each damaged checkpoint and the ways on; nothing in run.dir changes."""
     run_dir = copy_of(finished, tmp_path)
     for s in (2, 4):  # a flipped byte keeps the size: only the checksum (in the ranks) sees it
-        (_flip_byte if damage == "tamper" else _truncate)(run_dir / "checkpoints" / f"step-{s}")
+        (flip_byte if damage == "tamper" else truncate_shard)(run_dir / "checkpoints" / f"step-{s}")
     before = snapshot(run_dir)
     line = one_error_line(train(run_dir, data_cache, "--training.steps=6", "--checkpoint.resume=true",
                                 check=False))
@@ -160,7 +158,7 @@ def test_resume_skips_a_damaged_checkpoint_and_sets_it_aside(finished: Path, tmp
     """The newest checkpoint fails its checksum: the run resumes from the one before, and the damaged
     one is renamed (kept for inspection), not overwritten when the run saves that step again."""
     run_dir = copy_of(finished, tmp_path)
-    _flip_byte(run_dir / "checkpoints" / "step-4")
+    flip_byte(run_dir / "checkpoints" / "step-4")
     damaged_bytes = snapshot(run_dir / "checkpoints" / "step-4")
     proc = train(run_dir, data_cache, "--training.steps=4", "--checkpoint.resume=true",
                  "--checkpoint.final=true")
@@ -266,7 +264,7 @@ def test_an_error_inside_two_ranks_is_one_line_and_exit_2(case: str, finished: P
         run_dir = tmp_path / "run"
     else:
         run_dir = copy_of(finished, tmp_path)
-        _flip_byte(run_dir / "checkpoints" / "step-4")
+        flip_byte(run_dir / "checkpoints" / "step-4")
         extra = [f"--checkpoint.path={run_dir / 'checkpoints' / 'step-4'}", "--checkpoint.resume=true"]
         fragment = "does not match its SHA-256"
     line = one_error_line(train(run_dir, data_cache, "--nproc=2", "--training.steps=6", *extra, check=False))

@@ -8,7 +8,7 @@ import pytest
 
 from shardwise.config.schema import ConfigError
 from shardwise.resolve.layouts import parse_layout
-from tests.conftest import TINY_ARGS, metrics, run_cli
+from tests.helpers import TINY_ARGS, metrics, run_cli
 
 pytestmark = pytest.mark.e2e
 

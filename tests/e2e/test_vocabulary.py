@@ -14,7 +14,7 @@ from shardwise import flags
 from shardwise.cli import main
 from shardwise.config.types import ConfigError
 from shardwise.resolve.layouts import fill_layouts
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.e2e
 

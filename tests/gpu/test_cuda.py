@@ -24,8 +24,7 @@ from shardwise.models.llama import apply_rope, build_model, init_weights, rope_t
 from shardwise.ops.chunked_ce import _addmm_fp32, chunked_linear_cross_entropy, reference_linear_cross_entropy
 from shardwise.trainer.loss import TokenLoss
 from shardwise.trainer.train import train_step
-from tests.unit import test_chunked_ce as ce
-from tests.unit.test_train_step import STEPS, Reference, _hf_params, trainer
+from tests.references import STEPS, Reference, hf_params, loss_inputs, run_loss, step_trainer
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -63,10 +62,10 @@ def test_weight_gradient_accumulates_in_fp32_in_place():
 def test_fused_loss_on_cuda_matches_cross_entropy(dtype: torch.dtype, reduction: str):
     """Several chunks, so the fp32 accumulation across them is exercised: fp32 equal up to summation
     order; bf16 within 2x the plain bf16 computation's own distance from float64 (the CPU bound)."""
-    hidden, weight, labels = (t.cuda() for t in ce.inputs(dtype, n=200, d=64, v=1000))
-    got = ce.run(chunked_linear_cross_entropy, hidden, weight, labels, reduction, chunk_size=24)
-    plain = ce.run(reference_linear_cross_entropy, hidden, weight, labels, reduction)
-    exact = ce.run(reference_linear_cross_entropy, hidden.double(), weight.double(), labels, reduction)
+    hidden, weight, labels = (t.cuda() for t in loss_inputs(dtype, n=200, d=64, v=1000))
+    got = run_loss(chunked_linear_cross_entropy, hidden, weight, labels, reduction, chunk_size=24)
+    plain = run_loss(reference_linear_cross_entropy, hidden, weight, labels, reduction)
+    exact = run_loss(reference_linear_cross_entropy, hidden.double(), weight.double(), labels, reduction)
     for name, g, p, e in zip(("loss", "d hidden", "d weight"), got, plain, exact, strict=True):
         if dtype == torch.float32:
             torch.testing.assert_close(g, p, rtol=1e-4, atol=1e-5)
@@ -128,7 +127,7 @@ def test_trainer_step_on_cuda_matches_a_plain_pytorch_step(data_cache: str, loss
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     with one_rank_nccl():
-        cfg, args, run, model, optimizer, scheduler, loader = trainer(data_cache, loss, device="cuda")
+        cfg, args, run, model, optimizer, scheduler, loader = step_trainer(data_cache, loss, device="cuda")
         assert run.device_type == "cuda" and (run.loss_chunk > 0) == (loss == "auto")
         ref = Reference(model, args, cfg.lr_scheduler.min_lr_ratio)
         for step in range(1, STEPS + 1):
@@ -137,7 +136,7 @@ def test_trainer_step_on_cuda_matches_a_plain_pytorch_step(data_cache: str, loss
             want_loss, norm, lr, _ = ref.step(batches, step)
             assert float(got.loss) == pytest.approx(want_loss, rel=1e-5), step
             assert float(got.grad_norm) == pytest.approx(norm, rel=1e-4), step
-        ours = _hf_params(model, args)
+        ours = hf_params(model, args)
         for name, p in ref.hf.named_parameters():
             err = (ours[name] - p.detach()).norm() / (p.detach() - ref.start[name]).norm()
             assert err <= 1e-3, f"{name}: {err:.2e} of the update"

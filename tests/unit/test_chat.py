@@ -14,7 +14,7 @@ from shardwise.data.dataset import IGNORE_INDEX, PackedLoader, open_corpus
 from shardwise.data.indexed import Shard
 from shardwise.data.sources import DataError
 from shardwise.data.tokenizer import ASSETS, HFTokenizer, load_tokenizer
-from tests.conftest import require
+from tests.helpers import QWEN3, chat_folder, require
 
 CHAT = [{"role": "system", "content": "Answer from the King James Bible."},
         {"role": "user", "content": "Quote Genesis 1:1."},
@@ -128,25 +128,11 @@ def test_the_shipped_chat_set_prepares_with_masks(tmp_path: Path):
 # Templates written here to reproduce what the families' own do (not copies of theirs). Each one's
 # expected loss text is written out by hand from the conversation: what each assistant turn renders
 # as in the whole conversation, and the token that closes it.
-SPECIAL = ["<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
-           "<think>", "</think>"]
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
           "{{ m['content'] | trim }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
           "<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
-# Qwen3's behaviour: an assistant turn's reasoning (before </think>) is kept only after the last user
-# turn; earlier turns keep their answer alone.
-QWEN3 = ("{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m['role'] == 'user' %}"
-         "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
-         "{% for m in messages %}{% if m['role'] == 'assistant' %}"
-         "{% set parts = m['content'].split('</think>') %}"
-         "{% set answer = parts[-1].lstrip('\n') %}"
-         "{% set thought = parts[0].replace('<think>', '').strip('\n') if parts | length > 1 else '' %}"
-         "<|im_start|>assistant\n{% if loop.index0 > ns.last %}<think>\n{{ thought }}\n</think>\n\n"
-         "{% endif %}{{ answer }}<|im_end|>\n"
-         "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
-         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 MARKED = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
           "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}\n{% else %}{{ m['content'] }}"
           "<|im_end|>\n{% endif %}{% endfor %}"
@@ -166,21 +152,6 @@ EXPECTED = {
 TEMPLATES = {"chatml": CHATML, "llama3": LLAMA3, "qwen3": QWEN3, "marked": MARKED}
 
 
-def _folder(tmp_path: Path, template: str) -> Path:
-    """The shipped tokenizer with the templates' special tokens (one token each) and ``template``."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(ASSETS / "tokenizer.json"))
-    tok.add_special_tokens(SPECIAL)
-    folder = tmp_path / "tok"
-    folder.mkdir(exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    config = json.loads((ASSETS / "tokenizer_config.json").read_text())
-    config.update(chat_template=template, tokenizer_class="PreTrainedTokenizerFast")
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
-
-
 @pytest.mark.parametrize("name", list(TEMPLATES))
 def test_each_kind_of_template_trains_exactly_its_assistant_turns(tmp_path: Path, name: str):
     """ChatML, Llama-3 style, Qwen3 style (history rewritten: earlier reasoning dropped) and
@@ -188,7 +159,7 @@ def test_each_kind_of_template_trains_exactly_its_assistant_turns(tmp_path: Path
     the rendering is transformers'. Where transformers reads the markers itself
     (``return_assistant_tokens_mask``), its mask is ours."""
     transformers = require("transformers")
-    folder = _folder(tmp_path, TEMPLATES[name])
+    folder = chat_folder(tmp_path, TEMPLATES[name])
     messages, expected = EXPECTED[name]
     tok = load_tokenizer(str(folder))
     ids, mask = tok.encode_chats([messages])[0]
@@ -209,6 +180,6 @@ def test_a_template_whose_turns_cannot_be_found_is_refused(tmp_path: Path):
     conversation: neither the prefixes nor the probe can place it, so it is refused (one line)."""
     odd = CHATML.replace("<|im_end|>\n{% endfor %}",
                          "{{ '<|im_end|>' if loop.last else '<|eot_id|>' }}\n{% endfor %}")
-    tok = load_tokenizer(str(_folder(tmp_path, odd)))
+    tok = load_tokenizer(str(chat_folder(tmp_path, odd)))
     with pytest.raises(ConfigError, match="assistant turn 3 so that its tokens cannot be found"):
         tok.encode_chats([CHAT])

@@ -7,37 +7,15 @@ import pytest
 import torch
 
 from shardwise.ops.chunked_ce import chunked_linear_cross_entropy, reference_linear_cross_entropy
-
-IGNORE = -100
-
-
-def inputs(dtype: torch.dtype, n: int = 50, d: int = 32, v: int = 97, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(2, n // 2, d, generator=g).to(dtype)
-    weight = (torch.randn(v, d, generator=g) / d**0.5).to(dtype)
-    labels = torch.randint(0, v, (2, n // 2), generator=g)
-    labels[0, :3] = IGNORE  # ignored tokens, including a run at the start
-    labels[1, -1] = IGNORE
-    return hidden, weight, labels
-
-
-def run(fn, hidden, weight, labels, reduction, **kw):  # noqa: ANN001, ANN201
-    """(loss, d hidden, d weight) with a random upstream gradient for ``none``."""
-    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss = fn(h, w, labels, reduction=reduction, ignore_index=IGNORE, **kw)
-    upstream = torch.ones(loss.shape, dtype=loss.dtype, device=loss.device)
-    if reduction == "none":
-        upstream = torch.randn(loss.shape, generator=torch.Generator().manual_seed(1)).to(loss)
-    (loss * upstream).sum().backward()
-    return loss.detach(), h.grad, w.grad
+from tests.references import IGNORE, loss_inputs, run_loss
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean", "none"])
 @pytest.mark.parametrize("chunk", [1, 7, 64])  # a chunk per token, uneven chunks, one chunk
 def test_matches_cross_entropy_on_full_logits_fp32(reduction: str, chunk: int):
-    hidden, weight, labels = inputs(torch.float32)
-    got = run(chunked_linear_cross_entropy, hidden, weight, labels, reduction, chunk_size=chunk)
-    want = run(reference_linear_cross_entropy, hidden, weight, labels, reduction)
+    hidden, weight, labels = loss_inputs(torch.float32)
+    got = run_loss(chunked_linear_cross_entropy, hidden, weight, labels, reduction, chunk_size=chunk)
+    want = run_loss(reference_linear_cross_entropy, hidden, weight, labels, reduction)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)  # summation order only
     if reduction == "none":
@@ -51,10 +29,10 @@ def test_bf16_is_as_accurate_as_cross_entropy_on_full_logits(reduction: str, chu
     """bf16 inputs: loss and gradients stay within 2x the plain bf16 computation's own distance from
     the float64 truth (each chunk's weight-gradient matmul rounds to bf16 before the fp32 sum:
     measured up to 1.5x)."""
-    hidden, weight, labels = inputs(torch.bfloat16)
-    got = run(chunked_linear_cross_entropy, hidden, weight, labels, reduction, chunk_size=chunk)
-    plain = run(reference_linear_cross_entropy, hidden, weight, labels, reduction)
-    exact = run(reference_linear_cross_entropy, hidden.double(), weight.double(), labels, reduction)
+    hidden, weight, labels = loss_inputs(torch.bfloat16)
+    got = run_loss(chunked_linear_cross_entropy, hidden, weight, labels, reduction, chunk_size=chunk)
+    plain = run_loss(reference_linear_cross_entropy, hidden, weight, labels, reduction)
+    exact = run_loss(reference_linear_cross_entropy, hidden.double(), weight.double(), labels, reduction)
     for name, g, p, e in zip(("loss", "d hidden", "d weight"), got, plain, exact, strict=True):
         err = (g.double() - e).abs().max().item()
         ref_err = (p.double() - e).abs().max().item()
@@ -66,7 +44,7 @@ def test_global_token_normalization_is_exact_across_splits():
     """What the trainer does: per-call summed loss / valid tokens of the whole batch. Splitting the
     batch in two calls (data parallel, accumulation) gives the gradient of the one-call mean --
     unlike averaging per-call means, the bug TransformerEngine had to fix in its fused CE."""
-    hidden, weight, labels = inputs(torch.float32, n=40)
+    hidden, weight, labels = loss_inputs(torch.float32, n=40)
     n_valid = (labels != IGNORE).sum()
 
     def grads(parts: list[slice]) -> torch.Tensor:
@@ -115,11 +93,11 @@ def test_logits_never_materialize():
 def test_compiled_softmax_pass_matches_eager_and_plain(dtype: torch.dtype):
     """The fused loss with its softmax-gradient pass through torch.compile (what a compiled run
     uses) against the eager pass and against plain cross-entropy on full logits."""
-    hidden, weight, labels = inputs(dtype, n=64)
-    got = run(chunked_linear_cross_entropy, hidden, weight, labels, "sum", chunk_size=16, compiled=True)
-    eager = run(chunked_linear_cross_entropy, hidden, weight, labels, "sum", chunk_size=16)
-    plain = run(reference_linear_cross_entropy, hidden, weight, labels, "sum")
-    exact = run(reference_linear_cross_entropy, hidden.double(), weight.double(), labels, "sum")
+    hidden, weight, labels = loss_inputs(dtype, n=64)
+    got = run_loss(chunked_linear_cross_entropy, hidden, weight, labels, "sum", chunk_size=16, compiled=True)
+    eager = run_loss(chunked_linear_cross_entropy, hidden, weight, labels, "sum", chunk_size=16)
+    plain = run_loss(reference_linear_cross_entropy, hidden, weight, labels, "sum")
+    exact = run_loss(reference_linear_cross_entropy, hidden.double(), weight.double(), labels, "sum")
     for name, g, e, p, x in zip(("loss", "d hidden", "d weight"), got, eager, plain, exact, strict=True):
         if dtype == torch.float32:
             torch.testing.assert_close(g, p, rtol=1e-5, atol=1e-6)
@@ -142,7 +120,7 @@ def test_summed_loss_computes_the_head_once():
                 CountMM.calls += 1
             return func(*args, **(kwargs or {}))
 
-    hidden, weight, labels = inputs(torch.float32, n=64)
+    hidden, weight, labels = loss_inputs(torch.float32, n=64)
     for reduction, want in (("sum", 3 * 4), ("none", 4 * 4)):
         CountMM.calls = 0
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -153,7 +131,7 @@ def test_summed_loss_computes_the_head_once():
 
 def test_evaluation_loss_equals_the_training_loss():
     """Without a gradient (evaluation) the forward-only path gives the same summed loss."""
-    hidden, weight, labels = inputs(torch.bfloat16, n=64)
+    hidden, weight, labels = loss_inputs(torch.bfloat16, n=64)
     train = chunked_linear_cross_entropy(hidden.requires_grad_(), weight, labels, "sum", IGNORE, 16)
     with torch.no_grad():
         evaluation = chunked_linear_cross_entropy(hidden, weight, labels, "sum", IGNORE, 16)

@@ -15,7 +15,7 @@ from shardwise.checkpoint import hf as convert
 from shardwise.config.schema import ConfigError, ModelConfig
 from shardwise.models import model_args
 from shardwise.models.llama import build_model, init_weights
-from tests.conftest import require
+from tests.helpers import require
 
 MODEL = ModelConfig(name="debug", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256,
                     multiple_of=16, max_seq_len=64)

@@ -21,7 +21,7 @@ from shardwise.parallel.float8 import (
     is_float8,
     precompute_scales,
 )
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 ARGS = dataclasses.replace(PRESETS["debug"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16,
                            vocab_size=512, max_seq_len=128)

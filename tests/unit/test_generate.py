@@ -15,7 +15,7 @@ import torch
 from shardwise.infer import generate as gen
 from shardwise.models.llama import KVCache, build_model, init_weights
 from shardwise.models.presets import PRESETS
-from tests.conftest import ROOT, require
+from tests.helpers import ROOT, require
 
 ASSETS = ROOT / "shardwise" / "data" / "assets"
 

@@ -20,13 +20,10 @@ from shardwise.models.llama import (
     rope_table,
 )
 from shardwise.observe.flops import num_params
-from tests.conftest import require
-
-TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16,
-                 max_seq_len=64)
+from tests.helpers import TINY_MODEL, require
 
 
-def tiny_model(args: ModelArgs = TINY, seed: int = 0) -> Transformer:
+def tiny_model(args: ModelArgs = TINY_MODEL, seed: int = 0) -> Transformer:
     model = build_model(args)
     model.to_empty(device="cpu")
     init_weights(model, seed)
@@ -34,7 +31,7 @@ def tiny_model(args: ModelArgs = TINY, seed: int = 0) -> Transformer:
 
 
 def test_rope_matches_rotation_of_each_channel_pair():
-    args = dataclasses.replace(TINY, rope_theta=10000.0)
+    args = dataclasses.replace(TINY_MODEL, rope_theta=10000.0)
     d = args.head_dim
     x = torch.randn(2, 5, 3, d, dtype=torch.float64).float()
     out = apply_rope(x, rope_table(args)[:5])
@@ -49,8 +46,8 @@ def test_rope_matches_rotation_of_each_channel_pair():
 
 
 def test_rope_scores_depend_only_on_relative_position():
-    freqs = rope_table(TINY)
-    q, k = torch.randn(1, 1, 1, TINY.head_dim), torch.randn(1, 1, 1, TINY.head_dim)
+    freqs = rope_table(TINY_MODEL)
+    q, k = torch.randn(1, 1, 1, TINY_MODEL.head_dim), torch.randn(1, 1, 1, TINY_MODEL.head_dim)
 
     def score(m: int, n: int) -> torch.Tensor:
         return (apply_rope(q, freqs[m:m + 1]) * apply_rope(k, freqs[n:n + 1])).sum()
@@ -83,10 +80,10 @@ def test_compiled_rope_matches_eager(dtype, positions):
     """The compiled rotation (real arithmetic, fused by inductor) against the eager one (a complex
     multiply), forward and input gradient, for the shared table and per-sequence positions."""
     torch._dynamo.reset()
-    table = rope_table(TINY)
-    rope = table[torch.randint(0, TINY.max_seq_len, (2, 7))] if positions else table[:7]
-    x = torch.randn(2, 7, 3, TINY.head_dim, dtype=dtype, requires_grad=True)
-    grad = torch.randn(2, 7, 3, TINY.head_dim, dtype=dtype)
+    table = rope_table(TINY_MODEL)
+    rope = table[torch.randint(0, TINY_MODEL.max_seq_len, (2, 7))] if positions else table[:7]
+    x = torch.randn(2, 7, 3, TINY_MODEL.head_dim, dtype=dtype, requires_grad=True)
+    grad = torch.randn(2, 7, 3, TINY_MODEL.head_dim, dtype=dtype)
     outs = []
     for fn in (apply_rope, torch.compile(apply_rope, fullgraph=True)):
         out = fn(x, rope)
@@ -103,9 +100,9 @@ def test_compiled_rope_matches_eager(dtype, positions):
 
 def test_attention_is_causal():
     model = tiny_model()
-    tokens = torch.randint(0, TINY.vocab_size, (2, 16))
+    tokens = torch.randint(0, TINY_MODEL.vocab_size, (2, 16))
     changed = tokens.clone()
-    changed[:, 10:] = (changed[:, 10:] + 1) % TINY.vocab_size
+    changed[:, 10:] = (changed[:, 10:] + 1) % TINY_MODEL.vocab_size
     a, b = model(tokens), model(changed)
     torch.testing.assert_close(a[:, :10], b[:, :10])
     assert not torch.allclose(a[:, 10:], b[:, 10:])
@@ -113,10 +110,10 @@ def test_attention_is_causal():
 
 def test_document_mask_isolates_documents():
     model = tiny_model()
-    tokens = torch.randint(0, TINY.vocab_size, (1, 16))
+    tokens = torch.randint(0, TINY_MODEL.vocab_size, (1, 16))
     docs = torch.tensor([[0] * 6 + [1] * 10])
     changed = tokens.clone()
-    changed[:, :6] = (changed[:, :6] + 5) % TINY.vocab_size  # rewrite the first document only
+    changed[:, :6] = (changed[:, :6] + 5) % TINY_MODEL.vocab_size  # rewrite the first document only
     a, b = model(tokens, docs), model(changed, docs)
     torch.testing.assert_close(a[:, 6:], b[:, 6:])  # the second document cannot see the first
     # ...and without the mask it would have: the test can fail.
@@ -128,15 +125,15 @@ def test_document_mask_isolates_documents():
 def test_gqa_equals_repeated_kv_heads():
     """A GQA model equals the MHA model whose K/V projections repeat each KV head."""
     gqa = tiny_model()
-    mha = tiny_model(dataclasses.replace(TINY, n_kv_heads=TINY.n_heads))
+    mha = tiny_model(dataclasses.replace(TINY_MODEL, n_kv_heads=TINY_MODEL.n_heads))
     sd = gqa.state_dict()
-    rep = TINY.n_heads // TINY.n_kv_heads
+    rep = TINY_MODEL.n_heads // TINY_MODEL.n_kv_heads
     for name in list(sd):
         if name.endswith(("wk.weight", "wv.weight")):
-            w = sd[name].view(TINY.n_kv_heads, TINY.head_dim, -1)  # (Hkv, D, dim)
+            w = sd[name].view(TINY_MODEL.n_kv_heads, TINY_MODEL.head_dim, -1)  # (Hkv, D, dim)
             sd[name] = w.repeat_interleave(rep, 0).flatten(0, 1)
     mha.load_state_dict(sd)
-    tokens = torch.randint(0, TINY.vocab_size, (2, 12))
+    tokens = torch.randint(0, TINY_MODEL.vocab_size, (2, 12))
     torch.testing.assert_close(gqa(tokens), mha(tokens), atol=1e-5, rtol=1e-5)
 
 
@@ -149,7 +146,7 @@ def _hf_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 @pytest.mark.parametrize("tie,scaling", [(False, 1.0), (True, 8.0)])
 def test_forward_matches_huggingface_llama(tie: bool, scaling: float):
     transformers = require("transformers")
-    args = dataclasses.replace(TINY, tie_embeddings=tie, rope_scaling_factor=scaling,
+    args = dataclasses.replace(TINY_MODEL, tie_embeddings=tie, rope_scaling_factor=scaling,
                                rope_original_max_seq_len=16, rope_theta=10000.0)
     ours = tiny_model(args, seed=3)
     rope = {"rope_type": "default", "rope_theta": args.rope_theta}
@@ -213,7 +210,7 @@ def test_every_preset_builds_on_meta(name: str):
 def test_meta_build_materializes_to_the_cpu_build():
     """Built on meta (no initializers run, the RoPE table a shape only), moved to the CPU and
     initialized: every parameter and the RoPE table equal the model built and initialized on the CPU."""
-    args = dataclasses.replace(TINY, n_experts=4, moe_top_k=2, moe_hidden_dim=32, n_dense_layers=1)
+    args = dataclasses.replace(TINY_MODEL, n_experts=4, moe_top_k=2, moe_hidden_dim=32, n_dense_layers=1)
     meta = build_model(args)
     assert meta.rope.is_meta
     meta.to_empty(device="cpu")
@@ -242,8 +239,8 @@ def test_qwen3_small_preset_has_its_published_sizes():
 def test_cross_entropy_reference_on_logits():
     """The trainer's loss is the standard one: sum over valid tokens of -log softmax."""
     model = tiny_model()
-    tokens = torch.randint(0, TINY.vocab_size, (2, 8))
-    labels = torch.randint(0, TINY.vocab_size, (2, 8))
+    tokens = torch.randint(0, TINY_MODEL.vocab_size, (2, 8))
+    labels = torch.randint(0, TINY_MODEL.vocab_size, (2, 8))
     logits = model(tokens)
     manual = -torch.log_softmax(logits.double(), -1).gather(-1, labels[..., None]).sum()
     ours = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")

@@ -24,7 +24,7 @@ from shardwise.models.moe import (
     update_expert_bias,
 )
 from shardwise.observe.flops import num_params
-from tests.conftest import require
+from tests.helpers import require
 
 
 def tiny(**kw) -> ModelArgs:

@@ -17,7 +17,7 @@ from packaging.utils import canonicalize_name
 
 from shardwise.config.extras import EXTRAS, require_extra
 from shardwise.config.types import ConfigError
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 # Standard-library modules newer than some Python 3 still in use, by the version that added them.

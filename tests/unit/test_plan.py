@@ -33,7 +33,7 @@ from shardwise.resolve.checks import load_config
 from shardwise.resolve.run import resolve_run
 from shardwise.trainer.build import build_rank_model
 from shardwise.trainer.loss import TokenLoss
-from tests.conftest import ROOT, one_rank_pg
+from tests.helpers import ROOT, one_rank_pg
 
 DEBUG, MOE = str(ROOT / "configs" / "debug.toml"), str(ROOT / "configs" / "moe-debug.toml")
 

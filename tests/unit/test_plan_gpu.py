@@ -28,7 +28,7 @@ from shardwise.plan.layout import Layout
 from shardwise.plan.overlap import collective_time, fsdp_exposed_seconds
 from shardwise.plan.states import shape_states
 from shardwise.resolve.checks import load_config
-from tests.conftest import ROOT
+from tests.helpers import ROOT, one_rank_pg
 
 TFLOPS, SMS = 132.0, 132  # 1 TFLOP/s per multiprocessor
 FAST = 1e18  # bytes/s: never memory-bound
@@ -260,7 +260,6 @@ def test_host_ops_per_block_are_what_a_block_dispatches():
     from shardwise.resolve.run import resolve_run
     from shardwise.trainer.build import build_rank_model
     from shardwise.trainer.loss import TokenLoss
-    from tests.conftest import one_rank_pg
 
     class Count(TorchDispatchMode):
         n = 0

@@ -13,7 +13,7 @@ from shardwise.plan.hardware import load_hardware
 from shardwise.plan.layout import Layout
 from shardwise.plan.states import shape_states
 from shardwise.resolve.checks import load_config
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 DEBUG, MOE = str(ROOT / "configs" / "debug.toml"), str(ROOT / "configs" / "moe-debug.toml")
 

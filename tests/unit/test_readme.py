@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 README = (ROOT / "README.md").read_text()
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 PACKAGE = ROOT / "shardwise"
 # The CLI imports each subcommand's modules inside that subcommand, so `shardwise --help` or
@@ -135,6 +135,20 @@ def test_mesh_names_are_spelled_once():
         docs = _docstrings(tree)
         found += [f"{path.relative_to(ROOT)}:{n.lineno} {n.value!r}" for n in ast.walk(tree)
                   if isinstance(n, ast.Constant) and n.value in names and id(n) not in docs]
+    assert found == []
+
+
+def test_no_test_imports_another_test():
+    """Tests share code through tests/helpers.py and tests/references.py, never by importing one
+    another (nor conftest.py, which holds fixtures only)."""
+    shared = {"tests.helpers", "tests.references"}
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module else
+                     [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            found += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names
+                      if n.startswith("tests") and n not in shared]
     assert found == []
 
 

@@ -1,0 +1,220 @@
+"""What the tests share: the tiny run's flags and its runner, the CLI in a subprocess, the parity
+measures, a tiny model, a free port, checkpoint damage, a chat tokenizer folder. Tests import from
+here (and from tests/references.py), never from one another (tests/unit/test_structure.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardwise.data.tokenizer import ASSETS
+from shardwise.launch.verify import checkpoint_params, update_error
+from shardwise.models import ModelArgs, model_args
+from shardwise.models.llama import (
+    build_model,
+    init_weights,
+)
+from shardwise.resolve.checks import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# A tiny GQA Llama on the shipped corpus: fp32, deterministic, document masking on (so the number
+# of valid labels differs between sequences, which is what the global-token normalization handles).
+TINY_ARGS = [
+    "--config", str(ROOT / "configs" / "debug.toml"),
+    "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
+    "--model.multiple_of=16", "--training.seq_len=64", "--training.global_batch=8",
+    "--training.steps=10", "--training.mixed_precision=fp32", "--lr_scheduler.warmup_steps=2",
+    "--debug.deterministic=true", "--data.document_mask=true", "--eval.interval=0",
+    "--checkpoint.interval=0", "--checkpoint.final=false", "--metrics.tensorboard=false",
+    "--metrics.plot=false", "--metrics.log_format=line", "--metrics.peak_tflops=1",
+    # Eager even when a test runs 100,000 steps to be stopped by a signal (compile.enabled=auto
+    # would compile those): compile has its own tests, which pass --compile.enabled=true.
+    "--compile.enabled=false",
+]
+
+
+# .ci/run sets this: there a missing test tool (transformers, wandb, chromium, unshare) is a failure;
+# elsewhere the test that needs it is skipped with its reason shown (pytest -rs).
+IN_CI = os.environ.get("SHARDWISE_CI") == "1"
+
+
+def need(what: str, present: bool) -> None:
+    """Fail under CI, skip visibly elsewhere, when ``what`` (a tool a test needs) is not ``present``."""
+    if present:
+        return
+    if IN_CI:
+        pytest.fail(f"{what} is missing: .ci/run must install it")
+    pytest.skip(f"{what} is not available on this machine")
+
+
+def require(module: str):  # noqa: ANN201 - the module
+    """Import a test dependency, under :func:`need`'s rule."""
+    import importlib
+    import importlib.util
+
+    need(f"python package {module}", importlib.util.find_spec(module) is not None)
+    return importlib.import_module(module)
+
+
+def run_cli(args: list[str], timeout: float = 300, launcher: list[str] | None = None,
+            check: bool = True, fault: str = "") -> subprocess.CompletedProcess:
+    """``python -m shardwise <args>`` (or under ``launcher``, e.g. torchrun), from the repo root.
+    ``fault``: break one thing on purpose in every process of the run (tests/faults/sitecustomize.py)."""
+    cmd = [sys.executable, *(launcher or ["-m", "shardwise"]), *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("WORLD_SIZE", None)
+    if fault:
+        env["SHARDWISE_TEST_FAULT"] = fault
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tests" / "faults"),
+                                                          env.get("PYTHONPATH")]))
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}: {' '.join(cmd)}\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-5000:]}")
+    return proc
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@contextlib.contextmanager
+def one_rank_pg() -> Iterator[None]:
+    """A one-rank gloo process group for the block (the one already there, if any)."""
+    if dist.is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'pg')}", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+TINY_MODEL = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16,
+                 max_seq_len=64)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def layouts(table: dict[str, list[str]], slow: set[str]) -> list:
+    """Parametrize over ``table``'s layouts, marking the extended ones ``slow``."""
+    return [pytest.param(k, marks=pytest.mark.slow) if k in slow else k for k in table]
+
+
+def train_tiny(run_dir: Path, cache: str, *extra: str, launcher: list[str] | None = None, fault: str = "",
+               check: bool = True) -> subprocess.CompletedProcess:
+    """``shardwise train`` on :data:`TINY_ARGS` (then ``extra``) into ``run_dir``, with the session's
+    token cache: the one runner of the tests' tiny runs."""
+    return run_cli(["train", *TINY_ARGS, f"--data.cache_dir={cache}", f"--run.dir={run_dir}", *extra],
+                   launcher=launcher, check=check, fault=fault)
+
+
+def parity_run(tmp: Path, name: str, cache: str, *extra: str, launcher: list[str] | None = None,
+               fault: str = "") -> Path:
+    """A tiny run into ``tmp/name`` that saves its final checkpoint (for :func:`param_error`)."""
+    train_tiny(tmp / name, cache, "--checkpoint.final=true", *extra, launcher=launcher, fault=fault)
+    return tmp / name
+
+
+def initial_params(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The weights the run started from: init is layout-independent, so rebuild it on one CPU."""
+    cfg = load_config(run_dir / "config.toml")
+    model = build_model(model_args(cfg.model), device="cpu")
+    init_weights(model, cfg.training.seed)
+    return model.state_dict()
+
+
+def param_error(ref_dir: Path, run_dir: Path) -> float:
+    """max over tensors of ||p_run - p_ref|| / ||p_ref - p_init|| (verify's measure)."""
+    final = lambda d: checkpoint_params(d / "checkpoints" / "step-10")  # noqa: E731
+    return update_error(final(run_dir), final(ref_dir), initial_params(ref_dir))
+
+
+def max_rel(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
+
+
+LOSS_RTOL = 1e-5
+"""Parity in fp32: per-step loss and grad norm, relative."""
+PARAM_RTOL = 1e-4
+"""Parity in fp32: final parameters, as a fraction of how far training moved them."""
+
+
+def check_same_run(reference: Path, run_dir: Path, layout: str) -> None:
+    ref, got = metrics(reference), metrics(run_dir)
+    assert [r["step"] for r in got] == list(range(1, 11))
+    loss_diff = max_rel([r["loss"] for r in got], [r["loss"] for r in ref])
+    norm_diff = max_rel([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref])
+    assert loss_diff <= LOSS_RTOL, f"{layout}: loss max rel diff {loss_diff:.2e}"
+    assert norm_diff <= LOSS_RTOL, f"{layout}: grad-norm max rel diff {norm_diff:.2e}"
+    assert ref[-1]["loss"] < ref[0]["loss"] - 0.2  # the run actually trains
+    vals = [r["val_loss"] for r in ref if "val_loss" in r]  # held-out loss, where the run evaluates
+    assert [r["val_loss"] for r in got if "val_loss" in r] == pytest.approx(vals, rel=LOSS_RTOL), layout
+    # The parameters after 10 steps (not just losses) are the same.
+    err = param_error(reference, run_dir)
+    assert err <= PARAM_RTOL, f"{layout}: final params differ by {err:.2e} of the update"
+
+
+def truncate_shard(ckpt: Path) -> None:
+    shard = next(ckpt.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-100])
+
+
+def flip_byte(ckpt: Path) -> None:
+    shard = next(ckpt.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 0x55
+    shard.write_bytes(bytes(data))
+
+
+# Qwen3's behaviour: an assistant turn's reasoning (before </think>) is kept only after the last user
+# turn; earlier turns keep their answer alone.
+QWEN3 = ("{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+         "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+         "{% for m in messages %}{% if m['role'] == 'assistant' %}"
+         "{% set parts = m['content'].split('</think>') %}"
+         "{% set answer = parts[-1].lstrip('\n') %}"
+         "{% set thought = parts[0].replace('<think>', '').strip('\n') if parts | length > 1 else '' %}"
+         "<|im_start|>assistant\n{% if loop.index0 > ns.last %}<think>\n{{ thought }}\n</think>\n\n"
+         "{% endif %}{{ answer }}<|im_end|>\n"
+         "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+SPECIAL = ["<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+           "<think>", "</think>"]
+"""The chat templates' special tokens (one token each in :func:`chat_folder`'s tokenizer)."""
+
+
+def chat_folder(tmp_path: Path, template: str) -> Path:
+    """The shipped tokenizer with the templates' special tokens (one token each) and ``template``."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(ASSETS / "tokenizer.json"))
+    tok.add_special_tokens(SPECIAL)
+    folder = tmp_path / "tok"
+    folder.mkdir(exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = json.loads((ASSETS / "tokenizer_config.json").read_text())
+    config.update(chat_template=template, tokenizer_class="PreTrainedTokenizerFast")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder

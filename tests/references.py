@@ -1,0 +1,116 @@
+"""Independent references the tests compare shardwise against: a training step written out on Hugging
+Face's Llama (:class:`Reference`), and the plain cross-entropy runs the fused loss is held to."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from shardwise.checkpoint.hf import hf_config, to_hf_state
+from shardwise.data.dataset import IGNORE_INDEX
+from shardwise.optim.adamw import build_optimizer
+from shardwise.optim.lr import build_lr_scheduler
+from shardwise.parallel.tensor import full_value
+from shardwise.resolve.checks import load_config
+from shardwise.resolve.run import resolve_run
+from shardwise.trainer.build import build_rank_model
+from shardwise.trainer.session import build_data
+from tests.helpers import ROOT, require
+
+STEPS = 3
+
+
+PEAK_LR, WARMUP, WD, BETAS, EPS, MAX_NORM = 3e-3, 2, 0.1, (0.9, 0.95), 1e-8, 0.25
+
+
+def hf_params(model: torch.nn.Module, args) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    return to_hf_state({k: full_value(v).detach().clone() for k, v in model.state_dict().items()}, args)
+
+
+class Reference:
+    """Hugging Face's Llama with the trainer's initial weights, and a training step written out."""
+
+    def __init__(self, model: torch.nn.Module, args, min_lr_ratio: float) -> None:  # noqa: ANN001
+        transformers = require("transformers")
+        params = hf_params(model, args)
+        self.hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config(args, "fp32")))
+        self.hf.to(next(iter(params.values())).device)
+        self.hf.load_state_dict(params)
+        self.start = {k: v.detach().clone() for k, v in self.hf.named_parameters()}
+        self.moments = {k: (torch.zeros_like(v), torch.zeros_like(v)) for k, v in self.hf.named_parameters()}
+        self.min_lr_ratio = min_lr_ratio
+
+    def step(self, batches: list, step: int) -> tuple[float, float, float, float]:
+        """(loss, grad norm, lr, clip coefficient) of optimizer step ``step`` on ``batches``."""
+        # Loss: the mean over every valid label of the whole global batch, in one forward.
+        inputs = torch.cat([b.inputs for b in batches])  # (8, 64)
+        labels = torch.cat([b.labels for b in batches])
+        logits = self.hf(inputs).logits.float()  # (8, 64, V)
+        n_valid = (labels != IGNORE_INDEX).sum()
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum") / n_valid
+        self.hf.zero_grad()
+        loss.backward()
+        with torch.no_grad():
+            norm = math.sqrt(sum(float(p.grad.double().square().sum()) for p in self.hf.parameters()))
+            coef = min(1.0, MAX_NORM / (norm + 1e-6))
+            lr = PEAK_LR * step / WARMUP  # linear warmup, then cosine down to min_lr_ratio
+            if step > WARMUP:
+                shape = 0.5 * (1 + math.cos(math.pi * (step - WARMUP) / (STEPS - WARMUP)))
+                lr = PEAK_LR * (self.min_lr_ratio + (1 - self.min_lr_ratio) * shape)
+            for name, p in self.hf.named_parameters():  # AdamW, decoupled decay on matrices only
+                g = p.grad * coef
+                m, v = self.moments[name]
+                m.mul_(BETAS[0]).add_(g, alpha=1 - BETAS[0])
+                v.mul_(BETAS[1]).addcmul_(g, g, value=1 - BETAS[1])
+                if p.dim() >= 2:
+                    p.mul_(1 - lr * WD)
+                m_hat, v_hat = m / (1 - BETAS[0] ** step), v / (1 - BETAS[1] ** step)
+                p.sub_(lr * m_hat / (v_hat.sqrt() + EPS))
+        return float(loss), norm, lr, coef
+
+
+def step_trainer(data_cache: str, loss: str = "auto", device: str = "cpu", precision: str = "fp32"):  # noqa: ANN201
+    """The trainer's own pieces on one rank: model, optimizer, schedule, data (inside one_rank_pg,
+    or a one-rank NCCL group on a GPU)."""
+    cfg = load_config(ROOT / "configs" / "debug.toml", [
+        "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
+        "--model.multiple_of=16", "--training.seq_len=64", "--training.global_batch=8",
+        "--training.micro_batch=2",  # 4 accumulated micro-batches: the normalization spans them
+        f"--training.mixed_precision={precision}", f"--training.steps={STEPS}",
+        f"--training.max_grad_norm={MAX_NORM}", f"--optimizer.lr={PEAK_LR}", f"--optimizer.weight_decay={WD}",
+        f"--lr_scheduler.warmup_steps={WARMUP}", f"--data.cache_dir={data_cache}",
+        "--debug.deterministic=true", f"--training.loss={loss}", f"--run.device={device}"])
+    run = resolve_run(cfg, 1)
+    run.dims.build_mesh(device)
+    model = build_rank_model(run, device)
+    optimizer = build_optimizer(model, cfg.optimizer, device)
+    scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, STEPS)
+    loader, _ = build_data(run, torch.device(device))
+    return cfg, run.model, run, model, optimizer, scheduler, loader
+
+
+IGNORE = -100
+
+
+def loss_inputs(dtype: torch.dtype, n: int = 50, d: int = 32, v: int = 97, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(2, n // 2, d, generator=g).to(dtype)
+    weight = (torch.randn(v, d, generator=g) / d**0.5).to(dtype)
+    labels = torch.randint(0, v, (2, n // 2), generator=g)
+    labels[0, :3] = IGNORE  # ignored tokens, including a run at the start
+    labels[1, -1] = IGNORE
+    return hidden, weight, labels
+
+
+def run_loss(fn, hidden, weight, labels, reduction, **kw):  # noqa: ANN001, ANN201
+    """(loss, d hidden, d weight) with a random upstream gradient for ``none``."""
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = fn(h, w, labels, reduction=reduction, ignore_index=IGNORE, **kw)
+    upstream = torch.ones(loss.shape, dtype=loss.dtype, device=loss.device)
+    if reduction == "none":
+        upstream = torch.randn(loss.shape, generator=torch.Generator().manual_seed(1)).to(loss)
+    (loss * upstream).sum().backward()
+    return loss.detach(), h.grad, w.grad
