@@ -87,20 +87,20 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
     from shardwise.launch.rundir import LOCK_ENV, take
     from shardwise.trainer.preflight import preflight
 
-    dims = preflight(cfg, nproc)  # all config errors surface here, before any process group exists
+    run = preflight(cfg, nproc)  # all config errors surface here, before any process group exists
     if world is not None or nproc == 1:
         # The trainer's modules are imported only where it runs: the launcher of --nproc ranks
         # starts them a second sooner without torch._dynamo, which the trainer's import brings.
         from shardwise.trainer.train import train
     if world is not None:  # a rank (of this launcher, torchrun or Slurm)
-        train(cfg, dims)
+        train(run)
         return 0
     # This process holds run.dir for the whole run, its ranks and their restarts included.
     lock = take(Path(cfg.run.dir))
     os.environ[LOCK_ENV] = str(lock.path.absolute())
     try:
         if nproc == 1:
-            train(cfg, dims)
+            train(run)
             return 0
         from shardwise.data.prepare import prepare
         from shardwise.data.tokenizer import load_tokenizer

@@ -65,7 +65,7 @@ def estimate(cfg: Config, world: int, hw: Hardware, exact: bool = True,
     on the fake process group (else from shapes, for searching many layouts). The run is resolved
     first as the trainer resolves it (e.g. the pipeline's micro-batch when none is set), so what
     is estimated is what ``shardwise train`` would run."""
-    resolve_run(cfg, world, detect_device=False)
+    cfg = resolve_run(cfg, world, detect_device=False).cfg
     layout = Layout.from_config(cfg, world)
     states = built_states(cfg, world) if exact else shape_states(cfg, layout, shapes)
     memory = tuple(step_memory(cfg, layout, st) for st in states)

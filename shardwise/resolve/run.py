@@ -5,6 +5,7 @@ the planner checks thousands of layouts with it and preflight runs it before any
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -54,13 +55,15 @@ class ResolvedRun:
 def resolve_run(cfg: Config, world_size: int, detect_device: bool = True) -> ResolvedRun:
     """The layout checks -- degrees against the world, the model, the batch split and the pipeline
     schedule, and the features a layout cannot combine with -- and the run they resolve to. With
-    pipeline parallel and no training.micro_batch, the micro-batch is chosen (and recorded in
-    ``cfg``, so the saved config.toml is the run). ``detect_device=False`` (the planner, which
+    pipeline parallel and no training.micro_batch, the micro-batch is chosen and recorded in the
+    run's own copy of the config (``run.cfg``, which the saved config.toml is); ``cfg`` itself is
+    left as it was. ``detect_device=False`` (the planner, which
     plans for other machines) takes run.device as written instead of finding this machine's."""
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     args = model_args(cfg.model)
     dims.check_model(args, cfg.training.seq_len)
-    pipeline_micro_batch(cfg, dims)
+    if (chosen := pipeline_micro_batch(cfg, dims)) != cfg.training.micro_batch:
+        cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, micro_batch=chosen))
     micro_batches = micro_batches_per_rank(cfg.training, dims.dp)
     check_pipeline(cfg, dims, micro_batches)
     if dims.cp > 1 and cfg.data.document_mask:
@@ -187,14 +190,14 @@ def micro_batch_size(t: TrainingConfig, dp: int) -> int:
     return mb
 
 
-def pipeline_micro_batch(cfg: Config, dims: ParallelDims) -> None:
-    """With pipeline parallel and ``training.micro_batch`` unset (0, which means no accumulation),
-    choose the micro-batch for the user and say so: the largest one that gives the schedule at
-    least ``4 * pp`` micro-batches (1F1B's bubble ``(pp-1)/(m+pp-1)`` then stays under 20%;
-    fewer sequences per rank: micro-batches of one) among those the schedule accepts."""
+def pipeline_micro_batch(cfg: Config, dims: ParallelDims) -> int:
+    """``training.micro_batch`` for this run: as set, or with pipeline parallel and none set (0,
+    which means no accumulation), chosen for the user, with a notice: the largest one that gives
+    the schedule at least ``4 * pp`` micro-batches (1F1B's bubble ``(pp-1)/(m+pp-1)`` then stays
+    under 20%; fewer sequences per rank: micro-batches of one) among those the schedule accepts."""
     t = cfg.training
     if t.micro_batch or dims.pp == 1:
-        return
+        return t.micro_batch
     per_rank = micro_batch_size(t, dims.dp)  # (checks that dp divides the batch)
     counts = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
     want = min(4 * dims.pp, per_rank)
@@ -203,13 +206,12 @@ def pipeline_micro_batch(cfg: Config, dims: ParallelDims) -> None:
             check_pipeline(cfg, dims, m)
         except ConfigError:
             continue
-        t.micro_batch = per_rank // m
         bubble = (dims.pp - 1) / (m + dims.pp - 1)
-        notice(f"parallel.pp={dims.pp}: training.micro_batch={t.micro_batch} ({m} micro-batches per step "
-               f"through the {cfg.parallel.pp_schedule} schedule; 1F1B bubble (pp-1)/(m+pp-1) = "
+        notice(f"parallel.pp={dims.pp}: training.micro_batch={per_rank // m} ({m} micro-batches per "
+               f"step through the {cfg.parallel.pp_schedule} schedule; 1F1B bubble (pp-1)/(m+pp-1) = "
                f"{bubble:.0%}); set training.micro_batch to choose")
-        return
-    t.micro_batch = 1  # none fits: the checks below name what the schedule needs
+        return per_rank // m
+    return 1  # none fits: the checks that follow name what the schedule needs
 
 
 def check_pipeline(cfg: Config, dims: ParallelDims, n_microbatches: int) -> None:

@@ -27,7 +27,7 @@ def preflight(cfg: Config, world_size: int) -> ResolvedRun:
     """Every check that needs no process group -- layout and batch split (:func:`resolve_run`),
     data, tokenizer, run dir, the checkpoint to load -- and the resolved run."""
     run = resolve_run(cfg, world_size)
-    args = run.model
+    cfg, args = run.cfg, run.model  # (the run's config: the pipeline's chosen micro-batch recorded)
     if run.compile_reason:
         notice(run.compile_reason)
     if cfg.float8.enabled:  # (here, not in resolve_run: the planner checks thousands of layouts)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.config.device import bound_matmul_caches, init_distributed
-from shardwise.config.schema import Config
+from shardwise.config.schema import ConfigError
 from shardwise.data.dataset import Batch
 from shardwise.launch import rundir
 from shardwise.launch.resilience import exit_with_launcher, maybe_fail
@@ -30,18 +30,18 @@ from shardwise.parallel.float8 import precompute_scales
 from shardwise.parallel.pipeline import Pipe
 from shardwise.resolve.run import ResolvedRun
 from shardwise.trainer.loss import TokenLoss
-from shardwise.trainer.preflight import preflight
 from shardwise.trainer.session import Session, open_session
 
 
-def train(cfg: Config, run: ResolvedRun | None = None) -> None:
-    """Train ``cfg`` on this process's rank (1 rank, or one of N under torchrun / --nproc).
-    ``run``: what :func:`preflight` resolved for this world (run here when not given)."""
-    started = time.perf_counter()
+def train(run: ResolvedRun) -> None:
+    """Train ``run`` (what :func:`preflight` resolved, once per process) on this process's rank: 1
+    rank, or one of N under torchrun / --nproc."""
+    started, cfg = time.perf_counter(), run.cfg
     exit_with_launcher()  # under torch's elastic agent a rank has a session of its own
     env = init_distributed(cfg.run.device, cfg.parallel.backend, cfg.run.cpu_memory_cache)
-    if run is None or run.dims.world_size != env.world_size:
-        run = preflight(cfg, env.world_size)
+    if run.dims.world_size != env.world_size:
+        raise ConfigError(f"the run was resolved for {run.dims.world_size} ranks and started on "
+                          f"{env.world_size}: resolve it for this world")
     if env.device.type == "cpu" and run.model.n_experts:  # before the first matrix product
         bound_matmul_caches()
     # Host-side gloo groups for the checkpointer and the stop flag, made before the mesh: world-wide

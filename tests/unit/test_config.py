@@ -187,3 +187,17 @@ def test_compile_without_the_toolchain_is_refused_or_left_off(monkeypatch: pytes
     cfg.compile.enabled = "auto"
     run = resolve_run(cfg, 1)
     assert not run.compile and "torch.compile needs a C++ compiler" in run.compile_reason
+
+
+def test_resolving_leaves_the_config_as_it_was():
+    """The run the trainer takes is resolved once, and resolving changes nothing it was given: with
+    pipeline parallel and no micro-batch, the chosen one is in the run's own config (which the run
+    directory's config.toml is), not in the caller's."""
+    from shardwise.resolve.run import resolve_run
+
+    cfg = load_config(None, ["--run.device=cpu", "--parallel.pp=2", "--training.global_batch=8"])
+    before = cfg.to_toml()
+    run = resolve_run(cfg, 2)
+    assert cfg.to_toml() == before and cfg.training.micro_batch == 0
+    assert run.cfg.training.micro_batch == 1 and run.micro_batches == 8  # 4 * pp micro-batches at least
+    assert run.cfg is not cfg and run.cfg.parallel is cfg.parallel  # (a copy of what changed only)

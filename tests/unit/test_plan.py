@@ -487,8 +487,9 @@ def test_estimate_resolves_the_run_as_train_does():
 
     cfg = load_config(DEBUG, ["--parallel.pp=2", "--parallel.dp_shard=2"])
     est = estimate(cfg, 4, load_hardware("h100"), exact=False)
-    assert est.layout.micro_batch == 1 and cfg.training.micro_batch == 1
+    assert est.layout.micro_batch == 1 and est.cfg.training.micro_batch == 1
     assert est.layout.micro_batches(cfg.training.global_batch) == 4
+    assert cfg.training.micro_batch == 0  # (the caller's config, unchanged)
 
 
 def test_parse_tokens():
