@@ -22,26 +22,28 @@ from shardwise.resolve.checks import notice
 
 EXAMPLES: dict[str, tuple[str, ...]] = {
     "train": ("shardwise train --config configs/debug.toml",
-              "shardwise train --config configs/debug.toml --nproc 4 --parallel.tp 2",
-              "shardwise train --model 125m --data.path corpus/ --training.steps 1000",
-              "torchrun --nproc-per-node 8 -m shardwise train --config plan.toml"),
-    "plan": ("shardwise plan --model 8b --nproc 8",
-             "shardwise plan --model 70b --nproc 256 --hardware h200 --global-batch-tokens 4M"),
-    "estimate": ("shardwise estimate --model 8b --nproc 8 --parallel.tp 2",
-                 "shardwise estimate --config plan.toml --nproc 64 --json estimate.json"),
-    "verify": ("shardwise verify --config configs/debug.toml --nproc 4",
-               "shardwise verify --config configs/debug.toml --layouts dp_shard=2 tp=2 --steps 10"),
+             "shardwise train --config configs/debug.toml --nproc 4 --parallel.tp 2",
+             "shardwise train --model 125m --data.path corpus/ --training.steps 1000",
+             "torchrun --nproc-per-node 8 -m shardwise train --config plan.toml"),
     "prepare": ("shardwise prepare --config configs/debug.toml --data.path corpus/",),
-    "eval": ("shardwise eval --checkpoint runs/debug",
-             "shardwise eval --checkpoint runs/debug --data.path other.txt --nproc 2"),
+    "plan": ("shardwise plan --model 8b --nproc 8",
+            "shardwise plan --model 70b --nproc 256 --hardware h200 --global-batch-tokens 4M"),
+    "estimate": ("shardwise estimate --model 8b --nproc 8 --parallel.tp 2",
+                "shardwise estimate --config plan.toml --nproc 64 --json estimate.json"),
+    "calibrate": ("shardwise calibrate --quick",),
+    "verify": ("shardwise verify --config configs/debug.toml --nproc 4",
+              "shardwise verify --config configs/debug.toml --layouts dp_shard=2 tp=2 --steps 10"),
     "generate": ("shardwise generate --checkpoint runs/debug --prompt 'In the beginning'",
                  "shardwise generate --hf hf-out --prompt 'In the beginning' --temperature 0.8"),
-    "report": ("shardwise report runs/debug", "shardwise report runs/a runs/b --out runs/compare"),
-    "convert": ("shardwise convert --to-hf runs/debug/checkpoints/step-200 --out hf-out",
-                "shardwise convert --from-hf Qwen3-0.6B --out ckpt/qwen3"),
-    "calibrate": ("shardwise calibrate --quick",),
+    "eval": ("shardwise eval --checkpoint runs/debug",
+            "shardwise eval --checkpoint runs/debug --data.path other.txt --nproc 2"),
+    "convert": ("shardwise convert --to-hf runs/debug/checkpoints/step-100 --out hf-out",
+               "shardwise convert --from-hf Qwen3-0.6B --out ckpt/qwen3"),
+    "report": ("shardwise report runs/debug",
+              "shardwise report runs/a runs/b --out runs/compare"),
 }
-"""Each command's ``--help`` ends with these (tests/e2e/test_cli.py parses every one)."""
+"""Each command's ``--help`` ends with these, in the order a user meets the commands
+(tests/e2e/test_vocabulary.py parses every one)."""
 NPROC_ALIASES = ("--gpus", "--world")
 """Older spellings of ``--nproc`` (plan, estimate), accepted with a notice."""
 
@@ -136,12 +138,15 @@ def _suggest(word: str, known: list[str]) -> str:
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    """``shardwise``'s parser and its commands' parsers by name."""
-    parser = argparse.ArgumentParser(prog="shardwise", allow_abbrev=False,
-                                     description="PyTorch-native N-D parallel LLM training.")
+    """``shardwise``'s parser and its commands' parsers by name, in the order a user meets them."""
+    parser = argparse.ArgumentParser(
+        prog="shardwise", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="PyTorch-native N-D parallel LLM training.",
+        epilog="examples (shardwise COMMAND --help for each command's flags and more examples):\n"
+               + "\n".join(f"  {EXAMPLES[name][0]}" for name in EXAMPLES))
     sub = parser.add_subparsers(dest="command", required=True)
-    for make in (train_parser, verify_parser, report_parser, convert_parser, prepare_parser,
-                 estimate_parser, plan_parser, calibrate_parser, generate_parser, eval_parser):
+    for make in (train_parser, prepare_parser, plan_parser, estimate_parser, calibrate_parser, verify_parser,
+                 generate_parser, eval_parser, convert_parser, report_parser):
         make(sub)
     parser.add_argument("--version", action="version", version=version())
     return parser, sub.choices

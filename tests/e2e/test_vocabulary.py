@@ -113,6 +113,8 @@ def test_verify_nproc_fills_and_checks_layouts():
 
 def test_help_shows_defaults_and_ends_with_examples_that_parse(capsys):
     parser, commands = flags.build_parser()
+    top = parser.format_help().rstrip().splitlines()
+    assert top[-len(flags.EXAMPLES) - 1].startswith("examples") and len(commands) == len(flags.EXAMPLES)
     for name, sub in commands.items():
         text = sub.format_help()
         assert text.rstrip().splitlines()[-len(flags.EXAMPLES[name]) - 1] == "examples:", name
