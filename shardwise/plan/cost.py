@@ -26,6 +26,7 @@ schedules (ZB-H1's ``T_F + T_B - T_W`` per V chunk with equal F, B, W passes; Qi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from shardwise.config.model_args import ModelArgs
 from shardwise.config.schema import Config
@@ -72,11 +73,25 @@ class StepTime:
     sharing cores)."""
 
 
-def _gemms(s: Shape, cfg: Config, layer: int) -> list[tuple[float, int, int, bool, bool, int]]:
-    """(forward FLOPs, in width, out width, float8, recomputed, rows per call) of each GEMM of one
-    block for one micro-batch on this rank, in forward order. The widths and rows set a GEMM's
-    efficiency on CPUs (a routed expert's call has its share of the slots: balanced routing, the
-    rank's ``E / ep`` experts receiving as many slots as it sends); float8:
+class Gemm(NamedTuple):
+    """One GEMM of a block, for one micro-batch on one rank."""
+
+    flops: float
+    """Forward FLOPs."""
+    in_width: int
+    out_width: int
+    float8: bool
+    """A linear ``float8.enabled`` converts."""
+    recomputed: bool
+    """Runs again in backward (activation checkpointing)."""
+    rows: int
+    """Rows per call (a routed expert's share of the slots)."""
+
+
+def block_gemms(s: Shape, cfg: Config, layer: int) -> list[Gemm]:
+    """Each GEMM of one block for one micro-batch on this rank, in forward order. The widths and rows
+    set a GEMM's efficiency on CPUs (a routed expert's call has its share of the slots: balanced
+    routing, the rank's ``E / ep`` experts receiving as many slots as it sends); float8:
     the linear is one ``float8.enabled`` converts (attention, dense and shared-expert MLPs; not the
     router or the grouped experts; local dims multiples of 16 and at least ``float8.min_dim``);
     recomputed: runs again in backward -- under full checkpointing all but the down projections
@@ -111,13 +126,13 @@ def _gemms(s: Shape, cfg: Config, layer: int) -> list[tuple[float, int, int, boo
         linears += [(2 * t * d * f, d, f, fp8(d, f), True, t), (2 * t * d * f, d, f, fp8(d, f), True, t),
                     (2 * t * d * f, f, d, fp8(d, f), False, t)]
     if mode == "selective_half":
-        return [(*g[:4], g[4] and i % 2 == 1, g[5]) for i, g in enumerate(linears)] + \
-            [(*g[:4], False, g[5]) for g in grouped]
+        return [Gemm(*g[:4], g[4] and i % 2 == 1, g[5]) for i, g in enumerate(linears)] + \
+            [Gemm(*g[:4], False, g[5]) for g in grouped]
     full = _recomputed(cfg, layer)
-    return [(*g[:4], g[4] and full, g[5]) for g in linears + grouped]
+    return [Gemm(*g[:4], g[4] and full, g[5]) for g in linears + grouped]
 
 
-def _float8_cast_bytes(s: Shape, cfg: Config, layer: int, gemms: list) -> float:
+def _float8_cast_bytes(s: Shape, cfg: Config, layer: int, gemms: list[Gemm]) -> float:
     """Bytes of the per-tensor scaling casts of one block's float8 linears for one micro-batch:
     each linear's input and output gradient (amax pass + cast pass), in the compute dtype in and
     one byte out."""
@@ -125,9 +140,9 @@ def _float8_cast_bytes(s: Shape, cfg: Config, layer: int, gemms: list) -> float:
     t, d = s.tokens, a.dim
     q, kv = a.n_heads * a.head_dim // s.tp, a.n_kv_heads * a.head_dim // s.tp
     n = 0.0
-    if gemms[0][3]:  # attention: wq, wk, wv read the input, wo the attention output
+    if gemms[0].float8:  # attention: wq, wk, wv read the input, wo the attention output
         n += t * (3 * d + q) + t * (q + 2 * kv + d)
-    if not a.is_moe_layer(layer) and gemms[-1][3]:  # w1, w3 read the input, w2 the product
+    if not a.is_moe_layer(layer) and gemms[-1].float8:  # w1, w3 read the input, w2 the product
         f = a.ffn_hidden_dim // s.tp
         n += t * (2 * d + f) + t * (2 * f + d)
     return 2 * n * (2 * s.e + 1)
@@ -260,7 +275,7 @@ def block_compute(tally: ComputeTally, cfg: Config, layout: Layout, shape: Shape
     attention, and the memory-bound ops."""
     args, dtype, hw = shape.args, cfg.training.mixed_precision, tally.hw
     recompute = _recomputed(cfg, layer)
-    gemms = _gemms(shape, cfg, layer)
+    gemms = block_gemms(shape, cfg, layer)
     for forward_flops, in_width, out_width, float8, recomputed, rows in gemms:
         flops = forward_flops * (1 + MATMUL_BACKWARD + (1 if recomputed else 0))
         tally.flops += flops

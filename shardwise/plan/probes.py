@@ -24,7 +24,7 @@ from shardwise.data.dataset import Batch
 from shardwise.optim.adamw import build_optimizer
 from shardwise.optim.clip import clip_grad_norm_
 from shardwise.plan.activations import shape_of
-from shardwise.plan.cost import _gemms
+from shardwise.plan.cost import block_gemms
 from shardwise.plan.estimate import estimate
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import Layout
@@ -124,7 +124,7 @@ def probe_kernels(overrides: list[str]) -> Callable[[], None]:
     shape = shape_of(cfg, Layout.from_config(cfg, 1))
     a, dtype = shape.args, DTYPES[cfg.training.mixed_precision]
     calls = [linear_step(dtype, k, n, rows) for layer in range(a.n_layers)
-             for _, k, n, _, _, rows in _gemms(shape, cfg, layer)]
+             for _, k, n, _, _, rows in block_gemms(shape, cfg, layer)]
     rows = min(shape.loss_chunk or shape.tokens, shape.tokens)
     calls += [linear_step(dtype, a.dim, a.vocab_size, rows)] * (shape.tokens // rows)
     calls += [attention_step(dtype, shape.mb, a.n_heads, shape.seq, a.head_dim)] * a.n_layers

@@ -32,7 +32,7 @@ from shardwise.plan.estimate import Estimate, GiB, estimate, shape_line
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import Layout
 from shardwise.plan.memory import memory_floor, step_memory
-from shardwise.plan.states import _param_shapes, shape_states
+from shardwise.plan.states import param_shapes, shape_states
 from shardwise.resolve.run import resolve_run
 
 AC_MODES = ("none", "selective", "selective_half", "full")
@@ -192,7 +192,7 @@ def plan(cfg: Config, gpus: int, hw: Hardware, top: int = 5, memory_fraction: fl
     processes to search with (0: the usable cores, at most 8, for searches of at least
     ``PARALLEL_GROUPS`` groups; the result is the same either way)."""
     capacity = hw.memory_gib * GiB * memory_fraction
-    shapes = _param_shapes(model_args(cfg.model))
+    shapes = param_shapes(model_args(cfg.model))
     layouts = enumerate_layouts(cfg, gpus, hw, ac_modes, schedules)
     groups = [list(g) for _, g in itertools.groupby(layouts, key=lambda x: dataclasses.replace(x, ac="none"))]
     workers = workers or (min(8, usable_cores()) if len(groups) >= PARALLEL_GROUPS else 1)

@@ -265,7 +265,7 @@ def _chunk(n: int, k: int) -> int:
     return -(-n // k)
 
 
-def _param_shapes(args: ModelArgs) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+def param_shapes(args: ModelArgs) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
     """Parameter (name, shape) of one block of each kind and of the root modules, from the model
     itself on meta (a one-block model per kind, so nothing is duplicated here)."""
     out: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
@@ -318,10 +318,10 @@ def planned_device(cfg: Config) -> str:
 def shape_states(cfg: Config, layout: Layout, shapes: dict | None = None,
                  pp_ranks: list[int] | None = None) -> list[RankStates]:
     """Per pipeline rank (``pp_ranks``, default all), the states and FSDP units
-    :func:`built_states` would find, from shapes. ``shapes``: :func:`_param_shapes` of the model,
+    :func:`built_states` would find, from shapes. ``shapes``: :func:`param_shapes` of the model,
     when the caller costs many layouts."""
     args = model_args(cfg.model)
-    shapes = shapes or _param_shapes(args)
+    shapes = shapes or param_shapes(args)
     n_stages = layout.pp * layout.stages_per_rank
     per_stage = stage_layers(args.n_layers, n_stages)
     out = []

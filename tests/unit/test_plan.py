@@ -374,7 +374,7 @@ def test_plan_skips_only_dominated_checkpointing_modes():
     than the one kept for its layout."""
     from shardwise.plan.cost import step_time
     from shardwise.plan.memory import step_memory
-    from shardwise.plan.search import _param_shapes
+    from shardwise.plan.search import param_shapes
 
     cfg = plan_config(load_config(None, ["--model.name=8b"], device="cuda"), 8192, parse_tokens("128K"))
     hw = load_hardware("h100")
@@ -384,7 +384,7 @@ def test_plan_skips_only_dominated_checkpointing_modes():
     two = plan(cfg, 8, hw, top=0, schedules=("1f1b",), workers=2)
     assert (two.ranked, two.dropped, two.refusals, two.least) == (result.ranked, result.dropped,
                                                                   result.refusals, result.least)
-    shapes, every = _param_shapes(model_args(cfg.model)), {}
+    shapes, every = param_shapes(model_args(cfg.model)), {}
     for layout in enumerate_layouts(cfg, 8, hw, schedules=("1f1b",)):
         c = layout.apply(cfg)
         if check_layout(cfg, layout):

@@ -92,7 +92,7 @@ def test_gemm_rate_on_few_rows():
     experts' GEMMs are costed on their share of the slots. GPU profiles and profiles measured
     before rows were are unchanged."""
     from shardwise.plan.activations import expert_rows, shape_of
-    from shardwise.plan.cost import _gemms
+    from shardwise.plan.cost import block_gemms
 
     base = _local_profile(2)  # grid: 1 TFLOP/s per thread at every width
     hw = dataclasses.replace(base, thread_tflops={**base.thread_tflops, "rows_bf16@1:256:64": 0.25,
@@ -114,7 +114,7 @@ def test_gemm_rate_on_few_rows():
     for ep in (1, 2):
         layout = Layout(dp_shard=2, ep=ep, micro_batch=2)
         s = shape_of(cfg, layout)
-        rows = [g[5] for g in _gemms(s, cfg, layer=1)]
+        rows = [g.rows for g in block_gemms(s, cfg, layer=1)]
         slots = expert_rows(s)  # (with the CPU's padding: test_cpu_expert_groups_cost_their_padding)
         assert rows[-2:] == [round(slots * ep / args.n_experts)] * 2 and set(rows[:-2]) == {s.tokens}
 
@@ -189,14 +189,14 @@ def test_cpu_expert_groups_cost_their_padding():
     with 2 sequences a rank routes 2048 slots to 8 experts, 256 rows each plus 31.5 of padding on
     average; GPUs run the groups unpadded. The grouped GEMMs cost the padded rows."""
     from shardwise.plan.activations import expert_rows, shape_of
-    from shardwise.plan.cost import _gemms
+    from shardwise.plan.cost import block_gemms
 
     shapes = {}
     for device in ("cpu", "cuda"):
         cfg = load_config(MOE, ["--parallel.dp_shard=4"], device=device)
         shapes[device] = (cfg, shape_of(cfg, Layout.from_config(cfg, 4)))
     assert expert_rows(shapes["cpu"][1]) == 2048 + 8 * 31.5 and expert_rows(shapes["cuda"][1]) == 2048
-    cpu, gpu = (_gemms(shape, cfg, 2) for cfg, shape in shapes.values())
+    cpu, gpu = (block_gemms(shape, cfg, 2) for cfg, shape in shapes.values())
     grouped = slice(-2, None)  # the linear layers first, then the grouped experts' two GEMMs
     assert [g[0] for g in cpu[grouped]] == pytest.approx([g[0] * 2300 / 2048 for g in gpu[grouped]])
     assert [g[5] for g in cpu[grouped]] == [288, 288] and [g[5] for g in gpu[grouped]] == [256, 256]
