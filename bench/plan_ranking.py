@@ -6,7 +6,8 @@ correlation of the two orders, and how far the predicted first choice is from th
 Repeats interleave the layouts (a shared machine's speed drifts over minutes; each repeat sees the
 same drift on every layout) and each repeat is judged on its own: the targets (issue 19) are every
 step time within +-25%, Spearman >= 0.8 and the first choice within 5% of the best, in a majority
-of the repeats.
+of the repeats. A set fails outright when its first choice measures below 95% of the best's
+tokens/s in any repeat: a plan that puts such a layout first is wrong whatever the other repeats say.
 
     python bench/plan_ranking.py --calibrate                      # debug preset, 4 ranks, 3 repeats
     python bench/plan_ranking.py --set moe --repeats 1
@@ -138,6 +139,11 @@ def report(name: str, hardware: str, base: list[str], names: list[str], pred: li
               f"-> {'meets' if v['ok'] else 'misses'} the targets")
     met = sum(v["ok"] for v in verdicts)
     print(f"targets met in {met} of {len(verdicts)} repeat(s)")
+    # tokens/s of the first choice against the best's: 1 / (1 + gap) of the step times
+    slow = [r + 1 for r, v in enumerate(verdicts) if 1 / (1 + v["first_gap"]) < 0.95]
+    print("set verdict: " + (f"FAILS: the first choice ran below 95% of the best in repeat(s) "
+                             f"{', '.join(map(str, slow))}" if slow else
+                             "the first choice ran at 95% of the best or better in every repeat"))
     if len(meas) > 1:
         # How far the machine agrees with itself: a set whose measured orders differ between
         # repeats (near-ties within the run-to-run spread) cannot be ranked above that by any model.
