@@ -2,7 +2,7 @@
 
 ``shardwise train --nproc N`` validates the config for N ranks, prepares the data once, then starts
 N ranks through torch's elastic launcher (``torch.distributed.run``, the code behind ``torchrun``,
-on loopback; shardwise/launch.py). Each rank re-enters this same command with WORLD_SIZE set, which
+on loopback; shardwise/launch/agent.py). Each rank re-enters this same command with WORLD_SIZE set, which
 is also exactly what happens under an external ``torchrun`` or a Slurm ``srun torchrun`` on many nodes.
 """
 
@@ -295,7 +295,7 @@ def cmd_calibrate(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def rank_main(env: dict[str, str | None], *argv: str) -> None:
-    """A rank of ``shardwise train --nproc N``, forked from the rank server (shardwise/process.py):
+    """A rank of ``shardwise train --nproc N``, forked from the rank server (shardwise/launch/process.py):
     the command the launcher ran, with the launcher's environment as it is now (``env``: what changed
     since the server started), exactly as under torchrun. Returns on success (the elastic agent then
     collects every rank's return, and the rank exits a second later); otherwise exits with the
