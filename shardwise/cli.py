@@ -78,8 +78,6 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
         raise ConfigError("--nproc/--max-restarts cannot be used under torchrun: the launcher already "
                           "sets them (use its --nproc-per-node / --max-restarts)")
     nproc = args.nproc if args.nproc is not None else (world or 1)
-    if nproc < 1:
-        raise ConfigError(f"--nproc must be >= 1, got {nproc}")
     cfg = load_config(args.config, overrides, world=None if args.print_config else nproc)
     if args.print_config:
         print(cfg.to_toml(), end="")
@@ -117,13 +115,11 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
 def cmd_verify(args: argparse.Namespace, overrides: list[str]) -> int:
     from pathlib import Path
 
-    from shardwise.resolve.layouts import fill_layouts, parse_layout
+    from shardwise.resolve.layouts import fill_layouts
 
     if args.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
-    layouts = fill_layouts(args.layouts, args.nproc)
-    for layout in layouts:
-        parse_layout(layout)  # a bad one fails before any run
+    layouts = fill_layouts(args.layouts, args.nproc)  # a bad one fails before any run
     base = load_config(args.config, [*overrides, f"--training.steps={args.steps}"])
     from shardwise.launch.verify import verify
 
@@ -323,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         flags.check_unknown_flags(commands[args.command], rest)
         flags.nproc_notice(argv)
         flags.check_paths(args)
+        flags.check_nproc(args)
         if args.command == "eval":  # its base config is the run's: the overrides' keys and types now
             config.read_config(None, rest)
         rest, args.model_note = flags.apply_model(args, rest)

@@ -115,12 +115,16 @@ def nproc_notice(argv: list[str]) -> None:
                    "verify and eval); the old name still works")
 
 
+def check_nproc(args: argparse.Namespace) -> None:
+    """``--nproc``, where a command has it and it is given, is at least 1 (every command, once)."""
+    if (nproc := getattr(args, "nproc", None)) is not None and nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {nproc}")
+
+
 def need_nproc(args: argparse.Namespace, what: str) -> int:
-    """The required ``--nproc``, checked: >= 1."""
+    """The ``--nproc`` a command cannot do without (plan, estimate)."""
     if args.nproc is None:
         raise ConfigError(f"{args.command} needs --nproc N: the number of {what}")
-    if args.nproc < 1:
-        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
     return args.nproc
 
 

@@ -106,8 +106,6 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str], argv: list[str],
     if world is not None and args.nproc is not None:
         raise ConfigError("--nproc cannot be used under torchrun: the launcher sets the ranks")
     nproc = args.nproc if args.nproc is not None else world or 1
-    if nproc < 1:
-        raise ConfigError(f"--nproc must be >= 1, got {nproc}")
     resolve_run(cfg, nproc, detect_device=True)  # layout errors here, before any process starts
     if world is None and nproc > 1:
         prepare(cfg.data, load_tokenizer(cfg.data.tokenizer))  # once, here; the ranks memory-map it

@@ -34,22 +34,21 @@ def parse_layout(text: str) -> tuple[list[str], int]:
 
 
 def fill_layouts(layouts: list[str] | None, nproc: int | None) -> list[str]:
-    """The layouts to verify. With ``nproc`` (``--nproc``), each runs on that many ranks: a layout
-    that does not set dp_shard gets the rest of them, one that sets every degree must multiply to
-    it; with no ``layouts``, plain FSDP over ``nproc`` ranks and (``nproc`` even) 2-way TP beside
-    FSDP over the other half."""
+    """The layouts to verify, each checked. With ``nproc`` (``--nproc``), each runs on that many
+    ranks: a layout that does not set dp_shard gets the rest of them, one that sets every degree
+    must multiply to it; with no ``layouts``, plain FSDP over ``nproc`` ranks and (``nproc`` even)
+    2-way TP beside FSDP over the other half."""
     if layouts is None:
         if nproc is None:
             raise ConfigError("verify needs --layouts (e.g. dp_shard=2 tp=2) or --nproc N (the standard "
                               "layouts of N ranks)")
         return [f"dp_shard={nproc}"] + ([f"tp=2,dp_shard={nproc // 2}"] if nproc % 2 == 0 else [])
-    if nproc is None:
-        return layouts
-    if nproc < 1:
-        raise ConfigError(f"--nproc must be >= 1, got {nproc}")
     out = []
     for text in layouts:
-        overrides, world = parse_layout(text)
+        _, world = parse_layout(text)  # (a bad layout fails here, before any run)
+        if nproc is None:
+            out.append(text)
+            continue
         if Mesh.DP_SHARD not in (item.partition("=")[0] for item in text.split(",")):
             if nproc % world:
                 raise ConfigError(f"layout '{text}' uses {world} ranks, which do not divide --nproc {nproc}")
