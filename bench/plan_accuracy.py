@@ -67,13 +67,13 @@ def measure(preset: str, layout: str, steps: int, trace: int, run_dir: Path) -> 
     }
 
 
-def by_ranks(layout, totals: dict[str, dict[str, int]], alias: dict[str, str]) -> dict:
+def by_ranks(degrees, totals: dict[str, dict[str, int]], alias: dict[str, str]) -> dict:
     """Comm totals keyed by (rank set, collective): mesh dims that are the same group merge."""
     from shardwise.plan.comm import group_members
 
     out: dict = {}
     for group, per in totals.items():
-        key = tuple(sorted(group_members(layout, alias.get(group, group))))
+        key = tuple(sorted(group_members(degrees, alias.get(group, group))))
         for kind, b in per.items():
             out[(key, kind)] = out.get((key, kind), 0) + b
     return out
@@ -92,8 +92,8 @@ def compare(args: list[str], world: int, meas: dict, hardware: str) -> dict:
     states_exact = all(
         round(meas["states"][f"{k}_per_rank"][r] * GiB) == getattr(est.states[r // per_stage], k)
         for r in range(world) for k in ("params", "grads", "optimizer"))
-    measured_comm = by_ranks(lay, meas["comm"], {"experts": "efsdp"})
-    predicted_comm = by_ranks(lay, totals(list(est.collectives[0])), {})
+    measured_comm = by_ranks(lay.degrees, meas["comm"], {"experts": "efsdp"})
+    predicted_comm = by_ranks(lay.degrees, totals(list(est.collectives[0])), {})
     comm_ratio = sum(predicted_comm.values()) / max(1, sum(measured_comm.values()))
     peaks = [(est.memory[r // per_stage].peak, meas["peak"][r] * GiB) for r in range(world)]
     pred_peak, meas_peak = max(peaks, key=lambda x: x[1])

@@ -79,8 +79,8 @@ def fit(hw, estimates: list) -> dict[str, float]:
         h = dataclasses.replace(hw, efficiency={**hw.efficiency, **eff})
         total = 0.0
         for _, est, tps in estimates:
-            t = step_time(est.cfg, est.layout, list(est.states), h)
-            total += math.log(t.tokens_per_s / est.layout.world / tps) ** 2
+            t = step_time(est.run, list(est.states), h)
+            total += math.log(t.tokens_per_s / est.run.world / tps) ** 2
         return total
 
     eff = {k: hw.efficiency.get(k, hw.efficiency["matmul"]) for k in FIT}

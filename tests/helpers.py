@@ -26,6 +26,7 @@ from shardwise.models.llama import (
     init_weights,
 )
 from shardwise.resolve.checks import load_config
+from shardwise.resolve.run import ResolvedRun, resolve_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,6 +90,11 @@ def run_cli(args: list[str], timeout: float = 300, launcher: list[str] | None = 
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def planned(cfg, world: int) -> ResolvedRun:  # noqa: ANN001 - a Config
+    """``cfg`` on ``world`` ranks resolved as the planner resolves a candidate (no device detection)."""
+    return resolve_run(cfg, world, detect_device=False)
 
 
 @contextlib.contextmanager

@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardwise.checkpoint import CheckpointError, ModelTensors, read_manifest, run_config, save_model_only
+from shardwise.checkpoint.manifest import manifest_model
 from shardwise.config.schema import ConfigError, ModelConfig, read_config
 from shardwise.data.tokenizer import SHIPPED_TOKENIZER, load_tokenizer
 from shardwise.models import ModelArgs, model_args
@@ -171,7 +172,7 @@ def export_hf(checkpoint: Path, out: Path, dtype: str = "bf16", tokenizer: str |
     manifest = read_manifest(checkpoint)
     if "model" not in manifest:
         raise CheckpointError(f"checkpoint '{checkpoint}' records no model config in its manifest")
-    args = model_args(ModelConfig(**manifest["model"]))
+    args = manifest_model(manifest)
     config = hf_config(args, dtype)
     state = ModelTensors(checkpoint)
     if any(k.endswith("router.expert_bias") and state[k].any() for k in state.specs):

@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shardwise.config.schema import ConfigError
+from shardwise.config.schema import ConfigError, ModelConfig
+from shardwise.models import ModelArgs, model_args
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -207,3 +208,8 @@ def model_only(path: Path) -> bool:
 
 def is_weights_only(manifest: dict[str, Any]) -> bool:
     return manifest.get("contents") == ["model"]
+
+
+def manifest_model(manifest: dict[str, Any]) -> ModelArgs:
+    """The model a checkpoint's manifest records (its ``[model]`` section over the preset it names)."""
+    return model_args(ModelConfig(**manifest["model"]))

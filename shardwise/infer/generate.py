@@ -20,13 +20,12 @@ import torch
 
 from shardwise.checkpoint import read_manifest
 from shardwise.checkpoint.hf import load_hf_weights, run_tokenizer
-from shardwise.checkpoint.manifest import checkpoint_or_latest
+from shardwise.checkpoint.manifest import checkpoint_or_latest, manifest_model
 from shardwise.checkpoint.reader import check_compatible, load_model_only
 from shardwise.config.device import device_type
-from shardwise.config.schema import ConfigError, ModelConfig
+from shardwise.config.schema import ConfigError
 from shardwise.data.chat import check_messages
 from shardwise.data.tokenizer import load_tokenizer
-from shardwise.models import model_args
 from shardwise.models.hf_config import args_from_hf, read_hf_config
 from shardwise.models.llama import KVCache, build_model, rope_table
 
@@ -154,7 +153,7 @@ def load(checkpoint: str = "", hf: str = "", tokenizer: str = "", device: str = 
             raise ConfigError(f"--checkpoint '{checkpoint}' does not exist")
         path = checkpoint_or_latest(path)
         manifest = read_manifest(path)
-        args = model_args(ModelConfig(**manifest["model"]))
+        args = manifest_model(manifest)
         check_compatible(path, build_model(args))
         model = _materialized(args, torch.device("cpu"))
         load_model_only(path, model)

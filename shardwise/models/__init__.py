@@ -18,22 +18,9 @@ def model_args(cfg: Any) -> ModelArgs:
     """The model a ``[model]`` config section (shardwise.config.schema.ModelConfig) describes: the preset
     named by ``cfg.name`` (none: ``""``, ModelArgs' defaults) with every field set in ``cfg`` applied
     over it."""
-    key = tuple(vars(cfg).items())  # (the planner asks for the same section thousands of times)
-    try:
-        if (args := _MODEL_ARGS.get(key)) is not None:
-            return args
-    except TypeError:  # an unhashable value: not memoized
-        key = None
     overrides = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
                  if f.name != "name" and getattr(cfg, f.name) is not None}
-    args = dataclasses.replace(PRESETS[cfg.name] if cfg.name else ModelArgs(), **overrides)
-    if key is not None and len(_MODEL_ARGS) < 64:
-        _MODEL_ARGS[key] = args
-    return args
-
-
-_MODEL_ARGS: dict[tuple, ModelArgs] = {}
-"""model_args by the section's field values (ModelArgs is frozen, so sharing one is safe)."""
+    return dataclasses.replace(PRESETS[cfg.name] if cfg.name else ModelArgs(), **overrides)
 
 
 def check_args(args: ModelArgs) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from shardwise.config.model_args import ModelArgs
 from shardwise.config.schema import ConfigError, ParallelConfig, coerce
@@ -63,6 +63,28 @@ MOE_VIEWS = {Mesh.DP_SHARD_CP_TP: (Mesh.DP_SHARD, Mesh.CP, Mesh.TP),
              Mesh.MOE: (Mesh.DP_SHARD, Mesh.CP, Mesh.TP)}
 """The views :meth:`ParallelDims.moe_meshes` makes (``moe``: the FSDP group of routers and shared
 experts; ``ep`` and ``efsdp`` split it, innermost ``ep``)."""
+
+
+class Degrees(NamedTuple):
+    """The parallel degrees alone, as a hashable value (what the planner's rank arithmetic and its
+    caches key on): :attr:`ParallelDims.degrees`."""
+
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    ep: int
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def moe_shard(self) -> int:
+        """dp_shard x cp x tp: the ranks an MoE block's router and experts are sharded over (expert
+        parallel takes ``ep`` of them)."""
+        return self.dp_shard * self.cp * self.tp
 
 
 @dataclass
@@ -138,6 +160,10 @@ class ParallelDims:
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def degrees(self) -> Degrees:
+        return Degrees(self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp, self.ep)
 
     @property
     def mesh(self) -> DeviceMesh:

@@ -33,6 +33,7 @@ import copy
 import functools
 import inspect
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -53,6 +54,20 @@ def stages_per_rank(schedule: str, interleaved: int) -> int:
     if schedule in V_SHAPED:
         return 2
     return interleaved if schedule == "interleaved1f1b" else 1
+
+
+class PipelineShape(NamedTuple):
+    """What a schedule's order of passes depends on (hashable: the planner caches orders by it)."""
+
+    pp: int
+    schedule: str = "1f1b"
+    interleaved: int = 2
+    """parallel.pp_stages_per_rank (read by the interleaved schedule only)."""
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Stages each pp rank holds (1 without PP)."""
+        return stages_per_rank(self.schedule, self.interleaved) if self.pp > 1 else 1
 
 
 def rank_stages(rank: int, pp: int, schedule: str, interleaved: int = 2) -> list[int]:

@@ -26,12 +26,11 @@ import functools
 from dataclasses import dataclass
 
 from shardwise.config.schema import Config
-from shardwise.models import ModelArgs, model_args
+from shardwise.models import ModelArgs
 from shardwise.models.moe import group_alignment
 from shardwise.parallel.ac import is_checkpointed
-from shardwise.plan.layout import Layout
 from shardwise.plan.states import BYTES
-from shardwise.resolve.run import loss_chunk_tokens
+from shardwise.resolve.run import ResolvedRun
 
 
 @dataclass(frozen=True)
@@ -75,18 +74,17 @@ class Shape:
         return self.tokens // self.tp
 
 
-def shape_of(cfg: Config, layout: Layout) -> Shape:
-    args = model_args(cfg.model)
-    seq = cfg.training.seq_len // layout.cp
-    chunk = loss_chunk_tokens(cfg.training, args.vocab_size, layout.pp, layout.tp, layout.micro_batch * seq)
-    return Shape(args, layout.micro_batch, seq, layout.tp, layout.cp, layout.ep,
-                 BYTES[cfg.training.mixed_precision], chunk, layout.pp, _on_cpu(cfg.run.device))
+def shape_of(run: ResolvedRun) -> Shape:
+    """The per-rank sizes of ``run``'s micro-batch."""
+    d = run.dims
+    return Shape(run.model, run.micro_batch, run.local_seq, d.tp, d.cp, d.ep, BYTES[run.precision],
+                 run.loss_chunk, d.pp, _on_cpu(run.device_type))
 
 
 @functools.lru_cache(maxsize=8)
 def _on_cpu(run_device: str) -> bool:
     """Whether ``run.device`` is the CPU (the planner fills it for the device it plans for; ``auto``
-    is this machine's)."""
+    is this machine's: the planner resolves without detecting the device)."""
     if run_device != "auto":
         return run_device == "cpu"
     import torch
@@ -284,10 +282,10 @@ def embedding_saved(s: Shape) -> int:
     return 8 * s.mb * s.seq  # token ids (int64)
 
 
-def activations(cfg: Config, layout: Layout, layers: tuple[int, ...], has_embedding: bool,
+def activations(run: ResolvedRun, layers: tuple[int, ...], has_embedding: bool,
                 has_head: bool) -> dict[str, int]:
     """Saved bytes of one micro-batch on a rank running ``layers``: blocks, embedding, head/loss."""
-    s = shape_of(cfg, layout)
+    s, cfg = shape_of(run), run.cfg
     blocks = sum(block_activations(s, cfg, i) for i in layers)
     out = {"blocks": blocks + (rope_table(s, cfg) if layers else 0)}
     out["embedding"] = embedding_saved(s) if has_embedding else 0

@@ -38,12 +38,11 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from shardwise.config.schema import Config
-from shardwise.parallel.dims import FLAT_VIEWS, MESH_DIMS, MOE_VIEWS, Mesh
+from shardwise.parallel.dims import FLAT_VIEWS, MESH_DIMS, MOE_VIEWS, Degrees, Mesh
 from shardwise.parallel.pipeline import rank_stages
 from shardwise.plan.activations import Shape, shape_of
-from shardwise.plan.layout import Layout
 from shardwise.plan.states import BYTES, FsdpUnit, RankStates
+from shardwise.resolve.run import ResolvedRun
 
 
 @dataclass(frozen=True)
@@ -73,26 +72,25 @@ def _spanned_dims(group: str) -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=65536)
-def group_members(layout: Layout, group: str, pp_rank: int = 0) -> frozenset[int]:
+def group_members(degrees: Degrees, group: str, pp_rank: int = 0) -> frozenset[int]:
     """Ranks of the ``group`` mesh dim that contains the rank at pipeline coordinate ``pp_rank``
     and every other coordinate 0. Ranks are laid out pp, dp_replicate, dp_shard, cp, tp (outermost
     first); expert parallel takes the innermost ``ep`` of dp_shard x cp x tp, efsdp the rest."""
-    base = pp_rank * (layout.world // layout.pp)
+    base = pp_rank * (degrees.world // degrees.pp)
     if group in (Mesh.EP, Mesh.EFSDP):
-        inner = layout.dp_shard * layout.cp * layout.tp
-        members = range(layout.ep) if group == Mesh.EP else range(0, inner, layout.ep)
+        members = range(degrees.ep) if group == Mesh.EP else range(0, degrees.moe_shard, degrees.ep)
         return frozenset(base + r for r in members)
     dims = _spanned_dims(group)
-    strides = {d: math.prod(getattr(layout, x) for x in MESH_DIMS[MESH_DIMS.index(d) + 1:]) for d in dims}
-    coords = itertools.product(*(range(getattr(layout, d)) for d in dims))
+    strides = {d: math.prod(getattr(degrees, x) for x in MESH_DIMS[MESH_DIMS.index(d) + 1:]) for d in dims}
+    coords = itertools.product(*(range(getattr(degrees, d)) for d in dims))
     return frozenset(base + sum(c * strides[d] for c, d in zip(cs, dims, strict=True)) for cs in coords)
 
 
-def group_size(layout: Layout, group: str) -> int:
-    """Ranks in one ``group`` mesh dim of ``layout``."""
+def group_size(degrees: Degrees, group: str) -> int:
+    """Ranks in one ``group`` mesh dim."""
     if group == Mesh.EFSDP:
-        return layout.dp_shard * layout.cp * layout.tp // layout.ep
-    return math.prod(getattr(layout, d) for d in _spanned_dims(group))
+        return degrees.moe_shard // degrees.ep
+    return math.prod(getattr(degrees, d) for d in _spanned_dims(group))
 
 
 class _Issued:
@@ -100,23 +98,23 @@ class _Issued:
     calls, or a one-rank group -- FSDP and the DTensor styles skip collectives on one rank, while
     the trainer's own all-reduces (``size_one``) are issued even there."""
 
-    def __init__(self, layout: Layout) -> None:
-        self.layout = layout
+    def __init__(self, degrees: Degrees) -> None:
+        self.degrees = degrees
         self.collectives: list[Collective] = []
 
     def add(self, group: str, kind: str, nbytes: int, calls: int, phase: str, what: str,
             overlap: str = "none", size_one: bool = False) -> None:
-        if calls and (size_one or group_size(self.layout, group) > 1):
+        if calls and (size_one or group_size(self.degrees, group) > 1):
             self.collectives.append(Collective(group, kind, int(nbytes), calls, phase, what, overlap))
 
 
-def step_collectives(cfg: Config, layout: Layout, rank_states: RankStates) -> list[Collective]:
+def step_collectives(run: ResolvedRun, rank_states: RankStates) -> list[Collective]:
     """Every collective one steady-state step issues on the rank with states ``rank_states``
     (pipeline coordinate ``rank_states.pp_rank``, all others 0), in the module docstring's order."""
-    shape = shape_of(cfg, layout)
+    shape = shape_of(run)
     parts = (fsdp_collectives, tensor_collectives, context_collectives, expert_collectives,
              pipeline_collectives, step_reductions)
-    return [c for part in parts for c in part(cfg, layout, rank_states, shape)]
+    return [c for part in parts for c in part(run, rank_states, shape)]
 
 
 def _moe_layers(shape: Shape, rank_states: RankStates) -> int:
@@ -124,31 +122,31 @@ def _moe_layers(shape: Shape, rank_states: RankStates) -> int:
     return sum(shape.args.is_moe_layer(i) for i in rank_states.layers)
 
 
-def fsdp_reduce_bytes(cfg: Config, shape: Shape) -> int:
+def fsdp_reduce_bytes(run: ResolvedRun, shape: Shape) -> int:
     """Bytes per element of FSDP's gradient reduction: ``parallel.fsdp_reduce_dtype`` under bf16
     compute, fp32 under fp32 compute."""
-    return BYTES[cfg.parallel.fsdp_reduce_dtype] if shape.e == 2 else 4
+    return BYTES[run.cfg.parallel.fsdp_reduce_dtype] if shape.e == 2 else 4
 
 
-def fsdp_collectives(cfg: Config, layout: Layout, rank_states: RankStates,
+def fsdp_collectives(run: ResolvedRun, rank_states: RankStates,
                      shape: Shape) -> list[Collective]:
     """FSDP / HSDP: per unit, the parameter all-gathers, the gradient reduce-scatter and (HSDP) the
     sharded gradient's all-reduce over dp_replicate."""
-    return [c for unit in rank_states.units for c in unit_collectives(cfg, layout, unit, shape)]
+    return [c for unit in rank_states.units for c in unit_collectives(run, unit, shape)]
 
 
-def unit_collectives(cfg: Config, layout: Layout, unit: FsdpUnit, shape: Shape) -> list[Collective]:
+def unit_collectives(run: ResolvedRun, unit: FsdpUnit, shape: Shape) -> list[Collective]:
     """One FSDP unit's collectives over the step (:func:`fsdp_collectives`), in the order it issues
     them: forward gather, backward gather (if resharded), reduce-scatter, HSDP all-reduce."""
-    issued = _Issued(layout)
-    micro_batches = layout.micro_batches(cfg.training.global_batch)
+    issued = _Issued(run.dims.degrees)
+    micro_batches = run.micro_batches
     # Pipeline ranks keep their units gathered through the step (no reshard after forward) and
     # reduce once (the schedules sync gradients on the last micro-batch only).
-    gathers, reductions = (1, 1) if layout.pp > 1 else (micro_batches, micro_batches)
-    gather_bytes, reduce_buffer = shape.e * unit.numel, fsdp_reduce_bytes(cfg, shape) * unit.numel
+    gathers, reductions = (1, 1) if run.dims.pp > 1 else (micro_batches, micro_batches)
+    gather_bytes, reduce_buffer = shape.e * unit.numel, fsdp_reduce_bytes(run, shape) * unit.numel
     issued.add(unit.group, "all_gather", gather_bytes, gathers, "forward", "FSDP parameter all-gather",
                "fsdp")
-    if unit.reshard and layout.pp == 1:
+    if unit.reshard and run.dims.pp == 1:
         issued.add(unit.group, "all_gather", gather_bytes, micro_batches, "backward",
                    "FSDP parameter all-gather", "fsdp")
     issued.add(unit.group, "reduce_scatter", reduce_buffer, reductions, "backward",
@@ -158,15 +156,15 @@ def unit_collectives(cfg: Config, layout: Layout, unit: FsdpUnit, shape: Shape) 
     return issued.collectives
 
 
-def tensor_collectives(cfg: Config, layout: Layout, rank_states: RankStates,
+def tensor_collectives(run: ResolvedRun, rank_states: RankStates,
                        shape: Shape) -> list[Collective]:
     """Tensor/sequence parallel: the sequence-parallel gathers and reduce-scatters around every
     attention and dense FFN, the norms' weight gradients, the vocab-parallel embedding and head."""
-    if layout.tp == 1:
+    if run.dims.tp == 1:
         return []
-    issued = _Issued(layout)
+    issued = _Issued(run.dims.degrees)
     add = issued.add
-    micro_batches = layout.micro_batches(cfg.training.global_batch)
+    micro_batches = run.micro_batches
     dim, n_layers = shape.args.dim, len(rank_states.layers)
     activation_bytes = shape.e * shape.tokens * dim  # one gathered (tokens x dim) activation
     # attention of every block, dense FFNs: gather in, reduce-scatter out; mirrored in backward
@@ -187,11 +185,11 @@ def tensor_collectives(cfg: Config, layout: Layout, rank_states: RankStates,
         add(Mesh.TP, "reduce_scatter", activation_bytes, micro_batches, "backward",
             "output head input gather (grad)")
         add(Mesh.TP, "all_reduce", shape.e * dim, micro_batches, "backward", "norm weight gradients")
-        _tensor_loss(issued, cfg, shape, micro_batches)
+        _tensor_loss(issued, run, shape, micro_batches)
     return issued.collectives
 
 
-def _tensor_loss(issued: _Issued, cfg: Config, shape: Shape, micro_batches: int) -> None:
+def _tensor_loss(issued: _Issued, run: ResolvedRun, shape: Shape, micro_batches: int) -> None:
     """The loss over vocab-sharded logits: chunked, loss parallel, or the logits gathered."""
     tokens, chunk_tokens = shape.tokens, shape.loss_chunk
     if chunk_tokens:
@@ -202,7 +200,7 @@ def _tensor_loss(issued: _Issued, cfg: Config, shape: Shape, micro_batches: int)
                    "vocab-parallel chunked loss (max)")
         issued.add(Mesh.TP, "all_reduce", 8 * per_chunk, micro_batches * chunks, "forward",
                    "vocab-parallel chunked loss (sums)")
-    elif cfg.parallel.loss_parallel:
+    elif run.cfg.parallel.loss_parallel:
         issued.add(Mesh.TP, "all_reduce", 4 * tokens, micro_batches * 3, "forward", "loss parallel")
     else:
         logits_bytes = shape.e * tokens * shape.args.vocab_size
@@ -210,41 +208,41 @@ def _tensor_loss(issued: _Issued, cfg: Config, shape: Shape, micro_batches: int)
         issued.add(Mesh.TP, "reduce_scatter", logits_bytes, micro_batches, "backward", "logits gather (grad)")
 
 
-def context_collectives(cfg: Config, layout: Layout, rank_states: RankStates,
+def context_collectives(run: ResolvedRun, rank_states: RankStates,
                         shape: Shape) -> list[Collective]:
     """Context parallel: ring attention's K/V exchange in forward and backward, and the K/V
     gradients' round in backward."""
-    if layout.cp == 1 or not rank_states.layers:
+    if run.dims.cp == 1 or not rank_states.layers:
         return []
-    issued, args = _Issued(layout), shape.args
+    issued, args = _Issued(run.dims.degrees), shape.args
     # Ring attention (torch's templated ring): K and V travel around the cp ring -- one
     # all-gather, or cp - 1 point-to-point rotations (all-to-all) -- in forward and again in
     # backward, where the K/V gradients (fp32) make a full round in cp rotations.
-    kv_heads = args.n_kv_heads // layout.tp
-    local_kv_bytes = 2 * shape.e * layout.micro_batch * kv_heads * shape.seq * args.head_dim
-    attentions = layout.micro_batches(cfg.training.global_batch) * len(rank_states.layers)
+    kv_heads = args.n_kv_heads // run.dims.tp
+    local_kv_bytes = 2 * shape.e * run.micro_batch * kv_heads * shape.seq * args.head_dim
+    attentions = run.micro_batches * len(rank_states.layers)
     for phase in ("forward", "backward"):
-        if cfg.parallel.cp_rotate_method == "allgather":
-            issued.add(Mesh.CP, "all_gather", layout.cp * local_kv_bytes, attentions, phase,
+        if run.cfg.parallel.cp_rotate_method == "allgather":
+            issued.add(Mesh.CP, "all_gather", run.dims.cp * local_kv_bytes, attentions, phase,
                        "ring attention K/V")
         else:
-            issued.add(Mesh.CP, "all_to_all", local_kv_bytes, attentions * (layout.cp - 1), phase,
+            issued.add(Mesh.CP, "all_to_all", local_kv_bytes, attentions * (run.dims.cp - 1), phase,
                        "ring attention K/V")
-    issued.add(Mesh.CP, "all_to_all", local_kv_bytes * 4 // shape.e, attentions * layout.cp, "backward",
+    issued.add(Mesh.CP, "all_to_all", local_kv_bytes * 4 // shape.e, attentions * run.dims.cp, "backward",
                "ring attention K/V gradients")
     return issued.collectives
 
 
-def expert_collectives(cfg: Config, layout: Layout, rank_states: RankStates,
+def expert_collectives(run: ResolvedRun, rank_states: RankStates,
                        shape: Shape) -> list[Collective]:
     """MoE blocks: the balance loss's expert counts over cp x tp, and expert parallel's all-to-alls
     of the routing counts and the routed tokens (balanced routing assumed)."""
-    issued, args = _Issued(layout), shape.args
-    moe_blocks = layout.micro_batches(cfg.training.global_batch) * _moe_layers(shape, rank_states)
-    if layout.cp * layout.tp > 1 and args.moe_balance == "aux_loss" and args.moe_aux_coef > 0:
-        issued.add(Mesh.CP_TP, "all_reduce", 4 * layout.micro_batch * (args.n_experts + 1), moe_blocks,
+    issued, args = _Issued(run.dims.degrees), shape.args
+    moe_blocks = run.micro_batches * _moe_layers(shape, rank_states)
+    if run.dims.cp * run.dims.tp > 1 and args.moe_balance == "aux_loss" and args.moe_aux_coef > 0:
+        issued.add(Mesh.CP_TP, "all_reduce", 4 * run.micro_batch * (args.n_experts + 1), moe_blocks,
                    "forward", "MoE balance-loss counts")
-    if layout.ep > 1:
+    if run.dims.ep > 1:
         sent_bytes = shape.e * shape.norm_tokens * args.moe_top_k * args.dim  # balanced routing
         issued.add(Mesh.EP, "all_to_all", 8 * args.n_experts, moe_blocks, "forward", "expert-parallel counts")
         issued.add(Mesh.EP, "all_to_all", sent_bytes, 2 * moe_blocks, "forward", "expert-parallel tokens")
@@ -252,19 +250,19 @@ def expert_collectives(cfg: Config, layout: Layout, rank_states: RankStates,
     return issued.collectives
 
 
-def pipeline_collectives(cfg: Config, layout: Layout, rank_states: RankStates,
+def pipeline_collectives(run: ResolvedRun, rank_states: RankStates,
                          shape: Shape) -> list[Collective]:
     """Pipeline parallel: boundary activations and gradients between stages on other ranks, and
     the per-step values shared by all stages."""
-    if layout.pp == 1:
+    if run.dims.pp == 1:
         return []
-    issued = _Issued(layout)
-    micro_batches = layout.micro_batches(cfg.training.global_batch)
-    pp_rank, n_stages = rank_states.pp_rank, layout.pp * layout.stages_per_rank
-    stages = rank_stages(pp_rank, layout.pp, layout.pp_schedule, layout.pp_stages_per_rank)
-    owner = {stage: rank for rank in range(layout.pp)
-             for stage in rank_stages(rank, layout.pp, layout.pp_schedule, layout.pp_stages_per_rank)}
-    boundary = boundary_bytes(cfg, layout, shape)
+    issued = _Issued(run.dims.degrees)
+    micro_batches = run.micro_batches
+    pp_rank, n_stages = rank_states.pp_rank, run.dims.pp * run.stages_per_rank
+    stages = rank_stages(pp_rank, run.dims.pp, run.pipeline.schedule, run.pipeline.interleaved)
+    owner = {stage: rank for rank in range(run.dims.pp)
+             for stage in rank_stages(rank, run.dims.pp, run.pipeline.schedule, run.pipeline.interleaved)}
+    boundary = boundary_bytes(run, shape)
     sends = sum(1 for x in stages if x + 1 < n_stages and owner[x + 1] != pp_rank)
     recvs = sum(1 for x in stages if x > 0 and owner[x - 1] != pp_rank)
     issued.add(Mesh.PP, "send", boundary, micro_batches * sends, "forward", "pipeline activations")
@@ -278,20 +276,20 @@ def pipeline_collectives(cfg: Config, layout: Layout, rank_states: RankStates,
     return issued.collectives
 
 
-def boundary_bytes(cfg: Config, layout: Layout, shape: Shape) -> int:
+def boundary_bytes(run: ResolvedRun, shape: Shape) -> int:
     """Bytes a pipeline stage sends its neighbour per micro-batch: the residual stream,
     sequence-sharded over cp and tp (and the same again as its gradient, back)."""
-    return shape.e * layout.micro_batch * (cfg.training.seq_len // layout.cp // layout.tp) * shape.args.dim
+    return shape.e * run.micro_batch * (run.local_seq // run.dims.tp) * shape.args.dim
 
 
-def step_reductions(cfg: Config, layout: Layout, rank_states: RankStates,
+def step_reductions(run: ResolvedRun, rank_states: RankStates,
                     shape: Shape) -> list[Collective]:
     """Once per step, issued even over one rank: valid tokens (int64) and the loss (fp32) over
     dp x cp, the gradient norm's partial sums, the MoE token counts."""
-    issued, n_experts = _Issued(layout), shape.args.n_experts
+    issued, n_experts = _Issued(run.dims.degrees), shape.args.n_experts
     issued.add(Mesh.DP_CP, "all_reduce", 8, 1, "step", "valid-token count", size_one=True)
     issued.add(Mesh.DP_CP, "all_reduce", 4, 1, "step", "loss", size_one=True)
-    for group, calls in _norm_groups(layout, rank_states, n_experts > 0).items():
+    for group, calls in _norm_groups(run.dims.degrees, rank_states, n_experts > 0).items():
         issued.add(group, "all_reduce", 8, calls, "step", "gradient norm", size_one=True)
     if moe_layers := _moe_layers(shape, rank_states):
         issued.add(Mesh.DP_CP_TP, "all_reduce", 4 * moe_layers * n_experts, 1, "step", "MoE token counts",
@@ -299,7 +297,7 @@ def step_reductions(cfg: Config, layout: Layout, rank_states: RankStates,
     return issued.collectives
 
 
-def _norm_groups(layout: Layout, rank_states: RankStates, moe: bool) -> dict[str, int]:
+def _norm_groups(degrees: Degrees, rank_states: RankStates, moe: bool) -> dict[str, int]:
     """All-reduces of the gradient norm's partial sums: one per (parameter mesh, sharded dims)
     group per sharded dim (shardwise/optim/clip.py)."""
     calls: dict[str, int] = {}
@@ -310,7 +308,7 @@ def _norm_groups(layout: Layout, rank_states: RankStates, moe: bool) -> dict[str
 
     unit_groups = {unit.group for unit in rank_states.units}
     fsdp = Mesh.DP_SHARD_CP
-    if layout.tp > 1:
+    if degrees.tp > 1:
         count(fsdp, Mesh.TP)  # tensor-parallel weights: sharded on FSDP's dim and tp
     count(fsdp)  # norms (and everything without TP)
     if moe and Mesh.MOE in unit_groups:

@@ -35,10 +35,9 @@ from shardwise.parallel.dims import Mesh
 from shardwise.plan.activations import Shape, expert_rows, shape_of
 from shardwise.plan.comm import Collective, boundary_bytes, fsdp_reduce_bytes, step_collectives
 from shardwise.plan.hardware import Hardware
-from shardwise.plan.layout import Layout
 from shardwise.plan.overlap import collective_time, fsdp_exposed_seconds, fsdp_hidden_seconds, per_mesh_dim
 from shardwise.plan.states import BYTES, RankStates
-from shardwise.resolve.run import compile_run
+from shardwise.resolve.run import ResolvedRun
 
 COMPILE_MEMORY_FACTOR = 0.5
 """torch.compile fuses chains of elementwise ops (norms, RoPE, SwiGLU, casts) into single kernels
@@ -218,24 +217,24 @@ class ComputeTally:
         self.flops *= micro_batches
 
 
-def rank_time(cfg: Config, layout: Layout, rank_states: RankStates, hw: Hardware,
+def rank_time(run: ResolvedRun, rank_states: RankStates, hw: Hardware,
               colls: list[Collective] | None = None) -> RankTime:
     """Compute and communication seconds of one step on the rank with states ``rank_states``
     (``colls``: its collectives, if already listed)."""
-    shape = shape_of(cfg, layout)
-    micro_batches = layout.micro_batches(cfg.training.global_batch)
-    tally = ComputeTally(hw, ranks=layout.world, cached=cfg.run.cpu_memory_cache)
+    cfg = run.cfg
+    shape = shape_of(run)
+    micro_batches = run.micro_batches
+    tally = ComputeTally(hw, ranks=run.world, cached=cfg.run.cpu_memory_cache)
     # (fused elementwise kernels: about half the memory passes of eager; FSDP's copies, added
     # after, are not compiled)
-    compiled = compile_run(cfg, layout, cfg.run.device, toolchain=False)[0]
-    fused = COMPILE_MEMORY_FACTOR if compiled else 1.0
+    fused = COMPILE_MEMORY_FACTOR if run.compile else 1.0
     per_layer: dict[int, float] = {}  # one micro-batch's forward + backward of each block
     kinds: dict[tuple, ComputeTally] = {}  # blocks of one kind cost the same: costed once
     for layer in rank_states.layers:
         kind = (shape.args.is_moe_layer(layer), _recomputed(cfg, layer))
         if kind not in kinds:
             kinds[kind] = ComputeTally(hw, tally.ranks, tally.cached)
-            block_compute(kinds[kind], cfg, layout, shape, layer)
+            block_compute(kinds[kind], run, shape, layer)
         tally.add(kinds[kind])
         per_layer[layer] = kinds[kind].seconds(fused)
     head = tally.seconds(fused)
@@ -244,23 +243,23 @@ def rank_time(cfg: Config, layout: Layout, rank_states: RankStates, hw: Hardware
     head = tally.seconds(fused) - head
     tally.scale(micro_batches)
     tally.memory *= fused
-    fsdp_copy_traffic(tally, cfg, layout, rank_states, shape)
+    fsdp_copy_traffic(tally, run, rank_states, shape)
     compute = {"matmul": tally.matmul, "attention": tally.attention, "memory-bound": tally.memory,
-               "optimizer": optimizer_seconds(cfg, rank_states, hw, layout.world),
-               "host": host_seconds(layout, rank_states, hw, micro_batches, shape.args)
+               "optimizer": optimizer_seconds(cfg, rank_states, hw, run.world),
+               "host": host_seconds(run, rank_states, hw, micro_batches, shape.args)
                + gpu_host_seconds(cfg, shape.args, hw, per_layer) * micro_batches}
-    colls = step_collectives(cfg, layout, rank_states) if colls is None else colls
+    colls = step_collectives(run, rank_states) if colls is None else colls
     seconds, memo = [], {}  # (blocks issue many identical collectives)
     for c in colls:
         if (key := (c.group, c.kind, c.nbytes, c.calls)) not in memo:
-            memo[key] = collective_time(c, layout, hw, rank_states.pp_rank)
+            memo[key] = collective_time(c, run.dims.degrees, hw, rank_states.pp_rank)
         seconds.append(memo[key])
     comm = per_mesh_dim(colls, seconds)
     fsdp = sum(secs for c, secs in zip(colls, seconds, strict=True) if c.overlap == "fsdp")
-    if hw.comm_overlap and fsdp and layout.pp == 1:
+    if hw.comm_overlap and fsdp and run.dims.pp == 1:
         forward = {i: t / (3 + _recomputed(cfg, i)) for i, t in per_layer.items()}
         backward = {i: t - forward[i] for i, t in per_layer.items()}
-        shown = fsdp_exposed_seconds(cfg, layout, rank_states, hw, shape, forward, backward, head)
+        shown = fsdp_exposed_seconds(run, rank_states, hw, shape, forward, backward, head)
     elif hw.comm_overlap and fsdp:
         shown = fsdp - fsdp_hidden_seconds(colls, seconds, hw, sum(compute.values()))
     else:
@@ -269,11 +268,12 @@ def rank_time(cfg: Config, layout: Layout, rank_states: RankStates, hw: Hardware
     return RankTime(rank_states.pp_rank, compute, comm, exposed, tally.flops)
 
 
-def block_compute(tally: ComputeTally, cfg: Config, layout: Layout, shape: Shape, layer: int) -> None:
+def block_compute(tally: ComputeTally, run: ResolvedRun, shape: Shape, layer: int) -> None:
     """Add one block's forward and backward for one micro-batch: its GEMMs (float8 ones at the fp8
     rate, recomputed ones again under activation checkpointing), float8's scaling casts, causal
     attention, and the memory-bound ops."""
-    args, dtype, hw = shape.args, cfg.training.mixed_precision, tally.hw
+    cfg = run.cfg
+    args, dtype, hw = shape.args, run.precision, tally.hw
     recompute = _recomputed(cfg, layer)
     gemms = block_gemms(shape, cfg, layer)
     for forward_flops, in_width, out_width, float8, recomputed, rows in gemms:
@@ -282,7 +282,7 @@ def block_compute(tally: ComputeTally, cfg: Config, layout: Layout, shape: Shape
         rate = hw.matmul_tflops("fp8" if float8 else dtype, in_width, out_width, tally.ranks, rows)
         tally.matmul += flops / (rate * 1e12)
     tally.memory += tally.traffic(_float8_cast_bytes(shape, cfg, layer, gemms), shape.tokens * args.dim)
-    pairs = shape.mb * attention_pairs(cfg.training.seq_len) / layout.cp  # load-balanced over cp
+    pairs = shape.mb * attention_pairs(cfg.training.seq_len) / run.dims.cp  # load-balanced over cp
     forward_flops = 4 * (args.n_heads // shape.tp) * args.head_dim * pairs
     flops = forward_flops * (1 + ATTENTION_BACKWARD + (1 if recompute else 0))
     tally.flops += flops
@@ -309,16 +309,16 @@ def head_compute(tally: ComputeTally, cfg: Config, shape: Shape) -> None:
     tally.memory += tally.traffic(3 * tokens * vocab * (shape.e + 16), 4 * tokens * vocab)
 
 
-def fsdp_copy_traffic(tally: ComputeTally, cfg: Config, layout: Layout, rank_states: RankStates,
+def fsdp_copy_traffic(tally: ComputeTally, run: ResolvedRun, rank_states: RankStates,
                       shape: Shape) -> None:
     """Add FSDP's memory traffic over the step: each gather's copy-out into the parameters; each
     reduction packs the gradients into one reduce-dtype buffer, divides it, and copies the result
     into the shards. Pipeline ranks gather and reduce once per step."""
-    micro_batches = layout.micro_batches(cfg.training.global_batch)
-    reduce_bytes = fsdp_reduce_bytes(cfg, shape)
-    reductions = 1 if layout.pp > 1 else micro_batches
+    micro_batches = run.micro_batches
+    reduce_bytes = fsdp_reduce_bytes(run, shape)
+    reductions = 1 if run.dims.pp > 1 else micro_batches
     for unit in rank_states.units:
-        gathers = 1 if layout.pp > 1 else micro_batches * (2 if unit.reshard else 1)
+        gathers = 1 if run.dims.pp > 1 else micro_batches * (2 if unit.reshard else 1)
         nbytes = gathers * 2 * shape.e * unit.numel + reductions * (shape.e + 5 * reduce_bytes) * unit.numel
         tally.memory += tally.traffic(nbytes, reduce_bytes * unit.numel)
 
@@ -330,7 +330,7 @@ def optimizer_seconds(cfg: Config, rank_states: RankStates, hw: Hardware, ranks:
     return numel * (4 * 4 + 4 * state_bytes + 12) / hw.memory_bw(ranks)
 
 
-def host_seconds(layout: Layout, rank_states: RankStates, hw: Hardware, micro_batches: int,
+def host_seconds(run: ResolvedRun, rank_states: RankStates, hw: Hardware, micro_batches: int,
                  args: ModelArgs) -> float:
     """Host time of the step, measured on the local CPU per block (dense or MoE; more under TP) and
     per step; ranks beyond the cores share them. 0 on GPUs, where it is assumed hidden behind the
@@ -338,11 +338,11 @@ def host_seconds(layout: Layout, rank_states: RankStates, hw: Hardware, micro_ba
     overhead_ms = hw.overhead_ms
     if not overhead_ms:
         return 0.0
-    tp = overhead_ms.get("per_tp_block", 0.0) if layout.tp > 1 else 0.0
+    tp = overhead_ms.get("per_tp_block", 0.0) if run.dims.tp > 1 else 0.0
     moe_block = overhead_ms.get("per_moe_block", overhead_ms["per_block"])
     blocks = sum(moe_block if args.is_moe_layer(i) else overhead_ms["per_block"] for i in rank_states.layers)
     host = 1e-3 * ((blocks + tp * len(rank_states.layers)) * micro_batches + overhead_ms["per_step"])
-    return host * max(1.0, layout.world / hw.cores) / hw.sharing(layout.world)
+    return host * max(1.0, run.world / hw.cores) / hw.sharing(run.world)
 
 
 HOST_OPS_PER_BLOCK = {"dense": (102, 301), "moe_block": (162, 504)}
@@ -371,58 +371,60 @@ def gpu_host_seconds(cfg: Config, args: ModelArgs, hw: Hardware, per_layer: dict
                    - seconds) for layer, seconds in per_layer.items())
 
 
-def step_time(cfg: Config, layout: Layout, states: list[RankStates], hw: Hardware) -> StepTime:
+def step_time(run: ResolvedRun, states: list[RankStates], hw: Hardware) -> StepTime:
     """The step time of the slowest pipeline rank plus the bubble, and the job's tokens/s. On local
     ranks that outnumber the cores, a pipeline's step is :func:`shared_cores_pipeline`'s."""
-    ranks = tuple(rank_time(cfg, layout, rank_states, hw) for rank_states in states)
+    cfg = run.cfg
+    ranks = tuple(rank_time(run, rank_states, hw) for rank_states in states)
     busy = max(r.busy for r in ranks)
-    p2p = pipeline_hop_seconds(cfg, layout, hw)
-    bubble = pipeline_bubble(cfg, layout, busy, p2p)
+    p2p = pipeline_hop_seconds(run, hw)
+    bubble = pipeline_bubble(run, busy, p2p)
     step = busy + bubble
     extra = {}
-    if hw.cores and layout.pp > 1 and layout.world > hw.cores and len(ranks) == layout.pp:
-        extra["compute"], bubble = shared_cores_pipeline(cfg, layout, ranks, hw, p2p)
+    if hw.cores and run.dims.pp > 1 and run.world > hw.cores and len(ranks) == run.dims.pp:
+        extra["compute"], bubble = shared_cores_pipeline(run, ranks, hw, p2p)
         step = extra["compute"] + bubble + max(r.exposed_comm for r in ranks)
     tokens = cfg.training.global_batch * cfg.training.seq_len
     return StepTime(ranks, bubble, step, tokens / step, extra)
 
 
-def shared_cores_pipeline(cfg: Config, layout: Layout, ranks: tuple[RankTime, ...],
+def shared_cores_pipeline(run: ResolvedRun, ranks: tuple[RankTime, ...],
                           hw: Hardware, p2p: float = 0.0) -> tuple[float, float]:
     """(compute, bubble) seconds of a pipeline step on local ranks sharing fewer cores. Each rank's
     compute is costed at its share of a core (all ranks busy at once), but a pipeline rank that
     waits in the bubble gives its core to the others, so the cores do the step's total work
     packed: the step is the larger of that total over the cores and the slowest stage's
     critical path (its work, at a full core, plus the schedule's bubble)."""
-    share = min(1.0, hw.cores / layout.world)
+    share = min(1.0, hw.cores / run.world)
     alone = [share * sum(r.compute.values()) for r in ranks]  # a core to itself
-    packed = (layout.world // layout.pp) * sum(alone) / hw.cores
-    critical = max(alone) + pipeline_bubble(cfg, layout, max(alone), p2p)
+    packed = (run.world // run.dims.pp) * sum(alone) / hw.cores
+    critical = max(alone) + pipeline_bubble(run, max(alone), p2p)
     slowest = max(sum(r.compute.values()) for r in ranks)
     step = max(packed, critical)
     return min(slowest, step), max(0.0, step - slowest)
 
 
-def pipeline_bubble(cfg: Config, layout: Layout, busy: float, p2p: float = 0.0) -> float:
+def pipeline_bubble(run: ResolvedRun, busy: float, p2p: float = 0.0) -> float:
     """Idle seconds of the pipeline schedule, from the slowest rank's ``busy`` seconds per step
     (the module docstring gives the fraction of a micro-batch's time per schedule), and the
     transfers the fill and the drain wait for: one activation send at each of the ``pp * v - 1``
     stage boundaries the first micro-batch crosses on its way down (``v`` stages per rank), one
     gradient send at each on the last one's way back -- ``p2p`` seconds the pair."""
-    if layout.pp == 1:
+    if run.dims.pp == 1:
         return 0.0
-    per_micro_batch = busy / layout.micro_batches(cfg.training.global_batch)
-    schedule = layout.pp_schedule
+    per_micro_batch = busy / run.micro_batches
+    schedule = run.pipeline.schedule
     fraction = (1.0 if schedule in ("gpipe", "1f1b") else
-                1.0 / layout.stages_per_rank if schedule == "interleaved1f1b" else 1.0 / 6)
-    waits = (layout.pp * layout.stages_per_rank - 1) * p2p
-    return (layout.pp - 1) * per_micro_batch * fraction + waits
+                1.0 / run.stages_per_rank if schedule == "interleaved1f1b" else 1.0 / 6)
+    waits = (run.dims.pp * run.stages_per_rank - 1) * p2p
+    return (run.dims.pp - 1) * per_micro_batch * fraction + waits
 
 
-def pipeline_hop_seconds(cfg: Config, layout: Layout, hw: Hardware) -> float:
+def pipeline_hop_seconds(run: ResolvedRun, hw: Hardware) -> float:
     """Seconds of one stage boundary's activation send and gradient send for one micro-batch
     (0 without pipeline parallel)."""
-    if layout.pp == 1:
+    if run.dims.pp == 1:
         return 0.0
-    nbytes = boundary_bytes(cfg, layout, shape_of(cfg, layout))
-    return 2 * collective_time(Collective(Mesh.PP, "send", nbytes, 1, "forward", "pipeline"), layout, hw)
+    nbytes = boundary_bytes(run, shape_of(run))
+    send = Collective(Mesh.PP, "send", nbytes, 1, "forward", "pipeline")
+    return 2 * collective_time(send, run.dims.degrees, hw)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardwise.config.model_args import ModelArgs
 from shardwise.config.schema import Config, model_label
-from shardwise.models import model_args
 from shardwise.observe.flops import flops_per_token, num_params
 from shardwise.plan.comm import Collective, step_collectives
 from shardwise.plan.cost import StepTime, step_time
@@ -14,21 +14,28 @@ from shardwise.plan.layout import Layout
 from shardwise.plan.memory import RankMemory, step_memory
 from shardwise.plan.overlap import collective_time
 from shardwise.plan.states import RankStates, built_states, shape_states
-from shardwise.resolve.run import resolve_run
+from shardwise.resolve.run import ResolvedRun, resolve_run
 
 GiB = 2**30
 
 
 @dataclass(frozen=True)
 class Estimate:
-    cfg: Config
-    layout: Layout
+    run: ResolvedRun
     hardware: Hardware
     states: tuple[RankStates, ...]
     memory: tuple[RankMemory, ...]
     collectives: tuple[tuple[Collective, ...], ...]
     """Per pipeline rank."""
     time: StepTime
+
+    @property
+    def cfg(self) -> Config:
+        return self.run.cfg
+
+    @property
+    def layout(self) -> Layout:
+        return Layout.of(self.run)
 
     @property
     def peak(self) -> int:
@@ -47,40 +54,43 @@ class Estimate:
 
     @property
     def tokens_per_s_per_device(self) -> float:
-        return self.time.tokens_per_s / self.layout.world
+        return self.time.tokens_per_s / self.run.world
 
     @property
     def mfu(self) -> float:
         """PaLM-convention MFU against the hardware's peak for the run's dtype (0 on ``local``)."""
-        peak = self.hardware.peak_tflops.get(self.cfg.training.mixed_precision, 0.0)
+        peak = self.hardware.peak_tflops.get(self.run.precision, 0.0)
         if not peak:
             return 0.0
-        per_token = flops_per_token(model_args(self.cfg.model), self.cfg.training.seq_len)
+        per_token = flops_per_token(self.run.model, self.cfg.training.seq_len)
         return self.tokens_per_s_per_device * per_token / (peak * 1e12)
 
 
 def estimate(cfg: Config, world: int, hw: Hardware, exact: bool = True,
              shapes: dict | None = None) -> Estimate:
-    """Estimate ``cfg`` on ``world`` ranks of ``hw``. ``exact``: states from the real model built
-    on the fake process group (else from shapes, for searching many layouts). The run is resolved
-    first as the trainer resolves it (e.g. the pipeline's micro-batch when none is set), so what
-    is estimated is what ``shardwise train`` would run."""
-    cfg = resolve_run(cfg, world, detect_device=False).cfg
-    layout = Layout.from_config(cfg, world)
-    states = built_states(cfg, world) if exact else shape_states(cfg, layout, shapes)
-    memory = tuple(step_memory(cfg, layout, st) for st in states)
-    colls = tuple(tuple(step_collectives(cfg, layout, st)) for st in states)
-    return Estimate(cfg, layout, hw, tuple(states), memory, colls, step_time(cfg, layout, states, hw))
+    """Estimate ``cfg`` on ``world`` ranks of ``hw``: the run resolved as the trainer resolves it
+    (e.g. the pipeline's micro-batch when none is set), so what is estimated is what ``shardwise
+    train`` would run; then :func:`estimate_run`."""
+    return estimate_run(resolve_run(cfg, world, detect_device=False), hw, exact, shapes)
+
+
+def estimate_run(run: ResolvedRun, hw: Hardware, exact: bool = True, shapes: dict | None = None) -> Estimate:
+    """Memory, communication and step time of ``run`` on ``hw``. ``exact``: states from the real
+    model built on the fake process group (else from shapes, for searching many layouts)."""
+    states = built_states(run) if exact else shape_states(run, shapes)
+    memory = tuple(step_memory(run, st) for st in states)
+    colls = tuple(tuple(step_collectives(run, st)) for st in states)
+    return Estimate(run, hw, tuple(states), memory, colls, step_time(run, states, hw))
 
 
 def _gib(n: float) -> str:
     return f"{n / GiB:.3f}"
 
 
-def shape_line(cfg: Config) -> str:
-    """What a plan or estimate is for: the model, the sequence, the sequences and tokens per step,
-    the precision (``plan`` and ``estimate`` both start with it)."""
-    args, t = model_args(cfg.model), cfg.training
+def shape_line(cfg: Config, args: ModelArgs) -> str:
+    """What a plan or estimate is for: the model (``args``, what ``cfg`` resolves to), the sequence,
+    the sequences and tokens per step, the precision (``plan`` and ``estimate`` both start with it)."""
+    t = cfg.training
     f8 = f" + float8 linears ({cfg.float8.recipe})" if cfg.float8.enabled else ""
     n = num_params(args)
     size = f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
@@ -92,9 +102,8 @@ def shape_line(cfg: Config) -> str:
 def format_estimate(est: Estimate) -> str:
     """The estimate as a few plain-text tables."""
     cfg, lay, hw = est.cfg, est.layout, est.hardware
-    t = cfg.training
-    lines = [shape_line(cfg),
-             f"layout {lay} on {lay.world} ranks ({lay.micro_batches(t.global_batch)} micro-batch(es) per "
+    lines = [shape_line(cfg, est.run.model),
+             f"layout {lay} on {lay.world} ranks ({est.run.micro_batches} micro-batch(es) per "
              f"rank), hardware {hw.name}: {hw.description}", ""]
     heads = [f"pp rank {m.pp_rank}" for m in est.memory]
     rows = [("parameters (fp32 shards)", [m.params for m in est.memory]),
@@ -146,7 +155,7 @@ def comm_table(est: Estimate, pp_rank: int = 0) -> dict[tuple[str, str, str, str
         row = out.setdefault((c.group, c.kind, c.phase, c.what), [0, 0, 0.0])
         row[0] += c.calls
         row[1] += c.total
-        row[2] += collective_time(c, est.layout, est.hardware, pp_rank)
+        row[2] += collective_time(c, est.run.dims.degrees, est.hardware, pp_rank)
     return out
 
 

@@ -2,21 +2,21 @@
 activation checkpointing -- as a frozen, hashable value with a readable ``str``.
 
 The planner's candidates are layouts (enumerate -> filter -> cost -> choose, the shape of torch's
-DTensor redistribute planner). A layout turns into a full training config with :meth:`Layout.apply`,
-so what is estimated is exactly what ``shardwise train`` would run.
+DTensor redistribute planner): a layout is only the search's knobs. It turns into a training config
+(:meth:`Layout.apply`) and that into the :class:`~shardwise.resolve.run.ResolvedRun` the trainer would
+run (:meth:`Layout.resolve`), which is what the planner's states, memory, communication and time
+take: one description of a run for trainer and planner.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 from dataclasses import dataclass
 
 from shardwise.config.schema import Config
-from shardwise.parallel.dims import DEGREES, MESH_DIMS, ParallelDims
-from shardwise.parallel.pipeline import stages_per_rank
-from shardwise.resolve.run import micro_batch_size
+from shardwise.parallel.dims import DEGREES, Degrees
+from shardwise.resolve.run import ResolvedRun, resolve_run
 
 
 @dataclass(frozen=True)
@@ -35,21 +35,12 @@ class Layout:
     ac_every: int = 2
 
     @property
+    def degrees(self) -> Degrees:
+        return Degrees(self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp, self.ep)
+
+    @property
     def world(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def stages_per_rank(self) -> int:
-        """Pipeline stages each pp rank holds (1 without PP)."""
-        return stages_per_rank(self.pp_schedule, self.pp_stages_per_rank) if self.pp > 1 else 1
-
-    def micro_batches(self, global_batch: int) -> int:
-        """Micro-batches per rank per optimizer step (accumulation steps, or the pipeline's)."""
-        return global_batch // self.dp // self.micro_batch
+        return self.degrees.world
 
     def __str__(self) -> str:
         parts = [f"{k}{getattr(self, k)}" for k in DEGREES if getattr(self, k) > 1] or ["1 rank"]
@@ -62,15 +53,12 @@ class Layout:
         return f"{text} mb{self.micro_batch} ac={ac}"
 
     @classmethod
-    def from_config(cls, cfg: Config, world: int) -> Layout:
-        """The layout ``cfg`` runs on ``world`` ranks (``dp_shard=-1`` resolved)."""
-        dims = ParallelDims.from_config(cfg.parallel, world)
-        pc, t = cfg.parallel, cfg.training
-        return cls(pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, cp=dims.cp,
-                   tp=dims.tp, ep=dims.ep, pp_schedule=pc.pp_schedule,
-                   pp_stages_per_rank=pc.pp_stages_per_rank,
-                   micro_batch=micro_batch_size(t, dims.dp), ac=cfg.activation_checkpoint.mode,
-                   ac_every=cfg.activation_checkpoint.every)
+    def of(cls, run: ResolvedRun) -> Layout:
+        """The layout ``run`` runs."""
+        pc, ac = run.cfg.parallel, run.cfg.activation_checkpoint
+        return cls(*run.dims.degrees, pp_schedule=pc.pp_schedule,
+                   pp_stages_per_rank=pc.pp_stages_per_rank, micro_batch=run.micro_batch, ac=ac.mode,
+                   ac_every=ac.every)
 
     def apply(self, base: Config) -> Config:
         """A copy of ``base`` that runs this layout (the sections it changes are copied; the others
@@ -84,11 +72,7 @@ class Layout:
                                                         every=self.ac_every)
         return cfg
 
-
-def mesh_dim_span(layout: Layout, dims: tuple[str, ...]) -> tuple[int, int]:
-    """(size, stride) in ranks of a (possibly flattened) mesh dim made of ``dims``: ranks are laid out
-    pp, dp_replicate, dp_shard, cp, tp from outermost to innermost, so a group's members are
-    ``stride`` ranks apart and together span ``size * stride`` consecutive ranks."""
-    inner = MESH_DIMS.index(max(dims, key=MESH_DIMS.index))
-    stride = math.prod(getattr(layout, d) for d in MESH_DIMS[inner + 1:])
-    return math.prod(getattr(layout, d) for d in dims), stride
+    def resolve(self, base: Config) -> ResolvedRun:
+        """The run of ``base`` with this layout, resolved as ``shardwise train`` resolves it (raises
+        its ConfigError when the trainer would refuse it)."""
+        return resolve_run(self.apply(base), self.world, detect_device=False)

@@ -29,9 +29,9 @@ from shardwise.plan.activations import (
     rope_table,
     shape_of,
 )
-from shardwise.plan.layout import Layout
 from shardwise.plan.schedule import schedule_actions
 from shardwise.plan.states import BYTES, RankStates
+from shardwise.resolve.run import ResolvedRun
 
 # ---------------------------------------------------------------------------------------------
 # Pipeline: micro-batches in flight
@@ -174,24 +174,25 @@ def _rank_activations(cfg: Config, s: Shape, st: RankStates) -> tuple[dict[int, 
     return per_block, full_block, acts
 
 
-def memory_floor(cfg: Config, layout: Layout, st: RankStates) -> int:
+def memory_floor(run: ResolvedRun, st: RankStates) -> int:
     """A lower bound of :func:`step_memory`'s peak, without replaying the step: what is live when
     the first backward starts, counting only allocations that nothing frees before it (parameter
     and optimizer shards, the RoPE table, and one micro-batch's saved activations and loss
     temporaries; under pp the gathered units and the warm-up forwards' activations). The planner
     drops a layout whose floor is over capacity before timing its pipeline (most of the search's
     cost on large models, where most layouts do not fit)."""
-    s = shape_of(cfg, layout)
+    cfg = run.cfg
+    s = shape_of(run)
     per_block, _, acts = _rank_activations(cfg, s, st)
     base = st.params + st.optimizer + rope_table(s, cfg)
-    if layout.pp == 1:
+    if run.dims.pp == 1:
         loss = loss_temporaries(s, cfg) if st.has_head else 0
         return base + acts["embedding"] + sum(per_block.values()) + acts["head"] + loss
     gathered = sum(s.e * u.numel for u in st.units)
-    n_stages = layout.pp * layout.stages_per_rank
+    n_stages = run.dims.pp * run.stages_per_rank
     per_stage = stage_layers(s.args.n_layers, n_stages)
     warmup = 0
-    for kind, stage in schedule_actions(layout, layout.micro_batches(cfg.training.global_batch), st.pp_rank):
+    for kind, stage in schedule_actions(run.pipeline, run.micro_batches, st.pp_rank):
         if kind != "F":
             break
         warmup += ((acts["embedding"] if stage == 0 else 0) + (acts["head"] if stage == n_stages - 1 else 0)
@@ -199,11 +200,12 @@ def memory_floor(cfg: Config, layout: Layout, st: RankStates) -> int:
     return base + gathered + warmup
 
 
-def step_memory(cfg: Config, layout: Layout, st: RankStates) -> RankMemory:
+def step_memory(run: ResolvedRun, st: RankStates) -> RankMemory:
     """Simulate one steady-state step of the rank with states ``st``; its peak and breakdown."""
-    s = shape_of(cfg, layout)
+    cfg = run.cfg
+    s = shape_of(run)
     e, red = s.e, BYTES[cfg.parallel.fsdp_reduce_dtype] if s.e == 2 else 4
-    m = layout.micro_batches(cfg.training.global_batch)
+    m = run.micro_batches
     per_block, full_block, acts = _rank_activations(cfg, s, st)
     units: dict[int | None, list] = {}
     for u in st.units:
@@ -216,8 +218,8 @@ def step_memory(cfg: Config, layout: Layout, st: RankStates) -> RankMemory:
     def gather(us: list, where: str) -> None:
         tl.run(_gather_events(us, e), 1, where)
 
-    if layout.pp > 1:
-        _pipeline_timeline(tl, cfg, layout, st, s, m, per_block, full_block, acts, gather)
+    if run.dims.pp > 1:
+        _pipeline_timeline(tl, run, st, s, m, per_block, full_block, acts, gather)
     else:
         order = list(st.layers)
         # One-unit model (parallel/fsdp.py one_unit): the root gathers every block with itself; a
@@ -331,24 +333,25 @@ def _stage_backward(s: Shape, layers: list[int], per_block: dict[int, int], full
     return out
 
 
-def _pipeline_timeline(tl: Timeline, cfg: Config, layout: Layout, st: RankStates, s: Shape, m: int,
+def _pipeline_timeline(tl: Timeline, run: ResolvedRun, st: RankStates, s: Shape, m: int,
                        per_block: dict[int, int], full_block: dict[int, int], acts: dict[str, int],
                        gather) -> None:  # noqa: ANN001
     """A pipeline rank's step: its units stay gathered; each forward adds its stage's activations
     for one micro-batch, each backward frees them (block by block the first time, which also
     allocates the stage's gradients: they accumulate unsharded in the reduce dtype until the one
     reduce-scatter at the end, torch's schedules syncing gradients on the last micro-batch only)."""
+    cfg = run.cfg
     red = BYTES[cfg.parallel.fsdp_reduce_dtype] if s.e == 2 else 4
     units = list(st.units)
     gather(units, "forward")
     grads: dict[int | None, int] = {}
     for u in units:
         grads[u.layer] = grads.get(u.layer, 0) + red * u.numel
-    n_stages = layout.pp * layout.stages_per_rank
+    n_stages = run.dims.pp * run.stages_per_rank
     per_stage = stage_layers(s.args.n_layers, n_stages)
     loss = loss_temporaries(s, cfg) if st.has_head else 0
     stage_acts, keep = {}, {}
-    for stage in {x for _, x in schedule_actions(layout, m, st.pp_rank)}:
+    for stage in {x for _, x in schedule_actions(run.pipeline, m, st.pp_rank)}:
         ends = (acts["embedding"] if stage == 0 else 0) + (acts["head"] if stage == n_stages - 1 else 0)
         stage_acts[stage] = ends + sum(per_block[i] for i in per_stage[stage])
         keep[stage] = sum(weight_inputs(s, i) for i in per_stage[stage])
@@ -362,7 +365,7 @@ def _pipeline_timeline(tl: Timeline, cfg: Config, layout: Layout, st: RankStates
             tl.add("unsharded grads", grads.get(None, 0), where)
             done.add(None)
 
-    for n, (kind, stage) in enumerate(schedule_actions(layout, m, st.pp_rank)):
+    for n, (kind, stage) in enumerate(schedule_actions(run.pipeline, m, st.pp_rank)):
         where = ("forward" if kind == "F" else "backward", stage, n + 1)
         if kind == "F":
             tl.add("activations", stage_acts[stage], where)

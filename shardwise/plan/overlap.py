@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import functools
 
-from shardwise.config.schema import Config
+from shardwise.parallel.dims import Degrees
 from shardwise.plan.activations import Shape
 from shardwise.plan.comm import Collective, group_members, unit_collectives
 from shardwise.plan.hardware import Hardware
-from shardwise.plan.layout import Layout
 from shardwise.plan.states import RankStates
+from shardwise.resolve.run import ResolvedRun
 
 
 def per_mesh_dim(colls: list[Collective], seconds: list[float]) -> dict[str, float]:
@@ -31,7 +31,7 @@ def per_mesh_dim(colls: list[Collective], seconds: list[float]) -> dict[str, flo
     return comm
 
 
-def fsdp_exposed_seconds(cfg: Config, layout: Layout, rank_states: RankStates, hw: Hardware, shape: Shape,
+def fsdp_exposed_seconds(run: ResolvedRun, rank_states: RankStates, hw: Hardware, shape: Shape,
                          forward: dict[int, float], backward: dict[int, float], head: float) -> float:
     """Seconds of FSDP's collectives left on the critical path of a step without pipeline
     parallel, as FSDP2 schedules them on GPU streams. ``forward``, ``backward``: each block's
@@ -63,9 +63,9 @@ def fsdp_exposed_seconds(cfg: Config, layout: Layout, rank_states: RankStates, h
         key = (unit.numel, unit.shard, unit.group, unit.replicate, unit.reshard)
         if key not in per_unit:
             times = [0.0, 0.0]
-            for c in unit_collectives(cfg, layout, unit, shape):
+            for c in unit_collectives(run, unit, shape):
                 if c.phase == "forward" or c.kind != "all_gather":  # (a backward gather repeats)
-                    times[c.kind != "all_gather"] += collective_time(c, layout, hw) / c.calls
+                    times[c.kind != "all_gather"] += collective_time(c, run.dims.degrees, hw) / c.calls
             per_unit[key] = (times[0], times[1])
         gather[unit.layer] = gather.get(unit.layer, 0.0) + per_unit[key][0]
         reduce[unit.layer] = reduce.get(unit.layer, 0.0) + per_unit[key][1]
@@ -82,7 +82,7 @@ def fsdp_exposed_seconds(cfg: Config, layout: Layout, rank_states: RankStates, h
         after = r[1:] + [0.0]  # the reduction of the block whose backward ran before
         exposed += sum(max(0.0, after[j] + (again[j - 1] if j else 0.0) - b[j]) for j in range(len(layers)))
         exposed += r[0]
-    return exposed * layout.micro_batches(cfg.training.global_batch)
+    return exposed * run.micro_batches
 
 
 def fsdp_hidden_seconds(colls: list[Collective], seconds: list[float], hw: Hardware, compute: float) -> float:
@@ -99,16 +99,16 @@ def fsdp_hidden_seconds(colls: list[Collective], seconds: list[float], hw: Hardw
     return fsdp_total - max(min(edges, fsdp_total), fsdp_total - compute)
 
 
-def collective_time(c: Collective, layout: Layout, hw: Hardware, pp_rank: int = 0) -> float:
+def collective_time(c: Collective, degrees: Degrees, hw: Hardware, pp_rank: int = 0) -> float:
     """Seconds of all calls of ``c`` (ring algorithms, alpha-beta)."""
-    members = group_members(layout, c.group, pp_rank)
+    members = group_members(degrees, c.group, pp_rank)
     n = len(members)
     if n <= 1:
         return 0.0
     span = max(members) - min(members) + 1
     if c.kind in ("send", "recv"):
-        span = layout.world // layout.pp + 1  # neighbouring stages are a stage's width apart
-    bw, lat = hw.link(span, n, layout.world, c.kind, c.nbytes)
+        span = degrees.world // degrees.pp + 1  # neighbouring stages are a stage's width apart
+    bw, lat = hw.link(span, n, degrees.world, c.kind, c.nbytes)
     if c.kind == "all_reduce":
         factor, passes = 2 * (n - 1) / n, 2
     elif c.kind in ("send", "recv"):
@@ -124,7 +124,7 @@ def collective_time(c: Collective, layout: Layout, hw: Hardware, pp_rank: int = 
         intra = hw.link(1)[1]
         hops = passes * (nodes * lat + (n - nodes) * intra)
     # (local: each call also waits for the job's slowest process to reach it)
-    return c.calls * (hops + factor * c.nbytes / bw + hw.sync_seconds(layout.world))
+    return c.calls * (hops + factor * c.nbytes / bw + hw.sync_seconds(degrees.world))
 
 
 @functools.lru_cache(maxsize=65536)

@@ -27,7 +27,6 @@ from shardwise.plan.activations import shape_of
 from shardwise.plan.cost import block_gemms
 from shardwise.plan.estimate import estimate
 from shardwise.plan.hardware import Hardware
-from shardwise.plan.layout import Layout
 from shardwise.resolve.checks import load_config
 from shardwise.resolve.run import resolve_run
 from shardwise.trainer.build import build_rank_model
@@ -121,7 +120,7 @@ def probe_kernels(overrides: list[str]) -> Callable[[], None]:
     the output head) and the causal attention of one 1-rank step of the model ``overrides``
     configure, run back to back."""
     cfg = load_config(None, overrides, device="cpu")
-    shape = shape_of(cfg, Layout.from_config(cfg, 1))
+    shape = shape_of(resolve_run(cfg, 1, detect_device=False))
     a, dtype = shape.args, DTYPES[cfg.training.mixed_precision]
     calls = [linear_step(dtype, k, n, rows) for layer in range(a.n_layers)
              for _, k, n, _, _, rows in block_gemms(shape, cfg, layer)]

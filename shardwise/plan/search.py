@@ -24,16 +24,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from shardwise.config.device import usable_cores
+from shardwise.config.model_args import ModelArgs
 from shardwise.config.schema import Config, ConfigError, model_label, preset_toml, read_config
-from shardwise.models import model_args
 from shardwise.models.presets import FAMILY_TOKENIZERS
 from shardwise.plan.cost import step_time
-from shardwise.plan.estimate import Estimate, GiB, estimate, shape_line
+from shardwise.plan.estimate import Estimate, GiB, estimate_run, shape_line
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import Layout
 from shardwise.plan.memory import memory_floor, step_memory
 from shardwise.plan.states import param_shapes, shape_states
-from shardwise.resolve.run import resolve_run
+from shardwise.resolve.run import ResolvedRun, resolve_model
 
 AC_MODES = ("none", "selective", "selective_half", "full")
 MEMORY_ORDER = ("full", "selective_half", "selective", "none", "layer")
@@ -54,6 +54,8 @@ class Candidate:
 
 @dataclass
 class PlanResult:
+    model: ModelArgs
+    """The model planned (the config's, resolved once)."""
     ranked: list[Candidate]
     dropped: Counter
     """Reason -> how many layouts it removed."""
@@ -71,11 +73,11 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_layouts(cfg: Config, gpus: int, hw: Hardware, ac_modes: tuple[str, ...] = AC_MODES,
+def enumerate_layouts(args: ModelArgs, gpus: int, hw: Hardware, ac_modes: tuple[str, ...] = AC_MODES,
                       schedules: tuple[str, ...] = SCHEDULES, max_micro_batch: int = 8) -> list[Layout]:
-    """Every layout of ``gpus`` ranks worth costing: tp and cp inside a node, any pp, dp split into
-    replicas x shards, expert parallel for MoE models, micro-batches up to ``max_micro_batch``."""
-    args = model_args(cfg.model)
+    """Every layout of model ``args`` on ``gpus`` ranks worth costing: tp and cp inside a node, any
+    pp, dp split into replicas x shards, expert parallel for MoE models, micro-batches up to
+    ``max_micro_batch``."""
     node = hw.gpus_per_node if not hw.cores else gpus
     out = []
     for tp, cp in itertools.product(divisors(node), repeat=2):
@@ -97,11 +99,16 @@ def enumerate_layouts(cfg: Config, gpus: int, hw: Hardware, ac_modes: tuple[str,
 
 def check_layout(cfg: Config, layout: Layout) -> str:
     """'' if the trainer accepts ``layout`` for ``cfg``, else its one-line refusal."""
+    run = _resolved(cfg, layout)
+    return run if isinstance(run, str) else ""
+
+
+def _resolved(cfg: Config, layout: Layout) -> ResolvedRun | str:
+    """The run of ``layout`` for ``cfg``, or the trainer's one-line refusal of it."""
     try:
-        resolve_run(layout.apply(cfg), layout.world, detect_device=False)
+        return layout.resolve(cfg)
     except ConfigError as e:
         return str(e)
-    return ""
 
 
 def _reason(message: str) -> str:
@@ -148,9 +155,9 @@ def _search(cfg: Config, gpus: int, hw: Hardware, capacity: float, shapes: dict,
     found, states_cache = _Found(), {}
     for group in groups:
         # the trainer's checks (resolve_run) never read the checkpointing mode: one verdict per group
-        if reason := check_layout(cfg, group[0]):
-            found.dropped[_reason(reason)] += len(group)
-            found.refusals.setdefault(_reason(reason), reason)
+        if isinstance(first := _resolved(cfg, group[0]), str):
+            found.dropped[_reason(first)] += len(group)
+            found.refusals.setdefault(_reason(first), first)
             continue
         key = dataclasses.astuple(group[0])[:7]  # the degrees and the schedule: the states
         if key not in states_cache:
@@ -159,25 +166,28 @@ def _search(cfg: Config, gpus: int, hw: Hardware, capacity: float, shapes: dict,
             # cores every rank's work counts: cost.shared_cores_pipeline).
             pp = group[0].pp
             ends = None if pp <= 2 or hw.cores else [0, pp - 1]
-            states_cache[key] = shape_states(group[0].apply(cfg), group[0], shapes, ends)
+            states_cache[key] = shape_states(first, shapes, ends)
         states = states_cache[key]
+        runs = {group[0]: first}  # each mode's run (resolved alike: its checks passed above)
         below = []  # under capacity at the floor, least memory first
         for i, layout in enumerate(sorted(group, key=lambda x: MEMORY_ORDER.index(x.ac))):
-            c = layout.apply(cfg)
+            if layout not in runs:
+                runs[layout] = layout.resolve(cfg)
+            run = runs[layout]
             # capacity holds what the allocator reserves for the live bytes (hw.reserved)
-            if (need := int(hw.reserved(max(memory_floor(c, layout, st) for st in states)))) > capacity:
+            if (need := int(hw.reserved(max(memory_floor(run, st) for st in states)))) > capacity:
                 found.dropped["memory over capacity"] += len(group) - i
                 found.over(layout, need, False)
                 break
             below.append(layout)
         for i, layout in enumerate(reversed(below)):  # fastest first
-            c = layout.apply(cfg)
-            peak = max(step_memory(c, layout, st).peak for st in states)
+            run = runs[layout]
+            peak = max(step_memory(run, st).peak for st in states)
             if (need := int(hw.reserved(peak))) > capacity:
                 found.dropped["memory over capacity"] += 1
                 found.over(layout, need, True)
                 continue
-            t = step_time(c, layout, states, hw)
+            t = step_time(run, states, hw)
             found.ranked.append(Candidate(layout, peak, t.tokens_per_s / gpus))
             if rest := len(below) - i - 1:
                 found.dropped["slower than a checkpointing mode that fits"] += rest
@@ -192,8 +202,9 @@ def plan(cfg: Config, gpus: int, hw: Hardware, top: int = 5, memory_fraction: fl
     processes to search with (0: the usable cores, at most 8, for searches of at least
     ``PARALLEL_GROUPS`` groups; the result is the same either way)."""
     capacity = hw.memory_gib * GiB * memory_fraction
-    shapes = param_shapes(model_args(cfg.model))
-    layouts = enumerate_layouts(cfg, gpus, hw, ac_modes, schedules)
+    args = resolve_model(cfg)
+    shapes = param_shapes(args)
+    layouts = enumerate_layouts(args, gpus, hw, ac_modes, schedules)
     groups = [list(g) for _, g in itertools.groupby(layouts, key=lambda x: dataclasses.replace(x, ac="none"))]
     workers = workers or (min(8, usable_cores()) if len(groups) >= PARALLEL_GROUPS else 1)
     search = functools.partial(_search, cfg, gpus, hw, capacity, shapes)
@@ -211,9 +222,9 @@ def plan(cfg: Config, gpus: int, hw: Hardware, top: int = 5, memory_fraction: fl
     ranked = sorted(found.ranked, key=lambda x: -x.tokens_per_s_per_device)
     # The first is the one written out: its states come from the real model (tests hold the shape
     # rules equal to it, so the others are costed from shapes -- a 405B build takes 1-3 s on 2 cores).
-    exact = [estimate(x.layout.apply(cfg), gpus, hw, exact=exact_top and i == 0, shapes=shapes)
+    exact = [estimate_run(x.layout.resolve(cfg), hw, exact=exact_top and i == 0, shapes=shapes)
              for i, x in enumerate(ranked[:top])]
-    return PlanResult(ranked, found.dropped, len(layouts), exact, found.refusals, found.least)
+    return PlanResult(args, ranked, found.dropped, len(layouts), exact, found.refusals, found.least)
 
 
 def fits_on(cfg: Config, gpus: int, hw: Hardware, memory_fraction: float = 0.9, grow_batch: bool = True,
@@ -305,8 +316,9 @@ def plan_config(base: Config, seq: int, global_batch_tokens: int) -> Config:
 
 
 def format_plan(result: PlanResult, cfg: Config, gpus: int, hw: Hardware) -> str:
-    lines = [shape_line(cfg), f"{result.considered} layouts of {model_label(cfg.model)} on {gpus} x "
-             f"{hw.name}: {len(result.ranked)} feasible"]
+    lines = [shape_line(cfg, result.model),
+             f"{result.considered} layouts of {model_label(cfg.model)} on {gpus} x {hw.name}: "
+             f"{len(result.ranked)} feasible"]
     for reason, n in result.dropped.most_common():
         lines.append(f"  dropped {n}: {reason}")
     lines += ["", "| # | layout | tok/s/device | MFU | peak GiB | reserved GiB | step s | compute s | "

@@ -20,6 +20,7 @@ each pipeline rank is reported at data/tensor coordinate 0, which holds the larg
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 import warnings
@@ -33,14 +34,13 @@ from torch.distributed.tensor import DTensor
 
 import shardwise.config.device
 from shardwise.config.schema import Config, ConfigError
-from shardwise.models import ModelArgs, model_args
+from shardwise.models import ModelArgs
 from shardwise.models.llama import build_model
-from shardwise.parallel.dims import Mesh
+from shardwise.parallel.dims import Degrees, Mesh
 from shardwise.parallel.fsdp import one_unit
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.pipeline import rank_stages, stage_layers
-from shardwise.plan.layout import Layout
-from shardwise.resolve.run import resolve_run
+from shardwise.resolve.run import ResolvedRun
 from shardwise.trainer.build import build_stage
 
 BYTES = {"bf16": 2, "fp32": 4}
@@ -112,20 +112,21 @@ def fake_world(world: int, rank: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def build_rank(cfg: Config, world: int, rank: int, every_block: bool = False) -> tuple[nn.Module, object]:
-    """This rank's model (its pipeline stages), parallelized on meta as the trainer does it; call
-    inside :func:`fake_world`. Returns (model, ParallelDims). Blocks that parallelize alike
+def build_rank(run: ResolvedRun, every_block: bool = False) -> tuple[nn.Module, object]:
+    """The calling rank's model (its pipeline stages), parallelized on meta as the trainer does it;
+    call inside :func:`fake_world`. Returns (model, ParallelDims). Blocks that parallelize alike
     (:func:`_drop_alike_blocks`) are built once unless ``every_block``; the model's ``alike``
     attribute maps each dropped block to the one kept for it."""
-    run = resolve_run(cfg, world, detect_device=False)
+    # The mesh is this fake world's: built on a copy of the degrees, so ``run`` keeps none.
+    run = dataclasses.replace(run, dims=copy.copy(run.dims))
     # The fake world's mesh is on the CPU; FSDP's units are the planned device's (one_unit).
-    run.dims.build_mesh("cpu", target_device=planned_device(cfg))
+    run.dims.build_mesh("cpu", target_device=planned_device(run))
     model = build_stage(run)
     model.alike = {} if every_block else _drop_alike_blocks(model)
     with warnings.catch_warnings():
         # A pipeline stage without the head has no 'output' for the TP plan to resolve.
         warnings.filterwarnings("ignore", message="Parallelize plan key")
-        parallelize(model, run.dims, cfg, run.compile)
+        parallelize(model, run.dims, run.cfg, run.compile)
     return model, run.dims
 
 
@@ -152,32 +153,30 @@ def _drop_alike_blocks(model: nn.Module) -> dict[int, int]:
     return alike
 
 
-def built_states(cfg: Config, world: int, every_block: bool = False) -> list[RankStates]:
+def built_states(run: ResolvedRun, every_block: bool = False) -> list[RankStates]:
     """Per pipeline rank, the states and FSDP units of the real parallelized model.
 
     What parallelizes alike is built once and counted for each (``every_block``: build every
     block of every rank; a test holds the two equal): blocks of one kind within a rank
     (:func:`_drop_alike_blocks`), and pipeline ranks whose stages hold the same kinds of blocks
     and the same ends of the model. Sharding a 405B rank's 126 blocks on meta takes 3 s here."""
-    layout = Layout.from_config(cfg, world)
-    args = model_args(cfg.model)
-    n_stages = layout.pp * layout.stages_per_rank
+    pipe, args, world = run.pipeline, run.model, run.world
+    n_stages = pipe.pp * pipe.stages_per_rank
     per_stage = stage_layers(args.n_layers, n_stages)
     out: list[RankStates] = []
     built: dict[tuple, RankStates] = {}
-    for s in range(layout.pp):
-        stages = (rank_stages(s, layout.pp, layout.pp_schedule, layout.pp_stages_per_rank)
-                  if layout.pp > 1 else [0])
+    for s in range(pipe.pp):
+        stages = rank_stages(s, pipe.pp, pipe.schedule, pipe.interleaved) if pipe.pp > 1 else [0]
         sig = (0 in stages, n_stages - 1 in stages,
                tuple(tuple(args.is_moe_layer(i) for i in per_stage[st]) for st in stages))
         if not every_block and sig in built:
             layers = sorted(i for st in stages for i in per_stage[st])
             out.append(_relabel(built[sig], s, layers))
             continue
-        rank = s * (world // layout.pp)  # pipeline coordinate s, every other coordinate 0
+        rank = s * (world // pipe.pp)  # pipeline coordinate s, every other coordinate 0
         with fake_world(world, rank):
-            model, _ = build_rank(cfg, world, rank, every_block)
-            built[sig] = _read_states(model, cfg, s)
+            model, _ = build_rank(run, every_block)
+            built[sig] = _read_states(model, run.cfg, s)
         out.append(built[sig])
     return out
 
@@ -281,67 +280,66 @@ def param_shapes(args: ModelArgs) -> dict[str, list[tuple[str, tuple[int, ...]]]
     return out
 
 
-def _local_shape(name: str, shape: tuple[int, ...], layout: Layout, moe_ffn: bool) -> tuple[int, ...]:
+def _local_shape(name: str, shape: tuple[int, ...], degrees: Degrees, moe_ffn: bool) -> tuple[int, ...]:
     """Shape after tensor and expert parallel (rank 0's chunk), before FSDP."""
     shape = list(shape)
     leaf = name.rsplit(".", 2)
     if moe_ffn:
-        if ".experts." in f".{name}" and layout.ep > 1:
-            shape[0] = _chunk(shape[0], layout.ep)
-    elif layout.tp > 1:
+        if ".experts." in f".{name}" and degrees.ep > 1:
+            shape[0] = _chunk(shape[0], degrees.ep)
+    elif degrees.tp > 1:
         if name in ("tok_embeddings.weight", "output.weight"):
-            shape[0] = _chunk(shape[0], layout.tp)
+            shape[0] = _chunk(shape[0], degrees.tp)
         elif len(leaf) == 3 and leaf[2] == "weight" and leaf[1] in _TP_DIM:
             d = _TP_DIM[leaf[1]]
-            shape[d] = _chunk(shape[d], layout.tp)
+            shape[d] = _chunk(shape[d], degrees.tp)
     return tuple(shape)
 
 
-def _shard_numel(params: list[tuple[str, tuple[int, ...]]], layout: Layout, shard: int,
+def _shard_numel(params: list[tuple[str, tuple[int, ...]]], degrees: Degrees, shard: int,
                  moe_ffn: bool) -> tuple[int, int]:
     """(rank 0's local elements, padded unsharded elements) of parameters FSDP shards together."""
     local = padded = 0
     for name, shape in params:
-        dims = _local_shape(name, shape, layout, moe_ffn)
+        dims = _local_shape(name, shape, degrees, moe_ffn)
         rest = math.prod(dims[1:])
         local += _chunk(dims[0], shard) * rest
         padded += _chunk(dims[0], shard) * shard * rest
     return local, padded
 
 
-def planned_device(cfg: Config) -> str:
+def planned_device(run: ResolvedRun) -> str:
     """The device type the plan is for: run.device, or with ``auto`` this machine's (so a one-rank
     layout planned on a CPU machine gets the CPU's FSDP units; --run.device cuda plans a GPU's)."""
-    return cfg.run.device if cfg.run.device != "auto" else shardwise.config.device.device_type("auto")
+    device = run.device_type  # (the planner resolves runs without detecting the device)
+    return device if device != "auto" else shardwise.config.device.device_type("auto")
 
 
-def shape_states(cfg: Config, layout: Layout, shapes: dict | None = None,
+def shape_states(run: ResolvedRun, shapes: dict | None = None,
                  pp_ranks: list[int] | None = None) -> list[RankStates]:
     """Per pipeline rank (``pp_ranks``, default all), the states and FSDP units
     :func:`built_states` would find, from shapes. ``shapes``: :func:`param_shapes` of the model,
     when the caller costs many layouts."""
-    args = model_args(cfg.model)
+    pipe, args = run.pipeline, run.model
     shapes = shapes or param_shapes(args)
-    n_stages = layout.pp * layout.stages_per_rank
+    n_stages = pipe.pp * pipe.stages_per_rank
     per_stage = stage_layers(args.n_layers, n_stages)
     out = []
-    for s in (range(layout.pp) if pp_ranks is None else pp_ranks):
-        stages = (rank_stages(s, layout.pp, layout.pp_schedule, layout.pp_stages_per_rank)
-                  if layout.pp > 1 else [0])
+    for s in (range(pipe.pp) if pp_ranks is None else pp_ranks):
+        stages = rank_stages(s, pipe.pp, pipe.schedule, pipe.interleaved) if pipe.pp > 1 else [0]
         layers = sorted(i for st in stages for i in per_stage[st])
-        out.append(_rank_states(cfg, layout, args, shapes, s, layers, 0 in stages,
-                                n_stages - 1 in stages))
+        out.append(_rank_states(run, shapes, s, layers, 0 in stages, n_stages - 1 in stages))
     return out
 
 
-def _rank_states(cfg: Config, layout: Layout, args: ModelArgs, shapes: dict, pp_rank: int,
-                 layers: list[int], has_emb: bool, has_head: bool) -> RankStates:
+def _rank_states(run: ResolvedRun, shapes: dict, pp_rank: int, layers: list[int], has_emb: bool,
+                 has_head: bool) -> RankStates:
     """One pipeline rank: FSDP units in the order ``apply_fsdp`` makes them (per block: experts,
     MoE feed-forward, block; then the root or each stage view's root)."""
-    moe_shard = layout.dp_shard * layout.cp * layout.tp
-    fsdp = layout.dp_shard * layout.cp
-    mode = cfg.parallel.reshard_after_forward
-    single = one_unit(fsdp * layout.dp_replicate, layout.pp, planned_device(cfg))
+    d, args = run.dims.degrees, run.model
+    moe_shard, fsdp = d.moe_shard, d.dp_shard * d.cp
+    mode = run.cfg.parallel.reshard_after_forward
+    single = one_unit(fsdp * d.dp_replicate, d.pp, planned_device(run))
     numel, units = 0, []
     held: list[tuple[int, int]] = []  # one unit: (layer, elements) the root holds
 
@@ -352,7 +350,7 @@ def _rank_states(cfg: Config, layout: Layout, args: ModelArgs, shapes: dict, pp_
         nonlocal numel
         key = (tuple(params), shard, moe_ffn)
         if key not in sizes:
-            sizes[key] = _shard_numel(params, layout, shard, moe_ffn)
+            sizes[key] = _shard_numel(params, d, shard, moe_ffn)
         local, padded = sizes[key]
         numel += local
         if params and single and group == Mesh.DP_SHARD_CP and layer is not None:  # (padded == local)
@@ -360,11 +358,11 @@ def _rank_states(cfg: Config, layout: Layout, args: ModelArgs, shapes: dict, pp_
         elif params:
             blocks = tuple(held) if layer is None else ()
             units.append(FsdpUnit(name, padded + sum(n for _, n in blocks), shard, group,
-                                  layout.dp_replicate, reshard, layer, blocks))
+                                  d.dp_replicate, reshard, layer, blocks))
 
     for i in layers:
         # apply_fsdp: the last block of the rank stays gathered for backward; pipeline ranks keep all
-        reshard = mode == "always" or (mode == "default" and i != layers[-1] and layout.pp == 1)
+        reshard = mode == "always" or (mode == "default" and i != layers[-1] and d.pp == 1)
         kind = "moe_block" if args.is_moe_layer(i) else "dense"
         block = [(n, sh) for n, sh in shapes[kind] if not n.startswith("feed_forward.")]
         ffn = [(n, sh) for n, sh in shapes[kind] if n.startswith("feed_forward.")]
@@ -374,8 +372,8 @@ def _rank_states(cfg: Config, layout: Layout, args: ModelArgs, shapes: dict, pp_
             if single and moe_shard == 1:  # the root holds the MoE feed-forward too
                 block += ffn
             else:
-                if layout.ep > 1:
-                    unit(f"layers.{i}.feed_forward.experts", experts, moe_shard // layout.ep, Mesh.EFSDP,
+                if d.ep > 1:
+                    unit(f"layers.{i}.feed_forward.experts", experts, moe_shard // d.ep, Mesh.EFSDP,
                          reshard, i, moe_ffn=True)
                     experts = []
                 unit(f"layers.{i}.feed_forward", rest + experts, moe_shard, Mesh.MOE, reshard, i,
@@ -384,9 +382,9 @@ def _rank_states(cfg: Config, layout: Layout, args: ModelArgs, shapes: dict, pp_
             block += ffn
         unit(f"layers.{i}", block, fsdp, Mesh.DP_SHARD_CP, reshard, i)
     roots = [(shapes["embedding"] if has_emb else []) + (shapes["head"] if has_head else [])]
-    if layout.stages_per_rank > 1:  # each stage view is a root of its own
+    if run.stages_per_rank > 1:  # each stage view is a root of its own
         roots = [r for r, keep in ((shapes["embedding"], has_emb), (shapes["head"], has_head)) if keep]
     for params in roots:
         unit("(root)", params, fsdp, Mesh.DP_SHARD_CP, mode == "always", None)
-    return RankStates(pp_rank, 4 * numel, 4 * numel, optimizer_bytes_per_element(cfg) * numel,
+    return RankStates(pp_rank, 4 * numel, 4 * numel, optimizer_bytes_per_element(run.cfg) * numel,
                       tuple(units), tuple(layers), has_emb, has_head)

@@ -13,7 +13,7 @@ import shardwise.config.device
 from shardwise.config.schema import Config, ConfigError, TrainingConfig
 from shardwise.models import ModelArgs, model_args
 from shardwise.parallel.dims import Mesh, ParallelDims
-from shardwise.parallel.pipeline import stages_per_rank
+from shardwise.parallel.pipeline import PipelineShape, stages_per_rank
 from shardwise.resolve.checks import notice
 
 
@@ -43,6 +43,26 @@ class ResolvedRun:
     def tokens_per_step(self) -> int:
         return self.cfg.training.global_batch * self.cfg.training.seq_len
 
+    @property
+    def world(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def pipeline(self) -> PipelineShape:
+        """The pipeline's degree and schedule (what its order of passes depends on)."""
+        pc = self.cfg.parallel
+        return PipelineShape(self.dims.pp, pc.pp_schedule, pc.pp_stages_per_rank)
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages each pp rank holds (1 without PP)."""
+        return self.pipeline.stages_per_rank
+
+    @property
+    def local_seq(self) -> int:
+        """Positions per sequence on one rank (S / cp)."""
+        return self.cfg.training.seq_len // self.dims.cp
+
     def __str__(self) -> str:
         d, t = self.dims, self.cfg.training
         schedule = f" ({self.cfg.parallel.pp_schedule})" if d.pp > 1 else ""
@@ -50,6 +70,12 @@ class ResolvedRun:
                 f"cp={d.cp} tp={d.tp} ep={d.ep} (world {d.world_size}) | {t.global_batch}x{t.seq_len} "
                 f"tokens/step, {self.micro_batches} micro-batch(es)/rank | {self.precision} on "
                 f"{self.device_type}")
+
+
+def resolve_model(cfg: Config) -> ModelArgs:
+    """The model ``cfg`` describes: its ``[model]`` section over the preset it names. For what needs
+    the model before any layout (the planner's enumeration); a run has it as ``run.model``."""
+    return model_args(cfg.model)
 
 
 def resolve_run(cfg: Config, world_size: int, detect_device: bool = True) -> ResolvedRun:
@@ -60,7 +86,7 @@ def resolve_run(cfg: Config, world_size: int, detect_device: bool = True) -> Res
     left as it was. ``detect_device=False`` (the planner, which
     plans for other machines) takes run.device as written instead of finding this machine's."""
     dims = ParallelDims.from_config(cfg.parallel, world_size)
-    args = model_args(cfg.model)
+    args = resolve_model(cfg)
     dims.check_model(args, cfg.training.seq_len)
     if (chosen := pipeline_micro_batch(cfg, dims)) != cfg.training.micro_batch:
         cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, micro_batch=chosen))

@@ -20,11 +20,11 @@ pytestmark = pytest.mark.dist
 GiB = 2**30
 
 
-def by_ranks(layout, per_dim: dict[str, dict[str, int]]) -> dict:
+def by_ranks(degrees, per_dim: dict[str, dict[str, int]]) -> dict:
     """Bytes keyed by (ranks of the group, collective): mesh dims that are one group merge."""
     out: dict = {}
     for dim, per in per_dim.items():
-        key = tuple(sorted(group_members(layout, {"experts": "efsdp"}.get(dim, dim))))
+        key = tuple(sorted(group_members(degrees, {"experts": "efsdp"}.get(dim, dim))))
         for kind, b in per.items():
             out[(key, kind)] = out.get((key, kind), 0) + b
     return out
@@ -45,7 +45,8 @@ def check(tmp: Path, cache: str, world: int, *extra: str) -> None:
             assert round(states[f"{k}_per_rank"][r] * GiB) == getattr(st, k), (k, r)
         assert abs(mem.peak / (peaks[r] * GiB) - 1) < 0.10, (r, mem.peak, peaks[r] * GiB)
     measured = json.loads((tmp / "comm.json").read_text())["totals"]
-    assert by_ranks(est.layout, measured) == by_ranks(est.layout, totals(list(est.collectives[0])))
+    degrees = est.run.dims.degrees
+    assert by_ranks(degrees, measured) == by_ranks(degrees, totals(list(est.collectives[0])))
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -164,14 +164,14 @@ def test_compile_enabled_takes_auto_or_a_bool(text: str, want: object, tmp_path:
 def test_auto_compile_compiles_long_runs_on_tested_layouts(args: list[str], want: bool, why: str):
     """compile.enabled=auto, resolved once per run (ResolvedRun.compile) with the reason preflight
     prints; the planner's step-time model takes the same decision for its layouts."""
-    from shardwise.plan.layout import Layout
     from shardwise.resolve.run import compile_run, resolve_run
 
     cfg = load_config(None, ["--run.device=cpu", *args])
     run = resolve_run(cfg, 2)
     assert run.compile == want and why in run.compile_reason
     assert bool(why) == bool(run.compile_reason)  # (said for auto only)
-    assert compile_run(cfg, Layout.from_config(cfg, 2), "cuda", toolchain=False)[0] == want
+    planned = resolve_run(cfg, 2, detect_device=False)
+    assert compile_run(cfg, planned.dims, "cuda", toolchain=False)[0] == want
 
 
 def test_compile_without_the_toolchain_is_refused_or_left_off(monkeypatch: pytest.MonkeyPatch):

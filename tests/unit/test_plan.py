@@ -19,6 +19,7 @@ from shardwise.observe.flops import attention_pairs, executed_flops
 from shardwise.observe.memory import SavedActivations
 from shardwise.optim.adamw import build_optimizer
 from shardwise.parallel import fsdp
+from shardwise.parallel.pipeline import PipelineShape
 from shardwise.plan import states
 from shardwise.plan.activations import activations
 from shardwise.plan.comm import group_members
@@ -33,7 +34,7 @@ from shardwise.resolve.checks import load_config
 from shardwise.resolve.run import resolve_run
 from shardwise.trainer.build import build_rank_model
 from shardwise.trainer.loss import TokenLoss
-from tests.helpers import ROOT, one_rank_pg
+from tests.helpers import ROOT, one_rank_pg, planned
 
 DEBUG, MOE = str(ROOT / "configs" / "debug.toml"), str(ROOT / "configs" / "moe-debug.toml")
 
@@ -68,9 +69,10 @@ def test_shape_states_equal_the_built_model(path: str, world: int, overrides: li
     """Per pipeline rank: parameter, gradient and optimizer bytes, and every FSDP unit (padded size,
     shard group, replicas, reshard) -- from shapes exactly as from the real parallelized model."""
     cfg = load_config(path, overrides)
-    built = built_states(cfg, world)
-    shaped = shape_states(cfg, Layout.from_config(cfg, world))
-    assert len(built) == len(shaped) == Layout.from_config(cfg, world).pp
+    run = planned(cfg, world)
+    built = built_states(run)
+    shaped = shape_states(run)
+    assert len(built) == len(shaped) == run.dims.pp
     for b, s in zip(built, shaped, strict=True):
         assert (b.params, b.grads, b.optimizer) == (s.params, s.grads, s.optimizer)
         assert (b.layers, b.has_embedding, b.has_head) == (s.layers, s.has_embedding, s.has_head)
@@ -84,7 +86,7 @@ def test_shape_states_equal_the_built_model(path: str, world: int, overrides: li
     (DEBUG, 2, ["--parallel.dp_shard=2"])])  # data parallel: per-block units as before
 def test_one_unit_states_equal_the_built_model(gpu_units: None, path: str, world: int, overrides: list[str]):
     cfg = load_config(path, overrides)
-    built, shaped = built_states(cfg, world), shape_states(cfg, Layout.from_config(cfg, world))
+    built, shaped = built_states(planned(cfg, world)), shape_states(planned(cfg, world))
     for b, s in zip(built, shaped, strict=True):
         assert (b.params, b.grads, b.optimizer) == (s.params, s.grads, s.optimizer)
         assert sorted(b.units, key=str) == sorted(s.units, key=str)
@@ -121,16 +123,17 @@ def test_alike_blocks_built_once_count_as_every_block(monkeypatch: pytest.Monkey
         request.getfixturevalue("gpu_units")
     cfg = load_config(path, overrides)
     builds = []
-    monkeypatch.setattr(states, "build_rank", lambda *a: builds.append(a[2]) or build_rank(*a))
-    alike = built_states(cfg, world)
+    monkeypatch.setattr(states, "build_rank", lambda *a: builds.append(a) or build_rank(*a))
+    run = planned(cfg, world)
+    alike = built_states(run)
     once = len(builds)
-    assert alike == built_states(cfg, world, every_block=True)
-    pp = Layout.from_config(cfg, world).pp
+    assert alike == built_states(run, every_block=True)
+    pp = run.dims.pp
     assert len(builds) - once == pp
     if pp >= 4:  # these have middle ranks of the same make: built once
         assert once < pp
     with fake_world(world, 0):  # and blocks were in fact dropped
-        model, _ = build_rank(cfg, world, 0, every_block=False)
+        model, _ = build_rank(run, every_block=False)
     assert model.alike and sorted([*map(int, model.layers), *model.alike]) == list(alike[0].layers)
 
 
@@ -138,7 +141,7 @@ def test_states_count_local_shards():
     """FSDP over 4 ranks: each rank holds a quarter of every parameter (dims divide evenly here)."""
     cfg = load_config(DEBUG, ["--parallel.dp_shard=4"])
     full = sum(p.numel() for p in build_model(model_args(cfg.model)).parameters())
-    st = built_states(cfg, 4)[0]
+    st = built_states(planned(cfg, 4))[0]
     assert st.params == st.grads == 4 * full // 4
     assert st.optimizer == 8 * full // 4  # two fp32 moments
 
@@ -204,14 +207,14 @@ def test_activations_equal_saved_tensors(one_rank, path: str, overrides: list[st
     model = _trainer_model(cfg)
     with SavedActivations() as saved:
         TokenLoss(resolve_run(cfg, 1).loss_chunk)(model, _batch(cfg, 2), torch.tensor(512))
-    layout = Layout.from_config(cfg, 1)
-    st = shape_states(cfg, layout)[0]
+    run = planned(cfg, 1)
+    st = shape_states(run)[0]
     if padded_rows:  # one call per MoE block
-        shape = acts.shape_of(cfg, layout)
+        shape = acts.shape_of(run)
         mean = sum(padded_rows) / len(padded_rows)
         assert abs(acts.expert_rows(shape) / mean - 1) < 0.05, (acts.expert_rows(shape), padded_rows)
         monkeypatch.setattr(acts, "expert_rows", lambda s: mean)
-    predicted = sum(activations(cfg, layout, st.layers, st.has_embedding, st.has_head).values())
+    predicted = sum(activations(run, st.layers, st.has_embedding, st.has_head).values())
     assert predicted == pytest.approx(saved.bytes, abs=len(padded_rows))  # (a mean of the blocks' rows)
 
 
@@ -269,8 +272,8 @@ def test_peak_matches_memtracker(one_rank, units: str, overrides: list[str], mon
     with tracker:
         step()
     measured = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
-    layout = Layout.from_config(cfg, 1)
-    predicted = step_memory(cfg, layout, shape_states(cfg, layout)[0]).peak
+    run = planned(cfg, 1)
+    predicted = step_memory(run, shape_states(run)[0]).peak
     # Full checkpointing's peak sits inside a recomputed block's backward, whose gradient
     # temporaries are modelled per sub-layer only: looser there (the issue asks for 10%).
     tol = 0.06 if "full" in " ".join(overrides) else 0.03
@@ -286,26 +289,26 @@ def test_rank_flops_add_up_to_executed_flops():
         if cfg.training.loss_chunk:
             cfg.parallel.pp = 1
             cfg.parallel.dp_shard = 2
-        layout = Layout.from_config(cfg, 4)
-        ranks = [rank_time(cfg, layout, st, hw) for st in shape_states(cfg, layout)]
-        t = cfg.training
-        tokens_per_share = t.global_batch * t.seq_len // layout.dp
+        run = planned(cfg, 4)
+        ranks = [rank_time(run, st, hw) for st in shape_states(run)]
+        t, d = cfg.training, run.dims
+        tokens_per_share = t.global_batch * t.seq_len // d.dp
         step = executed_flops(model_args(cfg.model), tokens_per_share,
-                              t.global_batch // layout.dp * attention_pairs(t.seq_len),
+                              t.global_batch // d.dp * attention_pairs(t.seq_len),
                               cfg.activation_checkpoint.mode, chunked_loss=t.loss_chunk > 0).total
-        assert sum(r.flops for r in ranks) * layout.tp * layout.cp == pytest.approx(step, rel=1e-9)
+        assert sum(r.flops for r in ranks) * d.tp * d.cp == pytest.approx(step, rel=1e-9)
 
 
 def test_pipeline_in_flight():
     """1F1B holds pp - rank micro-batches (Narayanan et al.), GPipe all of them."""
-    one = Layout(pp=4, pp_schedule="1f1b", micro_batch=1)
+    one = PipelineShape(4, "1f1b")
     assert [in_flight(one, 8, r) for r in range(4)] == [4, 3, 2, 1]
-    assert in_flight(dataclasses.replace(one, pp_schedule="gpipe"), 8, 0) == 8
+    assert in_flight(one._replace(schedule="gpipe"), 8, 0) == 8
     assert [k for k, _ in schedule_actions(one, 8, 0)[:5]] == ["F", "F", "F", "F", "B"]
     assert [k for k, _ in schedule_actions(one, 8, 3)[:3]] == ["F", "B", "F"]
     # torch's own orders for the multi-stage schedules: every pass of every local stage once
     for sched, stages in (("interleaved1f1b", {0, 4}), ("zbv", {0, 7}), ("dualpipev", {0, 7})):
-        order = schedule_actions(dataclasses.replace(one, pp_schedule=sched), 8, 0)
+        order = schedule_actions(one._replace(schedule=sched), 8, 0)
         assert {x for _, x in order} == stages
         assert sum(k == "F" for k, _ in order) == 16
         assert sum(k in ("B", "I") for k, _ in order) == 16
@@ -314,7 +317,7 @@ def test_pipeline_in_flight():
 def test_group_members():
     """Rank layout pp, dp_replicate, dp_shard, cp, tp (outermost first); ep innermost of
     dp_shard x cp x tp."""
-    lay = Layout(pp=2, dp_replicate=2, dp_shard=2, cp=1, tp=2, ep=2)
+    lay = Layout(pp=2, dp_replicate=2, dp_shard=2, cp=1, tp=2, ep=2).degrees
     assert group_members(lay, "tp") == {0, 1}
     assert group_members(lay, "dp_shard") == {0, 2}
     assert group_members(lay, "dp_replicate") == {0, 4}
@@ -327,11 +330,12 @@ def test_group_members():
 def test_layout_round_trip():
     cfg = load_config(DEBUG, ["--parallel.tp=2", "--parallel.pp=2", "--training.micro_batch=2",
                               "--activation_checkpoint.mode=selective"])
-    lay = Layout.from_config(cfg, 8)
-    assert (lay.dp_shard, lay.world, lay.micro_batches(cfg.training.global_batch)) == (2, 8, 2)
-    assert Layout.from_config(lay.apply(load_config(DEBUG)), 8) == lay
+    run = planned(cfg, 8)
+    lay = Layout.of(run)
+    assert (lay.dp_shard, lay.world, run.micro_batches) == (2, 8, 2)
+    assert Layout.of(lay.resolve(load_config(DEBUG))) == lay
     assert str(lay) == "pp2 dp_shard2 tp2 1f1b mb2 ac=selective"
-    assert len({lay, Layout.from_config(cfg, 8)}) == 1
+    assert len({lay, Layout.of(planned(cfg, 8))}) == 1
 
 
 def test_hardware_profiles_load():
@@ -385,13 +389,13 @@ def test_plan_skips_only_dominated_checkpointing_modes():
     assert (two.ranked, two.dropped, two.refusals, two.least) == (result.ranked, result.dropped,
                                                                   result.refusals, result.least)
     shapes, every = param_shapes(model_args(cfg.model)), {}
-    for layout in enumerate_layouts(cfg, 8, hw, schedules=("1f1b",)):
-        c = layout.apply(cfg)
+    for layout in enumerate_layouts(model_args(cfg.model), 8, hw, schedules=("1f1b",)):
         if check_layout(cfg, layout):
             continue
-        states = shape_states(c, layout, shapes)
-        if max(hw.reserved(step_memory(c, layout, st).peak) for st in states) <= 0.9 * hw.memory_gib * 2**30:
-            every[layout] = step_time(c, layout, states, hw).tokens_per_s / 8
+        run = layout.resolve(cfg)
+        states = shape_states(run, shapes)
+        if max(hw.reserved(step_memory(run, st).peak) for st in states) <= 0.9 * hw.memory_gib * 2**30:
+            every[layout] = step_time(run, states, hw).tokens_per_s / 8
     best = max(every, key=every.get)
     assert result.ranked[0].layout == best and result.ranked[0].tokens_per_s_per_device == every[best]
     kept = {dataclasses.replace(c.layout, ac="none"): c.tokens_per_s_per_device for c in result.ranked}
@@ -405,7 +409,7 @@ def test_layout_checks_do_not_depend_on_the_checkpointing_mode(path: str):
     checkpointing mode: every mode of a group gets the same verdict (refusals included)."""
     cfg = load_config(path, ["--training.global_batch=16"])
     modes = ("none", "selective", "full", "layer")
-    layouts = enumerate_layouts(cfg, 8, load_hardware("h100"), ac_modes=modes)
+    layouts = enumerate_layouts(model_args(cfg.model), 8, load_hardware("h100"), ac_modes=modes)
     verdicts: dict = {}
     for layout in layouts:
         verdicts.setdefault(dataclasses.replace(layout, ac="none"), set()).add(check_layout(cfg, layout))
@@ -469,12 +473,12 @@ def test_memory_floor_never_exceeds_the_peak(path: str, world: int, overrides: l
     bound (over half the peak on average)."""
     cfg = load_config(path, overrides)
     ratios = []
-    for layout in enumerate_layouts(cfg, world, load_hardware("h100"), max_micro_batch=2):
+    for layout in enumerate_layouts(model_args(cfg.model), world, load_hardware("h100"), max_micro_batch=2):
         if check_layout(cfg, layout):
             continue
-        c = layout.apply(cfg)
-        for st in shape_states(c, layout):
-            floor, peak = memory_floor(c, layout, st), step_memory(c, layout, st).peak
+        run = layout.resolve(cfg)
+        for st in shape_states(run):
+            floor, peak = memory_floor(run, st), step_memory(run, st).peak
             assert floor <= peak, (str(layout), st.pp_rank, floor, peak)
             ratios.append(floor / peak)
     assert len(ratios) > 50 and sum(ratios) / len(ratios) > 0.5
@@ -488,7 +492,7 @@ def test_estimate_resolves_the_run_as_train_does():
     cfg = load_config(DEBUG, ["--parallel.pp=2", "--parallel.dp_shard=2"])
     est = estimate(cfg, 4, load_hardware("h100"), exact=False)
     assert est.layout.micro_batch == 1 and est.cfg.training.micro_batch == 1
-    assert est.layout.micro_batches(cfg.training.global_batch) == 4
+    assert est.run.micro_batches == 4
     assert cfg.training.micro_batch == 0  # (the caller's config, unchanged)
 
 

@@ -28,7 +28,7 @@ from shardwise.plan.layout import Layout
 from shardwise.plan.overlap import collective_time, fsdp_exposed_seconds
 from shardwise.plan.states import shape_states
 from shardwise.resolve.checks import load_config
-from tests.helpers import ROOT, one_rank_pg
+from tests.helpers import ROOT, one_rank_pg, planned
 
 TFLOPS, SMS = 132.0, 132  # 1 TFLOP/s per multiprocessor
 FAST = 1e18  # bytes/s: never memory-bound
@@ -185,8 +185,8 @@ def _8b(world: int, *overrides: str):
     cfg = load_config(None, ["--model.name=8b", "--training.seq_len=8192", "--training.micro_batch=2",
                              f"--training.global_batch={2 * world}", "--parallel.dp_shard=1", *overrides],
                       device="cuda")
-    layout = Layout.from_config(cfg, world)
-    return cfg, layout, shape_states(cfg, layout)[0]
+    run = planned(cfg, world)
+    return run, shape_states(run)[0]
 
 
 def test_fsdp_overlap_follows_fsdp2s_schedule():
@@ -196,32 +196,32 @@ def test_fsdp_overlap_follows_fsdp2s_schedule():
     forward but the last (nothing is gathered after it)."""
     from shardwise.plan.activations import shape_of
 
-    cfg, layout, st = _8b(8, "--parallel.dp_shard=8", "--activation_checkpoint.mode=none")
-    hw = load_hardware("h100")
-    shape = shape_of(cfg, layout)
+    run, st = _8b(8, "--parallel.dp_shard=8", "--activation_checkpoint.mode=none")
+    hw, degrees = load_hardware("h100"), run.dims.degrees
+    shape = shape_of(run)
     per_call = collections.defaultdict(float)  # (layer, kind) -> seconds of one call
     total = 0.0
     for unit in st.units:
-        for c in unit_collectives(cfg, layout, unit, shape):
-            total += collective_time(c, layout, hw)  # (one micro-batch: each issued once)
+        for c in unit_collectives(run, unit, shape):
+            total += collective_time(c, degrees, hw)  # (one micro-batch: each issued once)
             if c.phase == "forward" or c.kind != "all_gather":
-                per_call[unit.layer, c.kind == "all_gather"] += collective_time(c, layout, hw) / c.calls
+                per_call[unit.layer, c.kind == "all_gather"] += collective_time(c, degrees, hw) / c.calls
     layers = list(st.layers)
-    assert layout.micro_batches(cfg.training.global_batch) == 1
+    assert run.micro_batches == 1
     assert {u.layer for u in st.units if not u.reshard} == {None, layers[-1]}  # (backward follows at once)
     edges = sum(per_call[layer, gather] for layer in (None, layers[0]) for gather in (True, False))
     slow = {i: 10.0 for i in layers}
-    assert fsdp_exposed_seconds(cfg, layout, st, hw, shape, slow, slow, 10.0) == pytest.approx(edges)
+    assert fsdp_exposed_seconds(run, st, hw, shape, slow, slow, 10.0) == pytest.approx(edges)
     x, head = 1e-6, 3e-6
     busy_forward, busy_backward = {i: x / 3 for i in layers}, {i: 2 * x / 3 for i in layers}
     hidden = (len(layers) - 1) * x / 3 + len(layers) * 2 * x / 3  # (the last block stays gathered:
     # the head's backward has no gather to hide)
-    assert fsdp_exposed_seconds(cfg, layout, st, hw, shape, busy_forward, busy_backward, head) == \
+    assert fsdp_exposed_seconds(run, st, hw, shape, busy_forward, busy_backward, head) == \
         pytest.approx(total - hidden)
     # through rank_time: the 8B rows' compute covers all of it but the edges
-    others = sum(collective_time(c, layout, hw) for c in step_collectives(cfg, layout, st)
+    others = sum(collective_time(c, degrees, hw) for c in step_collectives(run, st)
                  if c.overlap != "fsdp")
-    assert rank_time(cfg, layout, st, hw).exposed_comm == pytest.approx(edges + others)
+    assert rank_time(run, st, hw).exposed_comm == pytest.approx(edges + others)
 
 
 def test_rings_through_nodes_pay_the_network_hop_once_per_node():
@@ -229,25 +229,25 @@ def test_rings_through_nodes_pay_the_network_hop_once_per_node():
     network hop into each node and NVLink hops for the rest."""
     hw = load_hardware("h100")  # 5 us inside a node, 10 us between
     for world, hops in ((8, 7 * 5e-6), (16, 2 * 10e-6 + 14 * 5e-6), (64, 8 * 10e-6 + 56 * 5e-6)):
-        layout = Layout(dp_shard=world)
+        degrees = Layout(dp_shard=world).degrees
         c = Collective("dp_shard_cp", "all_gather", 0, 1, "forward", "test")
-        assert collective_time(c, layout, hw) == pytest.approx(hops)
+        assert collective_time(c, degrees, hw) == pytest.approx(hops)
         all_reduce = dataclasses.replace(c, kind="all_reduce")
-        assert collective_time(all_reduce, layout, hw) == pytest.approx(2 * hops)
+        assert collective_time(all_reduce, degrees, hw) == pytest.approx(2 * hops)
 
 
 @pytest.mark.parametrize("schedule,stages", [("1f1b", 1), ("interleaved1f1b", 2)])
 def test_pipeline_fill_and_drain_wait_for_each_boundary(schedule: str, stages: int):
     """The bubble adds one activation send per stage boundary the first micro-batch crosses and
     one gradient send per boundary the last crosses back: pp * v - 1 of each."""
-    cfg, layout, _ = _8b(16, "--parallel.pp=4", "--parallel.dp_shard=4", f"--parallel.pp_schedule={schedule}",
+    run, _ = _8b(16, "--parallel.pp=4", "--parallel.dp_shard=4", f"--parallel.pp_schedule={schedule}",
                          "--training.micro_batch=1")
     hw = load_hardware("h100")
-    assert layout.stages_per_rank == stages
-    p2p = pipeline_hop_seconds(cfg, layout, hw)
+    assert run.stages_per_rank == stages
+    p2p = pipeline_hop_seconds(run, hw)
     nbytes = 2 * 1 * 8192 * 4096  # bf16, one sequence, dim 4096
     assert p2p == pytest.approx(2 * (5e-6 + nbytes / (450e9 * 0.8)))  # neighbours within a node
-    assert pipeline_bubble(cfg, layout, 1.0, p2p) - pipeline_bubble(cfg, layout, 1.0) == \
+    assert pipeline_bubble(run, 1.0, p2p) - pipeline_bubble(run, 1.0) == \
         pytest.approx((4 * stages - 1) * p2p)
 
 
@@ -297,15 +297,15 @@ def test_gpu_host_time_shows_only_where_kernels_are_shorter():
     hw = load_hardware("h100")
     cfg = load_config(None, ["--model.name=125m", "--training.global_batch=1", "--training.seq_len=512",
                              "--compile.enabled=false"], device="cuda")
-    layout = Layout.from_config(cfg, 1)
-    st = shape_states(cfg, layout)[0]
-    rt = rank_time(cfg, layout, st, hw)
+    run = planned(cfg, 1)
+    st = shape_states(run)[0]
+    rt = rank_time(run, st, hw)
     assert rt.compute["host"] > 0.2 * sum(rt.compute.values())
     args = model_args(cfg.model)
     assert rt.compute["host"] < len(st.layers) * hw.host_us_per_op * 1e-6 * host_ops(args, 0, False)
     assert gpu_host_seconds(cfg, args, dataclasses.replace(hw, host_us_per_op=0.0), {0: 0.0}) == 0.0
-    cfg, layout, st = _8b(8, "--parallel.dp_shard=8")
-    assert rank_time(cfg, layout, st, hw).compute["host"] == 0.0
+    run, st = _8b(8, "--parallel.dp_shard=8")
+    assert rank_time(run, st, hw).compute["host"] == 0.0
 
 
 def test_published_rows_fitted_on_8b_and_predicted_beyond():
@@ -334,12 +334,12 @@ def test_planning_a_gpu_on_a_cpu_builds_the_gpus_fsdp_units():
     from shardwise.plan.states import built_states
 
     cfg = load_config(None, ["--model.name=debug", "--run.device=cuda"], device="cuda")
-    built, shaped = built_states(cfg, 1), shape_states(cfg, Layout.from_config(cfg, 1))
+    built, shaped = built_states(planned(cfg, 1)), shape_states(planned(cfg, 1))
     (root,) = built[0].units
     assert root.layer is None and len(root.blocks) == model_args(cfg.model).n_layers
     assert sorted(built[0].units, key=str) == sorted(shaped[0].units, key=str)
     cpu = load_config(None, ["--model.name=debug", "--run.device=cpu"], device="cpu")
-    assert len(built_states(cpu, 1)[0].units) == model_args(cpu.model).n_layers + 1  # per block
+    assert len(built_states(planned(cpu, 1))[0].units) == model_args(cpu.model).n_layers + 1  # per block
 
 
 VS_TORCHTITAN = ROOT / "bench" / "results" / "vs_torchtitan_h100" / "runs_2026-11-27.json"

@@ -13,7 +13,7 @@ from shardwise.plan.hardware import load_hardware
 from shardwise.plan.layout import Layout
 from shardwise.plan.states import shape_states
 from shardwise.resolve.checks import load_config
-from tests.helpers import ROOT
+from tests.helpers import ROOT, planned
 
 DEBUG, MOE = str(ROOT / "configs" / "debug.toml"), str(ROOT / "configs" / "moe-debug.toml")
 
@@ -70,19 +70,17 @@ def test_pipeline_ranks_in_the_bubble_lend_their_cores():
     from shardwise.plan.cost import pipeline_bubble, pipeline_hop_seconds, step_time
 
     cfg = load_config(DEBUG, ["--parallel.pp=4", "--training.micro_batch=1"])
-    layout = Layout.from_config(cfg, 4)
-    states = shape_states(cfg, layout)
-    shared, own = step_time(cfg, layout, states, _local_profile(2)), step_time(cfg, layout, states,
-                                                                                _local_profile(4))
+    run = planned(cfg, 4)
+    states = shape_states(run)
+    shared, own = step_time(run, states, _local_profile(2)), step_time(run, states, _local_profile(4))
     busy = max(r.busy for r in shared.ranks)
-    assert shared.step < busy + pipeline_bubble(cfg, layout, busy)
+    assert shared.step < busy + pipeline_bubble(run, busy)
     work = sum(sum(r.compute.values()) for r in shared.ranks) * 2 / 4  # (each costed at half a core)
     assert shared.step >= work / 2
-    busy, p2p = max(r.busy for r in own.ranks), pipeline_hop_seconds(cfg, layout, _local_profile(4))
-    assert p2p > 0 and own.step == pytest.approx(busy + pipeline_bubble(cfg, layout, busy, p2p))
-    dp = load_config(DEBUG, ["--parallel.dp_shard=4"])
-    lay = Layout.from_config(dp, 4)
-    t = step_time(dp, lay, shape_states(dp, lay), _local_profile(2))
+    busy, p2p = max(r.busy for r in own.ranks), pipeline_hop_seconds(run, _local_profile(4))
+    assert p2p > 0 and own.step == pytest.approx(busy + pipeline_bubble(run, busy, p2p))
+    dp = planned(load_config(DEBUG, ["--parallel.dp_shard=4"]), 4)
+    t = step_time(dp, shape_states(dp), _local_profile(2))
     assert t.step == pytest.approx(max(r.busy for r in t.ranks)) and t.bubble == 0
 
 
@@ -112,8 +110,7 @@ def test_gemm_rate_on_few_rows():
     cfg = load_config(MOE, [])
     args = model_args(cfg.model)
     for ep in (1, 2):
-        layout = Layout(dp_shard=2, ep=ep, micro_batch=2)
-        s = shape_of(cfg, layout)
+        s = shape_of(Layout(dp_shard=2, ep=ep, micro_batch=2).resolve(cfg))
         rows = [g.rows for g in block_gemms(s, cfg, layer=1)]
         slots = expert_rows(s)  # (with the CPU's padding: test_cpu_expert_groups_cost_their_padding)
         assert rows[-2:] == [round(slots * ep / args.n_experts)] * 2 and set(rows[:-2]) == {s.tokens}
@@ -140,8 +137,8 @@ def test_large_outputs_cost_what_the_allocator_makes_them():
     for cache in (True, False):  # the 125m head: 32000-wide logits, over 16 MiB in fp32
         cfg = load_config(DEBUG, ["--parallel.dp_shard=4", "--model.name=125m", "--training.seq_len=256",
                                   "--training.loss=plain", f"--run.cpu_memory_cache={str(cache).lower()}"])
-        layout = Layout.from_config(cfg, 4)
-        times[cache] = rank_time(cfg, layout, shape_states(cfg, layout)[0], hw).compute["memory-bound"]
+        run = planned(cfg, 4)
+        times[cache] = rank_time(run, shape_states(run)[0], hw).compute["memory-bound"]
     assert times[False] > 2 * times[True]
 
 
@@ -194,7 +191,7 @@ def test_cpu_expert_groups_cost_their_padding():
     shapes = {}
     for device in ("cpu", "cuda"):
         cfg = load_config(MOE, ["--parallel.dp_shard=4"], device=device)
-        shapes[device] = (cfg, shape_of(cfg, Layout.from_config(cfg, 4)))
+        shapes[device] = (cfg, shape_of(planned(cfg, 4)))
     assert expert_rows(shapes["cpu"][1]) == 2048 + 8 * 31.5 and expert_rows(shapes["cuda"][1]) == 2048
     cpu, gpu = (block_gemms(shape, cfg, 2) for cfg, shape in shapes.values())
     grouped = slice(-2, None)  # the linear layers first, then the grouped experts' two GEMMs

@@ -138,6 +138,29 @@ def test_mesh_names_are_spelled_once():
     assert found == []
 
 
+RESOLVES_MODELS = ("resolve", "checkpoint")
+"""Where a ``[model]`` section becomes ``ModelArgs``: resolving a run (resolve/), reading a checkpoint's
+record of one (checkpoint/). Everything else takes ``run.model`` or what those return."""
+
+
+def test_models_are_resolved_in_one_place():
+    """``model_args`` is called in resolution only -- not, as once, at 12 sites (8 in the planner)
+    behind a memo cache -- and keeps no cache (two calls build two values)."""
+    from shardwise.config.schema import ModelConfig
+    from shardwise.models import model_args
+
+    found = []
+    for name, path in MODULES.items():
+        if _folder(name) in RESOLVES_MODELS:
+            continue
+        found += [f"{path.relative_to(ROOT)}:{n.lineno}" for n in ast.walk(ast.parse(path.read_text()))
+                  if isinstance(n, ast.Call) and (getattr(n.func, "id", None) == "model_args"
+                                                  or getattr(n.func, "attr", None) == "model_args")]
+    assert found == []
+    section = ModelConfig(name="debug")
+    assert model_args(section) == model_args(section) and model_args(section) is not model_args(section)
+
+
 def test_no_test_imports_another_test():
     """Tests share code through tests/helpers.py and tests/references.py, never by importing one
     another (nor conftest.py, which holds fixtures only)."""
