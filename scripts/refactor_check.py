@@ -2,6 +2,7 @@
 
     python scripts/refactor_check.py --out before.json            # on the commit before
     python scripts/refactor_check.py --out after.json --compare before.json
+    python scripts/refactor_check.py --more ...                    # and TP, CP, PP, MoE TP x EP
 
 Trains the debug preset on 1 rank and on FSDP 4, and moe-debug on EP 2, for 12 steps in fp32 with
 ``debug.deterministic=true`` (every logged loss, gradient norm, learning rate and validation loss is
@@ -28,6 +29,12 @@ RUNS = {"debug-1": ["--config", "configs/debug.toml"],
         "debug-fsdp4": ["--config", "configs/debug.toml", "--nproc", "4", "--parallel.dp_shard", "4"],
         "moe-ep2": ["--config", "configs/moe-debug.toml", "--nproc", "2", "--parallel.ep", "2",
                     "--parallel.dp_shard", "2"]}
+MORE_RUNS = {"debug-tp2": ["--config", "configs/debug.toml", "--nproc", "2", "--parallel.tp", "2"],
+             "debug-cp2": ["--config", "configs/debug.toml", "--nproc", "2", "--parallel.cp", "2"],
+             "debug-pp2": ["--config", "configs/debug.toml", "--nproc", "2", "--parallel.pp", "2"],
+             "moe-tp2-ep2": ["--config", "configs/moe-debug.toml", "--nproc", "2", "--parallel.tp", "2",
+                             "--parallel.ep", "2"]}
+"""``--more``: a run through each other parallelism (tensor, context, pipeline; MoE under TP x EP)."""
 KEYS = ("loss", "grad_norm", "lr", "val_loss")
 _ESTIMATED = (("debug", 4, "h100"), ("moe-debug", 2, "h100"), ("125m", 8, "h100"), ("1b", 8, "h100"),
               ("8b", 8, "h100"), ("70b", 64, "h100"), ("405b", 512, "h100"), ("qwen3-0.6b", 8, "h200"),
@@ -53,12 +60,12 @@ def _shardwise(args: list[str], cwd: Path) -> str:
     return proc.stdout
 
 
-def measure() -> dict:
+def measure(runs: dict[str, list[str]]) -> dict:
     out: dict = {"runs": {}, "plans": {}}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         (work / "configs").symlink_to(ROOT / "configs")
-        for name, args in RUNS.items():
+        for name, args in runs.items():
             print(f"train {name} ...", flush=True)
             run_dir = work / name
             _shardwise(["train", *args, *RUN, f"--run.dir={run_dir}", f"--data.cache_dir={work / 'cache'}"],
@@ -85,8 +92,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--compare", default="")
+    p.add_argument("--more", action="store_true", help="also train " + ", ".join(MORE_RUNS))
     args = p.parse_args()
-    result = measure()
+    result = measure({**RUNS, **(MORE_RUNS if args.more else {})})
     Path(args.out).write_text(json.dumps(result, indent=1))
     if not args.compare:
         return 0

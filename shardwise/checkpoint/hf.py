@@ -35,81 +35,25 @@ from shardwise.models import ModelArgs, model_args
 from shardwise.models.hf_config import (  # (hf_family: re-exported for the tests)
     args_from_hf,
     check_hf_config,
+    expert_names,
+    from_rotate_half,
     hf_config,
     hf_family,  # noqa: F401
+    hf_names,
     model_config_of,
     read_hf_config,
+    rope_rows,
+    to_rotate_half,
 )
 from shardwise.models.llama import build_model
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _SHARD_BYTES = 5 << 30  # split safetensors files at this size, as HF's save_pretrained does
-_LAYER = {  # ours (under layers.<i>.) -> HF (under model.layers.<i>.)
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_QK_NORM = {"attention.q_norm.weight": "self_attn.q_norm.weight",
-            "attention.k_norm.weight": "self_attn.k_norm.weight"}
-_DENSE_FFN = {"feed_forward.w1.weight": "mlp.gate_proj.weight",
-              "feed_forward.w2.weight": "mlp.down_proj.weight",
-              "feed_forward.w3.weight": "mlp.up_proj.weight"}
-_ROUTER = {"feed_forward.router.gate.weight": "mlp.gate.weight"}
-_EXPERTS = {"feed_forward.experts.w1": "gate_proj", "feed_forward.experts.w3": "up_proj",
-            "feed_forward.experts.w2": "down_proj"}  # ours (E, in, out); HF experts.<e>.<name> (out, in)
-
-
-def to_rotate_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """q/k projection rows: interleaved RoPE pairs (ours) -> rotate-half halves (HF), per head."""
-    out_dim, in_dim = w.shape
-    return w.view(n_heads, out_dim // n_heads // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
-
-
-def from_rotate_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """The inverse of :func:`to_rotate_half`."""
-    out_dim, in_dim = w.shape
-    return w.view(n_heads, 2, out_dim // n_heads // 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
-
-
-def hf_names(args: ModelArgs) -> dict[str, str]:
-    """Our parameter name -> the HF name, for every parameter that maps one to one (an MoE block's
-    experts map to one HF tensor per expert: :func:`expert_names`)."""
-    names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
-    if not args.tie_embeddings:
-        names["output.weight"] = "lm_head.weight"
-    for i in range(args.n_layers):
-        layer = {**_LAYER, **(_QK_NORM if args.qk_norm else {}),
-                 **(_ROUTER if args.is_moe_layer(i) else _DENSE_FFN)}
-        names.update({f"layers.{i}.{ours}": f"model.layers.{i}.{hf}" for ours, hf in layer.items()})
-    return names
-
-
-def expert_names(args: ModelArgs) -> dict[str, list[str]]:
-    """Our (E, in, out) expert tensor -> its E HF per-expert matrices, in expert order."""
-    return {f"layers.{i}.{ours}": [f"model.layers.{i}.mlp.experts.{e}.{hf}.weight"
-                                   for e in range(args.n_experts)]
-            for i in range(args.n_layers) if args.is_moe_layer(i) for ours, hf in _EXPERTS.items()}
-
-
-def _rope_rows(name: str, w: torch.Tensor, args: ModelArgs, permute: Callable) -> torch.Tensor:
-    """``permute`` (either direction) applied to the q/k projections and QK-norm weights."""
-    if name.endswith("wq.weight"):
-        return permute(w, args.n_heads)
-    if name.endswith("wk.weight"):
-        return permute(w, args.n_kv_heads)
-    if name.endswith(("q_norm.weight", "k_norm.weight")):  # one head's channels
-        return permute(w[:, None], 1)[:, 0]
-    return w
-
-
 def to_hf_tensors(get: Callable[[str], torch.Tensor], args: ModelArgs
                   ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) of every HF tensor, from ``get`` (our name -> our tensor), one at a time."""
     for ours, hf in hf_names(args).items():
-        yield hf, _rope_rows(ours, get(ours), args, to_rotate_half)
+        yield hf, rope_rows(ours, get(ours), args, to_rotate_half)
     for ours, hf_list in expert_names(args).items():
         w = get(ours)  # (E, in, out)
         for e, hf in enumerate(hf_list):
@@ -127,7 +71,7 @@ def from_hf_tensors(get: Callable[[str], torch.Tensor], args: ModelArgs,
     one, experts = hf_names(args), expert_names(args)
     for ours in [*one, *experts] if names is None else names:
         if ours in one:
-            yield ours, _rope_rows(ours, get(one[ours]), args, from_rotate_half)
+            yield ours, rope_rows(ours, get(one[ours]), args, from_rotate_half)
         else:
             yield ours, torch.stack([get(hf).t() for hf in experts[ours]])
 

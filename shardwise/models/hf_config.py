@@ -8,11 +8,16 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardwise.config.schema import ConfigError, ModelConfig
 from shardwise.models import ModelArgs, check_args
 from shardwise.models.presets import PRESETS
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
 
 _CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 # ModelArgs fields that are training choices, not the function the weights compute: the RoPE
@@ -165,3 +170,67 @@ def check_hf_config(hf: dict[str, Any], args: ModelArgs) -> None:
         if a != b:
             raise ConfigError(f"HF config gives model.{what}={a} but the model config gives {b}: set "
                               f"--model.{what}={a}, or drop --config to take the shape from config.json")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor names: ours -> HF's (the checkpoint converter streams tensors through these)
+
+_LAYER = {  # ours (under layers.<i>.) -> HF (under model.layers.<i>.)
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_QK_NORM = {"attention.q_norm.weight": "self_attn.q_norm.weight",
+            "attention.k_norm.weight": "self_attn.k_norm.weight"}
+_DENSE_FFN = {"feed_forward.w1.weight": "mlp.gate_proj.weight",
+              "feed_forward.w2.weight": "mlp.down_proj.weight",
+              "feed_forward.w3.weight": "mlp.up_proj.weight"}
+_ROUTER = {"feed_forward.router.gate.weight": "mlp.gate.weight"}
+_EXPERTS = {"feed_forward.experts.w1": "gate_proj", "feed_forward.experts.w3": "up_proj",
+            "feed_forward.experts.w2": "down_proj"}  # ours (E, in, out); HF experts.<e>.<name> (out, in)
+
+
+def to_rotate_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """q/k projection rows: interleaved RoPE pairs (ours) -> rotate-half halves (HF), per head."""
+    out_dim, in_dim = w.shape
+    return w.view(n_heads, out_dim // n_heads // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
+def from_rotate_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of :func:`to_rotate_half`."""
+    out_dim, in_dim = w.shape
+    return w.view(n_heads, 2, out_dim // n_heads // 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
+def hf_names(args: ModelArgs) -> dict[str, str]:
+    """Our parameter name -> the HF name, for every parameter that maps one to one (an MoE block's
+    experts map to one HF tensor per expert: :func:`expert_names`)."""
+    names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+    if not args.tie_embeddings:
+        names["output.weight"] = "lm_head.weight"
+    for i in range(args.n_layers):
+        layer = {**_LAYER, **(_QK_NORM if args.qk_norm else {}),
+                 **(_ROUTER if args.is_moe_layer(i) else _DENSE_FFN)}
+        names.update({f"layers.{i}.{ours}": f"model.layers.{i}.{hf}" for ours, hf in layer.items()})
+    return names
+
+
+def expert_names(args: ModelArgs) -> dict[str, list[str]]:
+    """Our (E, in, out) expert tensor -> its E HF per-expert matrices, in expert order."""
+    return {f"layers.{i}.{ours}": [f"model.layers.{i}.mlp.experts.{e}.{hf}.weight"
+                                   for e in range(args.n_experts)]
+            for i in range(args.n_layers) if args.is_moe_layer(i) for ours, hf in _EXPERTS.items()}
+
+
+def rope_rows(name: str, w: torch.Tensor, args: ModelArgs, permute: Callable) -> torch.Tensor:
+    """``permute`` (either direction) applied to the q/k projections and QK-norm weights."""
+    if name.endswith("wq.weight"):
+        return permute(w, args.n_heads)
+    if name.endswith("wk.weight"):
+        return permute(w, args.n_kv_heads)
+    if name.endswith(("q_norm.weight", "k_norm.weight")):  # one head's channels
+        return permute(w[:, None], 1)[:, 0]
+    return w

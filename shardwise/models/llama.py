@@ -1,9 +1,11 @@
 """Llama-3-style decoder: RMSNorm, RoPE (with Llama-3.1 frequency scaling), grouped-query attention
 through ``scaled_dot_product_attention`` (optionally masked per document), SwiGLU MLP.
 
-The model knows nothing of parallelism. It is built on the meta device, parallelized, moved with
-``to_empty()`` and then filled by :func:`init_weights`, which draws every parameter from a generator
-seeded by the run seed and the parameter's name: the same seed gives the same weights on any layout.
+The model runs no parallelism itself; it declares how the parallelisms split it (``model.plan``,
+``block.plan``: :mod:`shardwise.models.protocol`), which ``parallel/`` applies. It is built on the meta
+device, parallelized, moved with ``to_empty()`` and then filled by :func:`init_weights`, which draws
+every parameter from a generator seeded by the run seed and the parameter's name: the same seed gives
+the same weights on any layout.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from torch.overrides import TorchFunctionMode
 
 from shardwise.config.model_args import ModelArgs
 from shardwise.models.layers import FeedForward, RMSNorm
-from shardwise.models.moe import MoE
+from shardwise.models.moe import MoE, routing_not_counted
+from shardwise.models.protocol import BlockPlan, LinearGroup, ModelPlan
 from shardwise.ops.chunked_ce import chunked_linear_cross_entropy
 
 
@@ -124,6 +127,27 @@ class TransformerBlock(nn.Module):
         self.feed_forward: nn.Module = (MoE(args, **moe) if args.is_moe_layer(layer_id)
                                         else FeedForward(args.dim, args.ffn_hidden_dim))
 
+    @property
+    def plan(self) -> BlockPlan:
+        """Tensor parallel: attention (whole heads per rank) and a dense SwiGLU are column- then
+        row-parallel regions entered with a sequence all-gather; an MoE feed-forward stays on the
+        sequence shard (each rank routes its own tokens), FSDP shards it over every rank that routes
+        different tokens and expert parallel splits its experts. Context parallel rings the core."""
+        head_norms = ("attention.q_norm", "attention.k_norm") if self.attention.q_norm is not None else ()
+        # (x, rope, mask): the hidden states are gathered; RoPE table and mask are the same everywhere
+        groups = (LinearGroup("attention", ("wq", "wk", "wv"), ("wo",), inputs=3),)
+        common = dict(sequence_norms=("attention_norm", "ffn_norm"), head_norms=head_norms,
+                      attention_core="attention.core")
+        ffn = self.feed_forward
+        if not isinstance(ffn, MoE):
+            return BlockPlan((*groups, LinearGroup("feed_forward", ("w1", "w3"), ("w2",))), **common)
+        if ffn.shared_expert is not None:
+            groups += (LinearGroup("feed_forward.shared_expert", ("w1", "w3"), ("w2",), split=False),)
+        kept = {"feed_forward.router": "the MoE router stays in high precision (routing)",
+                "feed_forward.experts": "grouped experts: no float8 grouped GEMM here"}
+        return BlockPlan(groups, local=("feed_forward",), routed="feed_forward",
+                         experts="feed_forward.experts", high_precision=kept, **common)
+
     def forward(self, x: torch.Tensor, rope: torch.Tensor,
                 mask: torch.Tensor | None, cache: KVCache | None = None) -> torch.Tensor:
         a = self.attention_norm(x)
@@ -189,6 +213,9 @@ def document_mask(doc_ids: torch.Tensor, causal: torch.Tensor | None = None) -> 
 
 
 class Transformer(nn.Module):
+    plan = ModelPlan(embedding="tok_embeddings", norm="norm", head="output")
+    """Its ends, for pipeline stages and tensor parallel (:mod:`shardwise.models.protocol`)."""
+
     def __init__(self, args: ModelArgs, sequences_per_step: int = 1,
                  sequence_group: dist.ProcessGroup | None = None) -> None:
         """``sequences_per_step`` (global) and ``sequence_group`` (the ranks sharing a sequence)
@@ -247,6 +274,10 @@ class Transformer(nn.Module):
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)
         return self.output(h)  # (B, S, vocab); through the module so tensor parallel's hooks apply
+
+    def routing_not_counted(self) -> contextlib.AbstractContextManager:
+        """Forwards inside do not count towards the experts' token loads."""
+        return routing_not_counted(self)
 
     def _causal_mask(self, doc_ids: torch.Tensor) -> torch.Tensor:
         """The (S, S) lower-triangular mask, built once per length and device (not every step)."""

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
+from shardwise.models.protocol import blocks
+
 
 def apply_compile(model: nn.Module, enabled: bool) -> None:
     """Compile every block of ``model.layers`` in place (no-op when not ``enabled``: the resolved
@@ -23,9 +25,9 @@ def apply_compile(model: nn.Module, enabled: bool) -> None:
     # graph; the limit is raised so a model with several block kinds (dense and MoE, checkpointed
     # or not) never exhausts the recompiles and falls back to eager.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    for block in model.layers.values():  # type: ignore[union-attr]
+    for block in blocks(model):
         block.compile()
-    embed = getattr(model, "tok_embeddings", None)
+    embed = getattr(model, model.plan.embedding, None)
     if embed is not None:
         embed.register_forward_hook(_resolve_async_output)
 

@@ -38,6 +38,7 @@ from torch.distributed.tensor.experimental._context_parallel import (
 from torch.distributed.tensor.parallel import parallelize_module
 
 from shardwise.config.schema import ParallelConfig
+from shardwise.models.protocol import blocks
 
 aten = torch.ops.aten
 SEQ_DIM = 2  # q/k/v inside attention are (B, H, S, D)
@@ -48,8 +49,8 @@ def apply_cp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, seq_len: i
     which sequence positions this rank holds (``model.rope_positions``, used by ``init_weights``
     for the RoPE table)."""
     enable_ring_attention(cfg.cp_rotate_method)
-    for block in model.layers.values():  # type: ignore[union-attr]
-        parallelize_module(block.attention.core, mesh,
+    for block in blocks(model):
+        parallelize_module(block.get_submodule(block.plan.attention_core), mesh,
                            _ContextParallel(seq_dim=SEQ_DIM,
                                             attention_type=_ContextParallel.AttentionType.SDPA))
     model.rope_positions = local_positions(seq_len, mesh, cfg.cp_load_balance)

@@ -214,7 +214,7 @@ class ParallelDims:
         """
         if Mesh.MOE in self._flat:
             return {k: self._flat[k] for k in (Mesh.MOE, Mesh.EP, Mesh.EXPERTS) if k in self._flat}
-        shard = self.dp_shard * self.cp * self.tp
+        shard = self.degrees.moe_shard
         all_but_pp = self._flat[Mesh.DP_CP_TP]
         if self.dp_replicate > 1:
             self._flat[Mesh.MOE] = all_but_pp._unflatten(0, (self.dp_replicate, shard),

@@ -28,18 +28,19 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
-from shardwise.models.moe import GroupedExperts, moe_layers
+from shardwise.models.protocol import blocks
 
 
 class ExpertParallel:
-    """Shards a :class:`GroupedExperts` over a 1-D ``ep`` mesh and moves tokens to their experts."""
+    """Shards a block's grouped experts (``block.plan.experts``: every parameter's dim 0 is the expert,
+    ``forward(x, counts)``) over a 1-D ``ep`` mesh and moves tokens to their experts."""
 
     def __init__(self) -> None:
         self.perm: torch.Tensor | None = None
         self.send: list[int] = []
         self.recv: list[int] = []
 
-    def apply(self, experts: GroupedExperts, mesh: DeviceMesh) -> None:
+    def apply(self, experts: nn.Module, mesh: DeviceMesh) -> None:
         distribute_module(experts, mesh, self._partition, self._dispatch, self._combine)
 
     @staticmethod
@@ -71,6 +72,7 @@ class ExpertParallel:
 
 
 def apply_ep(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Shard every MoE block's experts over the 1-D ``ep`` mesh (before FSDP)."""
-    for moe in moe_layers(model):
-        ExpertParallel().apply(moe.experts, mesh)
+    """Shard every block's grouped experts over the 1-D ``ep`` mesh (before FSDP)."""
+    for block in blocks(model):
+        if block.plan.experts:
+            ExpertParallel().apply(block.get_submodule(block.plan.experts), mesh)

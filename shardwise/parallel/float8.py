@@ -5,10 +5,11 @@ cast to E4M3, output gradients to E5M2, each with a scale ``fp8_max / amax`` com
 *current* tensor every step (no amax history). This module decides what to convert and keeps the
 pieces consistent across layouts:
 
-- **What**: the attention (wq, wk, wv, wo) and MLP (w1, w2, w3, shared experts) linears of every
-  block, as whole groups, when all of a group's local GEMM dims are multiples of 16 (a
-  ``_scaled_mm`` requirement) and at least ``float8.min_dim``. The output head, the embedding, the
-  MoE router and the grouped experts stay in high precision.
+- **What**: the linear groups each block declares (``block.plan.groups``: for Llama, attention's
+  wq, wk, wv, wo and the MLP's or shared expert's w1, w2, w3), as whole groups, when all of a
+  group's local GEMM dims are multiples of 16 (a ``_scaled_mm`` requirement) and at least
+  ``float8.min_dim``. The output head, the embedding and what a block keeps in high precision
+  (``block.plan.high_precision``: the MoE router, the grouped experts) are left alone.
 - **Tensor / sequence parallel**: :func:`tp_styles` gives torchao's float8 TP styles, which cast
   the sequence-sharded input to float8 *before* the all-gather: the amax is reduced over the TP
   group first, so every rank uses one scale (and the all-gather moves half the bytes). On gloo,
@@ -39,14 +40,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 
 from shardwise.config.extras import require_extra
 from shardwise.config.schema import ConfigError, Float8Config
-
-# (column-parallel, row-parallel) linears of each convertible group: the GEMM dims that tensor
-# parallel divides are the column-parallel outputs and the row-parallel inputs.
-GROUPS = {
-    "attention": (("wq", "wk", "wv"), ("wo",)),
-    "feed_forward": (("w1", "w3"), ("w2",)),
-    "feed_forward.shared_expert": (("w1", "w3"), ("w2",)),
-}
+from shardwise.models.protocol import LinearGroup
 
 
 def _torchao() -> Any:
@@ -74,55 +68,53 @@ def is_float8(module: nn.Module) -> bool:
 def float8_groups(model: nn.Module, cfg: Float8Config, tp: int) -> list[str]:
     """Fully qualified names of the linear groups to convert, given the tensor-parallel degree
     (a group is converted whole: its TP styles cast the shared input once)."""
-    return float8_choice(model, cfg, tp)[0]
+    return list(float8_choice(model, cfg, tp)[0])
 
 
-def float8_choice(model: nn.Module, cfg: Float8Config, tp: int) -> tuple[list[str], dict[str, str]]:
-    """(groups to convert, {module or group left in high precision: why})."""
-    out, kept = [], {}
+def float8_choice(model: nn.Module, cfg: Float8Config, tp: int
+                  ) -> tuple[dict[str, LinearGroup], dict[str, str], list[str]]:
+    """({group to convert: its plan}, {module or group left in high precision: why}, the groups
+    refused for their dims, in order). The GEMM dims tensor parallel divides are the column-parallel
+    outputs and the row-parallel inputs."""
+    out, kept, refused = {}, {}, []
     for name, block in model.layers.items():  # type: ignore[union-attr]
-        for group, (col, row) in GROUPS.items():
-            try:
-                parent = block.get_submodule(group)
-            except AttributeError:
-                continue
-            linears = {n: getattr(parent, n, None) for n in (*col, *row)}
+        plan = block.plan
+        for group in plan.groups:
+            parent = block.get_submodule(group.region)
+            linears = {n: getattr(parent, n) for n in (*group.columns, *group.rows)}
             if not all(isinstance(m, nn.Linear) for m in linears.values()):
-                continue  # a MoE block's feed_forward, or a group already converted
-            # An MoE block is not split by TP (it runs on the sequence shard): full dims.
-            split = tp if group in ("attention", "feed_forward") else 1
+                continue  # (a plan naming something else: nothing float8 can convert)
+            split = tp if group.split else 1
             dims = []
             for n, m in linears.items():
                 out_f, in_f = m.out_features, m.in_features
-                dims += [(n, "out", out_f // split if n in col else out_f),
-                         (n, "in", in_f // split if n in row else in_f)]
+                dims += [(n, "out", out_f // split if n in group.columns else out_f),
+                         (n, "in", in_f // split if n in group.rows else in_f)]
             bad = [(n, side, d) for n, side, d in dims if d % 16 or d < cfg.min_dim]
+            fqn = f"layers.{name}.{group.region}"
             if not bad:
-                out.append(f"layers.{name}.{group}")
+                out[fqn] = group
             else:
                 n, side, d = min(bad, key=lambda b: b[2])
                 local = f" per tp rank (tp={tp})" if split > 1 else ""
-                kept[f"layers.{name}.{group}"] = (f"{n} has {d} {side}put features{local}: float8 needs "
-                                                  f"multiples of 16 and >= float8.min_dim={cfg.min_dim}")
-        ffn = getattr(block, "feed_forward", None)
-        if ffn is not None and hasattr(ffn, "router"):
-            kept[f"layers.{name}.feed_forward.router"] = "the MoE router stays in high precision (routing)"
-            kept[f"layers.{name}.feed_forward.experts"] = "grouped experts: no float8 grouped GEMM here"
-    if getattr(model, "output", None) is not None:
-        kept["output"] = "the output head stays in high precision (the loss is sensitive to it)"
-    return out, kept
+                kept[fqn] = (f"{n} has {d} {side}put features{local}: float8 needs multiples of 16 "
+                             f"and >= float8.min_dim={cfg.min_dim}")
+                refused.append(fqn)
+        kept.update({f"layers.{name}.{sub}": why for sub, why in plan.high_precision.items()})
+    if getattr(model, model.plan.head, None) is not None:
+        kept[model.plan.head] = "the output head stays in high precision (the loss is sensitive to it)"
+    return out, kept, refused
 
 
 def float8_summary(model: nn.Module, cfg: Float8Config, tp: int) -> str:
     """One line for the log: what float8.enabled converts and what it keeps in high precision and
     why; a one-line error when it would convert nothing."""
-    groups, kept = float8_choice(model, cfg, tp)
+    groups, kept, refused = float8_choice(model, cfg, tp)
     if not groups:
-        first, why = next(iter((k, v) for k, v in kept.items() if k.endswith(tuple(GROUPS))),
-                          ("", "the model has no attention or MLP linears"))
+        first, why = (refused[0], kept[refused[0]]) if refused else ("", "the model has no linear groups")
         raise ConfigError(f"float8.enabled=true converts no linear ({first}: {why}): lower float8.min_dim, "
                           "widen the model, or set float8.enabled=false")
-    linears = sum(len(GROUPS[g.split(".", 2)[2]][0]) + len(GROUPS[g.split(".", 2)[2]][1]) for g in groups)
+    linears = sum(len(g.columns) + len(g.rows) for g in groups.values())
     per_block = lambda name: re.sub(r"^layers\.\d+\.", "layers.<i>.", name)  # noqa: E731
     converted = Counter(per_block(g) for g in groups)
     left = Counter((per_block(k), why) for k, why in kept.items())

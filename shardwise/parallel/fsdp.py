@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from shardwise.config.schema import ParallelConfig
-from shardwise.models.moe import MoE
+from shardwise.models.protocol import blocks
 from shardwise.parallel.dims import Mesh
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -57,14 +57,15 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig,
 
     One FSDP group per block lets the next block's all-gather overlap this block's compute. The
     root keeps its parameters gathered after forward (backward needs the output head first).
-    An MoE block's feed-forward is its own group on ``moe_meshes["moe"]`` (all ranks that route
-    different tokens), with the experts in a group of their own on ``moe_meshes["experts"]`` under
-    expert parallel. With an FSDP mesh of one rank (:func:`one_unit`) the blocks are not wrapped:
-    the root holds them (an MoE feed-forward whose own mesh spans ranks stays a group).
+    A block's routed feed-forward (``block.plan.routed``: an MoE's) is its own group on
+    ``moe_meshes["moe"]`` (all ranks that route different tokens), with its experts in a group of
+    their own on ``moe_meshes["experts"]`` under expert parallel. With an FSDP mesh of one rank
+    (:func:`one_unit`) the blocks are not wrapped: the root holds them (a routed feed-forward whose
+    own mesh spans ranks stays a group).
     ``device_type``: the device the units are for when it is not the mesh's (the planner's fake
     world plans a GPU's units on a CPU mesh).
     """
-    layers = list(model.layers.values())  # type: ignore[union-attr]
+    layers = blocks(model)
     # A block's hidden-state input is already in the compute dtype (the root's embedding produced
     # it); casting its floating inputs would only round the fp32 RoPE table to bf16.
     block_mp = dataclasses.replace(mp_policy, cast_forward_inputs=False)
@@ -77,11 +78,12 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig,
         else:  # default: the last block's parameters are needed again first in backward, and
             # under PP every block's are, once per micro-batch: keep them gathered.
             reshard = i < len(layers) - 1 and cfg.pp == 1
-        if isinstance(block.feed_forward, MoE) and not (single and moe_meshes[Mesh.MOE].size() == 1):
+        plan = block.plan
+        if plan.routed and not (single and moe_meshes[Mesh.MOE].size() == 1):
             if Mesh.EXPERTS in (moe_meshes or {}):
-                fully_shard(block.feed_forward.experts, mesh=moe_meshes[Mesh.EXPERTS], mp_policy=block_mp,
-                            reshard_after_forward=reshard)
-            fully_shard(block.feed_forward, mesh=moe_meshes[Mesh.MOE], mp_policy=block_mp,
+                fully_shard(block.get_submodule(plan.experts), mesh=moe_meshes[Mesh.EXPERTS],
+                            mp_policy=block_mp, reshard_after_forward=reshard)
+            fully_shard(block.get_submodule(plan.routed), mesh=moe_meshes[Mesh.MOE], mp_policy=block_mp,
                         reshard_after_forward=reshard)
         if not single:
             fully_shard(block, mesh=mesh, mp_policy=block_mp, reshard_after_forward=reshard)

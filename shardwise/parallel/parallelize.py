@@ -14,7 +14,7 @@ from __future__ import annotations
 from torch import nn
 
 from shardwise.config.schema import Config
-from shardwise.models.moe import moe_layers
+from shardwise.models.protocol import has_experts
 from shardwise.parallel.ac import apply_ac
 from shardwise.parallel.compile import apply_compile
 from shardwise.parallel.context import apply_cp
@@ -37,7 +37,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, config: Config, compiled: 
         # The training sequence length fixes which positions each cp rank holds.
         apply_cp(model, dims.submesh(Mesh.CP), cfg, config.training.seq_len)
     moe_meshes = {}
-    if moe_layers(model):
+    if has_experts(model):
         moe_meshes = dims.moe_meshes()
         if dims.ep > 1:
             apply_ep(model, moe_meshes[Mesh.EP])

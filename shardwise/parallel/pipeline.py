@@ -39,7 +39,6 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardwise.models.moe import routing_not_counted
 from shardwise.parallel.tensor import full_value
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved1f1b": "ScheduleInterleaved1F1B",
@@ -90,7 +89,7 @@ def _stage_class() -> type:
         original = getattr(PipelineStage, name)
 
         def wrapper(self: PipelineStage, *args: object, **kwargs: object) -> object:
-            with routing_not_counted(self.submod):
+            with self.submod.routing_not_counted():
                 return original(self, *args, **kwargs)
         return wrapper
     names = [n for n in ("_shape_inference", "_forward_metadata_inference") if hasattr(PipelineStage, n)]
@@ -122,11 +121,12 @@ def split_stage(model: nn.Module, stages: int | list[int], n_stages: int) -> nn.
         part = copy.deepcopy(model)
     finally:
         model.layers = every
+    ends = model.plan
     if 0 not in stages:
-        part.tok_embeddings = None
+        setattr(part, ends.embedding, None)
     if n_stages - 1 not in stages:
-        part.norm = None
-        part.output = None
+        setattr(part, ends.norm, None)
+        setattr(part, ends.head, None)
     return part
 
 
@@ -143,17 +143,21 @@ class StageView(nn.Module):
     def __init__(self, part: nn.Module, stage: int, n_stages: int) -> None:
         super().__init__()
         self._part = [part]  # a list, so the part is not registered as a child
-        self.args = part.args
+        self.args, self.plan = part.args, part.plan
         layer_ids = stage_layers(part.args.n_layers, n_stages)[stage]
-        self.tok_embeddings = part.tok_embeddings if stage == 0 else None
+        ends = part.plan
+        setattr(self, ends.embedding, getattr(part, ends.embedding) if stage == 0 else None)
         self.layers = nn.ModuleDict({str(i): part.layers[str(i)] for i in layer_ids})
         last = stage == n_stages - 1
-        self.norm = part.norm if last else None
-        self.output = part.output if last else None
+        setattr(self, ends.norm, getattr(part, ends.norm) if last else None)
+        setattr(self, ends.head, getattr(part, ends.head) if last else None)
 
     @property
     def rope(self) -> torch.Tensor:  # the part's RoPE table (init_weights replaces it)
         return self._part[0].rope
+
+    def routing_not_counted(self) -> contextlib.AbstractContextManager:
+        return self._part[0].routing_not_counted()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return type(self._part[0]).forward(self, tokens)

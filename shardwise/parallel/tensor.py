@@ -1,4 +1,4 @@
-"""Tensor + sequence parallel for the Llama family, with loss parallel, on DTensor.
+"""Tensor + sequence parallel, with loss parallel, on DTensor, as each model's plan declares it.
 
 Megatron-style TP (Shoeybi et al., 2019) with sequence parallel (Korthikanti et al., 2022): the
 residual stream between blocks stays sharded along the sequence (``Shard(1)``), so norms run on
@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -32,7 +33,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from shardwise.config.schema import ParallelConfig
-from shardwise.models.moe import MoE
+from shardwise.models.protocol import blocks
 from shardwise.parallel.float8 import tp_styles
 
 
@@ -42,56 +43,50 @@ def full_value(t: torch.Tensor) -> torch.Tensor:
 
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> None:
-    """Shard ``model`` over the 1-D ``tp`` mesh in place (call before FSDP)."""
+    """Shard ``model`` over the 1-D ``tp`` mesh in place (call before FSDP), as its plans say
+    (``model.plan``, ``block.plan``: shardwise/models/protocol.py)."""
     if cfg.async_tp:
         enable_async_tp(mesh)
     float8_comm = dist.get_backend(mesh.get_group()) != "gloo"  # gloo has no float8 dtypes
+    ends = model.plan
     parallelize_module(model, mesh, {
         # Vocab-sharded lookup; the partial sums are reduce-scattered into sequence shards.
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1),
-                                  output_layouts=Shard(-1) if cfg.loss_parallel else Replicate(),
-                                  use_local_output=not cfg.loss_parallel),
+        ends.embedding: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        ends.norm: SequenceParallel(),
+        ends.head: ColwiseParallel(input_layouts=Shard(1),
+                                   output_layouts=Shard(-1) if cfg.loss_parallel else Replicate(),
+                                   use_local_output=not cfg.loss_parallel),
     })
-    for block in model.layers.values():  # type: ignore[union-attr]
-        if isinstance(block.feed_forward, MoE):
-            ffn_plan = {
-                # MoE blocks stay on the sequence shard: each tp rank routes its own S/tp tokens
-                # (no gather), and router and experts are not split over tp -- FSDP shards them over
-                # dp_shard x cp x tp instead and sums their gradients over all of those ranks. The
-                # output is the local shard, as the residual stream between blocks is.
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
-                                                   desired_input_layouts=(Shard(1),),
-                                                   use_local_output=True),
-            }
-        else:
-            col, row, prepare = tp_styles(block.feed_forward, "w1", float8_comm)
-            ffn_plan = {
-                "feed_forward": prepare(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "feed_forward.w1": col(),
-                "feed_forward.w2": row(output_layouts=Shard(1)),  # reduce-scatter over tp
-                "feed_forward.w3": col(),
-            }
-        col, row, prepare = tp_styles(block.attention, "wq", float8_comm)
-        parallelize_module(block, mesh, {
-            "attention_norm": SequenceParallel(),
-            # (x, rope, mask): gather x over the sequence (all-gather over tp); RoPE table and
-            # document mask are plain tensors, the same on every rank.
-            "attention": prepare(input_layouts=(Shard(1), None, None),
-                                 desired_input_layouts=(Replicate(), None, None)),
-            "attention.wq": col(),
-            "attention.wk": col(),
-            "attention.wv": col(),
-            "attention.wo": row(output_layouts=Shard(1)),  # reduce-scatter over tp
-            "ffn_norm": SequenceParallel(),
-            **ffn_plan,
-            # QK-norm runs on this rank's heads (dim 2 of (B, S, H/tp, D)): its weight is replicated
-            # and its gradient, a partial sum over the local heads, is summed over tp.
-            **({"attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-                "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)}
-               if block.attention.q_norm is not None else {}),
-        })
+    for block in blocks(model):
+        parallelize_module(block, mesh, block_tp_plan(block, float8_comm))
+
+
+def block_tp_plan(block: nn.Module, float8_comm: bool) -> dict[str, ParallelStyle]:
+    """torch's parallel styles for one block, from its :class:`~shardwise.models.protocol.BlockPlan`."""
+    plan = block.plan
+    styles: dict[str, ParallelStyle] = {norm: SequenceParallel() for norm in plan.sequence_norms}
+    for region in plan.local:
+        # Stays on the sequence shard: each tp rank processes its own S/tp tokens (no gather), its
+        # weights are not split over tp -- FSDP shards them over dp_shard x cp x tp instead and sums
+        # their gradients over all of those ranks. The output is the local shard, as the residual
+        # stream between blocks is.
+        styles[region] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                                            use_local_output=True)
+    for group in (g for g in plan.groups if g.split):
+        parent = block.get_submodule(group.region)
+        col, row, prepare = tp_styles(parent, group.columns[0], float8_comm)
+        # gather the hidden states over the sequence (all-gather over tp); the region's other
+        # inputs (RoPE table, document mask) are plain tensors, the same on every rank
+        rest = (None,) * (group.inputs - 1)
+        styles[group.region] = prepare(input_layouts=(Shard(1), *rest),
+                                       desired_input_layouts=(Replicate(), *rest))
+        styles.update({f"{group.region}.{n}": col() for n in group.columns})
+        # reduce-scatter over tp, back into sequence shards
+        styles.update({f"{group.region}.{n}": row(output_layouts=Shard(1)) for n in group.rows})
+    # Per-head norms run on this rank's heads (dim 2 of (B, S, H/tp, D)): the weight is replicated
+    # and its gradient, a partial sum over the local heads, is summed over tp.
+    styles.update({norm: SequenceParallel(sequence_dim=2, use_local_output=True) for norm in plan.head_norms})
+    return styles
 
 
 def enable_async_tp(mesh: DeviceMesh) -> None:

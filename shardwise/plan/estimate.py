@@ -13,7 +13,7 @@ from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import Layout
 from shardwise.plan.memory import RankMemory, step_memory
 from shardwise.plan.overlap import collective_time
-from shardwise.plan.states import RankStates, built_states, shape_states
+from shardwise.plan.states import ParamShapes, RankStates, built_states, shape_states
 from shardwise.resolve.run import ResolvedRun, resolve_run
 
 GiB = 2**30
@@ -67,14 +67,15 @@ class Estimate:
 
 
 def estimate(cfg: Config, world: int, hw: Hardware, exact: bool = True,
-             shapes: dict | None = None) -> Estimate:
+             shapes: ParamShapes | None = None) -> Estimate:
     """Estimate ``cfg`` on ``world`` ranks of ``hw``: the run resolved as the trainer resolves it
     (e.g. the pipeline's micro-batch when none is set), so what is estimated is what ``shardwise
     train`` would run; then :func:`estimate_run`."""
     return estimate_run(resolve_run(cfg, world, detect_device=False), hw, exact, shapes)
 
 
-def estimate_run(run: ResolvedRun, hw: Hardware, exact: bool = True, shapes: dict | None = None) -> Estimate:
+def estimate_run(run: ResolvedRun, hw: Hardware, exact: bool = True,
+                 shapes: ParamShapes | None = None) -> Estimate:
     """Memory, communication and step time of ``run`` on ``hw``. ``exact``: states from the real
     model built on the fake process group (else from shapes, for searching many layouts)."""
     states = built_states(run) if exact else shape_states(run, shapes)

@@ -32,7 +32,7 @@ from shardwise.plan.estimate import Estimate, GiB, estimate_run, shape_line
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import Layout
 from shardwise.plan.memory import memory_floor, step_memory
-from shardwise.plan.states import param_shapes, shape_states
+from shardwise.plan.states import ParamShapes, param_shapes, shape_states
 from shardwise.resolve.run import ResolvedRun, resolve_model
 
 AC_MODES = ("none", "selective", "selective_half", "full")
@@ -145,7 +145,7 @@ class _Found:
             self.over(*later.least)
 
 
-def _search(cfg: Config, gpus: int, hw: Hardware, capacity: float, shapes: dict,
+def _search(cfg: Config, gpus: int, hw: Hardware, capacity: float, shapes: ParamShapes,
             groups: list[list[Layout]]) -> _Found:
     """Check, bound and cost ``groups`` of layouts that differ only in their checkpointing mode.
     Within a group, less memory costs more recompute: the modes are tried from the least memory up

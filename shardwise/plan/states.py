@@ -246,62 +246,80 @@ def _read_states(model: nn.Module, cfg: Config, pp_rank: int) -> RankStates:
     for i in layers:
         units += [_moved(u, i) for u in per_layer.get(rep[i], [])]
     return RankStates(pp_rank, 4 * numel, 4 * numel, optimizer_bytes_per_element(cfg) * numel,
-                      tuple(units + after), tuple(layers), model.tok_embeddings is not None,
-                      getattr(model, "norm", None) is not None)
+                      tuple(units + after), tuple(layers), getattr(model, model.plan.embedding) is not None,
+                      getattr(model, model.plan.norm, None) is not None)
 
 
 # ---------------------------------------------------------------------------------------------
 # Fast: the same rules on shapes
-
-# Dim each tensor-parallel plan entry shards (shardwise/parallel/tensor.py): column-parallel
-# linears and the vocab-parallel embedding/head split dim 0, row-parallel linears dim 1. Norms are
-# replicated; an MoE block's feed-forward is not split over tp.
-_TP_DIM = {"wq": 0, "wk": 0, "wv": 0, "wo": 1, "w1": 0, "w3": 0, "w2": 1}
-
 
 def _chunk(n: int, k: int) -> int:
     """Rank 0's share of ``n`` split in ``k`` chunks the way torch.chunk does (the largest)."""
     return -(-n // k)
 
 
-def param_shapes(args: ModelArgs) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
-    """Parameter (name, shape) of one block of each kind and of the root modules, from the model
-    itself on meta (a one-block model per kind, so nothing is duplicated here)."""
-    out: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+@dataclass(frozen=True)
+class ParamShapes:
+    """Parameter (name, shape) of one block of each kind (``dense``, ``moe_block``) and of the root
+    modules (``embedding``, ``head``), with what the model's plans say of them: the dim tensor
+    parallel splits (block-relative names for block parameters) and the routed feed-forward and
+    experts of an MoE block."""
+
+    kinds: dict[str, list[tuple[str, tuple[int, ...]]]]
+    tp_dims: dict[str, int]
+    routed: str = ""
+    experts: str = ""
+
+    def __getitem__(self, kind: str) -> list[tuple[str, tuple[int, ...]]]:
+        return self.kinds[kind]
+
+
+def param_shapes(args: ModelArgs) -> ParamShapes:
+    """The parameters of one block of each kind and of the root modules, and their plans, from the
+    model itself on meta (a one-block model per kind, so nothing is duplicated here)."""
+    kinds: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
     dense = build_model(dataclasses.replace(args, n_layers=1, n_experts=0))
-    out["dense"] = [(n, tuple(p.shape)) for n, p in dense.layers["0"].named_parameters()]
+    models = {"dense": dense}
     if args.n_experts:
-        moe = build_model(dataclasses.replace(args, n_layers=1, n_dense_layers=0))
-        out["moe_block"] = [(n, tuple(p.shape)) for n, p in moe.layers["0"].named_parameters()]
-    out["embedding"] = [("tok_embeddings.weight", tuple(dense.tok_embeddings.weight.shape))]
-    out["head"] = [("norm.weight", tuple(dense.norm.weight.shape))]
-    if dense.output is not None:
-        out["head"].append(("output.weight", tuple(dense.output.weight.shape)))
-    return out
+        models["moe_block"] = build_model(dataclasses.replace(args, n_layers=1, n_dense_layers=0))
+    ends = dense.plan
+    # Column-parallel linears and the vocab-parallel embedding / head split dim 0, row-parallel
+    # linears dim 1; norms are replicated, and a region that is not split (an MoE feed-forward) too.
+    tp_dims = {f"{ends.embedding}.weight": 0, f"{ends.head}.weight": 0}
+    for kind, model in models.items():
+        block = model.layers["0"]
+        kinds[kind] = [(n, tuple(p.shape)) for n, p in block.named_parameters()]  # (block-relative)
+        for g in (g for g in block.plan.groups if g.split):
+            tp_dims.update({f"{g.region}.{n}.weight": 0 for n in g.columns})
+            tp_dims.update({f"{g.region}.{n}.weight": 1 for n in g.rows})
+    def of(name: str) -> list[tuple[str, tuple[int, ...]]]:  # a root module's, by full name
+        module = getattr(dense, name)
+        return [(n, tuple(p.shape)) for n, p in module.named_parameters(prefix=name)] if module else []
+
+    kinds["embedding"], kinds["head"] = of(ends.embedding), of(ends.norm) + of(ends.head)
+    moe = models.get("moe_block")
+    return ParamShapes(kinds, tp_dims, moe.layers["0"].plan.routed if moe else "",
+                       moe.layers["0"].plan.experts if moe else "")
 
 
-def _local_shape(name: str, shape: tuple[int, ...], degrees: Degrees, moe_ffn: bool) -> tuple[int, ...]:
+def _local_shape(name: str, shape: tuple[int, ...], degrees: Degrees, shapes: ParamShapes,
+                 moe_ffn: bool) -> tuple[int, ...]:
     """Shape after tensor and expert parallel (rank 0's chunk), before FSDP."""
     shape = list(shape)
-    leaf = name.rsplit(".", 2)
     if moe_ffn:
-        if ".experts." in f".{name}" and degrees.ep > 1:
+        if name.startswith(shapes.experts + ".") and degrees.ep > 1:
             shape[0] = _chunk(shape[0], degrees.ep)
-    elif degrees.tp > 1:
-        if name in ("tok_embeddings.weight", "output.weight"):
-            shape[0] = _chunk(shape[0], degrees.tp)
-        elif len(leaf) == 3 and leaf[2] == "weight" and leaf[1] in _TP_DIM:
-            d = _TP_DIM[leaf[1]]
-            shape[d] = _chunk(shape[d], degrees.tp)
+    elif degrees.tp > 1 and (d := shapes.tp_dims.get(name)) is not None:
+        shape[d] = _chunk(shape[d], degrees.tp)
     return tuple(shape)
 
 
-def _shard_numel(params: list[tuple[str, tuple[int, ...]]], degrees: Degrees, shard: int,
-                 moe_ffn: bool) -> tuple[int, int]:
+def _shard_numel(params: list[tuple[str, tuple[int, ...]]], degrees: Degrees, shapes: ParamShapes,
+                 shard: int, moe_ffn: bool) -> tuple[int, int]:
     """(rank 0's local elements, padded unsharded elements) of parameters FSDP shards together."""
     local = padded = 0
     for name, shape in params:
-        dims = _local_shape(name, shape, degrees, moe_ffn)
+        dims = _local_shape(name, shape, degrees, shapes, moe_ffn)
         rest = math.prod(dims[1:])
         local += _chunk(dims[0], shard) * rest
         padded += _chunk(dims[0], shard) * shard * rest
@@ -315,7 +333,7 @@ def planned_device(run: ResolvedRun) -> str:
     return device if device != "auto" else shardwise.config.device.device_type("auto")
 
 
-def shape_states(run: ResolvedRun, shapes: dict | None = None,
+def shape_states(run: ResolvedRun, shapes: ParamShapes | None = None,
                  pp_ranks: list[int] | None = None) -> list[RankStates]:
     """Per pipeline rank (``pp_ranks``, default all), the states and FSDP units
     :func:`built_states` would find, from shapes. ``shapes``: :func:`param_shapes` of the model,
@@ -332,7 +350,7 @@ def shape_states(run: ResolvedRun, shapes: dict | None = None,
     return out
 
 
-def _rank_states(run: ResolvedRun, shapes: dict, pp_rank: int, layers: list[int], has_emb: bool,
+def _rank_states(run: ResolvedRun, shapes: ParamShapes, pp_rank: int, layers: list[int], has_emb: bool,
                  has_head: bool) -> RankStates:
     """One pipeline rank: FSDP units in the order ``apply_fsdp`` makes them (per block: experts,
     MoE feed-forward, block; then the root or each stage view's root)."""
@@ -350,7 +368,7 @@ def _rank_states(run: ResolvedRun, shapes: dict, pp_rank: int, layers: list[int]
         nonlocal numel
         key = (tuple(params), shard, moe_ffn)
         if key not in sizes:
-            sizes[key] = _shard_numel(params, d, shard, moe_ffn)
+            sizes[key] = _shard_numel(params, d, shapes, shard, moe_ffn)
         local, padded = sizes[key]
         numel += local
         if params and single and group == Mesh.DP_SHARD_CP and layer is not None:  # (padded == local)
@@ -363,23 +381,22 @@ def _rank_states(run: ResolvedRun, shapes: dict, pp_rank: int, layers: list[int]
     for i in layers:
         # apply_fsdp: the last block of the rank stays gathered for backward; pipeline ranks keep all
         reshard = mode == "always" or (mode == "default" and i != layers[-1] and d.pp == 1)
-        kind = "moe_block" if args.is_moe_layer(i) else "dense"
-        block = [(n, sh) for n, sh in shapes[kind] if not n.startswith("feed_forward.")]
-        ffn = [(n, sh) for n, sh in shapes[kind] if n.startswith("feed_forward.")]
-        if kind == "moe_block":
-            experts = [(n, sh) for n, sh in ffn if n.startswith("feed_forward.experts.")]
-            rest = [(n, sh) for n, sh in ffn if not n.startswith("feed_forward.experts.")]
-            if single and moe_shard == 1:  # the root holds the MoE feed-forward too
-                block += ffn
-            else:
-                if d.ep > 1:
-                    unit(f"layers.{i}.feed_forward.experts", experts, moe_shard // d.ep, Mesh.EFSDP,
-                         reshard, i, moe_ffn=True)
-                    experts = []
-                unit(f"layers.{i}.feed_forward", rest + experts, moe_shard, Mesh.MOE, reshard, i,
-                     moe_ffn=True)
-        else:
+        if not args.is_moe_layer(i):
+            unit(f"layers.{i}", shapes["dense"], fsdp, Mesh.DP_SHARD_CP, reshard, i)
+            continue
+        routed, expert = shapes.routed + ".", shapes.experts + "."  # (the block plan's names)
+        block = [(n, sh) for n, sh in shapes["moe_block"] if not n.startswith(routed)]
+        ffn = [(n, sh) for n, sh in shapes["moe_block"] if n.startswith(routed)]
+        experts = [(n, sh) for n, sh in ffn if n.startswith(expert)]
+        rest = [(n, sh) for n, sh in ffn if not n.startswith(expert)]
+        if single and moe_shard == 1:  # the root holds the routed feed-forward too
             block += ffn
+        else:
+            if d.ep > 1:
+                unit(f"layers.{i}.{shapes.experts}", experts, moe_shard // d.ep, Mesh.EFSDP, reshard, i,
+                     moe_ffn=True)
+                experts = []
+            unit(f"layers.{i}.{shapes.routed}", rest + experts, moe_shard, Mesh.MOE, reshard, i, moe_ffn=True)
         unit(f"layers.{i}", block, fsdp, Mesh.DP_SHARD_CP, reshard, i)
     roots = [(shapes["embedding"] if has_emb else []) + (shapes["head"] if has_head else [])]
     if run.stages_per_rank > 1:  # each stage view is a root of its own

@@ -143,6 +143,15 @@ RESOLVES_MODELS = ("resolve", "checkpoint")
 record of one (checkpoint/). Everything else takes ``run.model`` or what those return."""
 
 
+def test_parallelisms_know_models_only_through_their_plans():
+    """``parallel/`` applies the plans a model declares (models/protocol.py) and imports nothing
+    else of ``models/``: a new family adds its modules and plans there, and nothing to ``parallel/``
+    (tests/unit/test_family_plan.py parallelizes a family written in the test)."""
+    found = sorted(f"{m} -> {t}" for m, targets in _graph().items() if _folder(m) == "parallel"
+                   for t in targets if _folder(t) == "models" and t != "shardwise.models.protocol")
+    assert found == []
+
+
 def test_models_are_resolved_in_one_place():
     """``model_args`` is called in resolution only -- not, as once, at 12 sites (8 in the planner)
     behind a memo cache -- and keeps no cache (two calls build two values)."""
