@@ -127,6 +127,20 @@ def cmd_verify(args: argparse.Namespace, overrides: list[str]) -> int:
                        args.moe_routing) else 1
 
 
+def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:
+    from pathlib import Path
+
+    from shardwise.observe.trace import compare
+
+    if extra:
+        raise ConfigError(f"compare takes two trace files and --rtol only, got {' '.join(extra)}")
+    if args.rtol < 0:
+        raise ConfigError(f"--rtol {args.rtol} must be >= 0 (0: bitwise)")
+    same, report = compare(Path(args.a), Path(args.b), args.rtol)
+    print(report)
+    return 0 if same else 1
+
+
 def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
     from pathlib import Path
 
@@ -333,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_verify(args, rest)
         if args.command == "report":
             return cmd_report(args, rest)
+        if args.command == "compare":
+            return cmd_compare(args, rest)
         if args.command == "convert":
             return cmd_convert(args, rest)
         if args.command == "prepare":

@@ -33,6 +33,8 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "calibrate": ("shardwise calibrate --quick",),
     "verify": ("shardwise verify --config configs/debug.toml --nproc 4",
               "shardwise verify --config configs/debug.toml --layouts dp_shard=2 tp=2 --steps 10"),
+    "compare": ("shardwise compare runs/a.trace runs/b.trace",
+                "shardwise compare runs/a.trace runs/b.trace --rtol 1e-6"),
     "generate": ("shardwise generate --checkpoint runs/debug --prompt 'In the beginning'",
                  "shardwise generate --hf hf-out --prompt 'In the beginning' --temperature 0.8"),
     "eval": ("shardwise eval --checkpoint runs/debug",
@@ -150,7 +152,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                + "\n".join(f"  {EXAMPLES[name][0]}" for name in EXAMPLES))
     sub = parser.add_subparsers(dest="command", required=True)
     for make in (train_parser, prepare_parser, plan_parser, estimate_parser, calibrate_parser, verify_parser,
-                 generate_parser, eval_parser, convert_parser, report_parser):
+                 compare_parser, generate_parser, eval_parser, convert_parser, report_parser):
         make(sub)
     parser.add_argument("--version", action="version", version=version())
     return parser, sub.choices
@@ -257,6 +259,18 @@ def verify_parser(sub: argparse._SubParsersAction) -> None:
                    help="MoE models: each layout replays the reference's expert choices per token and "
                         "reports where its own router differs (default), or routes freely (a near-tie "
                         "broken the other way then fails the layout)")
+
+
+def compare_parser(sub: argparse._SubParsersAction) -> None:
+    p = command(sub, "compare", "where two run traces first differ",
+                "Compare two traces written by train --debug.trace FILE (every rank's file): "
+                "say they are bitwise equal, or name the first step and module output (or "
+                "gradient) where they differ, with both norms and the last signature that "
+                "agreed. Exit 0 when they agree, 1 when they differ.")
+    p.add_argument("a", help="a trace file (rank 0's; the FILE.rankN files beside it are compared too)")
+    p.add_argument("b", help="the trace to compare it with")
+    p.add_argument("--rtol", type=float, default=0.0,
+                   help="differ only where a norm differs by more than this, relative (0: any bit)")
 
 
 def report_parser(sub: argparse._SubParsersAction) -> None:

@@ -41,7 +41,8 @@ def gpu_peak_name(device_name: str) -> str | None:
     return None
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or what the platform says."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -104,7 +105,7 @@ def peak_tflops(device: torch.device, mixed_precision: str, override: float = 0.
             return GPU_PEAKS[row][mixed_precision], f"{row} data sheet"
         label = f"cuda|{name}"
     else:
-        label = f"cpu|{_cpu_name()}|threads={torch.get_num_threads()}"
+        label = f"cpu|{cpu_name()}|threads={torch.get_num_threads()}"
     # (method=2: both product layouts; figures cached before it measured one, too low on some CPUs)
     key = f"{label}|{mixed_precision}|torch={torch.__version__}|method=2"
     path = Path(cache_dir).expanduser() / "peak_tflops.json"

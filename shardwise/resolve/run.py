@@ -140,6 +140,11 @@ def compile_run(cfg: Config, dims: _Degrees, device_type: str, toolchain: bool =
     is refused in one line (inductor would fail at the first step); ``auto`` compiles long runs on
     the tested layouts. ``toolchain=False`` (the planner, planning other machines) skips that check."""
     want = cfg.compile.enabled
+    if cfg.debug.trace and want is not False:  # (its hooks on every module would enter the graphs)
+        if want is True:
+            raise ConfigError("debug.trace hooks every module's output, eager only: set "
+                              "compile.enabled=false (or auto) to trace")
+        return False, "compile.enabled=auto: eager, debug.trace hooks every module"
     missing = shardwise.config.device.compile_toolchain(device_type) if toolchain and want else None
     if want is True and missing:
         raise ConfigError(f"compile.enabled=true needs {missing} to build its {device_type} kernels: "

@@ -18,6 +18,7 @@ from shardwise.models import ModelArgs
 from shardwise.models.llama import build_model
 from shardwise.models.presets import FAMILY_TOKENIZERS, vocab_beyond_padding
 from shardwise.observe.routing import read_meta
+from shardwise.observe.trace import rank_path
 from shardwise.parallel.float8 import float8_summary
 from shardwise.resolve.checks import notice
 from shardwise.resolve.run import ResolvedRun, resolve_run
@@ -53,6 +54,13 @@ def preflight(cfg: Config, world_size: int) -> ResolvedRun:
                           "--run.dir") from None
     check_run_dir(cfg, run_dir, args)
     check_routing(cfg, world_size, args)
+    # Before any rank starts (inside ranks, each creates its own file exclusively: a rank's check
+    # here could see another's new file)
+    if cfg.debug.trace and launched_world_size() is None:
+        taken = [str(p) for r in range(world_size) if (p := rank_path(Path(cfg.debug.trace), r)).exists()]
+        if taken:
+            raise ConfigError(f"debug.trace: '{taken[0]}' exists and a trace never replaces one: name "
+                              "another file")
     return run
 
 

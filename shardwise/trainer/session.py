@@ -30,10 +30,11 @@ from shardwise.observe.comm import trace_step
 from shardwise.observe.flops import batch_pairs, executed_flops, flops_per_token, num_params
 from shardwise.observe.memory import GiB, current_memory_gib, peak_memory_gib, peak_reserved_gib, track_peak
 from shardwise.observe.metrics import MetricsLogger, Throughput, per_rank
-from shardwise.observe.peak import peak_tflops
+from shardwise.observe.peak import cpu_name, peak_tflops
 from shardwise.observe.plot import plot_loss
 from shardwise.observe.profile import StepProfiler
 from shardwise.observe.routing import RoutingTrace, routing_trace
+from shardwise.observe.trace import RunTrace
 from shardwise.optim.adamw import build_optimizer
 from shardwise.optim.lr import build_lr_scheduler
 from shardwise.parallel.context import shard_sequences
@@ -66,6 +67,8 @@ class Session:
     stop: StopRequest
     profiler: StepProfiler
     routing: RoutingTrace | None
+    trace: RunTrace | None
+    """debug.trace: this rank's signatures of every module output and gradient, per step."""
     float8_scales: bool
     """FSDP all-gathers float8 weights: their scales are precomputed after each optimizer step."""
     start: int
@@ -76,7 +79,8 @@ class Session:
     """Steps whose update was dropped for a non-finite gradient norm."""
 
     def observe(self, step: int, batches: list[Batch]) -> contextlib.ExitStack:
-        """Around one step: debug.memory / debug.comm at debug.trace_step, MoE routing traces."""
+        """Around one step: debug.memory / debug.comm at debug.trace_step, MoE routing traces,
+        debug.trace's signatures."""
         cfg, env = self.run.cfg, self.env
         traced = step == max(cfg.debug.trace_step, self.start + 1)
         stack = contextlib.ExitStack()
@@ -88,6 +92,8 @@ class Session:
                                        track_modules=self.run.dims.pp == 1))
         if self.routing:
             stack.enter_context(self.routing.around_step(step, batches))
+        if self.trace:
+            stack.enter_context(self.trace.around_step(step))
         return stack
 
     def step_flops(self, batches: list[Batch]) -> float | torch.Tensor:
@@ -151,6 +157,8 @@ class Session:
         self.stop.restore()
         if self.routing:
             self.routing.close()
+        if self.trace:
+            self.trace.close()
         self.logger.close()
         if self.env.rank == 0 and cfg.metrics.plot and (self.run_dir / "metrics.jsonl").stat().st_size:
             plot_loss(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png",
@@ -173,6 +181,11 @@ def open_session(run: ResolvedRun, env: DistEnv, run_dir: Path, ckpt_group: dist
     optimizer = build_optimizer(model, cfg.optimizer, env.device.type)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     routing = build_routing_trace(run, model, run_dir, env.rank)
+    trace = None
+    if cfg.debug.trace:
+        trace = RunTrace(Path(cfg.debug.trace), model, optimizer, env.rank,
+                         {"world": env.world_size, "layout": str(run), "cpu": cpu_name(),
+                          "torch": torch.__version__})
     ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", cfg.checkpoint, manifest_info(run), ckpt_group)
     stop = StopRequest(stop_group)  # SIGTERM/SIGINT: finish the step, save, exit 0
     start = resume(cfg, run_dir, model, optimizer, scheduler, loader)
@@ -194,7 +207,7 @@ def open_session(run: ResolvedRun, env: DistEnv, run_dir: Path, ckpt_group: dist
         logger.message(logger.notice)
     return Session(run, env, run_dir, model, pipe, loss, optimizer, scheduler, loader, shard, ckpt,
                    Evaluator(run, corpus, loss, env.device, pipe, shard), logger, throughput, stop,
-                   StepProfiler(cfg.profile, run_dir, env.rank, env.device, start + 1), routing,
+                   StepProfiler(cfg.profile, run_dir, env.rank, env.device, start + 1), routing, trace,
                    gathers_float8(model, cfg.float8), start, started)
 
 

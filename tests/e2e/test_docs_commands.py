@@ -94,6 +94,7 @@ _PLAN_DEBUG = "shardwise plan --model debug --nproc 2 --hardware h100 --out plan
 _SFT = ("tests/e2e/test_journeys.py::"
         "test_chat_fine_tuning_from_an_hf_folder_to_a_model_transformers_chats_with")
 _EVAL = "tests/e2e/test_eval.py::test_eval_scores_a_checkpoint_as_training_does"
+_TRACE = "tests/e2e/test_trace.py::test_two_runs_are_bitwise_equal_and_compare_finds_a_planted_change"
 _SMOKE = ("shardwise train --config configs/debug.toml --training.steps 2 --run.dir runs/smoke "
           "--eval.interval 0")
 
@@ -150,6 +151,14 @@ HOW: dict[str, Check] = {
         _DEBUG_RUN, "mv runs/debug/checkpoints/step-2 runs/debug/checkpoints/step-100",
         "shardwise convert --to-hf runs/debug/checkpoints/step-100 --out hf/ --dtype bf16",
         "shardwise convert --from-hf hf/ --out init/step-0"))),
+    # docs/parallelism.md: traces
+    "shardwise train --config configs/debug.toml --debug.deterministic true --debug.trace runs/a.trace "
+    "--run.dir runs/a": covered(_TRACE),
+    "shardwise train --config configs/debug.toml --debug.deterministic true --debug.trace runs/b.trace "
+    "--run.dir runs/b": covered(_TRACE),
+    "shardwise compare runs/a.trace runs/b.trace": covered(_TRACE, Check(setup=tuple(
+        f"shardwise train --config configs/debug.toml --debug.deterministic true "
+        f"--debug.trace runs/{x}.trace --run.dir runs/{x} {TRAIN} --eval.interval 0" for x in "ab"))),
     # docs/observability.md
     "shardwise report runs/debug": covered("tests/distributed/test_report.py::test_report_of_two_real_runs",
                                            Check(setup=(_DEBUG_RUN,))),

@@ -8,6 +8,8 @@ exactly one thing, so the test can show that its tolerance catches that fault:
   own gradient shard (a reduction lost on the way);
 - ``double_grads``: every gradient is scaled by 2 before clipping (a normalization off by 2);
 - ``drop_optimizer_state``: a loaded checkpoint's optimizer state is thrown away (Adam restarts);
+- ``perturb_ffn_step3``: block 1's feed-forward adds 1e-3 to its output in its third training
+  forward (step 3 with one micro-batch): a one-step change for ``shardwise compare`` to find;
 - ``near_tie_router`` (not a fault of the code: a hard input): at init, every MoE router's expert 1
   gets expert 0's gate row plus a perturbation of ~1e-7, so which of the two a token prefers is
   decided by rounding -- a layout that sums in another order breaks such ties the other way.
@@ -73,6 +75,28 @@ def _install(fault: str) -> None:
                         w[1] = w[0] + 1e-7 * w[0].abs().mean() * torch.randn(w.shape[1], generator=g)
 
         build.init_weights = init_weights
+    elif fault == "perturb_ffn_step3":
+        import torch
+
+        import shardwise.models.layers as layers
+        import shardwise.trainer.build as build
+
+        real_build, real_forward = build.build_model, layers.FeedForward.forward
+
+        def build_model(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            model = real_build(*args, **kwargs)
+            model.layers["1"].feed_forward.perturb_calls = 0  # the one module this fault changes
+            return model
+
+        def forward(self, x):  # noqa: ANN001, ANN202
+            out = real_forward(self, x)
+            if hasattr(self, "perturb_calls") and torch.is_grad_enabled():
+                self.perturb_calls += 1
+                if self.perturb_calls == 3:  # its third training forward: step 3 (one micro-batch)
+                    out = out + 1e-3
+            return out
+
+        build.build_model, layers.FeedForward.forward = build_model, forward
     else:
         raise SystemExit(f"SHARDWISE_TEST_FAULT={fault!r} is not a fault tests/faults/sitecustomize.py knows")
 
