@@ -51,17 +51,34 @@ def cpu_has_native_bf16() -> bool:
         out = subprocess.run(["sysctl", "-n", "hw.optional.arm.FEAT_BF16"], capture_output=True,
                              text=True, check=False).stdout.strip()
         return out == "1"
-    try:
-        text = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    flags = set()
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            flags.update(line.split(":", 1)[1].split())
+    flags = _cpu_flags()
     if platform.machine() in ("aarch64", "arm64"):
         return "bf16" in flags
     return bool(flags & {"amx_bf16", "avx512_bf16"})
+
+
+def cpu_kind() -> str:
+    """The x86 vector extensions that decide this CPU's kernels (and their rounding): ``AMX``,
+    ``AVX-512``, ``AVX2``; else the machine's name (``arm64``, ...)."""
+    import platform
+
+    flags = _cpu_flags()
+    for kind, flag in (("AMX", "amx_bf16"), ("AVX-512", "avx512f"), ("AVX2", "avx2")):
+        if flag in flags:
+            return kind
+    return platform.machine()
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return set()
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags.update(line.split(":", 1)[1].split())
+    return flags
 
 
 def device_type(requested: str) -> str:
