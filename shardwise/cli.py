@@ -124,7 +124,7 @@ def cmd_verify(args: argparse.Namespace, overrides: list[str]) -> int:
     from shardwise.launch.verify import verify
 
     return 0 if verify(base, args.config, overrides, layouts, args.steps, Path(args.out),
-                       args.moe_routing) else 1
+                       args.moe_routing, args.localize) else 1
 
 
 def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:

@@ -255,6 +255,9 @@ def verify_parser(sub: argparse._SubParsersAction) -> None:
                         "degrees is its number of ranks)")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps of every run")
     p.add_argument("--out", default="runs/verify", help="where runs, logs and the plot go")
+    p.add_argument("--localize", action="store_true",
+                   help="name where each layout first departs from the reference (module output or "
+                        "gradient of step 1), not only the failing ones")
     p.add_argument("--moe-routing", default="replay", choices=["replay", "free"],
                    help="MoE models: each layout replays the reference's expert choices per token and "
                         "reports where its own router differs (default), or routes freely (a near-tie "

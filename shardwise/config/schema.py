@@ -335,6 +335,9 @@ class DebugConfig:
     """MoE, one rank: write each layer's expert choices per token to run.dir/routing/ (verify)."""
     routing_replay: str = ""
     """MoE: route tokens as this run.dir's routing_record trace did, count own choices that differ."""
+    capture: str = ""
+    """Save step debug.trace_step's module outputs (residual-shaped) and full gradients to this
+    directory, one file per rank (``verify --localize`` compares them with the reference's)."""
     trace: str = ""
     """Write each step's signature of every module output and gradient (norm, hash of the bytes) to
     this file, per rank (``shardwise compare A B`` names where two traces first differ); "" = off."""

@@ -23,8 +23,10 @@ import torch
 
 from shardwise.checkpoint import read_model_tensors
 from shardwise.config.schema import Config, ConfigError
+from shardwise.observe.capture import format_localized, localize
 from shardwise.observe.metrics import read_metrics
 from shardwise.observe.routing import replay_report
+from shardwise.parallel.dims import Mesh
 from shardwise.resolve.layouts import parse_layout
 
 
@@ -95,10 +97,11 @@ def update_error(p: dict[str, torch.Tensor], p_ref: dict[str, torch.Tensor],
 
 
 def verify(base: Config, config: str | None, overrides: list[str], layouts: list[str], steps: int,
-           out: Path, moe_routing: str = "replay") -> bool:
+           out: Path, moe_routing: str = "replay", localize_all: bool = False) -> bool:
     """Run the reference and every layout; print the table; return True if all pass. ``base``: the
     config (``config`` with ``overrides``) of the reference run, loaded and checked by the caller.
-    ``moe_routing``: replay the reference's expert choices in MoE layouts, or route freely."""
+    ``moe_routing``: replay the reference's expert choices in MoE layouts, or route freely. Each
+    failing layout (``localize_all``: every layout) is then localized (:func:`localize_layouts`)."""
     tol = TOLERANCES[base.training.mixed_precision]
     parsed = [(name, *parse_layout(name)) for name in layouts]  # bad layouts fail before any run
     out.mkdir(parents=True, exist_ok=True)
@@ -144,7 +147,45 @@ def verify(base: Config, config: str | None, overrides: list[str], layouts: list
     print(format_table(results, tol, base.training.mixed_precision))
     plot_overlay(curves, out / "loss_overlay.png")
     print(f"\noverlay plot: {out / 'loss_overlay.png'}; logs and runs under {out}")
+    chosen = [(*p, not r.passed) for p, r in zip(parsed, results, strict=True)
+              if localize_all or not (r.passed or r.error)]
+    if chosen:
+        replay = [f"--debug.routing_replay={ref_dir}"] if moe else []
+        localize_layouts([*common, *replay], seed, chosen, out / "localize", base.training.mixed_precision)
     return all(r.passed for r in results)
+
+
+def localize_layouts(common: list[str], seed: Path, layouts: list[tuple[str, list[str], int, bool]],
+                     out: Path, precision: str) -> None:
+    """Re-run the first step from ``seed`` on one rank and on each layout, capturing every module
+    output and gradient (``debug.capture``), and print where each layout first departs."""
+    one_step = ["--training.steps=1", "--debug.trace_step=1", "--activation_checkpoint.mode=none",
+                "--compile.enabled=false", "--checkpoint.final=false", f"--checkpoint.path={seed}"]
+    print(f"\nlocalizing: step 1 from the seed, every module output and gradient ({precision})", flush=True)
+    ref = out / "capture" / "reference"
+    out.mkdir(parents=True, exist_ok=True)
+    err = _train([*common, *one_step, f"--run.dir={out / 'reference'}", f"--debug.capture={ref}",
+                  *parse_layout("")[0]], 1, out / "reference.log")
+    if err:
+        raise ConfigError(f"the localizing reference run failed: {err} (log: {out / 'reference.log'})")
+    for name, layout_args, world, failed in layouts:
+        run_dir = out / run_dirname(name)
+        captured = out / "capture" / run_dir.name
+        err = _train([*common, *one_step, f"--run.dir={run_dir}", f"--debug.capture={captured}",
+                      *layout_args], world, out / f"{run_dir.name}.log")
+        if err:
+            print(f"{name}: its localizing run failed: {err}")
+            continue
+        found, worst = localize(ref, captured, precision, _residual_split(name))
+        print(format_localized(name, found, worst, precision, failed))
+
+
+def _residual_split(layout: str) -> str:
+    """The mesh dims of ``layout`` that split the residual stream: batch, sequence, stage."""
+    what = {Mesh.DP_REPLICATE: "batch", Mesh.DP_SHARD: "batch", Mesh.CP: "sequence", Mesh.TP: "sequence",
+            Mesh.PP: "stage"}
+    degrees = dict(item.partition("=")[::2] for item in layout.split(",") if "=" in item)
+    return ", ".join(f"{k} ({w})" for k, w in what.items() if int(degrees.get(k, "1") or 1) > 1)
 
 
 def format_table(results: list[Result], tol: Tolerance, precision: str) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -238,6 +239,7 @@ class Transformer(nn.Module):
         # sequence; init_weights then keeps only those rows of the RoPE table.
         self.rope_positions: torch.Tensor | None = None
         self._causal_cache: dict[tuple, torch.Tensor] = {}
+        self.placeholder = False  # (true inside placeholder_forward)
 
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, labels: torch.Tensor | None = None,
@@ -275,9 +277,16 @@ class Transformer(nn.Module):
             return F.linear(h, self.tok_embeddings.weight)
         return self.output(h)  # (B, S, vocab); through the module so tensor parallel's hooks apply
 
-    def routing_not_counted(self) -> contextlib.AbstractContextManager:
-        """Forwards inside do not count towards the experts' token loads."""
-        return routing_not_counted(self)
+    @contextlib.contextmanager
+    def placeholder_forward(self) -> Iterator[None]:
+        """Forwards on placeholder inputs (a pipeline's shape inference): not counted towards the
+        experts' token loads; ``self.placeholder`` is true meanwhile."""
+        self.placeholder = True
+        try:
+            with routing_not_counted(self):
+                yield
+        finally:
+            self.placeholder = False
 
     def _causal_mask(self, doc_ids: torch.Tensor) -> torch.Tensor:
         """The (S, S) lower-triangular mask, built once per length and device (not every step)."""

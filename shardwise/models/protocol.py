@@ -9,8 +9,9 @@ A model built by :func:`shardwise.models.llama.build_model` has:
   ``model.rope`` table;
 - ``model.plan``: a :class:`ModelPlan`, the model's ends;
 - ``block.plan`` on each block: a :class:`BlockPlan`;
-- ``model.routing_not_counted()``: a context in which forwards do not count towards the experts'
-  token loads (the pipeline's shape inference runs one).
+- ``model.placeholder_forward()``: a context for forwards on placeholder inputs (the pipeline's
+  shape inference): they count in no statistic (the experts' token loads) and ``model.placeholder``
+  is true meanwhile (captures skip them).
 
 Names are submodule paths relative to the block (or the model, for the ends). Torch-free.
 """

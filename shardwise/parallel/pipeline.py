@@ -79,7 +79,8 @@ def rank_stages(rank: int, pp: int, schedule: str, interleaved: int = 2) -> list
 
 @functools.cache
 def _stage_class() -> type:
-    """torch's PipelineStage, made not to count its shape inference as MoE routing: before the
+    """torch's PipelineStage, made to run its shape inference as a placeholder forward (the model
+    counts it in no statistic -- MoE routing loads -- and no capture): before the
     first step torch runs the stage once on placeholder tensors to learn the shapes it exchanges
     (``_shape_inference`` in torch 2.11, ``_forward_metadata_inference`` in 2.13); an MoE block
     would otherwise count those tokens into its expert loads."""
@@ -89,7 +90,7 @@ def _stage_class() -> type:
         original = getattr(PipelineStage, name)
 
         def wrapper(self: PipelineStage, *args: object, **kwargs: object) -> object:
-            with self.submod.routing_not_counted():
+            with self.submod.placeholder_forward():
                 return original(self, *args, **kwargs)
         return wrapper
     names = [n for n in ("_shape_inference", "_forward_metadata_inference") if hasattr(PipelineStage, n)]
@@ -156,8 +157,8 @@ class StageView(nn.Module):
     def rope(self) -> torch.Tensor:  # the part's RoPE table (init_weights replaces it)
         return self._part[0].rope
 
-    def routing_not_counted(self) -> contextlib.AbstractContextManager:
-        return self._part[0].routing_not_counted()
+    def placeholder_forward(self) -> contextlib.AbstractContextManager:
+        return self._part[0].placeholder_forward()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return type(self._part[0]).forward(self, tokens)

@@ -26,6 +26,7 @@ from shardwise.data.dataset import Batch, Corpus, PackedLoader, check_vocab, ope
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.launch import rundir
 from shardwise.launch.resilience import NonFiniteError, StopRequest, nonfinite_message
+from shardwise.observe.capture import StepCapture
 from shardwise.observe.comm import trace_step
 from shardwise.observe.flops import batch_pairs, executed_flops, flops_per_token, num_params
 from shardwise.observe.memory import GiB, current_memory_gib, peak_memory_gib, peak_reserved_gib, track_peak
@@ -68,6 +69,8 @@ class Session:
     profiler: StepProfiler
     routing: RoutingTrace | None
     trace: RunTrace | None
+    capture: StepCapture | None
+    """debug.capture: this rank's full module outputs and gradients of step debug.trace_step."""
     """debug.trace: this rank's signatures of every module output and gradient, per step."""
     float8_scales: bool
     """FSDP all-gathers float8 weights: their scales are precomputed after each optimizer step."""
@@ -94,6 +97,8 @@ class Session:
             stack.enter_context(self.routing.around_step(step, batches))
         if self.trace:
             stack.enter_context(self.trace.around_step(step))
+        if self.capture and traced:
+            stack.enter_context(self.capture.around_step(batches))
         return stack
 
     def step_flops(self, batches: list[Batch]) -> float | torch.Tensor:
@@ -159,6 +164,8 @@ class Session:
             self.routing.close()
         if self.trace:
             self.trace.close()
+        if self.capture:
+            self.capture.close()
         self.logger.close()
         if self.env.rank == 0 and cfg.metrics.plot and (self.run_dir / "metrics.jsonl").stat().st_size:
             plot_loss(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png",
@@ -186,6 +193,10 @@ def open_session(run: ResolvedRun, env: DistEnv, run_dir: Path, ckpt_group: dist
         trace = RunTrace(Path(cfg.debug.trace), model, optimizer, env.rank,
                          {"world": env.world_size, "layout": str(run), "cpu": cpu_name(),
                           "torch": torch.__version__})
+    capture = None
+    if cfg.debug.capture:
+        capture = StepCapture(Path(cfg.debug.capture), model, optimizer, run.dims, cfg.training.seq_len,
+                              run.model.dim, cfg.parallel.cp_load_balance, env.rank)
     ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", cfg.checkpoint, manifest_info(run), ckpt_group)
     stop = StopRequest(stop_group)  # SIGTERM/SIGINT: finish the step, save, exit 0
     start = resume(cfg, run_dir, model, optimizer, scheduler, loader)
@@ -208,7 +219,7 @@ def open_session(run: ResolvedRun, env: DistEnv, run_dir: Path, ckpt_group: dist
     return Session(run, env, run_dir, model, pipe, loss, optimizer, scheduler, loader, shard, ckpt,
                    Evaluator(run, corpus, loss, env.device, pipe, shard), logger, throughput, stop,
                    StepProfiler(cfg.profile, run_dir, env.rank, env.device, start + 1), routing, trace,
-                   gathers_float8(model, cfg.float8), start, started)
+                   capture, gathers_float8(model, cfg.float8), start, started)
 
 
 def export_hf_folder(checkpoint_dir: Path, hf_dir: Path) -> str:

@@ -8,6 +8,10 @@ exactly one thing, so the test can show that its tolerance catches that fault:
   own gradient shard (a reduction lost on the way);
 - ``double_grads``: every gradient is scaled by 2 before clipping (a normalization off by 2);
 - ``drop_optimizer_state``: a loaded checkpoint's optimizer state is thrown away (Adam restarts);
+- ``tp_forget_reduction``: block 1's feed-forward output projection under tensor parallel returns
+  this rank's partial sums, never reduced (a TP plan that forgets a reduction);
+- ``fsdp_unit_grad_scale``: block 1's FSDP unit reduces its gradients scaled by 2 (over 2+ ranks);
+- ``pp_wrong_microbatch``: the first pipeline stage is fed micro-batch m+1's tokens as micro-batch m;
 - ``perturb_ffn_step3``: block 1's feed-forward adds 1e-3 to its output in its third training
   forward (step 3 with one micro-batch): a one-step change for ``shardwise compare`` to find;
 - ``near_tie_router`` (not a fault of the code: a hard input): at init, every MoE router's expert 1
@@ -75,6 +79,50 @@ def _install(fault: str) -> None:
                         w[1] = w[0] + 1e-7 * w[0].abs().mean() * torch.randn(w.shape[1], generator=g)
 
         build.init_weights = init_weights
+    elif fault == "tp_forget_reduction":
+        import torch.nn.functional as F
+
+        import shardwise.parallel.parallelize as parallelize
+
+        real_tp = parallelize.apply_tp
+
+        def apply_tp(model, mesh, cfg):  # noqa: ANN001, ANN202
+            real_tp(model, mesh, cfg)
+            rank, n = mesh.get_local_rank(), mesh.size()
+
+            def partial_sums(module, args, out):  # noqa: ANN001, ANN202
+                x, w = args[0], module.weight
+                x, w = (t.to_local() if hasattr(t, "to_local") else t for t in (x, w))
+                return F.linear(x, w).chunk(n, dim=1)[rank]  # this rank's partial sums, never summed
+
+            model.layers["1"].feed_forward.w2.register_forward_hook(partial_sums)
+
+        parallelize.apply_tp = apply_tp
+    elif fault == "fsdp_unit_grad_scale":
+        import shardwise.parallel.parallelize as parallelize
+
+        real_fsdp = parallelize.apply_fsdp
+
+        def apply_fsdp(model, mesh, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            real_fsdp(model, mesh, *args, **kwargs)
+            if mesh.size() > 1:
+                model.layers["1"].set_gradient_divide_factor(0.5)  # this unit's reduction doubled
+
+        parallelize.apply_fsdp = apply_fsdp
+    elif fault == "pp_wrong_microbatch":
+        import dataclasses
+
+        import shardwise.parallel.pipeline as pipeline
+
+        real_step = pipeline.Pipe.forward_backward
+
+        def forward_backward(self, batches, n_valid):  # noqa: ANN001, ANN202
+            if self.is_first and len(batches) > 1:  # the first stage gets micro-batch m+1's tokens as m's
+                batches = [dataclasses.replace(b, inputs=batches[(i + 1) % len(batches)].inputs)
+                           for i, b in enumerate(batches)]
+            return real_step(self, batches, n_valid)
+
+        pipeline.Pipe.forward_backward = forward_backward
     elif fault == "perturb_ffn_step3":
         import torch
 
