@@ -181,9 +181,10 @@ def localize_layouts(common: list[str], seed: Path, layouts: list[tuple[str, lis
 
 
 def _residual_split(layout: str) -> str:
-    """The mesh dims of ``layout`` that split the residual stream: batch, sequence, stage."""
+    """The mesh dims of ``layout`` that split the residual stream (batch, sequence, stage) and the
+    experts."""
     what = {Mesh.DP_REPLICATE: "batch", Mesh.DP_SHARD: "batch", Mesh.CP: "sequence", Mesh.TP: "sequence",
-            Mesh.PP: "stage"}
+            Mesh.PP: "stage", Mesh.EP: "experts, in routed feed-forwards"}
     degrees = dict(item.partition("=")[::2] for item in layout.split(",") if "=" in item)
     return ", ".join(f"{k} ({w})" for k, w in what.items() if int(degrees.get(k, "1") or 1) > 1)
 

@@ -38,7 +38,7 @@ TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
 """Relative L2 difference of one module output or gradient, at the first step from one seed, above
 which it differs. fp32: correct layouts differ by summation order only -- measured on the tiny models
 of tests/e2e/test_localize.py, FSDP 2, TP 2, PP 2, CP 2, TP 2 x FSDP 2 and MoE FSDP 2 x EP 2, TP 2 x
-EP 2: at most 5.4e-7 over every output and gradient; the planted bugs there differ by 1.0, 0.72 and
+EP 2: at most 5.4e-7 over every output and gradient; the five planted bugs there differ by 0.47 to
 1.4. bf16 rounds each reordered sum at 2^-8 (not yet measured through the localizer)."""
 
 

@@ -25,13 +25,16 @@ def _localized(stdout: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("fault,layout,first", [
     ("tp_forget_reduction", "tp=2", "first difference at the output of layers.1.feed_forward.w2:"),
+    ("cp_skip_hop", "cp=2", "first difference at the output of layers.1.attention.wo:"),
+    ("ep_wrong_rank", "dp_shard=2,ep=2", "first difference at the output of layers.1.feed_forward:"),
     ("fsdp_unit_grad_scale", "dp_shard=2", "first difference at the gradient of layers.1."),
     ("pp_wrong_microbatch", "pp=2,training.micro_batch=2",
      "first difference at the output of tok_embeddings:"),
 ])
 def test_a_planted_bug_is_named_at_its_module(fault: str, layout: str, first: str, tmp_path: Path,
                                               data_cache: str):
-    proc = run_cli([*VERIFY, f"--data.cache_dir={data_cache}", "--layouts", layout, "--out", str(tmp_path)],
+    base = MOE if "ep=" in layout else VERIFY
+    proc = run_cli([*base, f"--data.cache_dir={data_cache}", "--layouts", layout, "--out", str(tmp_path)],
                    check=False, fault=fault)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert _localized(proc.stdout)[layout].startswith(first), proc.stdout[-2000:]

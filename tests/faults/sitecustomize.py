@@ -12,6 +12,10 @@ exactly one thing, so the test can show that its tolerance catches that fault:
   this rank's partial sums, never reduced (a TP plan that forgets a reduction);
 - ``fsdp_unit_grad_scale``: block 1's FSDP unit reduces its gradients scaled by 2 (over 2+ ranks);
 - ``pp_wrong_microbatch``: the first pipeline stage is fed micro-batch m+1's tokens as micro-batch m;
+- ``cp_skip_hop``: block 1's ring attention (forward) uses a rank's own K/V where the neighbour's
+  should arrive: one hop of the ring skipped;
+- ``ep_wrong_rank``: block 1's expert all-to-all sends expert 1's tokens to expert 2's rank and
+  back (and 2's to 1's);
 - ``perturb_ffn_step3``: block 1's feed-forward adds 1e-3 to its output in its third training
   forward (step 3 with one micro-batch): a one-step change for ``shardwise compare`` to find;
 - ``near_tie_router`` (not a fault of the code: a hard input): at init, every MoE router's expert 1
@@ -123,6 +127,71 @@ def _install(fault: str) -> None:
             return real_step(self, batches, n_valid)
 
         pipeline.Pipe.forward_backward = forward_backward
+    elif fault == "cp_skip_hop":
+        import torch
+        import torch.distributed.tensor.experimental._context_parallel._attention as ring
+
+        import shardwise.parallel.parallelize as parallelize
+
+        real_cp, real_rotater = parallelize.apply_cp, ring._create_rotater
+        skipping = [False]
+
+        class SkippingRotater:
+            """Passes its own K/V on instead of the neighbour's: one hop of the ring skipped."""
+
+            def __init__(self, inner):  # noqa: ANN001
+                self.inner, self.own = inner, None
+
+            def exchange_buffers(self, buffer):  # noqa: ANN001, ANN202
+                self.own = buffer
+                return self.inner.exchange_buffers(buffer)
+
+            def next_buffer(self):  # noqa: ANN202
+                got = self.inner.next_buffer()
+                return self.own if self.own is not None else got
+
+        def create_rotater(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            rotater = real_rotater(*args, **kwargs)
+            return SkippingRotater(rotater) if skipping[0] else rotater
+
+        def apply_cp(model, mesh, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            real_cp(model, mesh, *args, **kwargs)
+            core = model.layers["1"].attention.core  # block 1's forward only
+            core.register_forward_pre_hook(lambda *a: skipping.__setitem__(0, torch.is_grad_enabled()))
+            core.register_forward_hook(lambda *a: skipping.__setitem__(0, False))
+
+        ring._create_rotater, parallelize.apply_cp = create_rotater, apply_cp
+    elif fault == "ep_wrong_rank":
+        import torch
+
+        import shardwise.parallel.expert as expert
+
+        class Misrouting(expert.ExpertParallel):
+            """Expert 1's tokens go to expert 2's rank (and 2's to 1's), their outputs come back."""
+
+            def _dispatch(self, module, inputs, mesh):  # noqa: ANN001, ANN202
+                x, counts = inputs
+                bounds = [0, *torch.cumsum(counts, 0).tolist()]
+                rows = [torch.arange(bounds[e], bounds[e + 1]) for e in range(len(counts))]
+                rows[1], rows[2] = rows[2], rows[1]
+                self.order = torch.cat(rows)
+                swapped = counts.clone()
+                swapped[1], swapped[2] = counts[2], counts[1]
+                return super()._dispatch(module, (x.index_select(0, self.order), swapped), mesh)
+
+            def _combine(self, module, out, mesh):  # noqa: ANN001, ANN202
+                out = super()._combine(module, out, mesh)
+                return out.index_select(0, torch.argsort(self.order))
+
+        def apply_ep(model, mesh):  # noqa: ANN001, ANN202
+            for key, block in model.layers.items():
+                if block.plan.experts:
+                    kind = Misrouting if key == "1" else expert.ExpertParallel
+                    kind().apply(block.get_submodule(block.plan.experts), mesh)
+
+        import shardwise.parallel.parallelize as parallelize
+
+        parallelize.apply_ep = apply_ep
     elif fault == "perturb_ffn_step3":
         import torch
 
