@@ -159,8 +159,8 @@ def localize_layouts(common: list[str], seed: Path, layouts: list[tuple[str, lis
                      out: Path, precision: str) -> None:
     """Re-run the first step from ``seed`` on one rank and on each layout, capturing every module
     output and gradient (``debug.capture``), and print where each layout first departs."""
-    one_step = ["--training.steps=1", "--debug.trace_step=1", "--activation_checkpoint.mode=none",
-                "--compile.enabled=false", "--checkpoint.final=false", f"--checkpoint.path={seed}"]
+    one_step = ["--training.steps=1", "--debug.trace_step=1", "--compile.enabled=false",
+                "--checkpoint.final=false", f"--checkpoint.path={seed}"]  # (after a layout's own keys)
     print(f"\nlocalizing: step 1 from the seed, every module output and gradient ({precision})", flush=True)
     ref = out / "capture" / "reference"
     out.mkdir(parents=True, exist_ok=True)
@@ -171,8 +171,8 @@ def localize_layouts(common: list[str], seed: Path, layouts: list[tuple[str, lis
     for name, layout_args, world, failed in layouts:
         run_dir = out / run_dirname(name)
         captured = out / "capture" / run_dir.name
-        err = _train([*common, *one_step, f"--run.dir={run_dir}", f"--debug.capture={captured}",
-                      *layout_args], world, out / f"{run_dir.name}.log")
+        err = _train([*common, *layout_args, *one_step, f"--run.dir={run_dir}",
+                      f"--debug.capture={captured}"], world, out / f"{run_dir.name}.log")
         if err:
             print(f"{name}: its localizing run failed: {err}")
             continue

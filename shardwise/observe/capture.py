@@ -4,12 +4,13 @@ step, captured on every rank and compared in execution order (``verify --localiz
 **Capture** (``--debug.capture DIR`` at ``debug.trace_step``): each rank saves
 
 - every forward output shaped like the residual stream -- (batch, sequence, model dim): the
-  embedding, each block, each block's norms, attention and feed-forward, the final norm -- as its
-  own local tensor, with the global rows of the micro-batch it belongs to (the loader's
-  ``first_row``) and the global sequence positions it holds (context parallel's load-balanced
-  chunks, then sequence parallel's share of them). Every layout shards these tensors only by batch
-  (data parallel), by sequence (context and sequence parallel) and by stage (pipeline), so the full
-  tensor is reassembled from the ranks' pieces by their rows and positions, never by their layout;
+  embedding, each block, each block's norms, attention and feed-forward, the final norm; not a
+  checkpointed block's recompute inside backward -- as its own local tensor, with the global rows
+  of the micro-batch it belongs to (the loader's ``first_row``) and the global sequence positions
+  it holds (context parallel's load-balanced chunks, then sequence parallel's share of them).
+  Every layout shards these tensors only by batch (data parallel), by sequence (context and
+  sequence parallel) and by stage (pipeline), so the full tensor is reassembled from the ranks'
+  pieces by their rows and positions, never by their layout;
 - every parameter's gradient as the optimizer is about to use it, gathered to the full tensor
   (one rank per pipeline stage writes them), with the mesh dims that shard it.
 
@@ -36,10 +37,11 @@ from shardwise.parallel.dims import Mesh, ParallelDims
 
 TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
 """Relative L2 difference of one module output or gradient, at the first step from one seed, above
-which it differs. fp32: correct layouts differ by summation order only -- measured on the tiny models
-of tests/e2e/test_localize.py, FSDP 2, TP 2, PP 2, CP 2, TP 2 x FSDP 2 and MoE FSDP 2 x EP 2, TP 2 x
-EP 2: at most 5.4e-7 over every output and gradient; the five planted bugs there differ by 0.47 to
-1.4. bf16 rounds each reordered sum at 2^-8 (not yet measured through the localizer)."""
+which it differs. Correct layouts differ by summation order only. Measured on the tiny models of
+tests/e2e/test_localize.py: fp32, every layout of the fp32 parity matrix (51: dense, masked and not,
+MoE, Qwen3, the multi-stage schedules), at most 7.0e-7 over every output and gradient; bf16, FSDP 2,
+TP 2, PP 2, CP 2, TP 2 x FSDP 2, MoE FSDP 2 x EP 2 and TP 2 x EP 2, at most 6.3e-3. The five planted
+bugs there differ by 0.47 to 1.4."""
 
 
 class StepCapture:
@@ -67,7 +69,8 @@ class StepCapture:
     def _hook(self, name: str):  # noqa: ANN202 - a forward hook
         def record(module: nn.Module, args: Any, out: Any) -> None:
             if (not self.active or not isinstance(out, torch.Tensor) or not torch.is_grad_enabled()
-                    or getattr(self.model, "placeholder", False)):  # (a pipeline's shape inference)
+                    or getattr(self.model, "placeholder", False)  # (a pipeline's shape inference)
+                    or torch._C._current_graph_task_id() != -1):  # (a checkpointed block's recompute)
                 return
             local = out.to_local() if isinstance(out, DTensor) else out
             if local.dim() != 3 or local.shape[1:] != (len(self.positions), self.dim):

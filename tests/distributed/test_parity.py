@@ -24,8 +24,17 @@ import torch
 from shardwise.data.tokenizer import SHIPPED_CORPUS
 from shardwise.launch.verify import checkpoint_params
 from tests.helpers import (
+    LAYOUTS,
     LOSS_RTOL,
+    MOE_ARGS,
+    MOE_LAYOUTS,
+    MULTI_STAGE,
+    MULTI_STAGE_LAYOUTS,
     PARAM_RTOL,
+    QWEN3_ARGS,
+    QWEN3_LAYOUTS,
+    QWEN3_UNMASKED_LAYOUTS,
+    UNMASKED_LAYOUTS,
     check_same_run,
     layouts,
     max_rel,
@@ -54,76 +63,6 @@ SLOW = {"fsdp4", "hsdp2_tp2", "cp2_no_load_balance_alltoall", "cp4", "hsdp2_cp2"
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory, data_cache: str) -> Path:
     return parity_run(tmp_path_factory.mktemp("ref"), "ref", data_cache)
-
-
-LAYOUTS = {
-    "fsdp2": ["--nproc=2", "--parallel.dp_shard=2"],
-    "fsdp4": ["--nproc=4", "--parallel.dp_shard=4"],
-    "hsdp2x2": ["--nproc=4", "--parallel.dp_replicate=2", "--parallel.dp_shard=2"],
-    "fsdp2_accum2": ["--nproc=2", "--training.micro_batch=2"],  # 2 micro-batches per rank
-    "tp2": ["--nproc=2", "--parallel.tp=2"],
-    "fsdp2_tp2": ["--nproc=4", "--parallel.dp_shard=2", "--parallel.tp=2"],
-    "hsdp2_tp2": ["--nproc=4", "--parallel.dp_replicate=2", "--parallel.tp=2", "--training.micro_batch=2"],
-    "tp2_gathered_logits": ["--nproc=2", "--parallel.tp=2", "--parallel.loss_parallel=false"],
-    # Fused chunked projection + loss (uneven chunks of 100 of the 256 tokens per micro-batch).
-    "fsdp2_chunked_loss": ["--nproc=2", "--training.loss_chunk=100"],
-    # Vocab-parallel chunked loss (vocab 2048 split over tp) with sequence parallel and FSDP.
-    "fsdp2_tp2_chunked_loss": ["--nproc=4", "--parallel.dp_shard=2", "--parallel.tp=2",
-                               "--training.loss_chunk=100"],
-    # Activation checkpointing recomputes exactly (fp32, deterministic): the same run.
-    "fsdp2_ac_selective": ["--nproc=2", "--activation_checkpoint.mode=selective"],
-    "tp2_ac_full": ["--nproc=2", "--parallel.tp=2", "--activation_checkpoint.mode=full"],
-    # The half policy counts matmuls in forward and again in the recompute: under TP's DTensor ops
-    # and sequence-parallel collectives both counts must agree.
-    "tp2_ac_selective_half": ["--nproc=2", "--parallel.tp=2", "--activation_checkpoint.mode=selective_half"],
-    "fsdp2_tp2_ac_layer": ["--nproc=4", "--parallel.dp_shard=2", "--parallel.tp=2",
-                           "--activation_checkpoint.mode=layer", "--activation_checkpoint.every=2"],
-    "fsdp2_gloo_override": ["--nproc=2",
-                            "--parallel.backend_override=dp_shard=gloo:timeout_s=120:threads=2,tp=gloo"],
-}
-
-
-# Pipeline and context parallel do not take document masks, so they are compared with an unmasked
-# reference.
-UNMASKED_LAYOUTS = {
-    "cp2": ["--nproc=2", "--parallel.cp=2"],
-    "cp2_no_load_balance_alltoall": ["--nproc=2", "--parallel.cp=2", "--parallel.cp_load_balance=false",
-                                     "--parallel.cp_rotate_method=alltoall"],
-    "cp4": ["--nproc=4", "--parallel.cp=4"],
-    "fsdp2_cp2": ["--nproc=4", "--parallel.dp_shard=2", "--parallel.cp=2"],
-    "hsdp2_cp2": ["--nproc=4", "--parallel.dp_replicate=2", "--parallel.cp=2"],
-    "cp2_tp2": ["--nproc=4", "--parallel.cp=2", "--parallel.tp=2"],
-    "cp2_ac_selective": ["--nproc=2", "--parallel.cp=2", "--activation_checkpoint.mode=selective"],
-    "pp2_cp2": ["--nproc=4", "--parallel.pp=2", "--parallel.cp=2", "--training.micro_batch=4"],
-    "pp2_fsdp2_tp2": ["--nproc=8", "--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.tp=2",
-                      "--training.micro_batch=2"],
-    "pp2_1f1b": ["--nproc=2", "--parallel.pp=2", "--training.micro_batch=2"],
-    "pp2_gpipe": ["--nproc=2", "--parallel.pp=2", "--parallel.pp_schedule=gpipe", "--training.micro_batch=4"],
-    "pp2_fsdp2": ["--nproc=4", "--parallel.pp=2", "--parallel.dp_shard=2", "--training.micro_batch=2"],
-    "pp2_tp2": ["--nproc=4", "--parallel.pp=2", "--parallel.tp=2", "--training.micro_batch=2"],
-}
-
-
-# MoE (tiny moe-debug: 4 experts of width 32, top-2, a shared expert, block 0 dense), unmasked.
-MOE_ARGS = ["--data.document_mask=false", "--model.name=moe-debug", "--model.dim=64", "--model.n_layers=2",
-            "--model.n_heads=4", "--model.n_kv_heads=2", "--model.moe_hidden_dim=32", "--model.n_experts=4"]
-MOE_LAYOUTS = {
-    "moe_fsdp2": ["--nproc=2"],
-    "moe_ep2": ["--nproc=2", "--parallel.ep=2"],
-    "moe_fsdp4_ep2": ["--nproc=4", "--parallel.ep=2"],
-    "moe_tp2": ["--nproc=2", "--parallel.tp=2"],
-    "moe_ep2_tp2": ["--nproc=4", "--parallel.ep=2", "--parallel.tp=2"],
-    "moe_ep4_tp2": ["--nproc=4", "--parallel.ep=4", "--parallel.tp=2"],
-    "moe_cp2_ep2": ["--nproc=2", "--parallel.cp=2", "--parallel.ep=2"],
-    "moe_hsdp2_ep2": ["--nproc=4", "--parallel.dp_replicate=2", "--parallel.ep=2"],
-    "moe_pp2_ep2": ["--nproc=4", "--parallel.pp=2", "--parallel.ep=2", "--training.micro_batch=2"],
-    # Recompute must not count the routed tokens twice (expert_load is compared too).
-    "moe_ep2_ac_full": ["--nproc=2", "--parallel.ep=2", "--activation_checkpoint.mode=full"],
-    "moe_ep2_ac_selective_half": ["--nproc=2", "--parallel.ep=2",
-                                  "--activation_checkpoint.mode=selective_half"],
-    "moe_cp2_ep2_chunked_loss": ["--nproc=2", "--parallel.cp=2", "--parallel.ep=2",
-                                 "--training.loss_chunk=50"],
-}
 
 
 @pytest.fixture(scope="module")
@@ -164,23 +103,6 @@ def test_unmasked_layout_matches_single_rank(layout: str, reference_unmasked: Pa
     check_same_run(reference_unmasked, run_dir, layout)
 
 
-# Qwen3's attention: QK-norm (a per-head RMSNorm that tensor parallel runs on each rank's heads, its
-# weight's gradient summed over tp), head width 32 at dim 64, an FFN width Llama's rule cannot give.
-QWEN3_ARGS = ["--model.qk_norm=true", "--model.head_size=32", "--model.ffn_hidden_size=96"]
-QWEN3_LAYOUTS = {
-    "qwen3_tp2": ["--nproc=2", "--parallel.tp=2"],
-    "qwen3_fsdp2_tp2": ["--nproc=4", "--parallel.dp_shard=2", "--parallel.tp=2"],
-    "qwen3_fsdp2": ["--nproc=2", "--parallel.dp_shard=2"],
-}
-
-
-# ... and under the parallelisms that take no document mask, against an unmasked reference.
-QWEN3_UNMASKED_LAYOUTS = {
-    "qwen3_cp2": ["--nproc=2", "--parallel.cp=2"],
-    "qwen3_pp2": ["--nproc=2", "--parallel.pp=2", "--training.micro_batch=2"],
-}
-
-
 @pytest.fixture(scope="module")
 def reference_qwen3(tmp_path_factory: pytest.TempPathFactory, data_cache: str) -> Path:
     return parity_run(tmp_path_factory.mktemp("ref_qwen3"), "ref", data_cache, *QWEN3_ARGS)
@@ -200,25 +122,6 @@ def test_qwen3_layout_matches_single_rank(layout: str, reference_qwen3: Path, tm
                                           data_cache: str):
     run_dir = parity_run(tmp_path, layout, data_cache, *QWEN3_ARGS, *QWEN3_LAYOUTS[layout])
     check_same_run(reference_qwen3, run_dir, layout)
-
-
-# Schedules with 2 stages of one block per rank (looped or V-shaped): a 4-block model, its own
-# reference, 4 micro-batches of 2 sequences; evaluated at steps 5 and 10 (the V-shaped schedules'
-# eval runs a forward-only order of their own: parallel/pipeline.py Pipe._forward_only_order).
-MULTI_STAGE = ["--data.document_mask=false", "--model.n_layers=4", "--training.micro_batch=2",
-               "--eval.interval=5"]
-MULTI_STAGE_LAYOUTS = {
-    "pp2_interleaved": ["--nproc=2", "--parallel.pp=2", "--parallel.pp_schedule=interleaved1f1b"],
-    "pp2_interleaved_fsdp2": ["--nproc=4", "--parallel.pp=2", "--parallel.dp_shard=2",
-                              "--parallel.pp_schedule=interleaved1f1b"],
-    "pp2_interleaved_tp2": ["--nproc=4", "--parallel.pp=2", "--parallel.tp=2",
-                            "--parallel.pp_schedule=interleaved1f1b"],
-    "pp2_zbv": ["--nproc=2", "--parallel.pp=2", "--parallel.pp_schedule=zbv"],
-    "pp2_zbv_fsdp2": ["--nproc=4", "--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.pp_schedule=zbv"],
-    "pp2_dualpipev": ["--nproc=2", "--parallel.pp=2", "--parallel.pp_schedule=dualpipev"],
-    "pp2_dualpipev_tp2": ["--nproc=4", "--parallel.pp=2", "--parallel.tp=2",
-                          "--parallel.pp_schedule=dualpipev"],
-}
 
 
 @pytest.fixture(scope="module")

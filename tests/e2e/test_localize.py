@@ -7,11 +7,24 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import TINY_ARGS, run_cli
+from tests.helpers import (
+    LAYOUTS,
+    MOE_ARGS,
+    MOE_LAYOUTS,
+    MULTI_STAGE,
+    MULTI_STAGE_LAYOUTS,
+    QWEN3_ARGS,
+    QWEN3_LAYOUTS,
+    QWEN3_UNMASKED_LAYOUTS,
+    TINY_ARGS,
+    UNMASKED_LAYOUTS,
+    as_verify_layout,
+    run_cli,
+)
 
 _RUN_ONLY = ("--training.steps", "--eval.", "--checkpoint.", "--metrics.", "--debug.")  # (verify sets these)
-VERIFY = ["verify", *[a for a in TINY_ARGS if not a.startswith(_RUN_ONLY)], "--steps=2",
-          "--data.document_mask=false"]  # (pipeline and context parallel are causal-only)
+BASE = ["verify", *[a for a in TINY_ARGS if not a.startswith(_RUN_ONLY)], "--steps=2"]
+VERIFY = [*BASE, "--data.document_mask=false"]  # (pipeline and context parallel are causal-only)
 MOE = ["verify", "--config", "configs/moe-debug.toml", "--steps=2", "--training.mixed_precision=fp32",
        "--data.document_mask=false", "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4",
        "--model.n_kv_heads=2", "--model.moe_hidden_dim=32", "--model.n_experts=4", "--training.seq_len=64"]
@@ -51,3 +64,25 @@ def test_correct_layouts_are_never_blamed(tmp_path: Path, data_cache: str):
     for layout, line in found.items():
         assert line.startswith("every module output and gradient of step 1 agrees within 0.0001"), \
             (layout, line)
+
+
+UNMASKED = ["--data.document_mask=false"]
+MATRIX = {"dense": ([], LAYOUTS), "unmasked": (UNMASKED, UNMASKED_LAYOUTS), "moe": (MOE_ARGS, MOE_LAYOUTS),
+          "qwen3": (QWEN3_ARGS, QWEN3_LAYOUTS),
+          "qwen3_unmasked": ([*QWEN3_ARGS, *UNMASKED], QWEN3_UNMASKED_LAYOUTS),
+          "multi_stage": (MULTI_STAGE, MULTI_STAGE_LAYOUTS)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("group", list(MATRIX))
+def test_every_layout_of_the_fp32_parity_matrix_is_blameless(group: str, tmp_path: Path, data_cache: str):
+    """The localizer over every layout of tests/distributed/test_parity.py's fp32 matrix (those a
+    verify layout can write: not the backend override) names no module."""
+    extra, table = MATRIX[group]
+    layouts = [x for x in map(as_verify_layout, table.values()) if x]
+    proc = run_cli([*BASE, *extra, f"--data.cache_dir={data_cache}", "--localize", "--out", str(tmp_path),
+                    "--layouts", *layouts], timeout=3000)
+    found = _localized(proc.stdout)
+    assert len(found) == len(layouts), proc.stdout[-3000:]
+    blamed = {k: v for k, v in found.items() if not v.startswith("every module output and gradient")}
+    assert blamed == {}, blamed
