@@ -25,6 +25,7 @@ def test_family_matches_its_golden_curve(family: str, tmp_path: Path):
     assert passed, f"{line}\nif the change is meant, re-record: {RECORD}"
 
 
+@pytest.mark.slow  # (make test-all: the bounds' sensitivity, measured once per change of them)
 def test_a_changed_update_moves_the_curve_past_both_bounds(tmp_path: Path):
     golden.FAMILIES["lr-off"] = [*golden.FAMILIES["llama-debug"], "--optimizer.lr=3.03e-3"]  # 1% off
     try:

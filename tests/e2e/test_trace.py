@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import TINY_ARGS, run_cli
 
 STEPS = ["--training.steps=4"]
@@ -32,6 +34,7 @@ def test_two_runs_are_bitwise_equal_and_compare_finds_a_planted_change(tmp_path:
     assert loose.returncode == 1 and "step 3" in loose.stdout
 
 
+@pytest.mark.slow  # (make test-all: the 1-rank test above runs the same trace code)
 def test_traces_of_two_ranks_compare_rank_by_rank(tmp_path: Path):
     a = _traced(tmp_path, "a", "--nproc=2", "--parallel.dp_shard=2")
     b = _traced(tmp_path, "b", "--nproc=2", "--parallel.dp_shard=2")
