@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import socket
 import subprocess
@@ -26,7 +25,9 @@ from shardwise.models.llama import (
     build_model,
     init_weights,
 )
+from shardwise.parallel.dims import DEGREES
 from shardwise.resolve.checks import load_config
+from shardwise.resolve.layouts import fill_layouts
 from shardwise.resolve.run import ResolvedRun, resolve_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -337,22 +338,16 @@ MULTI_STAGE_LAYOUTS = {
 
 def as_verify_layout(args: list[str]) -> str | None:
     """A parity layout's arguments as a ``verify --layouts`` item (``--nproc=4 --parallel.tp=2`` ->
-    ``tp=2,dp_shard=2``); None when a value cannot be written there (it holds ',' or '=')."""
-    nproc, degrees, items = 1, {}, []
+    ``tp=2,dp_shard=2``: verify's own fill); None when a value cannot be written there (it holds ','
+    or '=')."""
+    nproc, items = 1, []
     for arg in args:
         key, _, value = arg.removeprefix("--").partition("=")
         if key == "nproc":
             nproc = int(value)
-        elif key.startswith("parallel.") and key.removeprefix("parallel.") in _DEGREES:
-            degrees[key.removeprefix("parallel.")] = int(value)
         elif "," in value or "=" in value:
             return None
         else:
-            items.append(f"{key}={value}")
-    if "dp_shard" not in degrees:
-        others = math.prod(degrees.get(k, 1) for k in ("pp", "dp_replicate", "cp", "tp"))
-        degrees["dp_shard"] = nproc // others
-    return ",".join([f"{k}={v}" for k, v in degrees.items()] + items)
-
-
-_DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+            degree = key.removeprefix("parallel.")
+            items.append(f"{degree if degree in DEGREES else key}={value}")
+    return fill_layouts([",".join(items)], nproc)[0]

@@ -15,6 +15,7 @@ the first signature whose hash differs (or, with a tolerance, whose norm differs
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -35,6 +36,11 @@ FORMAT = 1
 def rank_path(path: Path, rank: int) -> Path:
     """Where ``rank`` writes the trace named ``path``."""
     return path if rank == 0 else path.with_name(f"{path.name}.rank{rank}")
+
+
+def taken(path: Path) -> ConfigError:
+    """The refusal of a trace file that exists (a trace never replaces a file)."""
+    return ConfigError(f"debug.trace: '{path}' exists and a trace never replaces one: name another file")
 
 
 def signature(t: torch.Tensor) -> tuple[float, str]:
@@ -66,14 +72,12 @@ class RunTrace:
         try:
             self.file = self.path.open("x")  # (exclusive: a trace never replaces a file)
         except FileExistsError:
-            raise ConfigError(f"debug.trace: '{self.path}' exists and a trace never replaces one: name "
-                              "another file") from None
+            raise taken(self.path) from None
         self.file.write(json.dumps({"trace": FORMAT, "rank": rank, **header}) + "\n")
         self.step: int | None = None
         self.outputs: list[list] = []
         self.grads: list[list] = []
-        self.names = {id(p): n for n, p in model.named_parameters()}
-        self.params = [p for _, p in model.named_parameters()]
+        self.params = list(model.named_parameters())
         self.handles = [m.register_forward_hook(self._hook(name or "(model)"))
                         for name, m in model.named_modules()]
         self.handles.append(optimizer.register_step_pre_hook(self._grads))
@@ -89,31 +93,23 @@ class RunTrace:
     def _grads(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.step is None:
             return
-        self.grads = [[self.names[id(p)], *signature(p.grad)] for p in self.params if p.grad is not None]
+        self.grads = [[name, *signature(p.grad)] for name, p in self.params if p.grad is not None]
 
-    def around_step(self, step: int) -> _Step:
-        return _Step(self, step)
+    @contextlib.contextmanager
+    def around_step(self, step: int) -> Iterator[None]:
+        """Record ``step``: its line is written when the step completes."""
+        self.step, self.outputs, self.grads = step, [], []
+        try:
+            yield
+            self.file.write(json.dumps({"step": step, "outputs": self.outputs, "grads": self.grads}) + "\n")
+            self.file.flush()
+        finally:
+            self.step = None
 
     def close(self) -> None:
         for h in self.handles:
             h.remove()
         self.file.close()
-
-
-class _Step:
-    def __init__(self, trace: RunTrace, step: int) -> None:
-        self.trace, self.step = trace, step
-
-    def __enter__(self) -> None:
-        t = self.trace
-        t.step, t.outputs, t.grads = self.step, [], []
-
-    def __exit__(self, *exc: object) -> None:
-        t = self.trace
-        if exc[0] is None:
-            t.file.write(json.dumps({"step": self.step, "outputs": t.outputs, "grads": t.grads}) + "\n")
-            t.file.flush()
-        t.step = None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from shardwise.models import ModelArgs
 from shardwise.models.llama import build_model
 from shardwise.models.presets import FAMILY_TOKENIZERS, vocab_beyond_padding
 from shardwise.observe.routing import read_meta
-from shardwise.observe.trace import rank_path
+from shardwise.observe.trace import rank_path, taken
 from shardwise.parallel.float8 import float8_summary
 from shardwise.resolve.checks import notice
 from shardwise.resolve.run import ResolvedRun, resolve_run
@@ -57,10 +57,9 @@ def preflight(cfg: Config, world_size: int) -> ResolvedRun:
     # Before any rank starts (inside ranks, each creates its own file exclusively: a rank's check
     # here could see another's new file)
     if cfg.debug.trace and launched_world_size() is None:
-        taken = [str(p) for r in range(world_size) if (p := rank_path(Path(cfg.debug.trace), r)).exists()]
-        if taken:
-            raise ConfigError(f"debug.trace: '{taken[0]}' exists and a trace never replaces one: name "
-                              "another file")
+        for path in (rank_path(Path(cfg.debug.trace), r) for r in range(world_size)):
+            if path.exists():
+                raise taken(path)
     return run
 
 
