@@ -119,7 +119,8 @@ def export_hf(checkpoint: Path, out: Path, dtype: str = "bf16", tokenizer: str |
     args = manifest_model(manifest)
     config = hf_config(args, dtype)
     state = ModelTensors(checkpoint)
-    if any(k.endswith("router.expert_bias") and state[k].any() for k in state.specs):
+    if config["model_type"] != "deepseek_v3" and any(
+            k.endswith("router.expert_bias") and state[k].any() for k in state.specs):
         raise ConfigError("this checkpoint's experts are chosen with a routing bias (model.moe_balance="
                           "bias), which HF Qwen3-MoE does not have: its routing would differ")
     itemsize = _DTYPES[dtype].itemsize
@@ -193,10 +194,13 @@ def load_hf_weights(model: nn.Module, folder: Path, args: ModelArgs) -> None:
     """Fill this rank's parameters (any layout: FSDP, TP and EP shards, pipeline stages) from an HF
     folder of ``args``'s shape: each parameter's full tensor is read and converted, and the rank
     keeps its shard -- the split :func:`shardwise.models.llama.init_weights` makes, one full tensor at a
-    time. Buffers (the RoPE table, MoE routing state) stay as init built them."""
+    time. Buffers stay as init built them (the RoPE table, MoE token counts), but for DeepSeek-V3's
+    routing bias, which its checkpoints carry."""
     hf = HFFolder(folder)
     check_hf_config(hf.config, args)
-    params = dict(model.named_parameters())
+    carried = hf_names(args)
+    params = {**dict(model.named_parameters()),
+              **{n: b for n, b in model.named_buffers() if n in carried}}
     for name, full in from_hf_tensors(hf.__getitem__, args, params):
         p = params[name]
         if tuple(full.shape) != tuple(p.shape):

@@ -41,6 +41,19 @@ class ModelArgs:
     """Llama-3.1 RoPE scaling: wavelengths below original_max_seq_len / this are left alone."""
     rope_original_max_seq_len: int = 8192
     """Llama-3.1 RoPE scaling: the context length the model was first trained at."""
+    rope_scaling: Literal["llama3", "yarn"] = "llama3"
+    """How RoPE frequencies are scaled when rope_scaling_factor != 1: Llama 3.1's rule, or YaRN
+    (DeepSeek-V3: interpolation ramped between beta_slow and beta_fast rotations, with an
+    attention-scale correction)."""
+    rope_yarn_beta_fast: float = 32.0
+    """YaRN: rotations over the original context above which a frequency is left alone."""
+    rope_yarn_beta_slow: float = 1.0
+    """YaRN: rotations below which a frequency is divided by the factor."""
+    rope_yarn_mscale: float = 1.0
+    """YaRN: scale of the RoPE rotation's magnitude correction (0.1 * mscale * ln(factor) + 1)."""
+    rope_yarn_mscale_all_dim: float = 0.0
+    """YaRN: the same correction applied to the softmax scale, squared (0 = none); the rotation's
+    is then divided by it."""
     max_seq_len: int = 2048
     """Longest sequence the RoPE table covers."""
     tie_embeddings: bool = False
@@ -49,6 +62,18 @@ class ModelArgs:
     """Per-head width; 0 = dim / n_heads (Qwen3-style models decouple the two)."""
     qk_norm: bool = False
     """RMSNorm over each head's queries and keys before RoPE (Qwen3's QK-norm)."""
+    q_lora_rank: int = 0
+    """Multi-head latent attention: rank of the low-rank query projection (0 = a full query
+    projection)."""
+    kv_lora_rank: int = 0
+    """Multi-head latent attention (DeepSeek-V2/V3): width of the compressed key-value latent;
+    0 = grouped-query attention."""
+    qk_nope_head_dim: int = 0
+    """MLA: per-head query/key channels without RoPE."""
+    qk_rope_head_dim: int = 0
+    """MLA: per-head query/key channels with RoPE (the key's are one head shared by all)."""
+    v_head_dim: int = 0
+    """MLA: per-head value width."""
     n_experts: int = 0
     """Routed experts per MoE layer; 0 = dense model (see moe.py)."""
     moe_top_k: int = 2
@@ -71,6 +96,48 @@ class ModelArgs:
     """Routing-bias step per optimizer step (moe_balance=bias)."""
     n_dense_layers: int = 0
     """Leading blocks that keep the dense MLP in an MoE model."""
+    moe_n_groups: int = 1
+    """Group-limited routing (DeepSeek-V3): the experts form this many equal groups ..."""
+    moe_topk_groups: int = 1
+    """... and each token's experts come from the groups with the highest sums of their two best
+    (biased) scores, this many of them."""
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (else grouped-query attention)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head query/key width."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.mla else self.head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        """Per-head value (and attention output) width."""
+        return self.v_head_dim if self.mla else self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """Channels each head rotates: the whole head, or MLA's RoPE part."""
+        return self.qk_rope_head_dim if self.mla else self.head_dim
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads attention runs with (MLA expands its latent into every head)."""
+        return self.n_heads if self.mla else self.n_kv_heads
+
+    @property
+    def yarn_mscale(self) -> float:
+        """YaRN's softmax-scale correction factor (1 without YaRN or mscale_all_dim)."""
+        if self.rope_scaling != "yarn" or self.rope_scaling_factor <= 1 or not self.rope_yarn_mscale_all_dim:
+            return 1.0
+        return 0.1 * self.rope_yarn_mscale_all_dim * math.log(self.rope_scaling_factor) + 1.0
+
+    @property
+    def softmax_scale(self) -> float:
+        """The attention logits' scale: qk_head_dim**-0.5, times YaRN's correction squared."""
+        return self.qk_head_dim ** -0.5 * self.yarn_mscale ** 2
 
     @property
     def head_dim(self) -> int:

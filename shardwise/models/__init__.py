@@ -25,9 +25,11 @@ def model_args(cfg: Any) -> ModelArgs:
 
 def check_args(args: ModelArgs) -> None:
     """One-line errors for model shapes that cannot be built (the config checks call this)."""
-    if args.n_heads % args.n_kv_heads:
+    if args.mla:
+        _check_mla(args)
+    elif args.n_heads % args.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads={args.n_kv_heads} must divide model.n_heads={args.n_heads}")
-    if args.head_size:
+    elif args.head_size:
         if args.head_size % 2:
             raise ConfigError(f"model.head_size={args.head_size} must be even (RoPE rotates pairs)")
     elif args.dim % args.n_heads or (args.dim // args.n_heads) % 2:
@@ -40,6 +42,32 @@ def check_args(args: ModelArgs) -> None:
         if not 1 <= args.moe_top_k <= args.n_experts:
             raise ConfigError(f"model.moe_top_k={args.moe_top_k} must be between 1 and "
                               f"model.n_experts={args.n_experts}")
+        _check_groups(args)
         if args.n_dense_layers >= args.n_layers:
             raise ConfigError(f"model.n_dense_layers={args.n_dense_layers} leaves no MoE block of "
                               f"model.n_layers={args.n_layers}: lower it or set n_experts=0")
+
+
+def _check_mla(args: ModelArgs) -> None:
+    for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if getattr(args, name) <= 0:
+            raise ConfigError(f"model.kv_lora_rank > 0 (latent attention) needs model.{name} > 0")
+    if args.qk_rope_head_dim % 2:
+        raise ConfigError(f"model.qk_rope_head_dim={args.qk_rope_head_dim} must be even (RoPE rotates pairs)")
+    if args.qk_norm:
+        raise ConfigError("model.qk_norm is grouped-query attention's; latent attention "
+                          "(model.kv_lora_rank > 0) norms its latents instead: set qk_norm=false")
+    if args.q_lora_rank < 0:
+        raise ConfigError(f"model.q_lora_rank={args.q_lora_rank} must be >= 0 (0: a full query projection)")
+
+
+def _check_groups(args: ModelArgs) -> None:
+    g, e = args.moe_n_groups, args.n_experts
+    if g < 1 or e % g:
+        raise ConfigError(f"model.moe_n_groups={g} must divide model.n_experts={e}")
+    if not 1 <= args.moe_topk_groups <= g:
+        raise ConfigError(f"model.moe_topk_groups={args.moe_topk_groups} must be between 1 and "
+                          f"model.moe_n_groups={g}")
+    if args.moe_top_k > args.moe_topk_groups * (e // g):
+        raise ConfigError(f"model.moe_top_k={args.moe_top_k} is more experts than the "
+                          f"moe_topk_groups={args.moe_topk_groups} groups of {e // g} hold")

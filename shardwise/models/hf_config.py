@@ -1,6 +1,7 @@
-"""The model shape of a Hugging Face ``config.json`` and back, for the families :mod:`shardwise.checkpoint.hf`
-speaks (Llama, Qwen3, Qwen3-MoE). Plain data: the config checks use it to take a run's model from an
-HF folder (``checkpoint.initial_hf``) without loading the converter."""
+"""The model shape of a Hugging Face ``config.json`` and back, for the families
+:mod:`shardwise.checkpoint.hf` speaks (Llama, Qwen3, Qwen3-MoE, DeepSeek-V3). Plain data: the config
+checks use it to take a run's model from an HF folder (``checkpoint.initial_hf``) without loading the
+converter."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ if TYPE_CHECKING:
 
     import torch
 
-_CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+_CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+            "deepseek_v3": "DeepseekV3ForCausalLM"}
 # ModelArgs fields that are training choices, not the function the weights compute: the RoPE
 # table's length and how MoE routing is balanced (the weight of the aux loss, the bias updates).
 _TRAINING_ONLY = ("max_seq_len", "moe_balance", "moe_aux_coef", "moe_bias_rate")
@@ -44,6 +46,16 @@ def hf_tokenizer(folder: Path) -> str:
 
 def hf_family(args: ModelArgs) -> str:
     """The HF ``model_type`` a shape exports as (one-line error for a shape none of them has)."""
+    if args.mla:
+        why = ("model.n_experts=0" if not args.n_experts else
+               "model.n_shared_experts=0" if not args.n_shared_experts else
+               f"model.moe_score={args.moe_score}" if args.moe_score != "sigmoid" else
+               f"model.rope_scaling={args.rope_scaling}" if args.rope_scaling_factor != 1.0
+               and args.rope_scaling != "yarn" else "")
+        if why:
+            raise ConfigError(f"HF export of latent attention covers the DeepSeek-V3 layout (MoE with shared "
+                              f"experts, sigmoid routing, YaRN if scaled); this model has {why}")
+        return "deepseek_v3"
     if not args.n_experts:
         return "qwen3" if args.qk_norm else "llama"
     why = ("model.qk_norm=false" if not args.qk_norm else
@@ -59,6 +71,8 @@ def hf_family(args: ModelArgs) -> str:
 def hf_config(args: ModelArgs, dtype: str) -> dict[str, Any]:
     """``config.json`` of the HF class with ``args``'s shape (:func:`hf_family`)."""
     family = hf_family(args)
+    if family == "deepseek_v3":
+        return _deepseek_config(args, dtype)
     cfg: dict[str, Any] = {
         "architectures": [_CLASSES[family]], "model_type": family, "hidden_size": args.dim,
         "intermediate_size": args.ffn_hidden_dim, "num_hidden_layers": args.n_layers,
@@ -85,6 +99,32 @@ def hf_config(args: ModelArgs, dtype: str) -> dict[str, Any]:
     return cfg
 
 
+def _deepseek_config(args: ModelArgs, dtype: str) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "architectures": [_CLASSES["deepseek_v3"]], "model_type": "deepseek_v3", "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden_dim, "moe_intermediate_size": args.moe_hidden_dim,
+        "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_heads, "n_shared_experts": args.n_shared_experts,
+        "n_routed_experts": args.n_experts, "num_experts_per_tok": args.moe_top_k,
+        "routed_scaling_factor": args.moe_route_scale, "n_group": args.moe_n_groups,
+        "topk_group": args.moe_topk_groups, "first_k_dense_replace": args.n_dense_layers,
+        "norm_topk_prob": args.moe_route_norm, "kv_lora_rank": args.kv_lora_rank,
+        "q_lora_rank": args.q_lora_rank or None, "qk_rope_head_dim": args.qk_rope_head_dim,
+        "qk_nope_head_dim": args.qk_nope_head_dim, "v_head_dim": args.v_head_dim,
+        "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps,
+        "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": args.tie_embeddings,
+        "hidden_act": "silu", "attention_bias": False, "rope_interleave": True, "rope_theta": args.rope_theta,
+        "num_nextn_predict_layers": 0, "torch_dtype": {"bf16": "bfloat16", "fp32": "float32"}[dtype],
+    }
+    if args.rope_scaling_factor != 1.0:
+        cfg["rope_scaling"] = {"type": "yarn", "factor": args.rope_scaling_factor,
+                               "original_max_position_embeddings": args.rope_original_max_seq_len,
+                               "beta_fast": args.rope_yarn_beta_fast, "beta_slow": args.rope_yarn_beta_slow,
+                               "mscale": args.rope_yarn_mscale,
+                               "mscale_all_dim": args.rope_yarn_mscale_all_dim}
+    return cfg
+
+
 def _rope(hf: dict[str, Any]) -> tuple[dict[str, Any], str, float]:
     """(rope scaling dict, its type, rope theta) of an HF config (transformers 4 and 5 spellings)."""
     rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
@@ -107,10 +147,12 @@ def args_from_hf(hf: dict[str, Any]) -> ModelArgs:
             raise ConfigError(f"HF config {key}={hf.get(key)} is not supported (SwiGLU with silu, no "
                               "biases, full attention)")
     rope, rope_type, theta = _rope(hf)
-    if rope_type not in ("default", "llama3"):
-        raise ConfigError(f"HF config rope type '{rope_type}' is not supported (default and llama3 are)")
+    allowed = ("default", "yarn") if kind == "deepseek_v3" else ("default", "llama3")
+    if rope_type not in allowed:
+        raise ConfigError(f"HF config rope type '{rope_type}' is not supported for {kind} "
+                          f"({' and '.join(allowed)} are)")
     dim, heads = hf["hidden_size"], hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or dim // heads
+    head_dim = dim // heads if kind == "deepseek_v3" else hf.get("head_dim") or dim // heads
     fields: dict[str, Any] = dict(
         dim=dim, n_layers=hf["num_hidden_layers"], n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads") or heads,
@@ -123,6 +165,15 @@ def args_from_hf(hf: dict[str, Any]) -> ModelArgs:
                       rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
                       rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
                       rope_original_max_seq_len=int(rope["original_max_position_embeddings"]))
+    if rope_type == "yarn":
+        fields.update(rope_scaling="yarn", rope_scaling_factor=float(rope["factor"]),
+                      rope_original_max_seq_len=int(rope["original_max_position_embeddings"]),
+                      rope_yarn_beta_fast=float(rope.get("beta_fast") or 32),
+                      rope_yarn_beta_slow=float(rope.get("beta_slow") or 1),
+                      rope_yarn_mscale=float(rope.get("mscale") or 1.0),
+                      rope_yarn_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0))
+    if kind == "deepseek_v3":
+        fields.update(_deepseek_fields(hf))
     if kind == "qwen3_moe":
         dense = list(hf.get("mlp_only_layers") or [])
         if hf.get("decoder_sparse_step", 1) != 1 or dense != list(range(len(dense))):
@@ -137,6 +188,26 @@ def args_from_hf(hf: dict[str, Any]) -> ModelArgs:
     args = ModelArgs(**fields)
     check_args(args)
     return args
+
+
+def _deepseek_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3's latent attention and routing (its other fields read as the other families')."""
+    if hf.get("rope_interleave", True) is False:
+        raise ConfigError("HF DeepSeek-V3 config rope_interleave=false is not supported (the "
+                          "published checkpoints rotate interleaved pairs)")
+    # (a multi-token-prediction layer, num_nextn_predict_layers, is not read: transformers skips it too)
+    n_experts = hf.get("n_routed_experts") or hf.get("num_local_experts")
+    return dict(
+        qk_norm=False, n_kv_heads=hf["num_attention_heads"], head_size=0,
+        q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
+        qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+        v_head_dim=hf["v_head_dim"], n_experts=n_experts, moe_top_k=hf["num_experts_per_tok"],
+        moe_hidden_dim=hf["moe_intermediate_size"], n_shared_experts=hf.get("n_shared_experts") or 0,
+        moe_score="sigmoid", moe_route_norm=bool(hf.get("norm_topk_prob", True)),
+        moe_route_scale=float(hf.get("routed_scaling_factor", 1.0)),
+        moe_n_groups=hf.get("n_group") or 1, moe_topk_groups=hf.get("topk_group") or 1,
+        n_dense_layers=min(hf.get("first_k_dense_replace") or 0, hf["num_hidden_layers"]),
+        moe_balance="bias")
 
 
 def model_config_of(args: ModelArgs) -> ModelConfig:
@@ -159,6 +230,10 @@ def check_hf_config(hf: dict[str, Any], args: ModelArgs) -> None:
         a, b = getattr(theirs, f.name), getattr(args, f.name)
         if f.name.startswith("moe_") and not args.n_experts or f.name in _TRAINING_ONLY:
             continue  # (a dense model's MoE knobs are inert; training choices are not the shape)
+        if (f.name.startswith("rope_yarn") or f.name == "rope_scaling") and args.rope_scaling_factor == 1.0:
+            continue  # (no scaling: its kind and YaRN's knobs are inert)
+        if f.name in ("n_kv_heads", "head_size") and args.mla:
+            continue  # (latent attention expands its latent into every head)
         if f.name in ("multiple_of", "ffn_dim_multiplier", "ffn_hidden_size", "head_size"):
             continue  # compared through what they give: the FFN width and the head width below
         if (math.isclose(a, b) if isinstance(a, float) else a == b):
@@ -166,7 +241,7 @@ def check_hf_config(hf: dict[str, Any], args: ModelArgs) -> None:
         raise ConfigError(f"HF config gives model.{f.name}={a} but the model config has {b}: set "
                           f"--model.{f.name}={a}, or drop --config to take the shape from config.json")
     for what, a, b in (("ffn_hidden_size", theirs.ffn_hidden_dim, args.ffn_hidden_dim),
-                       ("head_size", theirs.head_dim, args.head_dim)):
+                       ("head_size", theirs.head_dim, args.head_dim) if not args.mla else ("", 0, 0)):
         if a != b:
             raise ConfigError(f"HF config gives model.{what}={a} but the model config gives {b}: set "
                               f"--model.{what}={a}, or drop --config to take the shape from config.json")
@@ -188,7 +263,23 @@ _QK_NORM = {"attention.q_norm.weight": "self_attn.q_norm.weight",
 _DENSE_FFN = {"feed_forward.w1.weight": "mlp.gate_proj.weight",
               "feed_forward.w2.weight": "mlp.down_proj.weight",
               "feed_forward.w3.weight": "mlp.up_proj.weight"}
+_LATENT = {  # multi-head latent attention (DeepSeek-V3)
+    "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_LOW_RANK_Q = {"attention.wq_a.weight": "self_attn.q_a_proj.weight",
+               "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
+               "attention.wq_b.weight": "self_attn.q_b_proj.weight"}
+_FULL_Q = {"attention.wq.weight": "self_attn.q_proj.weight"}
+_SHARED = {"feed_forward.shared_expert.w1.weight": "mlp.shared_experts.gate_proj.weight",
+           "feed_forward.shared_expert.w2.weight": "mlp.shared_experts.down_proj.weight",
+           "feed_forward.shared_expert.w3.weight": "mlp.shared_experts.up_proj.weight"}
 _ROUTER = {"feed_forward.router.gate.weight": "mlp.gate.weight"}
+_ROUTING_BIAS = {"feed_forward.router.expert_bias": "mlp.gate.e_score_correction_bias"}
 _EXPERTS = {"feed_forward.experts.w1": "gate_proj", "feed_forward.experts.w3": "up_proj",
             "feed_forward.experts.w2": "down_proj"}  # ours (E, in, out); HF experts.<e>.<name> (out, in)
 
@@ -206,14 +297,20 @@ def from_rotate_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def hf_names(args: ModelArgs) -> dict[str, str]:
-    """Our parameter name -> the HF name, for every parameter that maps one to one (an MoE block's
-    experts map to one HF tensor per expert: :func:`expert_names`)."""
+    """Our parameter name -> the HF name, for every tensor that maps one to one (an MoE block's
+    experts map to one HF tensor per expert: :func:`expert_names`); DeepSeek-V3's also name the
+    routing bias, a buffer of ours."""
     names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
     if not args.tie_embeddings:
         names["output.weight"] = "lm_head.weight"
     for i in range(args.n_layers):
-        layer = {**_LAYER, **(_QK_NORM if args.qk_norm else {}),
-                 **(_ROUTER if args.is_moe_layer(i) else _DENSE_FFN)}
+        if args.mla:
+            attention = {**_LATENT, **(_LOW_RANK_Q if args.q_lora_rank else _FULL_Q)}
+        else:
+            attention = {**_LAYER, **(_QK_NORM if args.qk_norm else {})}
+        moe = {**_ROUTER, **(_SHARED if args.n_shared_experts else {}),
+               **(_ROUTING_BIAS if args.mla else {})}  # (DeepSeek-V3 checkpoints carry the bias)
+        layer = {**attention, **(moe if args.is_moe_layer(i) else _DENSE_FFN)}
         names.update({f"layers.{i}.{ours}": f"model.layers.{i}.{hf}" for ours, hf in layer.items()})
     return names
 
@@ -226,7 +323,10 @@ def expert_names(args: ModelArgs) -> dict[str, list[str]]:
 
 
 def rope_rows(name: str, w: torch.Tensor, args: ModelArgs, permute: Callable) -> torch.Tensor:
-    """``permute`` (either direction) applied to the q/k projections and QK-norm weights."""
+    """``permute`` (either direction) applied to the q/k projections and QK-norm weights. Latent
+    attention rotates interleaved pairs, as DeepSeek-V3's checkpoints do: nothing to permute."""
+    if args.mla:
+        return w
     if name.endswith("wq.weight"):
         return permute(w, args.n_heads)
     if name.endswith("wk.weight"):

@@ -14,7 +14,6 @@ import contextlib
 import math
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,18 +24,23 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
 from shardwise.config.model_args import ModelArgs
-from shardwise.models.layers import FeedForward, RMSNorm
+from shardwise.models.layers import AttentionCore, FeedForward, KVCache, LayerCache, RMSNorm, apply_rope
+from shardwise.models.mla import LatentAttention
 from shardwise.models.moe import MoE, routing_not_counted
 from shardwise.models.protocol import BlockPlan, LinearGroup, ModelPlan
 from shardwise.ops.chunked_ce import chunked_linear_cross_entropy
 
 
 def rope_table(args: ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
-    """The rotation of every position: (max_seq_len, head_dim // 2, 2) fp32, ``[..., 0]`` the cosine
-    and ``[..., 1]`` the sine of ``pos * freq`` (the angles are computed in float64)."""
-    d = args.head_dim
+    """The rotation of every position: (max_seq_len, rope_dim // 2, 2) fp32, ``[..., 0]`` the cosine
+    and ``[..., 1]`` the sine of ``pos * freq`` (the angles are computed in float64), times YaRN's
+    magnitude correction where it has one."""
+    d = args.rope_dim
     freqs = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float64) / d))
-    if args.rope_scaling_factor != 1.0:
+    magnitude = 1.0
+    if args.rope_scaling_factor != 1.0 and args.rope_scaling == "yarn":
+        freqs, magnitude = yarn_frequencies(args, freqs)
+    elif args.rope_scaling_factor != 1.0:
         # Llama 3.1: leave high frequencies alone, divide low ones by the factor, blend between.
         old = args.rope_original_max_seq_len
         low_wavelen = old / args.rope_low_freq_factor
@@ -49,40 +53,32 @@ def rope_table(args: ModelArgs, device: torch.device | str | None = None) -> tor
                             torch.where(wavelen > low_wavelen, freqs / args.rope_scaling_factor, blended))
     t = torch.arange(args.max_seq_len, device=device, dtype=torch.float64)
     angles = torch.outer(t, freqs)  # (S, D/2)
-    return torch.stack((angles.cos(), angles.sin()), dim=-1).float()  # (S, D/2, 2)
+    return (torch.stack((angles.cos(), angles.sin()), dim=-1) * magnitude).float()  # (S, D/2, 2)
 
 
-def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent channel pairs of ``x`` (B, S, H, D) by ``rope`` (S, D/2, 2) or (B, S, D/2, 2),
-    a :func:`rope_table` slice.
+def yarn_frequencies(args: ModelArgs, freqs: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al., 2023) as DeepSeek-V3 uses it: frequencies that turn fewer than
+    ``beta_slow`` times over the original context are divided by the factor, those that turn more
+    than ``beta_fast`` times are kept, with a linear ramp between (over whole channel pairs);
+    and the rotation's magnitude (the attention's temperature correction)."""
+    d, factor, base = args.rope_dim, args.rope_scaling_factor, args.rope_theta
+    old = args.rope_original_max_seq_len
 
-    Pairs are interleaved (channels 2i, 2i+1), Meta's Llama convention; the rotation runs in fp32.
-    Eager, one complex multiply is the fewest kernels; compiled, the same product in real arithmetic,
-    which inductor fuses with the casts around it (it generates no code for complex ops and would
-    run that multiply as an eager kernel in the middle of the graph). Both round the same products
-    of fp32 numbers (test_model checks them against each other).
-    """
-    r = (rope.unsqueeze(-3) if rope.dim() == 4 else rope[None, :, None]).float()  # (B|1, S, 1, D/2, 2)
-    pairs = x.float().unflatten(-1, (-1, 2))  # (B, S, H, D/2, 2)
-    if torch.compiler.is_compiling():
-        (x0, x1), (cos, sin) = pairs.unbind(-1), r.unbind(-1)
-        out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-    else:
-        out = torch.view_as_real(torch.view_as_complex(pairs) * torch.view_as_complex(r))
-    return out.flatten(-2).type_as(x)
+    def channel(rotations: float) -> float:  # the channel whose frequency turns this often over `old`
+        return d * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
+    low = max(math.floor(channel(args.rope_yarn_beta_fast)), 0)
+    high = min(math.ceil(channel(args.rope_yarn_beta_slow)), d - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(d // 2, dtype=torch.float64, device=freqs.device) - low) / (high - low)).clamp(0, 1)
+    freqs = freqs / factor * ramp + freqs * (1 - ramp)
 
-class AttentionCore(nn.Module):
-    """softmax(q k^T / sqrt(d)) v with a causal (or document) mask: (B, H, S, D) in and out.
+    def mscale(m: float) -> float:
+        return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
 
-    A module of its own so that context parallel can wrap exactly this part (as a ring attention).
-    """
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        # Plain causal attention takes SDPA's is_causal fast path; a document mask is explicit.
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                              enable_gqa=q.shape[1] != k.shape[1])
+    if args.rope_yarn_mscale_all_dim:
+        return freqs, mscale(args.rope_yarn_mscale) / mscale(args.rope_yarn_mscale_all_dim)
+    return freqs, mscale(1.0)
 
 
 class Attention(nn.Module):
@@ -123,7 +119,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
+        self.attention: nn.Module = LatentAttention(args) if args.mla else Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward: nn.Module = (MoE(args, **moe) if args.is_moe_layer(layer_id)
                                         else FeedForward(args.dim, args.ffn_hidden_dim))
@@ -134,11 +130,20 @@ class TransformerBlock(nn.Module):
         row-parallel regions entered with a sequence all-gather; an MoE feed-forward stays on the
         sequence shard (each rank routes its own tokens), FSDP shards it over every rank that routes
         different tokens and expert parallel splits its experts. Context parallel rings the core."""
-        head_norms = ("attention.q_norm", "attention.k_norm") if self.attention.q_norm is not None else ()
-        # (x, rope, mask): the hidden states are gathered; RoPE table and mask are the same everywhere
-        groups = (LinearGroup("attention", ("wq", "wk", "wv"), ("wo",), inputs=3),)
-        common = dict(sequence_norms=("attention_norm", "ffn_norm"), head_norms=head_norms,
-                      attention_core="attention.core")
+        common = dict(sequence_norms=("attention_norm", "ffn_norm"), attention_core="attention.core",
+                      head_norms=())
+        attention = self.attention
+        if isinstance(attention, LatentAttention):
+            # The expansions are split by heads; the compressions stay whole (mla.py says why).
+            low_rank = ("wq_a", "q_norm") if attention.low_rank_q else ()
+            groups = (LinearGroup("attention", ("wq_b" if attention.low_rank_q else "wq", "wkv_b"), ("wo",),
+                                  inputs=3, replicated=(*low_rank, "wkv_a", "kv_norm"),
+                                  shared=("shared_key",)),)
+        else:
+            if attention.q_norm is not None:
+                common["head_norms"] = ("attention.q_norm", "attention.k_norm")
+            # (x, rope, mask): the hidden states are gathered; RoPE table and mask are the same everywhere
+            groups = (LinearGroup("attention", ("wq", "wk", "wv"), ("wo",), inputs=3),)
         ffn = self.feed_forward
         if not isinstance(ffn, MoE):
             return BlockPlan((*groups, LinearGroup("feed_forward", ("w1", "w3"), ("w2",))), **common)
@@ -157,47 +162,6 @@ class TransformerBlock(nn.Module):
                                                                                 cache.layer(self.layer_id))
         h = x + a
         return h + self.feed_forward(self.ffn_norm(h))
-
-
-class KVCache:
-    """Keys and values of every block for generation: each forward given the cache appends its
-    tokens' keys and values (at the positions after those held) and attends to all of them. Room
-    for ``max_len`` tokens is allocated per block at its first use."""
-
-    def __init__(self, max_len: int) -> None:
-        self.max_len, self.length = max_len, 0
-        self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def layer(self, layer_id: int) -> LayerCache:
-        return LayerCache(self, layer_id)
-
-    def append(self, layer_id: int, k: torch.Tensor, v: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """k, v (B, Hkv, S, D) of the new tokens -> every held token's (B, Hkv, T, D), and the mask
-        of the new queries over them (None: plain causal, when nothing was held before)."""
-        b, h, s, d = k.shape
-        end = self.length + s
-        if end > self.max_len:
-            raise ValueError(f"the KV cache holds {self.max_len} tokens; {end} asked")
-        if layer_id not in self._kv:
-            self._kv[layer_id] = (k.new_zeros(b, h, self.max_len, d), v.new_zeros(b, h, self.max_len, d))
-        keys, values = self._kv[layer_id]
-        keys[:, :, self.length:end], values[:, :, self.length:end] = k, v
-        mask = None if self.length == 0 else torch.ones(s, end, dtype=torch.bool, device=k.device).tril(
-            self.length)  # (S, T): new query i sees the held tokens and new ones up to itself
-        return keys[:, :, :end], values[:, :, :end], mask
-
-
-@dataclass(frozen=True)
-class LayerCache:
-    """One block's view of a :class:`KVCache`."""
-
-    cache: KVCache
-    layer_id: int
-
-    def update(self, k: torch.Tensor, v: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        return self.cache.append(self.layer_id, k, v)
 
 
 def causal_mask(s: int, device: torch.device) -> torch.Tensor:
@@ -233,7 +197,7 @@ class Transformer(nn.Module):
         # after to_empty() or sharding.
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         # On meta the table is a shape only: init_weights computes it once materialized.
-        table = torch.empty(args.max_seq_len, args.head_dim // 2, 2)
+        table = torch.empty(args.max_seq_len, args.rope_dim // 2, 2)
         self.register_buffer("rope", table if table.is_meta else rope_table(args), persistent=False)
         # The sequence positions this rank's tokens hold, when context parallel shards the
         # sequence; init_weights then keeps only those rows of the RoPE table.

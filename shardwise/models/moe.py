@@ -156,10 +156,11 @@ class Router(nn.Module):
     """Token-choice top-k gate."""
 
     def __init__(self, dim: int, n_experts: int, top_k: int, score: str, route_norm: bool,
-                 route_scale: float) -> None:
+                 route_scale: float, n_groups: int = 1, topk_groups: int = 1) -> None:
         super().__init__()
         self.gate = nn.Linear(dim, n_experts, bias=False)
         self.top_k, self.score, self.route_norm, self.route_scale = top_k, score, route_norm, route_scale
+        self.n_groups, self.topk_groups = n_groups, topk_groups
         # Balancing bias for the choice only (DeepSeek-V3); a persistent buffer, so checkpointed.
         self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
 
@@ -170,13 +171,26 @@ class Router(nn.Module):
         logits = self.gate(x).float()  # (T, E)
         scores = torch.sigmoid(logits) if self.score == "sigmoid" else torch.softmax(logits, dim=-1)
         biased = scores + self.expert_bias
-        _, ids = torch.topk(biased, self.top_k, dim=-1)  # (T, k)
+        _, ids = torch.topk(self.group_limited(biased), self.top_k, dim=-1)  # (T, k)
         if choose is not None:
             ids = choose(biased, ids)
         weights = scores.gather(-1, ids)
         if self.route_norm:
             weights = weights / weights.sum(-1, keepdim=True)
         return weights * self.route_scale, ids, scores
+
+    def group_limited(self, biased: torch.Tensor) -> torch.Tensor:
+        """``biased`` (T, E) with every expert outside the token's ``topk_groups`` best groups set to
+        -inf (DeepSeek-V3's node-limited routing: a group is ranked by the sum of its two best
+        scores). The identity with one group."""
+        if self.n_groups == 1:
+            return biased
+        t, e = biased.shape
+        grouped = biased.view(t, self.n_groups, e // self.n_groups)  # (T, G, E/G)
+        rank = grouped.topk(min(2, e // self.n_groups), dim=-1).values.sum(-1)  # (T, G)
+        best = rank.topk(self.topk_groups, dim=-1).indices  # (T, g)
+        keep = torch.zeros_like(rank, dtype=torch.bool).scatter_(1, best, True)  # (T, G)
+        return biased.masked_fill(~keep.repeat_interleave(e // self.n_groups, dim=1), float("-inf"))
 
 
 class MoE(nn.Module):
@@ -188,7 +202,8 @@ class MoE(nn.Module):
         self.n_experts, self.top_k = args.n_experts, args.moe_top_k
         self.balance, self.aux_coef, self.bias_rate = args.moe_balance, args.moe_aux_coef, args.moe_bias_rate
         self.router = Router(args.dim, args.n_experts, args.moe_top_k, args.moe_score,
-                             args.moe_route_norm, args.moe_route_scale)
+                             args.moe_route_norm, args.moe_route_scale, args.moe_n_groups,
+                             args.moe_topk_groups)
         self.experts = GroupedExperts(args.n_experts, args.dim, args.moe_hidden_dim)
         self.shared_expert = None
         if args.n_shared_experts:

@@ -54,6 +54,13 @@ class LinearGroup:
     inputs: int = 1
     """The region's positional inputs; the first is the hidden states, the rest are passed as they
     are (the same on every rank: a RoPE table, a mask)."""
+    replicated: tuple[str, ...] = ()
+    """Submodules of the region whose weights are whole on every tp rank and that run on the
+    gathered input (MLA's low-rank compressions and their norms): their outputs are replicated and
+    their weight gradients are summed over tp."""
+    shared: tuple[str, ...] = ()
+    """Submodules whose replicated input is read by this rank's heads only (MLA's shared RoPE key):
+    past them the tensor is local, and its gradient a partial sum over tp."""
     split: bool = True
     """Split over tp. False: the group runs on the sequence shard inside a region that is not
     split (an MoE block's shared expert); float8 still converts it, at full width."""

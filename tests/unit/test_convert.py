@@ -43,7 +43,14 @@ def test_rope_permutation_round_trips():
 
 # Each family the converter speaks: Llama (GQA; tied with Llama-3.1 RoPE scaling), Qwen3 (QK-norm,
 # head width decoupled from dim, an FFN width Llama's rule cannot give), Qwen3-MoE (a dense first
-# block, then experts).
+# block, then experts), DeepSeek-V3 (latent attention with low-rank or full queries, YaRN, shared
+# experts, sigmoid routing limited to groups, a dense first block).
+DEEPSEEK = dataclasses.replace(
+    MODEL, name="", n_kv_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8,
+    v_head_dim=10, n_experts=8, moe_top_k=3, moe_hidden_dim=16, n_shared_experts=2, n_dense_layers=1,
+    ffn_hidden_size=48, moe_score="sigmoid", moe_route_scale=2.5, moe_n_groups=4, moe_topk_groups=2,
+    moe_balance="bias", rope_theta=10000.0, rope_scaling="yarn", rope_scaling_factor=4.0,
+    rope_original_max_seq_len=16, rope_yarn_mscale=1.0, rope_yarn_mscale_all_dim=0.7, norm_eps=1e-6)
 FAMILIES = {
     "llama-gqa": MODEL,
     "llama-tied-scaled": dataclasses.replace(MODEL, tie_embeddings=True, rope_scaling_factor=8.0),
@@ -53,8 +60,12 @@ FAMILIES = {
     "qwen3-moe": dataclasses.replace(MODEL, name="moe-debug", qk_norm=True, head_size=8, n_experts=4,
                                      moe_top_k=2, moe_hidden_dim=32, n_shared_experts=0,
                                      n_dense_layers=1, ffn_hidden_size=48),
+    "deepseek-v3": DEEPSEEK,
+    "deepseek-v3-full-q": dataclasses.replace(DEEPSEEK, q_lora_rank=0, rope_scaling_factor=1.0,
+                                              moe_n_groups=1, moe_topk_groups=1, moe_route_norm=False),
 }
-HF_CLASS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+HF_CLASS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+            "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 def assert_same_logits(ours: torch.nn.Module, hf: torch.nn.Module, vocab: int = 256) -> None:
@@ -91,6 +102,9 @@ def test_import_of_a_transformers_model_needs_no_model_config(tmp_path: Path, fa
     torch.manual_seed(0)
     # (a deep copy: transformers 5 writes rope_theta into the rope_scaling dict it is given)
     hf = getattr(transformers, HF_CLASS[convert.hf_family(args)])(config_cls(**copy.deepcopy(hf_cfg))).eval()
+    for name, bias in hf.named_buffers():  # DeepSeek-V3's routing bias travels with the weights
+        if name.endswith("e_score_correction_bias"):
+            bias.copy_(torch.rand(bias.shape, generator=torch.Generator().manual_seed(1)) * 0.1)
     hf.save_pretrained(tmp_path / "made-by-hf")
     out, model_cfg = convert.import_hf(tmp_path / "made-by-hf", tmp_path / "imported")
     assert convert.hf_config(model_args(model_cfg), "fp32") == hf_cfg  # the same shape
