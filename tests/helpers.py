@@ -300,6 +300,27 @@ MOE_LAYOUTS = {
                                  "--training.loss_chunk=50"],
 }
 
+# DeepSeek-V3 (tiny deepseek-debug): latent attention with low-rank queries (rank 24), a 16-wide
+# latent, heads of 8 no-RoPE + 4 RoPE channels and values 6 wide; 4 experts in 2 groups (top-2 from
+# the best group), sigmoid routing balanced by bias, a shared expert, block 0 dense. Unmasked.
+DEEPSEEK_ARGS = ["--data.document_mask=false", "--model.name=deepseek-debug", "--model.dim=64",
+                 "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=4", "--model.q_lora_rank=24",
+                 "--model.kv_lora_rank=16", "--model.qk_nope_head_dim=8", "--model.qk_rope_head_dim=4",
+                 "--model.v_head_dim=6", "--model.moe_hidden_dim=32", "--model.n_experts=4",
+                 "--model.moe_n_groups=2", "--model.moe_topk_groups=1", "--model.moe_bias_rate=0.01"]
+
+DEEPSEEK_LAYOUTS = {
+    "ds_fsdp2": ["--nproc=2"],
+    "ds_tp2": ["--nproc=2", "--parallel.tp=2"],
+    "ds_fsdp2_tp2": ["--nproc=4", "--parallel.dp_shard=2", "--parallel.tp=2"],
+    "ds_cp2": ["--nproc=2", "--parallel.cp=2"],
+    "ds_ep2": ["--nproc=2", "--parallel.ep=2"],
+    "ds_pp2": ["--nproc=2", "--parallel.pp=2", "--training.micro_batch=2"],
+    # expert parallel x FSDP x tensor parallel
+    "ds_ep2_fsdp2_tp2": ["--nproc=4", "--parallel.ep=2", "--parallel.tp=2"],
+    "ds_cp2_tp2_full_q": ["--nproc=4", "--parallel.cp=2", "--parallel.tp=2", "--model.q_lora_rank=0"],
+}
+
 # Qwen3's attention: QK-norm (a per-head RMSNorm that tensor parallel runs on each rank's heads, its
 # weight's gradient summed over tp), head width 32 at dim 64, an FFN width Llama's rule cannot give.
 QWEN3_ARGS = ["--model.qk_norm=true", "--model.head_size=32", "--model.ffn_hidden_size=96"]

@@ -10,9 +10,10 @@ query attends to all ``S`` keys (no causal discount).
 
 - Matmuls: ``2 * N`` per token forward (multiply + add), backward ``2x`` forward (the gradients of
   the input and of the weight), so ``6 * N`` with backward.
-- Attention per layer: ``4 * H * d_head`` per (query, key) pair forward (``QK^T`` and ``PV``; query
-  heads count, so GQA/MQA do not reduce it), backward ``2.5x`` forward (flash-attention backward
-  recomputes the scores and runs four more matmuls). The pairs are exact for the mask:
+- Attention per layer: ``2 * H * (d_qk + d_v)`` per (query, key) pair forward (``QK^T`` and ``PV``;
+  query heads count, so GQA/MQA do not reduce it; latent attention's values run padded to d_qk),
+  backward ``2.5x`` forward (flash-attention backward recomputes the scores and runs four more
+  matmuls). The pairs are exact for the mask:
   ``S(S+1)/2`` per causal sequence, ``sum_d L_d(L_d+1)/2`` with document masks, ``sum_i min(i+1, w)``
   for a sliding window of ``w`` keys.
 - Activation checkpointing: ``full`` re-runs each block's forward during backward (its matmuls and
@@ -43,27 +44,51 @@ def num_params(args: ModelArgs, include_embedding: bool = True, active: bool = F
     """Parameters of the model; ``active``: of an MoE model, those one token uses (its top-k
     routed experts, not all of them)."""
     d, L = args.dim, args.n_layers
-    attn = _attention_params(args)
-    dense_mlp = 3 * d * args.ffn_hidden_dim
-    n_moe = sum(args.is_moe_layer(i) for i in range(L))
-    experts = args.moe_top_k if active else args.n_experts
-    moe_mlp = d * args.n_experts + 3 * d * args.moe_hidden_dim * (experts + args.n_shared_experts)
-    norms = 2 * d + (2 * args.head_dim if args.qk_norm else 0)
-    total = L * (attn + norms) + (L - n_moe) * dense_mlp + n_moe * moe_mlp + d  # + final norm
+    routed = 3 * d * args.moe_hidden_dim * (args.moe_top_k if active else args.n_experts)
+    total = sum(sum(block_linears(args, i)) + (routed if args.is_moe_layer(i) else 0)
+                for i in range(L)) + L * block_norm_params(args) + d  # + final norm
     emb = args.vocab_size * d
     head = 0 if args.tie_embeddings else emb
     return total + head + (emb if include_embedding else 0)
 
 
-def _attention_params(args: ModelArgs) -> int:
-    """wq, wo (query heads) and wk, wv (key/value heads) of one block."""
-    return args.dim * args.head_dim * (2 * args.n_heads + 2 * args.n_kv_heads)
+def block_linears(args: ModelArgs, layer: int) -> list[int]:
+    """Parameters of one block's linear layers (its matmuls but the routed experts' grouped ones),
+    in the order its forward calls them; a dense MLP's or shared expert's down projection last."""
+    d, h = args.dim, args.n_heads
+    if args.mla:  # wq | wq_a, wq_b; wkv_a, wkv_b; wo
+        q = [d * args.q_lora_rank, args.q_lora_rank * h * args.qk_head_dim] if args.q_lora_rank \
+            else [d * h * args.qk_head_dim]
+        kv = args.kv_lora_rank * h * (args.qk_nope_head_dim + args.v_head_dim)
+        attention = [*q, d * (args.kv_lora_rank + args.qk_rope_head_dim), kv, h * args.v_head_dim * d]
+    else:  # wq, wk, wv, wo
+        q, kv = d * h * args.head_dim, d * args.n_kv_heads * args.head_dim
+        attention = [q, kv, kv, q]
+    if not args.is_moe_layer(layer):
+        return [*attention, *[d * args.ffn_hidden_dim] * 3]  # w1, w3, w2
+    shared = [d * args.moe_hidden_dim * args.n_shared_experts] * 3 if args.n_shared_experts else []
+    return [*attention, d * args.n_experts, *shared]  # router, shared w1, w3, w2
+
+
+def block_norm_params(args: ModelArgs) -> int:
+    """Norm weights of one block: its two, plus QK-norm's or latent attention's."""
+    if args.mla:
+        return 2 * args.dim + args.q_lora_rank + args.kv_lora_rank
+    return 2 * args.dim + (2 * args.head_dim if args.qk_norm else 0)
+
+
+def attention_width(args: ModelArgs, executed: bool = False) -> int:
+    """Per head and (query, key) pair, the channels attention multiplies: the query/key width
+    (``QK^T``) plus the value width (``PV``). ``executed``: as the kernel runs it, the values
+    zero-padded to the query/key width where narrower (latent attention)."""
+    v = max(args.value_head_dim, args.qk_head_dim) if executed else args.value_head_dim
+    return args.qk_head_dim + v
 
 
 def matmul_params(args: ModelArgs) -> int:
     """Parameters that take part in a matmul for one token (active experts; the output head, but
     not an untied input embedding, which is a lookup; not the norms)."""
-    norms = args.n_layers * (2 * args.dim + (2 * args.head_dim if args.qk_norm else 0)) + args.dim
+    norms = args.n_layers * block_norm_params(args) + args.dim
     n = num_params(args, include_embedding=False, active=True) - norms
     if args.tie_embeddings:
         n += args.vocab_size * args.dim  # the shared table does the output matmul
@@ -72,11 +97,12 @@ def matmul_params(args: ModelArgs) -> int:
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     """Training FLOPs (forward + backward) per token, PaLM convention (norm weights included in
-    ``N`` as torchtitan does)."""
+    ``N`` as torchtitan does); the attention term ``6 * L * H * (d_qk + d_v) * S``, which is
+    PaLM's ``12 * L * H * d_head * S`` where the widths are equal."""
     n = num_params(args, include_embedding=False, active=True)
     if args.tie_embeddings:
         n += args.vocab_size * args.dim
-    return 6.0 * n + 12.0 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    return 6.0 * n + 6.0 * args.n_layers * args.n_heads * attention_width(args) * seq_len
 
 
 def attention_pairs(seq_len: int, causal: bool = True, window: int = 0) -> int:
@@ -138,7 +164,7 @@ def executed_flops(args: ModelArgs, tokens: int, pairs: int | torch.Tensor, reco
     vocab-parallel chunked loss under tensor parallel; the fused loss on one rank or FSDP
     computes its gradients in forward and recomputes nothing)."""
     fwd_matmul = 2.0 * matmul_params(args) * tokens
-    fwd_attn = 4.0 * args.n_layers * args.n_heads * args.head_dim * pairs
+    fwd_attn = 2.0 * args.n_layers * args.n_heads * attention_width(args, executed=True) * pairs
     matmul = fwd_matmul * (1 + MATMUL_BACKWARD)
     attention = fwd_attn * (1 + ATTENTION_BACKWARD)
     if recompute not in ("none", "full", "layer", "selective", "selective_half"):
@@ -158,23 +184,21 @@ def _recomputed_block_params(args: ModelArgs, layer: int) -> int:
     """Matmul parameters per token of one checkpointed block's recompute: all of its forward but
     the down projections whose outputs only feed the residual add (the dense MLP's w2, the shared
     expert's), which torch's non-reentrant checkpoint stops before."""
-    d, attn = args.dim, _attention_params(args)
+    linears = block_linears(args, layer)
     if not args.is_moe_layer(layer):
-        return attn + 2 * d * args.ffn_hidden_dim  # w1, w3
-    routed = 3 * d * args.moe_hidden_dim * args.moe_top_k
-    shared = 2 * d * args.moe_hidden_dim * args.n_shared_experts
-    return attn + d * args.n_experts + routed + shared
+        return sum(linears[:-1])
+    routed = 3 * args.dim * args.moe_hidden_dim * args.moe_top_k
+    return sum(linears[:-1] if args.n_shared_experts else linears) + routed
 
 
 def _half_recomputed_params(args: ModelArgs, layer: int) -> int:
     """Matmul parameters per token that ``selective_half`` runs again in one block: its 2nd, 4th,
-    ... linear layer (wk, wo, then the dense MLP's w3 or the shared expert's w1; the shared
-    expert's w2, 8th, only feeds the residual add and is not reached)."""
-    d, hd = args.dim, args.head_dim
-    n = d * hd * (args.n_kv_heads + args.n_heads)  # wk, wo
-    if not args.is_moe_layer(layer):
-        return n + d * args.ffn_hidden_dim  # w3
-    return n + d * args.moe_hidden_dim * args.n_shared_experts  # shared w1
+    ... linear layer (for Llama wk, wo, then the dense MLP's w3 or the shared expert's w1), but a
+    last down projection, which only feeds the residual add and is not reached."""
+    linears = block_linears(args, layer)
+    if not args.is_moe_layer(layer) or args.n_shared_experts:
+        linears = linears[:-1]
+    return sum(linears[1::2])
 
 
 # ---------------------------------------------------------------------------------------------

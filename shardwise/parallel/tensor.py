@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -83,10 +83,40 @@ def block_tp_plan(block: nn.Module, float8_comm: bool) -> dict[str, ParallelStyl
         styles.update({f"{group.region}.{n}": col() for n in group.columns})
         # reduce-scatter over tp, back into sequence shards
         styles.update({f"{group.region}.{n}": row(output_layouts=Shard(1)) for n in group.rows})
+        styles.update({f"{group.region}.{n}": Replicated() for n in group.replicated})
+        styles.update({f"{group.region}.{n}": SharedByHeads() for n in group.shared})
     # Per-head norms run on this rank's heads (dim 2 of (B, S, H/tp, D)): the weight is replicated
     # and its gradient, a partial sum over the local heads, is summed over tp.
     styles.update({norm: SequenceParallel(sequence_dim=2, use_local_output=True) for norm in plan.head_norms})
     return styles
+
+
+class Replicated(ParallelStyle):
+    """A module inside a split region whose weights are whole on every tp rank (MLA's low-rank
+    compressions): it runs on the gathered input, its output is a replicated DTensor, and the
+    weight gradients -- partial sums, since each rank's heads use the output -- are summed over tp
+    by DTensor. (torch has no style for this; torchtitan writes the same one as ``NoParallel``.)"""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, None, input_fn=_replicated_inputs)
+
+
+def _replicated_inputs(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    return tuple(DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+                 if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+
+class SharedByHeads(ParallelStyle):
+    """A module whose replicated input is read by this rank's heads only (MLA's RoPE key, shared by
+    every head): the input becomes a plain tensor whose gradient is a partial sum over tp, which
+    the replicated layers before it (a DTensor ``Partial``) sum."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, None, input_fn=_head_local_inputs)
+
+
+def _head_local_inputs(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    return tuple(x.to_local(grad_placements=(Partial(),)) if isinstance(x, DTensor) else x for x in inputs)
 
 
 def enable_async_tp(mesh: DeviceMesh) -> None:

@@ -16,10 +16,11 @@ Tolerances, from bf16's unit roundoff u = 2^-9 (8 significant bits, round to nea
   more where a gradient is near zero (m / sqrt(v) amplifies it); over K steps these add like a random
   walk; the factor 4 is headroom (measured <= 1.8e-2, TP2).
 
-MoE (ep2) replays the reference's expert choices per token, as ``shardwise verify`` does by default:
-in bf16 another reduction order can break a router near-tie the other way, which sends a token to
-another expert -- a different function, not a layout error. Routed freely on this data, the router
-weight ended 5.7e-2 apart (its gradient follows the choices); replayed, every tensor is within 6e-3.
+MoE (ep2, and DeepSeek-V3's layouts) replays the reference's expert choices per token, as
+``shardwise verify`` does by default: in bf16 another reduction order can break a router near-tie
+the other way, which sends a token to another expert -- a different function, not a layout error.
+Routed freely on this data, the router weight ended 5.7e-2 apart (its gradient follows the choices);
+replayed, every tensor is within 6e-3.
 
 Negative controls (the same check must FAIL): FSDP with the gradient reduction dropped (each rank
 keeps its own shard: loss 8.4e-3, norm 0.39, params 0.74 measured) and with every gradient doubled
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import max_rel, metrics, param_error, parity_run
+from tests.helpers import DEEPSEEK_ARGS, DEEPSEEK_LAYOUTS, max_rel, metrics, param_error, parity_run
 
 pytestmark = pytest.mark.dist
 
@@ -52,7 +53,11 @@ LAYOUTS = {
     "pp2": ["--nproc=2", "--parallel.pp=2"],  # 8 micro-batches of 1 (chosen for pp)
     "cp2": ["--nproc=2", "--parallel.cp=2"],
     "ep2": ["--nproc=2", "--parallel.ep=2", *MOE],
+    # DeepSeek-V3 (latent attention, group-limited sigmoid routing): EP x FSDP x TP, and CP.
+    "ds_ep2_fsdp2_tp2": [*DEEPSEEK_LAYOUTS["ds_ep2_fsdp2_tp2"], *DEEPSEEK_ARGS, "--training.loss=plain"],
+    "ds_cp2": [*DEEPSEEK_LAYOUTS["ds_cp2"], *DEEPSEEK_ARGS, "--training.loss=plain"],
 }
+ROUTED = {"ep2": "moe", "ds_ep2_fsdp2_tp2": "deepseek", "ds_cp2": "deepseek"}
 
 
 def train(tmp: Path, name: str, cache: str, *extra: str, fault: str = "") -> Path:
@@ -77,7 +82,9 @@ def references(tmp_path_factory: pytest.TempPathFactory, data_cache: str) -> dic
     tmp = tmp_path_factory.mktemp("bf16")
     return {"dense": train(tmp, "ref", data_cache),
             "dense_plain": train(tmp, "ref_plain", data_cache, "--training.loss=plain"),
-            "moe": train(tmp, "ref_moe", data_cache, *MOE, "--debug.routing_record=true")}
+            "moe": train(tmp, "ref_moe", data_cache, *MOE, "--debug.routing_record=true"),
+            "deepseek": train(tmp, "ref_deepseek", data_cache, *DEEPSEEK_ARGS, "--training.loss=plain",
+                              "--debug.routing_record=true")}
 
 
 # Layouts whose `training.loss=auto` is the plain loss (tp, pp) are compared with the single-rank
@@ -90,8 +97,8 @@ PLAIN_LOSS = ("tp2", "pp2")
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_bf16_layout_matches_single_rank(layout: str, references: dict[str, Path], tmp_path: Path,
                                          data_cache: str):
-    ref = references["moe" if layout == "ep2" else "dense_plain" if layout in PLAIN_LOSS else "dense"]
-    replay = [f"--debug.routing_replay={ref}"] if layout == "ep2" else []
+    ref = references[ROUTED.get(layout) or ("dense_plain" if layout in PLAIN_LOSS else "dense")]
+    replay = [f"--debug.routing_replay={ref}"] if layout in ROUTED else []
     diffs = differences(ref, train(tmp_path, layout, data_cache, *LAYOUTS[layout], *replay))
     assert metrics(ref)[-1]["loss"] < metrics(ref)[0]["loss"] - 0.2  # it trains
     assert within(diffs), (f"{layout}: loss {diffs[0]:.2e} (<= {LOSS_RTOL:.2e}), grad norm {diffs[1]:.2e} "

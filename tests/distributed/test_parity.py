@@ -24,6 +24,8 @@ import torch
 from shardwise.data.tokenizer import SHIPPED_CORPUS
 from shardwise.launch.verify import checkpoint_params
 from tests.helpers import (
+    DEEPSEEK_ARGS,
+    DEEPSEEK_LAYOUTS,
     LAYOUTS,
     LOSS_RTOL,
     MOE_ARGS,
@@ -53,7 +55,7 @@ SLOW = {"fsdp4", "hsdp2_tp2", "cp2_no_load_balance_alltoall", "cp4", "hsdp2_cp2"
         "pp2_interleaved_tp2", "pp2_zbv", "pp2_dualpipev", "fsdp2_ac_selective", "tp2_ac_full",
         "fsdp2_chunked_loss", "cp2_ac_selective", "fsdp2_tp2_chunked_loss", "fsdp2_tp2_ac_layer",
         "pp2_cp2", "cp2_tp2", "tp2_gathered_logits", "fsdp2_gloo_override", "pp2_tp2",
-        "moe_ep2_ac_selective_half",
+        "moe_ep2_ac_selective_half", "ds_fsdp2", "ds_tp2", "ds_ep2",
         # covered in CI by a larger case of the same kind: the accumulation test, pp2_fsdp2_tp2 (also
         # for 1F1B), moe_cp2_ep2_chunked_loss, fsdp2_tp2 and tp2_ac_selective_half, fsdp2_cp2 (and
         # verify's cp=2), moe_ep2_tp2
@@ -87,6 +89,34 @@ def test_moe_bias_balancing_sigmoid_matches_single_rank(tmp_path: Path, data_cac
     ref = parity_run(tmp_path, "ref", data_cache, *extra)
     check_same_run(ref, parity_run(tmp_path, "ep2_tp2", data_cache, *extra, "--nproc=4", "--parallel.ep=2",
                               "--parallel.tp=2"), "bias ep2_tp2")
+
+
+@pytest.fixture(scope="module")
+def reference_deepseek(tmp_path_factory: pytest.TempPathFactory, data_cache: str) -> Path:
+    return parity_run(tmp_path_factory.mktemp("ref_deepseek"), "ref", data_cache, *DEEPSEEK_ARGS)
+
+
+LOW_RANK_Q = [k for k in DEEPSEEK_LAYOUTS if "full_q" not in k]
+
+
+@pytest.mark.parametrize("layout", layouts({k: DEEPSEEK_LAYOUTS[k] for k in LOW_RANK_Q}, SLOW))
+def test_deepseek_layout_matches_single_rank(layout: str, reference_deepseek: Path, tmp_path: Path,
+                                             data_cache: str):
+    """DeepSeek-V3: latent attention under FSDP, TP (expansions split by heads, compressions whole),
+    CP (ring attention with values narrower than the keys), PP, and its group-limited sigmoid
+    routing under EP and EP x FSDP x TP; the expert load each step is the reference's."""
+    run_dir = parity_run(tmp_path, layout, data_cache, *DEEPSEEK_ARGS, *DEEPSEEK_LAYOUTS[layout])
+    check_same_run(reference_deepseek, run_dir, layout)
+    loads = [r["expert_load"] for r in metrics(run_dir)]
+    assert loads == pytest.approx([r["expert_load"] for r in metrics(reference_deepseek)], rel=1e-6)
+
+
+def test_deepseek_full_queries_cp2_tp2_match_single_rank(tmp_path: Path, data_cache: str):
+    """Latent attention with a full query projection (DeepSeek-V3 16B's) under CP x TP."""
+    extra = [*DEEPSEEK_ARGS, "--model.q_lora_rank=0"]
+    ref = parity_run(tmp_path, "ref", data_cache, *extra)
+    layout = [a for a in DEEPSEEK_LAYOUTS["ds_cp2_tp2_full_q"] if a != "--model.q_lora_rank=0"]
+    check_same_run(ref, parity_run(tmp_path, "cp2_tp2", data_cache, *extra, *layout), "full-q cp2_tp2")
 
 
 @pytest.fixture(scope="module")

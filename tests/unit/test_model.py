@@ -202,7 +202,13 @@ def test_every_preset_builds_on_meta(name: str):
     model = build_model(args)
     assert all(p.is_meta for p in model.parameters())
     assert sum(p.numel() for p in model.parameters()) == num_params(args)
-    assert model.layers["0"].attention.wk.weight.shape == (args.n_kv_heads * args.head_dim, args.dim)
+    attention = model.layers["0"].attention
+    if args.mla:  # the latent and the shared RoPE key; each head's no-RoPE key and value from the latent
+        assert attention.wkv_a.weight.shape == (args.kv_lora_rank + args.qk_rope_head_dim, args.dim)
+        assert attention.wkv_b.weight.shape == (args.n_heads * (args.qk_nope_head_dim + args.v_head_dim),
+                                                args.kv_lora_rank)
+    else:
+        assert attention.wk.weight.shape == (args.n_kv_heads * args.head_dim, args.dim)
     out = model(torch.zeros(1, 8, dtype=torch.long, device="meta"))
     assert out.shape == (1, 8, args.vocab_size)
 
@@ -226,6 +232,15 @@ def test_meta_build_materializes_to_the_cpu_build():
                                            ("405b", 405.853)])
 def test_large_presets_have_published_parameter_counts(name: str, billions: float):
     assert num_params(PRESETS[name]) / 1e9 == pytest.approx(billions, rel=2e-3)
+
+
+def test_deepseek_presets_have_published_sizes():
+    """DeepSeek-V3's technical report: 671B parameters, 37B activated per token (the main model,
+    without its multi-token-prediction module); the 16B preset (torchtitan's shape): 15.7B, 2.66B."""
+    assert num_params(PRESETS["deepseek-v3-671b"]) / 1e9 == pytest.approx(671.0, rel=1e-3)
+    assert num_params(PRESETS["deepseek-v3-671b"], active=True) / 1e9 == pytest.approx(37.6, rel=5e-3)
+    assert num_params(PRESETS["deepseek-v3-16b"]) / 1e9 == pytest.approx(15.7, rel=2e-3)
+    assert num_params(PRESETS["deepseek-v3-16b"], active=True) / 1e9 == pytest.approx(2.66, rel=5e-3)
 
 
 def test_qwen3_small_preset_has_its_published_sizes():

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardwise.models import PRESETS
+from shardwise.models import PRESETS, ModelArgs
 from shardwise.models.llama import build_model
 from shardwise.observe import peak as peak_mod
 from shardwise.observe.flops import flops_per_token, num_params
@@ -131,13 +131,26 @@ def test_throughput_mfu_arithmetic(monkeypatch: pytest.MonkeyPatch):
     assert w["exec_util"] == pytest.approx(4e11 / 2.0 / 1e12)  # per-device FLOPs over the window
 
 
-@pytest.mark.parametrize("kind", ["dense_mha", "dense_gqa", "moe"])
+def _small(kind: str, **changes: object) -> ModelArgs:
+    """The debug shapes at dim 64, 3 blocks: dense, MoE, or DeepSeek-V3's latent attention (low-rank
+    or full queries; values narrower than the q/k heads)."""
+    import dataclasses
+
+    base = PRESETS["moe-debug"] if kind == "moe" else PRESETS["deepseek-debug"] if "deepseek" in kind \
+        else PRESETS["debug"]
+    mla = dict(q_lora_rank=0 if kind == "deepseek_full_q" else 24, kv_lora_rank=16, qk_nope_head_dim=8,
+               qk_rope_head_dim=4, v_head_dim=6) if "deepseek" in kind else {}
+    return dataclasses.replace(base, dim=64, n_layers=3, n_heads=4, vocab_size=256, multiple_of=16,
+                               moe_hidden_dim=32, n_experts=0 if kind.startswith("dense") else 4,
+                               **{"n_kv_heads": 4 if kind == "dense_mha" or mla else 2, **mla, **changes})
+
+
+@pytest.mark.parametrize("kind", ["dense_mha", "dense_gqa", "moe", "deepseek", "deepseek_full_q"])
 def test_executed_flops_match_torch_flop_counter(kind: str, monkeypatch: pytest.MonkeyPatch):
     """A real forward + backward under FlopCounterMode (with formulas for CPU attention and grouped
     GEMM, which count every query-key pair) equals the analytic count with non-causal pairs. The
     count is the model's: on CPU the experts' groups are padded with zero rows (moe.pad_groups),
     which run as GEMM rows too -- here padded to multiples of one row, i.e. not at all."""
-    import dataclasses
 
     import shardwise.models.moe as moe
 
@@ -148,10 +161,7 @@ def test_executed_flops_match_torch_flop_counter(kind: str, monkeypatch: pytest.
     from shardwise.models.llama import init_weights
     from shardwise.observe.flops import executed_flops, flop_counter_formulas
 
-    base = PRESETS["moe-debug"] if kind == "moe" else PRESETS["debug"]
-    args = dataclasses.replace(base, dim=64, n_layers=3, n_heads=4, vocab_size=256, multiple_of=16,
-                               n_kv_heads=4 if kind == "dense_mha" else 2, moe_hidden_dim=32,
-                               n_experts=4 if kind == "moe" else 0)
+    args = _small(kind)
     model = build_model(args, device="cpu")
     init_weights(model, 0)
     b, s = 2, 32
@@ -206,7 +216,10 @@ def test_executed_flops_terms():
                                                      ("dense", "layer", 0), ("moe", "layer", 16),
                                                      ("dense", "selective", 16),
                                                      ("dense", "selective_half", 0),
-                                                     ("moe", "selective_half", 16)])
+                                                     ("moe", "selective_half", 16),
+                                                     ("deepseek", "full", 0),
+                                                     ("deepseek", "selective_half", 0),
+                                                     ("deepseek_full_q", "selective_half", 16)])
 def test_executed_flops_with_recompute_match_the_flop_counter(kind: str, mode: str, chunk: int,
                                                               monkeypatch: pytest.MonkeyPatch):
     """Blocks under our activation checkpointing: FlopCounterMode sees one more forward of each
@@ -214,7 +227,6 @@ def test_executed_flops_with_recompute_match_the_flop_counter(kind: str, mode: s
     none under the selective policy), and the fused loss no head matmul beyond the plain loss's
     three (it computes its gradients in forward): exactly the analytic count; dense and MoE (the
     CPU's expert padding off, as in the test above)."""
-    import dataclasses
 
     import shardwise.models.moe as moe
 
@@ -227,9 +239,7 @@ def test_executed_flops_with_recompute_match_the_flop_counter(kind: str, mode: s
     from shardwise.observe.flops import executed_flops, flop_counter_formulas
     from shardwise.parallel.ac import apply_ac
 
-    base = PRESETS["moe-debug"] if kind == "moe" else PRESETS["debug"]
-    args = dataclasses.replace(base, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=256,
-                               multiple_of=16, moe_hidden_dim=32, n_experts=4 if kind == "moe" else 0)
+    args = _small(kind)
     model = build_model(args, device="cpu")
     init_weights(model, 0)
     apply_ac(model, ActivationCheckpointConfig(mode=mode, every=2))
