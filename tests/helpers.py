@@ -316,6 +316,8 @@ DEEPSEEK_LAYOUTS = {
     "ds_cp2": ["--nproc=2", "--parallel.cp=2"],
     "ds_ep2": ["--nproc=2", "--parallel.ep=2"],
     "ds_pp2": ["--nproc=2", "--parallel.pp=2", "--training.micro_batch=2"],
+    # (an MoE block's sequence group under tp is shared by the pipeline stage's copy, not copied)
+    "ds_pp2_tp2": ["--nproc=4", "--parallel.pp=2", "--parallel.tp=2", "--training.micro_batch=2"],
     # expert parallel x FSDP x tensor parallel
     "ds_ep2_fsdp2_tp2": ["--nproc=4", "--parallel.ep=2", "--parallel.tp=2"],
     "ds_cp2_tp2_full_q": ["--nproc=4", "--parallel.cp=2", "--parallel.tp=2", "--model.q_lora_rank=0"],

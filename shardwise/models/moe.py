@@ -171,7 +171,8 @@ class Router(nn.Module):
         logits = self.gate(x).float()  # (T, E)
         scores = torch.sigmoid(logits) if self.score == "sigmoid" else torch.softmax(logits, dim=-1)
         biased = scores + self.expert_bias
-        _, ids = torch.topk(self.group_limited(biased), self.top_k, dim=-1)  # (T, k)
+        # The choice carries no gradient: made on detached scores, its ops save nothing for backward.
+        _, ids = torch.topk(self.group_limited(biased.detach()), self.top_k, dim=-1)  # (T, k)
         if choose is not None:
             ids = choose(biased, ids)
         weights = scores.gather(-1, ids)

@@ -118,8 +118,12 @@ def split_stage(model: nn.Module, stages: int | list[int], n_stages: int) -> nn.
     # took longer than building it.
     every = model.layers
     model.layers = nn.ModuleDict({k: b for k, b in every.items() if k in keep})
+    # Process groups a module holds (an MoE block's sequence group under cp or tp) are shared by
+    # the copy: they cannot be copied, and the stage runs on the same ranks.
+    groups = {id(v): v for m in model.modules() for v in vars(m).values()
+              if isinstance(v, torch.distributed.ProcessGroup)}
     try:
-        part = copy.deepcopy(model)
+        part = copy.deepcopy(model, memo=groups)
     finally:
         model.layers = every
     ends = model.plan

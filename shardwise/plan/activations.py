@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from shardwise.config.schema import Config
 from shardwise.models import ModelArgs
@@ -105,10 +106,35 @@ def expert_rows(s: Shape) -> int:
     return slots + round(local * (group_alignment(slots, local) - 1) / 2)
 
 
-def _norm(s: Shape, tokens: int) -> int:
-    """RMSNorm in fp32: input copy (the input itself in fp32), normalized, 1/rms, fp32 weight copy
-    (none when the weight is already fp32)."""
-    d = s.args.dim
+class AttentionLinear(NamedTuple):
+    inp: int
+    """Input width on one tp rank."""
+    out: int
+    split: bool
+    """Split by heads over tp (else whole on every rank: latent attention's compressions)."""
+    reads_hidden: bool
+    """Reads the block's (gathered) hidden states."""
+
+
+def attention_linears(a: ModelArgs, tp: int) -> list[AttentionLinear]:
+    """A block's attention linears on one tp rank, in forward order: wq, wk, wv, wo; or latent
+    attention's wq_a, wq_b (or wq), wkv_a, wkv_b, wo."""
+    d, h, L = a.dim, a.n_heads // tp, AttentionLinear
+    if not a.mla:
+        q, kv = h * a.head_dim, a.n_kv_heads * a.head_dim // tp
+        return [L(d, q, True, True), L(d, kv, True, True), L(d, kv, True, True), L(q, d, True, False)]
+    qk = h * a.qk_head_dim
+    q = [L(d, a.q_lora_rank, False, True), L(a.q_lora_rank, qk, True, False)] if a.q_lora_rank \
+        else [L(d, qk, True, True)]
+    return [*q, L(d, a.kv_lora_rank + a.qk_rope_head_dim, False, True),
+            L(a.kv_lora_rank, h * (a.qk_nope_head_dim + a.v_head_dim), True, False),
+            L(h * a.v_head_dim, d, True, False)]
+
+
+def _norm(s: Shape, tokens: int, width: int = 0) -> int:
+    """RMSNorm in fp32 over ``width`` channels (default dim): input copy (the input itself in fp32),
+    normalized, 1/rms, fp32 weight copy (none when the weight is already fp32)."""
+    d = width or s.args.dim
     return 8 * tokens * d + 4 * tokens + (4 * d if s.e < 4 else 0)
 
 
@@ -121,6 +147,8 @@ def attention(s: Shape) -> int:
     """Attention block after the norm: gathered input, q, k (post-RoPE), v, out, log-sum-exp; with
     QK-norm, its two norms."""
     a, t = s.args, s.tokens
+    if a.mla:
+        return latent_attention(s)
     hq, hkv, dh = a.n_heads // s.tp, a.n_kv_heads // s.tp, a.head_dim
     out = s.e * t * a.dim + s.e * t * dh * (2 * hq + 2 * hkv) + 4 * s.mb * hq * s.seq
     if a.qk_norm:  # RMSNorm per head of q and k, as _norm: fp32 input, normalized, 1/rms, weight copy
@@ -128,6 +156,29 @@ def attention(s: Shape) -> int:
     if s.cp > 1:  # ring attention's output is (B, H, S, D): the projection input is a copy
         out += s.e * t * hq * dh
     return out
+
+
+def latent_attention(s: Shape) -> int:
+    """Latent attention after the norm (models/mla.py), on the gathered tokens: the input of the
+    compressions; the query latent through its norm into wq_b; the key-value latent through its norm
+    into wkv_b (in fp32 the norm keeps the whole compression output, of which the latent is a view);
+    q, k and v as the kernel takes them, padded to one width W, its output and log-sum-exp; and the
+    output projection's input, the first v channels of each head copied out (or, at W = v, the
+    output itself -- a copy under cp, as for grouped-query attention)."""
+    a, t, e = s.args, s.tokens, s.e
+    h, c, r = a.n_heads // s.tp, a.kv_lora_rank, a.qk_rope_head_dim
+    qk, v = a.qk_head_dim, a.value_head_dim
+    w = max(qk, v)
+    n = e * t * a.dim
+    if a.q_lora_rank:
+        n += _norm(s, t, a.q_lora_rank) + e * t * a.q_lora_rank
+    n += _norm(s, t, c) + (4 * t * r if e == 4 else 0) + e * t * c
+    # q and k: their own tensors (concatenated, padded); v: padded, else a view of wkv_b's output
+    n += 2 * e * t * h * w + e * t * h * (w if v < w else a.qk_nope_head_dim + v)
+    n += e * t * h * w + 4 * s.mb * h * s.seq  # output, log-sum-exp
+    if v < w or s.cp > 1:
+        n += e * t * h * v
+    return n
 
 
 def mask_saved(s: Shape, cfg: Config) -> int:
@@ -169,11 +220,11 @@ def block_saved(s: Shape, cfg: Config, layer: int) -> int:
 
 def linear_outputs(s: Shape, layer: int) -> list[int]:
     """Bytes of each linear-layer matmul output of one block, in the order the forward runs them:
-    wq, wk, wv, wo, then the dense MLP's w1, w3, w2, or the router's gate and the shared expert's
-    w1, w3, w2 (the routed experts are grouped GEMMs, not linear layers)."""
+    attention's (wq, wk, wv, wo; or latent attention's), then the dense MLP's w1, w3, w2, or the
+    router's gate and the shared expert's w1, w3, w2 (the routed experts are grouped GEMMs, not
+    linear layers)."""
     a, t, tn, e = s.args, s.tokens, s.norm_tokens, s.e
-    hq, hkv, dh = a.n_heads // s.tp, a.n_kv_heads // s.tp, a.head_dim
-    out = [e * t * hq * dh, e * t * hkv * dh, e * t * hkv * dh, e * t * a.dim]
+    out = [e * t * x.out for x in attention_linears(a, s.tp)]
     if not a.is_moe_layer(layer):
         f = a.ffn_hidden_dim // s.tp
         return out + [e * t * f, e * t * f, e * t * a.dim]
@@ -192,7 +243,8 @@ def block_selective(s: Shape, cfg: Config, layer: int) -> int:
     n = e * tn * a.dim  # the block input
     step = 2 if cfg.activation_checkpoint.mode == "selective_half" else 1
     n += sum(linear_outputs(s, layer)[::step])
-    n += e * t * hq * a.head_dim + 4 * s.mb * hq * s.seq + mask_saved(s, cfg)  # attention out, lse, mask
+    width = max(a.qk_head_dim, a.value_head_dim)  # (as the kernel runs latent attention's heads)
+    n += e * t * hq * width + 4 * s.mb * hq * s.seq + mask_saved(s, cfg)  # attention out, lse, mask
     if s.tp > 1:
         n += e * t * a.dim + e * tn * a.dim  # attention: input all-gather, output reduce-scatter
     if a.is_moe_layer(layer):
@@ -211,7 +263,10 @@ def backward_temporaries(s: Shape, layer: int) -> int:
         mlp = 4 * s.e * expert_rows(s) * a.moe_hidden_dim
     else:
         mlp = 4 * s.e * s.tokens * (a.ffn_hidden_dim // s.tp)
-    attn = s.e * s.tokens * a.head_dim * (2 * a.n_heads + 2 * a.n_kv_heads) // s.tp
+    if a.mla:  # the gradients of q, k, v (padded to one width) and of the output
+        attn = 4 * s.e * s.tokens * max(a.qk_head_dim, a.value_head_dim) * (a.n_heads // s.tp)
+    else:
+        attn = s.e * s.tokens * a.head_dim * (2 * a.n_heads + 2 * a.n_kv_heads) // s.tp
     return max(mlp, attn)
 
 
@@ -230,7 +285,7 @@ def rope_table(s: Shape, cfg: Config) -> int:
     """The RoPE rotations attention saves (one table shared by all blocks): the whole table, or
     under cp this rank's rows."""
     rows = s.seq if s.cp > 1 else s.args.max_seq_len
-    return 8 * rows * (s.args.head_dim // 2)
+    return 8 * rows * (s.args.rope_dim // 2)
 
 
 def head_saved(s: Shape, cfg: Config) -> int:

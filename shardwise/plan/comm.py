@@ -38,6 +38,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from shardwise.config.model_args import ModelArgs
 from shardwise.parallel.dims import FLAT_VIEWS, MESH_DIMS, MOE_VIEWS, Degrees, Mesh
 from shardwise.parallel.pipeline import rank_stages
 from shardwise.plan.activations import Shape, shape_of
@@ -176,6 +177,9 @@ def tensor_collectives(run: ResolvedRun, rank_states: RankStates,
         "sequence-parallel reduce-scatter (grad)")
     add(Mesh.TP, "all_reduce", shape.e * dim, micro_batches * 2 * n_layers, "backward",
         "norm weight gradients")
+    for what, numel in latent_compressions(shape.args):  # whole on every rank, like the norms
+        add(Mesh.TP, "all_reduce", shape.e * numel, micro_batches * n_layers, "backward",
+            f"latent attention's {what} weight gradients")
     if rank_states.has_embedding:
         add(Mesh.TP, "reduce_scatter", activation_bytes, micro_batches, "forward", "vocab-parallel embedding")
         add(Mesh.TP, "all_gather", activation_bytes, micro_batches, "backward",
@@ -187,6 +191,15 @@ def tensor_collectives(run: ResolvedRun, rank_states: RankStates,
         add(Mesh.TP, "all_reduce", shape.e * dim, micro_batches, "backward", "norm weight gradients")
         _tensor_loss(issued, run, shape, micro_batches)
     return issued.collectives
+
+
+def latent_compressions(a: ModelArgs) -> list[tuple[str, int]]:
+    """(name, elements) of latent attention's weights that stay whole on every tp rank (the
+    compressions and their norms, models/mla.py); none for grouped-query attention."""
+    if not a.mla:
+        return []
+    q = [("wq_a", a.dim * a.q_lora_rank), ("q_norm", a.q_lora_rank)] if a.q_lora_rank else []
+    return [*q, ("wkv_a", a.dim * (a.kv_lora_rank + a.qk_rope_head_dim)), ("kv_norm", a.kv_lora_rank)]
 
 
 def _tensor_loss(issued: _Issued, run: ResolvedRun, shape: Shape, micro_batches: int) -> None:
@@ -218,8 +231,10 @@ def context_collectives(run: ResolvedRun, rank_states: RankStates,
     # Ring attention (torch's templated ring): K and V travel around the cp ring -- one
     # all-gather, or cp - 1 point-to-point rotations (all-to-all) -- in forward and again in
     # backward, where the K/V gradients (fp32) make a full round in cp rotations.
-    kv_heads = args.n_kv_heads // run.dims.tp
-    local_kv_bytes = 2 * shape.e * run.micro_batch * kv_heads * shape.seq * args.head_dim
+    # (latent attention's keys and values travel expanded to every head, padded to one width)
+    kv_heads = args.kv_heads // run.dims.tp
+    width = max(args.qk_head_dim, args.value_head_dim)
+    local_kv_bytes = 2 * shape.e * run.micro_batch * kv_heads * shape.seq * width
     attentions = run.micro_batches * len(rank_states.layers)
     for phase in ("forward", "backward"):
         if run.cfg.parallel.cp_rotate_method == "allgather":

@@ -30,9 +30,9 @@ from typing import NamedTuple
 
 from shardwise.config.model_args import ModelArgs
 from shardwise.config.schema import Config
-from shardwise.observe.flops import ATTENTION_BACKWARD, MATMUL_BACKWARD, attention_pairs
+from shardwise.observe.flops import ATTENTION_BACKWARD, MATMUL_BACKWARD, attention_pairs, attention_width
 from shardwise.parallel.dims import Mesh
-from shardwise.plan.activations import Shape, expert_rows, shape_of
+from shardwise.plan.activations import Shape, attention_linears, expert_rows, shape_of
 from shardwise.plan.comm import Collective, boundary_bytes, fsdp_reduce_bytes, step_collectives
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.overlap import collective_time, fsdp_exposed_seconds, fsdp_hidden_seconds, per_mesh_dim
@@ -99,16 +99,15 @@ def block_gemms(s: Shape, cfg: Config, layer: int) -> list[Gemm]:
     rows padding included (:func:`~shardwise.plan.activations.expert_rows`)."""
     a = s.args
     t, tn, d = s.tokens, s.norm_tokens, a.dim
-    q, kv = a.n_heads * a.head_dim // s.tp, a.n_kv_heads * a.head_dim // s.tp
     mode = cfg.activation_checkpoint.mode
 
     def fp8(*dims: int) -> bool:
         return cfg.float8.enabled and all(x % 16 == 0 and x >= cfg.float8.min_dim for x in dims)
-    attn8 = fp8(d, q, kv)
+    attention = attention_linears(a, s.tp)
+    attn8 = fp8(*(w for x in attention if x.split for w in (x.inp, x.out)))
     # (forward FLOPs, in, out, float8, full recomputes it, rows); the grouped experts are not
-    # linear layers
-    linears = [(2 * t * d * q, d, q, attn8, True, t), (2 * t * d * kv, d, kv, attn8, True, t),
-               (2 * t * d * kv, d, kv, attn8, True, t), (2 * t * q * d, q, d, attn8, True, t)]
+    # linear layers; latent attention's whole compressions are not float8's
+    linears = [(2 * t * x.inp * x.out, x.inp, x.out, attn8 and x.split, True, t) for x in attention]
     grouped = []
     if a.is_moe_layer(layer):
         h, slots = a.moe_hidden_dim, expert_rows(s)
@@ -137,10 +136,12 @@ def _float8_cast_bytes(s: Shape, cfg: Config, layer: int, gemms: list[Gemm]) -> 
     one byte out."""
     a = s.args
     t, d = s.tokens, a.dim
-    q, kv = a.n_heads * a.head_dim // s.tp, a.n_kv_heads * a.head_dim // s.tp
     n = 0.0
-    if gemms[0].float8:  # attention: wq, wk, wv read the input, wo the attention output
-        n += t * (3 * d + q) + t * (q + 2 * kv + d)
+    converted = [(x.inp, x.out) for x, g in zip(attention_linears(a, s.tp), gemms, strict=False)
+                 if x.split and g.float8]
+    # attention: each float8 linear casts its input and its output's gradient (Llama: wq, wk, wv
+    # read the input, wo the attention output)
+    n += t * sum(i + o for i, o in converted)
     if not a.is_moe_layer(layer) and gemms[-1].float8:  # w1, w3 read the input, w2 the product
         f = a.ffn_hidden_dim // s.tp
         n += t * (2 * d + f) + t * (2 * f + d)
@@ -158,10 +159,15 @@ def _elementwise_bytes(s: Shape, cfg: Config, layer: int) -> list[tuple[float, i
     ranks, the routed slots' copies into and out of the experts' zero-padded groups too."""
     a, e = s.args, s.e
     t, tn, d = s.tokens, s.norm_tokens, a.dim
-    qk = (a.n_heads + a.n_kv_heads) * a.head_dim // s.tp
+    h = a.n_heads // s.tp
+    qk = (h + 1) * a.qk_rope_head_dim if a.mla else (a.n_heads + a.n_kv_heads) * a.head_dim // s.tp
     out = [(2 * tn * d * (24 + 2 * e), 4 * tn * d),  # two RMSNorms in fp32 (upcast, square-mean,
            (t * qk * (16 + 2 * e), 4 * t * qk),  # scale, weight, cast); RoPE on q and k
            (2 * tn * d * 3 * e, e * tn * d)]  # residual adds
+    if a.mla:  # the latents' norms; q and k assembled and padded, v padded (copies)
+        latents = a.q_lora_rank + a.kv_lora_rank
+        width = max(a.qk_head_dim, a.value_head_dim)
+        out += [(t * latents * (24 + 2 * e), 4 * t * latents), (3 * t * h * width * 2 * e, e * t * h * width)]
     if a.is_moe_layer(layer):
         slots = tn * a.moe_top_k
         padded = expert_rows(s)
@@ -283,11 +289,13 @@ def block_compute(tally: ComputeTally, run: ResolvedRun, shape: Shape, layer: in
         tally.matmul += flops / (rate * 1e12)
     tally.memory += tally.traffic(_float8_cast_bytes(shape, cfg, layer, gemms), shape.tokens * args.dim)
     pairs = shape.mb * attention_pairs(cfg.training.seq_len) / run.dims.cp  # load-balanced over cp
-    forward_flops = 4 * (args.n_heads // shape.tp) * args.head_dim * pairs
+    forward_flops = 2 * (args.n_heads // shape.tp) * attention_width(args, executed=True) * pairs
     flops = forward_flops * (1 + ATTENTION_BACKWARD + (1 if recompute else 0))
     tally.flops += flops
-    # (per call, this rank's queries: S / cp -- ring attention's chunks run at the rate of their length)
-    rate = hw.attention_tflops(dtype, args.head_dim, tally.ranks, seq=shape.seq)
+    # (per call, this rank's queries: S / cp -- ring attention's chunks run at the rate of their
+    # length; heads as wide as the kernel runs them)
+    width = max(args.qk_head_dim, args.value_head_dim)
+    rate = hw.attention_tflops(dtype, width, tally.ranks, seq=shape.seq)
     tally.attention += flops / (rate * 1e12)
     passes = 3 + (1 if recompute or cfg.activation_checkpoint.mode.startswith("selective") else 0)
     tally.memory += sum(tally.traffic(passes * nbytes, tensor_bytes)

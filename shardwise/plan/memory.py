@@ -19,6 +19,7 @@ from shardwise.config.schema import Config
 from shardwise.parallel.pipeline import stage_layers
 from shardwise.plan.activations import (
     Shape,
+    attention_linears,
     backward_temporaries,
     block_activations,
     block_saved,
@@ -310,7 +311,9 @@ def weight_inputs(s: Shape, layer: int) -> int:
     """What a block keeps between its input-gradient and weight-gradient passes (zero-bubble
     schedules): the inputs of its linear layers."""
     a = s.args
-    n = 2 * s.e * s.tokens * a.dim + s.e * s.tokens * a.n_heads * a.head_dim // s.tp
+    # the attention input, the MLP's, and attention's other linear inputs (wo's; the latents)
+    rest = sum(x.inp for x in attention_linears(a, s.tp) if not x.reads_hidden)
+    n = 2 * s.e * s.tokens * a.dim + s.e * s.tokens * rest
     if a.is_moe_layer(layer):
         return n + s.e * expert_rows(s) * a.moe_hidden_dim
     return n + s.e * s.tokens * a.ffn_hidden_dim // s.tp

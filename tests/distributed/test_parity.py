@@ -55,7 +55,7 @@ SLOW = {"fsdp4", "hsdp2_tp2", "cp2_no_load_balance_alltoall", "cp4", "hsdp2_cp2"
         "pp2_interleaved_tp2", "pp2_zbv", "pp2_dualpipev", "fsdp2_ac_selective", "tp2_ac_full",
         "fsdp2_chunked_loss", "cp2_ac_selective", "fsdp2_tp2_chunked_loss", "fsdp2_tp2_ac_layer",
         "pp2_cp2", "cp2_tp2", "tp2_gathered_logits", "fsdp2_gloo_override", "pp2_tp2",
-        "moe_ep2_ac_selective_half", "ds_fsdp2", "ds_tp2", "ds_ep2",
+        "moe_ep2_ac_selective_half", "ds_fsdp2", "ds_tp2", "ds_ep2", "ds_pp2",
         # covered in CI by a larger case of the same kind: the accumulation test, pp2_fsdp2_tp2 (also
         # for 1F1B), moe_cp2_ep2_chunked_loss, fsdp2_tp2 and tp2_ac_selective_half, fsdp2_cp2 (and
         # verify's cp=2), moe_ep2_tp2

@@ -14,7 +14,7 @@ from shardwise.plan.comm import group_members, totals
 from shardwise.plan.estimate import estimate
 from shardwise.plan.hardware import load_hardware
 from shardwise.resolve.checks import load_config
-from tests.helpers import TINY_ARGS, run_cli
+from tests.helpers import DEEPSEEK_ARGS, TINY_ARGS, run_cli
 
 pytestmark = pytest.mark.dist
 GiB = 2**30
@@ -61,6 +61,17 @@ def test_fsdp_tp_with_accumulation(tmp_path: Path, data_cache: str, precision: s
 def test_pipeline_1f1b(tmp_path: Path, data_cache: str):
     check(tmp_path, data_cache, 2, "--parallel.pp=2", "--training.micro_batch=1",
           "--data.document_mask=false")
+
+
+@pytest.mark.parametrize("world,extra", [
+    (4, ["--parallel.ep=2", "--parallel.tp=2", "--training.mixed_precision=bf16"]),
+    pytest.param(2, ["--parallel.cp=2"], marks=pytest.mark.slow),
+])
+def test_deepseek(tmp_path: Path, data_cache: str, world: int, extra: list[str]):
+    """DeepSeek-V3's latent attention: under tp its compressions' weight gradients are all-reduced
+    like the norms'; under cp the ring carries keys and values expanded to every head and padded to
+    one width."""
+    check(tmp_path, data_cache, world, *DEEPSEEK_ARGS, *extra)
 
 
 @pytest.mark.slow

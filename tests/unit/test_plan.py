@@ -37,6 +37,7 @@ from shardwise.trainer.loss import TokenLoss
 from tests.helpers import ROOT, one_rank_pg, planned
 
 DEBUG, MOE = str(ROOT / "configs" / "debug.toml"), str(ROOT / "configs" / "moe-debug.toml")
+DEEPSEEK = str(ROOT / "configs" / "deepseek-debug.toml")
 
 # (config, world, overrides): every parallelism, uneven FSDP chunks, every pipeline placement.
 LAYOUTS = [
@@ -52,6 +53,9 @@ LAYOUTS = [
                 "--optimizer.state_dtype=bf16"]),
     (MOE, 4, ["--parallel.dp_shard=4", "--parallel.ep=2"]),
     (MOE, 8, ["--parallel.dp_shard=2", "--parallel.tp=2", "--parallel.ep=4", "--parallel.dp_replicate=2"]),
+    # latent attention: compressions whole on every tp rank, expansions split by heads
+    (DEEPSEEK, 8, ["--parallel.dp_shard=2", "--parallel.tp=2", "--parallel.ep=4", "--parallel.pp=2",
+                   "--training.micro_batch=1"]),
     (DEBUG, 256, ["--model.name=70b", "--parallel.dp_shard=32", "--parallel.tp=8", "--training.seq_len=8192",
                   "--training.global_batch=512", "--training.micro_batch=1"]),
 ]
@@ -185,6 +189,10 @@ SMALL = ["--training.global_batch=2", "--training.seq_len=256", "--compile.enabl
     (MOE, []),
     (MOE, ["--model.moe_hidden_dim=128", "--model.n_shared_experts=2", "--model.moe_score=sigmoid"]),
     (MOE, ["--model.moe_balance=bias", "--model.moe_route_norm=false"]),
+    (DEEPSEEK, ["--training.mixed_precision=bf16"]),
+    (DEEPSEEK, ["--training.mixed_precision=fp32"]),
+    (DEEPSEEK, ["--model.q_lora_rank=0", "--model.v_head_dim=48", "--training.mixed_precision=fp32"]),
+    (DEEPSEEK, ["--activation_checkpoint.mode=full", "--training.mixed_precision=bf16"]),
 ])
 def test_activations_equal_saved_tensors(one_rank, path: str, overrides: list[str],
                                         monkeypatch: pytest.MonkeyPatch):
