@@ -32,7 +32,7 @@ from shardwise.plan.estimate import Estimate, GiB, estimate_run, shape_line
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import Layout
 from shardwise.plan.memory import memory_floor, step_memory
-from shardwise.plan.states import ParamShapes, param_shapes, shape_states
+from shardwise.plan.states import ParamShapes, bounding_pp_ranks, param_shapes, shape_states
 from shardwise.resolve.run import ResolvedRun, resolve_model
 
 AC_MODES = ("none", "selective", "selective_half", "full")
@@ -162,10 +162,11 @@ def _search(cfg: Config, gpus: int, hw: Hardware, capacity: float, shapes: Param
         key = dataclasses.astuple(group[0])[:7]  # the degrees and the schedule: the states
         if key not in states_cache:
             # Pipeline ranks in between hold fewer micro-batches than the first and no head: the
-            # first and last bound the peak and the time during the search (on local ranks sharing
-            # cores every rank's work counts: cost.shared_cores_pipeline).
+            # first rank of each kind of stage and the last bound the peak and the time during the
+            # search (on local ranks sharing cores every rank's work counts:
+            # cost.shared_cores_pipeline).
             pp = group[0].pp
-            ends = None if pp <= 2 or hw.cores else [0, pp - 1]
+            ends = None if pp <= 2 or hw.cores else bounding_pp_ranks(first)
             states_cache[key] = shape_states(first, shapes, ends)
         states = states_cache[key]
         runs = {group[0]: first}  # each mode's run (resolved alike: its checks passed above)

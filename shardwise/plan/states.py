@@ -350,6 +350,24 @@ def shape_states(run: ResolvedRun, shapes: ParamShapes | None = None,
     return out
 
 
+def bounding_pp_ranks(run: ResolvedRun) -> list[int]:
+    """Pipeline ranks whose states and step bound every rank's: for each distinct set of blocks a
+    rank can hold (by kind: dense or MoE), the first rank holding it -- earlier ranks keep more
+    micro-batches in flight -- and the last rank, which holds the head. Two for a model of alike
+    blocks split evenly; more where kinds differ (DeepSeek-V3's dense first blocks)."""
+    pipe, args = run.pipeline, run.model
+    n_stages = pipe.pp * pipe.stages_per_rank
+    per_stage = stage_layers(args.n_layers, n_stages)
+    seen, out = set(), []
+    for r in range(pipe.pp):
+        stages = rank_stages(r, pipe.pp, pipe.schedule, pipe.interleaved) if pipe.pp > 1 else [0]
+        kinds = tuple(sorted(args.is_moe_layer(i) for st in stages for i in per_stage[st]))
+        if kinds not in seen:
+            seen.add(kinds)
+            out.append(r)
+    return sorted({*out, pipe.pp - 1})
+
+
 def _rank_states(run: ResolvedRun, shapes: ParamShapes, pp_rank: int, layers: list[int], has_emb: bool,
                  has_head: bool) -> RankStates:
     """One pipeline rank: FSDP units in the order ``apply_fsdp`` makes them (per block: experts,

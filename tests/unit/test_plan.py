@@ -584,3 +584,27 @@ def test_the_gpu_profiles_predict_our_own_gpu_rows(hardware: str, preset: str, b
     if preset == "125m" and seq == 2048:  # the host term is what brings these in
         no_host = estimate(cfg, 1, dataclasses.replace(hw, host_us_per_op=0.0), exact=False)
         assert no_host.time.tokens_per_s / est.time.tokens_per_s > (1.04 if hardware == "h100" else 1.15)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["--parallel.pp=32", "--parallel.pp_schedule=1f1b", "--parallel.tp=2", "--parallel.ep=8",
+     "--training.micro_batch=1"],
+    ["--parallel.pp=16", "--parallel.pp_schedule=interleaved1f1b", "--parallel.pp_stages_per_rank=2",
+     "--parallel.ep=8", "--training.micro_batch=1"],
+])
+def test_search_ranks_bound_every_pipeline_rank(overrides: list[str]):
+    """The pipeline ranks the search costs (the first of each kind of stage, and the last) hold
+    the largest peak and the longest step of all ranks -- DeepSeek-V3's three dense blocks make the
+    first stage lighter than the ones after it, so the first and last alone would miss the peak."""
+    from shardwise.plan.cost import step_time
+
+    cfg = load_config(str(ROOT / "configs" / "deepseek-v3-671b.toml"), overrides, device="cuda")
+    run, hw = planned(cfg, 512), load_hardware("h100")
+    every = shape_states(run)
+    bounding = states.bounding_pp_ranks(run)
+    assert len(bounding) > 2
+    peak = lambda sts: max(step_memory(run, st).peak for st in sts)  # noqa: E731
+    assert peak(every[r] for r in bounding) == peak(every)
+    assert peak(every[r] for r in (0, len(every) - 1)) < peak(every)  # the ends alone fall short
+    assert step_time(run, [every[r] for r in bounding], hw).step == pytest.approx(
+        step_time(run, every, hw).step, rel=1e-6)
