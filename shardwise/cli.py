@@ -119,8 +119,9 @@ def cmd_verify(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if args.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
-    layouts = fill_layouts(args.layouts, args.nproc)  # a bad one fails before any run
     base = load_config(args.config, [*overrides, f"--training.steps={args.steps}"])
+    experts = bool(base.model.n_experts)  # (an MoE model's standard layouts add expert parallel)
+    layouts = fill_layouts(args.layouts, args.nproc, experts)  # a bad one fails before any run
     from shardwise.launch.verify import verify
 
     return 0 if verify(base, args.config, overrides, layouts, args.steps, Path(args.out),

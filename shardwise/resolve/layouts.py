@@ -33,16 +33,20 @@ def parse_layout(text: str) -> tuple[list[str], int]:
     return overrides, world
 
 
-def fill_layouts(layouts: list[str] | None, nproc: int | None) -> list[str]:
+def fill_layouts(layouts: list[str] | None, nproc: int | None, experts: bool = False) -> list[str]:
     """The layouts to verify, each checked. With ``nproc`` (``--nproc``), each runs on that many
     ranks: a layout that does not set dp_shard gets the rest of them, one that sets every degree
     must multiply to it; with no ``layouts``, plain FSDP over ``nproc`` ranks and (``nproc`` even)
-    2-way TP beside FSDP over the other half."""
+    2-way TP beside FSDP over the other half; for a model with ``experts`` (``nproc`` even), 2-way
+    expert parallel too, beside that TP where ``nproc`` is a multiple of 4 (EP x FSDP x TP)."""
     if layouts is None:
         if nproc is None:
             raise ConfigError("verify needs --layouts (e.g. dp_shard=2 tp=2) or --nproc N (the standard "
                               "layouts of N ranks)")
-        return [f"dp_shard={nproc}"] + ([f"tp=2,dp_shard={nproc // 2}"] if nproc % 2 == 0 else [])
+        out = [f"dp_shard={nproc}"] + ([f"tp=2,dp_shard={nproc // 2}"] if nproc % 2 == 0 else [])
+        if experts and nproc % 2 == 0:
+            out.append(f"ep=2,tp=2,dp_shard={nproc // 2}" if nproc % 4 == 0 else f"ep=2,dp_shard={nproc}")
+        return out
     out = []
     for text in layouts:
         _, world = parse_layout(text)  # (a bad layout fails here, before any run)

@@ -103,3 +103,19 @@ def test_moe_verify_with_replay_still_fails_a_real_bug(tmp_path: Path, data_cach
     assert proc.returncode == 1
     *_, gap, verdict = _rows(proc.stdout)["dp_shard=2,ep=2"]
     assert verdict == "FAIL" and float(gap) > 1e-3
+
+
+def test_deepseek_verify_passes_its_standard_layouts(tmp_path: Path, data_cache: str):
+    """``shardwise verify --nproc 4`` on the DeepSeek-V3 debug preset (shrunk): FSDP, FSDP x TP and
+    EP x FSDP x TP in bf16, routing replayed, every layout PASS."""
+    tiny = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=4",
+            "--model.q_lora_rank=24", "--model.kv_lora_rank=16", "--model.qk_nope_head_dim=8",
+            "--model.qk_rope_head_dim=4", "--model.v_head_dim=6", "--model.moe_hidden_dim=32",
+            "--model.n_experts=4", "--model.moe_n_groups=2", "--model.moe_topk_groups=1",
+            "--training.seq_len=64", "--data.document_mask=false"]
+    proc = run_cli(["verify", "--config", "configs/deepseek-debug.toml", "--nproc", "4", "--steps=4", *tiny,
+                    f"--data.cache_dir={data_cache}", f"--out={tmp_path}"], timeout=600)
+    rows = _rows(proc.stdout)
+    assert {"dp_shard=4", "tp=2,dp_shard=2", "ep=2,tp=2,dp_shard=2"} <= set(rows)
+    assert all(r[-1] == "PASS" for name, r in rows.items() if name != "layout"), rows
+    assert "(bf16)" in proc.stdout and "replayed" in proc.stdout

@@ -103,6 +103,8 @@ def test_model_names_a_preset_in_estimate_and_train(capsys):
 def test_verify_nproc_fills_and_checks_layouts():
     assert fill_layouts(None, 4) == ["dp_shard=4", "tp=2,dp_shard=2"]
     assert fill_layouts(None, 3) == ["dp_shard=3"]
+    assert fill_layouts(None, 4, experts=True) == ["dp_shard=4", "tp=2,dp_shard=2", "ep=2,tp=2,dp_shard=2"]
+    assert fill_layouts(None, 2, experts=True) == ["dp_shard=2", "tp=2,dp_shard=1", "ep=2,dp_shard=2"]
     assert fill_layouts(["tp=2", "dp_shard=2,tp=2"], 4) == ["tp=2,dp_shard=2", "dp_shard=2,tp=2"]
     assert fill_layouts(["tp=2"], None) == ["tp=2"]
     with pytest.raises(ConfigError, match="uses 2 ranks, not --nproc 4"):
