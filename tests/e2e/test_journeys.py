@@ -5,7 +5,10 @@
 - fine-tuning: an HF model folder with its own chat template (one that rewrites history, as Qwen3's
   does) -> chat fine-tuning started from it with no more flags than the folder and the data ->
   export -> the exported folder loads in transformers, whose greedy answer to a conversation is
-  shardwise generate's.
+  shardwise generate's;
+- a DeepSeek-V3 model: train the debug preset with expert parallel -> generate from the checkpoint
+  (latent attention's KV cache gives what recomputing does) -> export -> transformers'
+  DeepseekV3ForCausalLM continues the prompt greedily exactly as shardwise does.
 
 (Generation and evaluation: tests/unit/test_generate.py, tests/e2e/test_eval.py; the documented
 commands of docs/*.md: tests/e2e/test_docs_commands.py.)"""
@@ -83,3 +86,27 @@ def test_chat_fine_tuning_from_an_hf_folder_to_a_model_transformers_chats_with(t
     ours = json.loads(run_cli(["generate", "--hf", str(hf_out), "--messages", str(tmp_path / "ask.json"),
                                "--max-new-tokens", "10", "--dtype", "fp32", "--json"]).stdout)
     assert ours["prompt_tokens"] == prompt and ours["tokens"] == theirs
+
+
+def test_deepseek_train_generate_export_to_transformers(tmp_path: Path, data_cache: str):
+    transformers = require("transformers")
+    run_dir = tmp_path / "run"
+    run_cli(["train", "--config", "configs/deepseek-debug.toml", "--nproc", "2", "--parallel.ep", "2",
+             f"--run.dir={run_dir}", f"--data.cache_dir={data_cache}", "--training.steps=4",
+             "--training.seq_len=128", "--eval.interval=0", "--checkpoint.interval=0",
+             "--lr_scheduler.warmup_steps=1", "--metrics.log_format=line"])
+    rows = metrics(run_dir)
+    assert len(rows) == 4 and rows[-1]["loss"] < rows[0]["loss"] and rows[-1]["expert_load"] >= 1.0
+    ckpt = run_dir / "checkpoints" / "step-4"
+    ask = ["generate", "--checkpoint", str(ckpt), "--prompt", "In the beginning God", "--max-new-tokens", "12",
+           "--dtype", "fp32", "--json"]
+    ours = json.loads(run_cli(ask).stdout)
+    assert json.loads(run_cli([*ask, "--no-cache"]).stdout)["tokens"] == ours["tokens"]
+    hf_out = tmp_path / "exported"
+    run_cli(["convert", "--to-hf", str(ckpt), "--out", str(hf_out), "--dtype", "fp32"])
+    assert json.loads((hf_out / "config.json").read_text())["model_type"] == "deepseek_v3"
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_out).eval()
+    assert type(model).__name__ == "DeepseekV3ForCausalLM"
+    prompt = torch.tensor([ours["prompt_tokens"]])
+    theirs = model.generate(prompt, max_new_tokens=12, do_sample=False)[0, prompt.shape[1]:].tolist()
+    assert theirs == ours["tokens"]
