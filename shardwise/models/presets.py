@@ -44,12 +44,14 @@ PRESETS: dict[str, ModelArgs] = {
                                vocab_size=151936, ffn_hidden_size=6144, max_seq_len=40960,
                                rope_theta=1000000.0, norm_eps=1e-6, n_experts=128, moe_top_k=8,
                                moe_hidden_dim=768, moe_aux_coef=0.001, qk_norm=True),
-    # DeepSeek-V3 family. The debug shape: latent attention (low-rank queries, a 64-wide latent), 8
-    # experts in 4 groups (top-2 from the 2 best groups), sigmoid routing balanced by bias, block 0 dense.
-    "deepseek-debug": ModelArgs(**{**_DEEPSEEK, "rope_scaling_factor": 1.0}, dim=256, n_layers=6, n_heads=8,
-                                n_kv_heads=8, vocab_size=2048, max_seq_len=2048,
-                                q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
-                                v_head_dim=32, n_experts=8, moe_top_k=2, moe_hidden_dim=256,
+    # DeepSeek-V3 family. The debug shape: 16 heads of latent attention (low-rank queries, a 96-wide
+    # latent, heads of 16 + 16 RoPE channels, values 24 wide), 8 experts in 4 groups (top-2 from the 2
+    # best groups), sigmoid routing balanced by bias, block 0 dense: 6.18M parameters active per token,
+    # moe-debug's 6.17M (bench/families.py compares the two).
+    "deepseek-debug": ModelArgs(**{**_DEEPSEEK, "rope_scaling_factor": 1.0}, dim=256, n_layers=6, n_heads=16,
+                                n_kv_heads=16, vocab_size=2048, max_seq_len=2048,
+                                q_lora_rank=96, kv_lora_rank=96, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                                v_head_dim=24, n_experts=8, moe_top_k=2, moe_hidden_dim=256,
                                 n_shared_experts=1, n_dense_layers=1, moe_n_groups=4, moe_topk_groups=2),
     # torchtitan's DeepSeek-V3 16B (the deepseek-moe-16b shape with latent attention; full queries),
     # routed as DeepSeek-V3 routes (sigmoid, bias balancing) where torchtitan's default is softmax.
