@@ -193,6 +193,13 @@ HOW: dict[str, Check] = {
         reason="test_plan_cli.py runs it on the profile calibrate --quick wrote"),
     "shardwise train --config plan.toml --nproc 4 --training.steps 20": Check(
         reason="test_plan_cli.py trains the written plan.toml with the command plan prints"),
+    # docs/models.md: DeepSeek-V3
+    "shardwise train --config configs/deepseek-debug.toml --nproc 4 --parallel.ep 2 --parallel.tp 2": covered(
+        "tests/distributed/test_parity.py::test_deepseek_layout_matches_single_rank"),
+    "shardwise verify --config configs/deepseek-debug.toml --nproc 4": covered(
+        "tests/e2e/test_verify.py::test_deepseek_verify_passes_its_standard_layouts", Check(VERIFY)),
+    "shardwise estimate --config configs/deepseek-v3-16b.toml --nproc 8 --hardware h100": Check(),
+    "shardwise plan --model deepseek-v3-671b --nproc 512 --hardware h100 --seq 4096": Check(slow=True),
     # docs/data.md
     "shardwise train --config configs/chat-debug.toml": covered(
         "tests/e2e/test_cli.py::test_fine_tuning_on_chat_data_lowers_the_assistant_loss"),

@@ -98,8 +98,8 @@ def test_deepseek_train_generate_export_to_transformers(tmp_path: Path, data_cac
     rows = metrics(run_dir)
     assert len(rows) == 4 and rows[-1]["loss"] < rows[0]["loss"] and rows[-1]["expert_load"] >= 1.0
     ckpt = run_dir / "checkpoints" / "step-4"
-    ask = ["generate", "--checkpoint", str(ckpt), "--prompt", "In the beginning God", "--max-new-tokens", "12",
-           "--dtype", "fp32", "--json"]
+    ask = ["generate", "--checkpoint", str(ckpt), "--prompt", "In the beginning God",
+           "--max-new-tokens", "12", "--dtype", "fp32", "--json"]
     ours = json.loads(run_cli(ask).stdout)
     assert json.loads(run_cli([*ask, "--no-cache"]).stdout)["tokens"] == ours["tokens"]
     hf_out = tmp_path / "exported"
