@@ -119,9 +119,10 @@ def cmd_verify(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if args.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
+    layouts = fill_layouts(args.layouts, args.nproc)  # a bad one fails before any run (and torch)
     base = load_config(args.config, [*overrides, f"--training.steps={args.steps}"])
-    experts = bool(base.model.n_experts)  # (an MoE model's standard layouts add expert parallel)
-    layouts = fill_layouts(args.layouts, args.nproc, experts)  # a bad one fails before any run
+    if args.layouts is None and base.model.n_experts:  # an MoE model's standard layouts add EP
+        layouts = fill_layouts(None, args.nproc, experts=True)
     from shardwise.launch.verify import verify
 
     return 0 if verify(base, args.config, overrides, layouts, args.steps, Path(args.out),

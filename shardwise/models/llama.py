@@ -130,8 +130,8 @@ class TransformerBlock(nn.Module):
         row-parallel regions entered with a sequence all-gather; an MoE feed-forward stays on the
         sequence shard (each rank routes its own tokens), FSDP shards it over every rank that routes
         different tokens and expert parallel splits its experts. Context parallel rings the core."""
-        common = dict(sequence_norms=("attention_norm", "ffn_norm"), attention_core="attention.core",
-                      head_norms=())
+        common: dict = dict(sequence_norms=("attention_norm", "ffn_norm"), attention_core="attention.core",
+                            head_norms=(), high_precision={})
         attention = self.attention
         if isinstance(attention, LatentAttention):
             # The expansions are split by heads; the compressions stay whole (mla.py says why).
@@ -139,6 +139,8 @@ class TransformerBlock(nn.Module):
             groups = (LinearGroup("attention", ("wq_b" if attention.low_rank_q else "wq", "wkv_b"), ("wo",),
                                   inputs=3, replicated=(*low_rank, "wkv_a", "kv_norm"),
                                   shared=("shared_key",)),)
+            why = "latent attention's compressions (whole on every tp rank, outside the float8 group)"
+            common["high_precision"] = {f"attention.{n}": why for n in (*low_rank[:1], "wkv_a")}
         else:
             if attention.q_norm is not None:
                 common["head_norms"] = ("attention.q_norm", "attention.k_norm")
@@ -149,10 +151,11 @@ class TransformerBlock(nn.Module):
             return BlockPlan((*groups, LinearGroup("feed_forward", ("w1", "w3"), ("w2",))), **common)
         if ffn.shared_expert is not None:
             groups += (LinearGroup("feed_forward.shared_expert", ("w1", "w3"), ("w2",), split=False),)
-        kept = {"feed_forward.router": "the MoE router stays in high precision (routing)",
-                "feed_forward.experts": "grouped experts: no float8 grouped GEMM here"}
+        common["high_precision"].update({
+            "feed_forward.router": "the MoE router stays in high precision (routing)",
+            "feed_forward.experts": "grouped experts: no float8 grouped GEMM here"})
         return BlockPlan(groups, local=("feed_forward",), routed="feed_forward",
-                         experts="feed_forward.experts", high_precision=kept, **common)
+                         experts="feed_forward.experts", **common)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor,
                 mask: torch.Tensor | None, cache: KVCache | None = None) -> torch.Tensor:

@@ -353,10 +353,12 @@ def host_seconds(run: ResolvedRun, rank_states: RankStates, hw: Hardware, micro_
     return host * max(1.0, run.world / hw.cores) / hw.sharing(run.world)
 
 
-HOST_OPS_PER_BLOCK = {"dense": (102, 301), "moe_block": (162, 504)}
+HOST_OPS_PER_BLOCK = {"dense": (102, 301), "moe_block": (163, 505),
+                      "latent_dense": (139, 412), "latent_moe_block": (212, 579)}
 """ATen ops one eager block dispatches (forward, forward + backward), counted with a dispatch
-mode on the debug presets (tests/unit/test_plan.py recounts them): about half launch a kernel, the
-rest are views and bookkeeping, which cost host time all the same."""
+mode on the debug presets, the latent ones on DeepSeek-V3's (tests/unit/test_plan_gpu.py recounts
+them): about half launch a kernel, the rest are views and bookkeeping, which cost host time all the
+same."""
 
 
 def host_ops(args: ModelArgs, layer: int, recomputed: bool) -> int:
@@ -365,7 +367,8 @@ def host_ops(args: ModelArgs, layer: int, recomputed: bool) -> int:
     (bench/gpu_model.py, BENCHMARKS.md 2026-11-26), a compiled dense block's host side took 2.24
     and 2.87 ms per forward + backward in two runs, an eager one 2.70 and 2.68 ms -- the compiled
     graph's call, guards and autograd wrappers cost about what the eager ops they replace do."""
-    forward, both = HOST_OPS_PER_BLOCK["moe_block" if args.is_moe_layer(layer) else "dense"]
+    kind = "moe_block" if args.is_moe_layer(layer) else "dense"
+    forward, both = HOST_OPS_PER_BLOCK[f"latent_{kind}" if args.mla else kind]
     return both + (forward if recomputed else 0)
 
 

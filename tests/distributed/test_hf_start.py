@@ -77,3 +77,35 @@ def test_each_save_writes_a_folder_transformers_loads(qwen3_folder: Path, tmp_pa
     model = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "hf" / "step-2")
     assert type(model).__name__ == "Qwen3ForCausalLM"
     assert len(metrics(run_dir)) >= 1
+
+
+def test_a_deepseek_folder_starts_ranks_with_its_weights_and_routing_bias(tmp_path: Path, data_cache: str):
+    """A DeepSeek-V3 folder transformers made (latent attention, grouped sigmoid routing, a routing
+    bias that is not zero) starts EP x TP ranks: the step-0 checkpoint exports back to exactly the
+    folder's tensors, the bias (a buffer of ours, e_score_correction_bias in HF) included."""
+    transformers = require("transformers")
+    folder = tmp_path / "deepseek"
+    cfg = transformers.DeepseekV3Config(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=24,
+        kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=6, vocab_size=2048,
+        max_position_embeddings=128, num_nextn_predict_layers=0)
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(cfg)
+    for name, bias in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            bias.copy_(torch.linspace(-0.05, 0.05, bias.numel()))
+    model.save_pretrained(folder)
+    run_dir = tmp_path / "run"
+    run_cli(["train", *START, f"--run.dir={run_dir}", f"--data.cache_dir={data_cache}",
+             f"--checkpoint.initial_hf={folder}", "--checkpoint.save_initial=true", "--training.steps=1",
+             "--data.document_mask=false", "--nproc=4", "--parallel.ep=2", "--parallel.tp=2"])
+    run_cli(["convert", "--to-hf", str(run_dir / "checkpoints" / "step-0"), "--out", str(tmp_path / "back"),
+             "--dtype", "fp32"])
+    from shardwise.checkpoint.hf import HFFolder
+
+    want, got = HFFolder(folder), _tensors(tmp_path / "back")  # (HFFolder reads either expert layout)
+    assert any(k.endswith("e_score_correction_bias") for k in got)
+    for name, t in got.items():
+        assert torch.equal(t, want[name].float()), name

@@ -253,7 +253,8 @@ def test_pipeline_fill_and_drain_wait_for_each_boundary(schedule: str, stages: i
 
 def test_host_ops_per_block_are_what_a_block_dispatches():
     """HOST_OPS_PER_BLOCK recounted: the ATen ops one eager block dispatches, forward and forward
-    + backward, dense and MoE (the difference between 4- and 2-block models of the debug presets)."""
+    + backward, dense and MoE, with grouped-query or latent attention (the difference between 4- and
+    2-block models of the debug presets)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from shardwise.data.dataset import Batch
@@ -270,12 +271,14 @@ def test_host_ops_per_block_are_what_a_block_dispatches():
 
     counted = {}
     with one_rank_pg():
-        for kind, path in (("dense", "debug.toml"), ("moe_block", "moe-debug.toml")):
+        for kind, path, extra in (("dense", "debug.toml", []), ("moe_block", "moe-debug.toml", []),
+                                  ("latent_dense", "deepseek-debug.toml", ["--model.n_experts=0"]),
+                                  ("latent_moe_block", "deepseek-debug.toml", [])):
             ops = {}
             for layers in (2, 4):
                 cfg = load_config(str(ROOT / "configs" / path), [
                     "--training.seq_len=64", "--training.global_batch=1", "--compile.enabled=false",
-                    f"--model.n_layers={layers}", "--training.mixed_precision=bf16"])
+                    f"--model.n_layers={layers}", "--training.mixed_precision=bf16", *extra])
                 run = resolve_run(cfg, 1)
                 run.dims.build_mesh("cpu")
                 model = build_rank_model(run, "cpu")
