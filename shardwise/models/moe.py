@@ -83,8 +83,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
     if x.device.type == "meta":  # shapes only (building / planning on meta): (N, a) x (G, a, b)
         return torch.einsum("na,gab->nb", x, w)
     aligned = all(n * x.element_size() % 16 == 0 for n in (w.shape[1], w.shape[2]))
-    if hasattr(torch, "_grouped_mm") and aligned and x.dtype in (torch.bfloat16, torch.float32) \
-            and (x.device.type == "cpu" or x.dtype == torch.bfloat16):  # CUDA: bf16 only
+    # fp32 on a CPU, eagerly: its meta kernel, which torch.compile traces, takes bf16 only (as CUDA)
+    fp32 = x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling()
+    if hasattr(torch, "_grouped_mm") and aligned and (x.dtype == torch.bfloat16 or fp32):
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         return torch._grouped_mm(x, w, offs=offs)
     sizes = counts.tolist()
