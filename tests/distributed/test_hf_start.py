@@ -104,8 +104,11 @@ def test_a_deepseek_folder_starts_ranks_with_its_weights_and_routing_bias(tmp_pa
     run_cli(["convert", "--to-hf", str(run_dir / "checkpoints" / "step-0"), "--out", str(tmp_path / "back"),
              "--dtype", "fp32"])
     from shardwise.checkpoint.hf import HFFolder
+    from shardwise.models.hf_config import args_from_hf, expert_names, hf_names
 
     want, got = HFFolder(folder), _tensors(tmp_path / "back")  # (HFFolder reads either expert layout)
+    args = args_from_hf(want.config)
+    assert set(got) == {*hf_names(args).values(), *(n for ns in expert_names(args).values() for n in ns)}
     assert any(k.endswith("e_score_correction_bias") for k in got)
     for name, t in got.items():
         assert torch.equal(t, want[name].float()), name

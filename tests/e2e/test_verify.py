@@ -112,7 +112,8 @@ def test_deepseek_verify_passes_its_standard_layouts(tmp_path: Path, data_cache:
             "--model.q_lora_rank=24", "--model.kv_lora_rank=16", "--model.qk_nope_head_dim=8",
             "--model.qk_rope_head_dim=4", "--model.v_head_dim=6", "--model.moe_hidden_dim=32",
             "--model.n_experts=4", "--model.moe_n_groups=2", "--model.moe_topk_groups=1",
-            "--training.seq_len=64", "--data.document_mask=false"]
+            "--training.seq_len=64", "--data.document_mask=false",
+            "--training.mixed_precision=bf16"]  # (pinned: `auto` is fp32 on a CPU without native bf16)
     proc = run_cli(["verify", "--config", "configs/deepseek-debug.toml", "--nproc", "4", "--steps=4", *tiny,
                     f"--data.cache_dir={data_cache}", f"--out={tmp_path}"], timeout=600)
     rows = _rows(proc.stdout)
