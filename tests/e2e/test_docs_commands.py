@@ -196,7 +196,8 @@ HOW: dict[str, Check] = {
     # docs/models.md: DeepSeek-V3
     "shardwise train --config configs/deepseek-debug.toml --nproc 4 --parallel.ep 2 --parallel.tp 2": covered(
         "tests/distributed/test_parity.py::test_deepseek_layout_matches_single_rank"),
-    "shardwise verify --config configs/deepseek-debug.toml --nproc 4": covered(
+    "shardwise verify --config configs/deepseek-debug.toml --nproc 4 --steps 10 "
+    "--training.mixed_precision fp32": covered(
         "tests/e2e/test_verify.py::test_deepseek_verify_passes_its_standard_layouts", Check(VERIFY)),
     "shardwise estimate --config configs/deepseek-v3-16b.toml --nproc 8 --hardware h100": Check(),
     "shardwise plan --model deepseek-v3-671b --nproc 512 --hardware h100 --seq 4096": Check(slow=True),
