@@ -118,6 +118,12 @@ class ModelArgs:
         return self.v_head_dim if self.mla else self.head_dim
 
     @property
+    def kernel_head_dim(self) -> int:
+        """Per-head width the attention kernel runs q, k and v at: latent attention pads the
+        narrower of its query/key and value heads to the wider (models/mla.py)."""
+        return max(self.qk_head_dim, self.value_head_dim)
+
+    @property
     def rope_dim(self) -> int:
         """Channels each head rotates: the whole head, or MLA's RoPE part."""
         return self.qk_rope_head_dim if self.mla else self.head_dim

@@ -40,7 +40,7 @@ class LatentAttention(nn.Module):
         super().__init__()
         h, dim = args.n_heads, args.dim
         self.nope, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
-        self.qk_dim, self.kv_lora = args.qk_head_dim, args.kv_lora_rank
+        self.qk_dim, self.kv_lora, self.width = args.qk_head_dim, args.kv_lora_rank, args.kernel_head_dim
         if args.q_lora_rank:
             self.wq_a = nn.Linear(dim, args.q_lora_rank, bias=False)
             self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
@@ -72,8 +72,9 @@ class LatentAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # (B, S, H, nope), (B, S, H, v)
         k_rope = apply_rope(k_rope.unsqueeze(2), rope)  # (B, S, 1, R): one key for every head
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)  # (B, S, H, nope + R)
-        width = max(self.qk_dim, self.v_dim)  # one width for the fused kernels; zeros change nothing
-        q, k, v = (F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t for t in (q, k, v))
+        # one width W for the fused kernels (zeros change nothing; a tensor already W wide is kept)
+        w = self.width
+        q, k, v = (F.pad(t, (0, w - t.shape[-1])) if t.shape[-1] < w else t for t in (q, k, v))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, W)
         if cache is not None:  # generation: the expanded keys and values are kept
             k, v, mask = cache.update(k, v)

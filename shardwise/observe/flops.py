@@ -81,7 +81,7 @@ def attention_width(args: ModelArgs, executed: bool = False) -> int:
     """Per head and (query, key) pair, the channels attention multiplies: the query/key width
     (``QK^T``) plus the value width (``PV``). ``executed``: as the kernel runs it, the values
     zero-padded to the query/key width where narrower (latent attention)."""
-    v = max(args.value_head_dim, args.qk_head_dim) if executed else args.value_head_dim
+    v = args.kernel_head_dim if executed else args.value_head_dim
     return args.qk_head_dim + v
 
 

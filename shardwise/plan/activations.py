@@ -167,8 +167,7 @@ def latent_attention(s: Shape) -> int:
     output itself -- a copy under cp, as for grouped-query attention)."""
     a, t, e = s.args, s.tokens, s.e
     h, c, r = a.n_heads // s.tp, a.kv_lora_rank, a.qk_rope_head_dim
-    qk, v = a.qk_head_dim, a.value_head_dim
-    w = max(qk, v)
+    v, w = a.value_head_dim, a.kernel_head_dim
     n = e * t * a.dim
     if a.q_lora_rank:
         n += _norm(s, t, a.q_lora_rank) + e * t * a.q_lora_rank
@@ -243,8 +242,8 @@ def block_selective(s: Shape, cfg: Config, layer: int) -> int:
     n = e * tn * a.dim  # the block input
     step = 2 if cfg.activation_checkpoint.mode == "selective_half" else 1
     n += sum(linear_outputs(s, layer)[::step])
-    width = max(a.qk_head_dim, a.value_head_dim)  # (as the kernel runs latent attention's heads)
-    n += e * t * hq * width + 4 * s.mb * hq * s.seq + mask_saved(s, cfg)  # attention out, lse, mask
+    # attention out (heads as wide as the kernel runs them), log-sum-exp, mask
+    n += e * t * hq * a.kernel_head_dim + 4 * s.mb * hq * s.seq + mask_saved(s, cfg)
     if s.tp > 1:
         n += e * t * a.dim + e * tn * a.dim  # attention: input all-gather, output reduce-scatter
     if a.is_moe_layer(layer):
@@ -264,7 +263,7 @@ def backward_temporaries(s: Shape, layer: int) -> int:
     else:
         mlp = 4 * s.e * s.tokens * (a.ffn_hidden_dim // s.tp)
     if a.mla:  # the gradients of q, k, v (padded to one width) and of the output
-        attn = 4 * s.e * s.tokens * max(a.qk_head_dim, a.value_head_dim) * (a.n_heads // s.tp)
+        attn = 4 * s.e * s.tokens * a.kernel_head_dim * (a.n_heads // s.tp)
     else:
         attn = s.e * s.tokens * a.head_dim * (2 * a.n_heads + 2 * a.n_kv_heads) // s.tp
     return max(mlp, attn)

@@ -233,8 +233,7 @@ def context_collectives(run: ResolvedRun, rank_states: RankStates,
     # backward, where the K/V gradients (fp32) make a full round in cp rotations.
     # (latent attention's keys and values travel expanded to every head, padded to one width)
     kv_heads = args.kv_heads // run.dims.tp
-    width = max(args.qk_head_dim, args.value_head_dim)
-    local_kv_bytes = 2 * shape.e * run.micro_batch * kv_heads * shape.seq * width
+    local_kv_bytes = 2 * shape.e * run.micro_batch * kv_heads * shape.seq * args.kernel_head_dim
     attentions = run.micro_batches * len(rank_states.layers)
     for phase in ("forward", "backward"):
         if run.cfg.parallel.cp_rotate_method == "allgather":

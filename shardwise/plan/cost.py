@@ -166,7 +166,7 @@ def _elementwise_bytes(s: Shape, cfg: Config, layer: int) -> list[tuple[float, i
            (2 * tn * d * 3 * e, e * tn * d)]  # residual adds
     if a.mla:  # the latents' norms; q and k assembled and padded, v padded (copies)
         latents = a.q_lora_rank + a.kv_lora_rank
-        width = max(a.qk_head_dim, a.value_head_dim)
+        width = a.kernel_head_dim
         out += [(t * latents * (24 + 2 * e), 4 * t * latents), (3 * t * h * width * 2 * e, e * t * h * width)]
     if a.is_moe_layer(layer):
         slots = tn * a.moe_top_k
@@ -294,8 +294,7 @@ def block_compute(tally: ComputeTally, run: ResolvedRun, shape: Shape, layer: in
     tally.flops += flops
     # (per call, this rank's queries: S / cp -- ring attention's chunks run at the rate of their
     # length; heads as wide as the kernel runs them)
-    width = max(args.qk_head_dim, args.value_head_dim)
-    rate = hw.attention_tflops(dtype, width, tally.ranks, seq=shape.seq)
+    rate = hw.attention_tflops(dtype, args.kernel_head_dim, tally.ranks, seq=shape.seq)
     tally.attention += flops / (rate * 1e12)
     passes = 3 + (1 if recompute or cfg.activation_checkpoint.mode.startswith("selective") else 0)
     tally.memory += sum(tally.traffic(passes * nbytes, tensor_bytes)
