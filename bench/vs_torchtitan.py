@@ -14,7 +14,11 @@ tokens over the model's vocabulary) and plain causal attention over each whole r
   as its ``run_train.sh`` sets. Its metrics logger resets the allocator's peak after every step; the
   worker stops that so its peak covers the run, as shardwise's does.
 - **shardwise**: the trainer's own parts (``resolve_run`` -> ``build_rank_model`` -> ``train_step``)
-  on a one-rank mesh: bf16 mixed precision with fp32 master weights, the fused chunked loss.
+  with its defaults for one GPU (``parallel.one_rank=auto``: no FSDP, fp32 parameters, the forward
+  under bf16 autocast with a bf16 residual stream), the fused chunked loss. ``shardwise-fsdp`` is
+  FSDP2 on a one-rank mesh instead (``one_rank=fsdp``: bf16 parameter copies, gradients reduced in
+  fp32), ``shardwise-plain`` forces the GPU's default on a CPU (the smoke test), and
+  ``shardwise-fp8-rowwise`` / ``-tensorwise`` add float8 training.
 
 Every step ends with ``torch.cuda.synchronize()``; the figure is the median step over the measured
 steps. MFU is given in two conventions against the H100 SXM's 989.4 TFLOP/s dense bf16 data-sheet
@@ -89,7 +93,16 @@ SHAPES: dict[str, Shape] = {
 
 TORCHTITAN_FLAVORS: dict[str, Any] = {}  # filled in torchtitan's worker
 
-SIDES = ("torchtitan", "shardwise", "shardwise-fp8-rowwise", "shardwise-fp8-tensorwise")
+SIDES = ("torchtitan", "shardwise", "shardwise-fsdp", "shardwise-plain", "shardwise-fp8-rowwise",
+         "shardwise-fp8-tensorwise")
+
+
+def shardwise_side(side: str) -> tuple[str, str]:
+    """(float8 recipe or "off", parallel.one_rank) of a shardwise side's name."""
+    rest = side.removeprefix("shardwise").removeprefix("-")
+    if rest.startswith("fp8-"):
+        return rest.removeprefix("fp8-"), "auto"
+    return "off", rest or "auto"
 
 
 def token_batches(vocab: int, batch: int, seq: int, n: int, seed: int = 0) -> list[tuple[Any, Any]]:
@@ -104,7 +117,7 @@ def token_batches(vocab: int, batch: int, seq: int, n: int, seed: int = 0) -> li
     return out
 
 
-def shardwise_config(shape: Shape, device: str, float8: str = "off") -> Any:
+def shardwise_config(shape: Shape, device: str, float8: str = "off", one_rank: str = "auto") -> Any:
     """The shardwise Config of ``shape`` (a run of 1,000 steps: compile.enabled=auto compiles it)."""
     from shardwise.config.schema import Config
 
@@ -120,6 +133,7 @@ def shardwise_config(shape: Shape, device: str, float8: str = "off") -> Any:
     cfg.optimizer.lr, cfg.lr_scheduler.warmup_steps = 3e-4, 10  # as the torchtitan side
     cfg.activation_checkpoint.mode = {"none": "none", "selective": "selective_half", "full": "full"}[shape.ac]
     cfg.float8.enabled, cfg.float8.recipe = float8 != "off", "tensorwise" if float8 == "off" else float8
+    cfg.parallel.one_rank = one_rank
     return cfg
 
 
@@ -152,9 +166,10 @@ def _timed_steps(step, n_warmup: int, n_steps: int, device: str) -> dict[str, An
     return out
 
 
-def run_shardwise(shape: Shape, device: str, steps: int, warmup: int, float8: str,
+def run_shardwise(shape: Shape, device: str, steps: int, warmup: int, float8: str, one_rank: str,
                   profile_json: str) -> dict[str, Any]:
     import torch
+    from torch.distributed.fsdp import FSDPModule
 
     from shardwise.config.device import init_distributed
     from shardwise.data.dataset import Batch
@@ -166,7 +181,7 @@ def run_shardwise(shape: Shape, device: str, steps: int, warmup: int, float8: st
     from shardwise.trainer.train import train_step
 
     t0 = time.perf_counter()
-    cfg = shardwise_config(shape, device, float8)
+    cfg = shardwise_config(shape, device, float8, one_rank)
     env = init_distributed(device)
     run = resolve_run(cfg, 1)
     run.dims.build_mesh(env.device.type)
@@ -194,7 +209,9 @@ def run_shardwise(shape: Shape, device: str, steps: int, warmup: int, float8: st
               "loss_chunk_tokens": run.loss_chunk, "micro_batch": mb, "ac": cfg.activation_checkpoint.mode,
               "float8": cfg.float8.recipe if cfg.float8.enabled else "off",
               "optimizer": dataclasses.asdict(cfg.optimizer),
-              "fsdp": "one-rank mesh, bf16 params, fp32 reduce"}
+              "one_rank": one_rank, "fsdp": any(isinstance(m, FSDPModule) for m in model.modules()),
+              "param_dtype": str(next(model.parameters()).dtype),
+              "autocast": str(getattr(model, "autocast_dtype", "off"))}
     return {**r, "setup_s": setup, "config": config}
 
 
@@ -405,17 +422,17 @@ def report(records: list[dict[str, Any]]) -> None:
               f"{rec.get('peak_allocated_gib', 0):.2f} | {rec.get('peak_reserved_gib', 0):.2f} | "
               f"{rec['first_step_s']:.1f} | {rec['setup_s']:.1f} |")
     # ratios: shardwise / torchtitan within each repeat of a shape
-    print("\n| shape | run | shardwise / torchtitan tok/s | reserved GiB: shardwise, torchtitan |")
-    print("|---|---|---|---|")
+    print("\n| shape | run | side | side / torchtitan tok/s | reserved GiB: side, torchtitan |")
+    print("|---|---|---|---|---|")
     by = {(r["shape"], r["repeat"], r["side"]): r for r in records}
     for (shape, rep, side), r in by.items():
-        if side != "shardwise":
+        if side == "torchtitan":
             continue
         t = by.get((shape, rep, "torchtitan"))
         if t is None or t.get("failed") or r.get("failed"):
             continue
         ratio = summarize(r)["tps"] / summarize(t)["tps"]
-        print(f"| {shape} | {rep} | {ratio:.3f} | {r.get('peak_reserved_gib', 0):.2f}, "
+        print(f"| {shape} | {rep} | {side} | {ratio:.3f} | {r.get('peak_reserved_gib', 0):.2f}, "
               f"{t.get('peak_reserved_gib', 0):.2f} |")
 
 
@@ -430,8 +447,8 @@ def main() -> None:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--out", default="vs_torchtitan.json", help="results, rewritten after each side")
     p.add_argument("--logs", default="vs_torchtitan_logs", help="each side's output")
-    p.add_argument("--profile-dir", default="", help="profile one extra shardwise step per shape (first "
-                   "repeat) and write its kernels to DIR/<shape>.json")
+    p.add_argument("--profile-dir", default="", help="profile one extra step of each side per shape (first "
+                   "repeat) and write its kernels to DIR/<shape>_<side>.json")
     p.add_argument("--side-timeout", type=float, default=900.0, help="seconds for one side's process")
     p.add_argument("--report", default="", help="print the tables of a saved --out file and exit")
     # worker mode (internal)
@@ -450,8 +467,8 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as dump:
                 r = run_torchtitan(shape, a.device, a.steps, a.warmup, dump, a.profile_json)
         else:
-            f8 = a.worker.removeprefix("shardwise").removeprefix("-fp8-") or "off"
-            r = run_shardwise(shape, a.device, a.steps, a.warmup, f8, a.profile_json)
+            f8, one_rank = shardwise_side(a.worker)
+            r = run_shardwise(shape, a.device, a.steps, a.warmup, f8, one_rank, a.profile_json)
         Path(a.result).write_text(json.dumps(r))
         return
 
@@ -473,7 +490,7 @@ def main() -> None:
             sides = a.sides if rep % 2 else list(reversed(a.sides))
             for side in sides:
                 prof = ""
-                if a.profile_dir and rep == 1 and side in ("shardwise", "torchtitan"):
+                if a.profile_dir and rep == 1:
                     Path(a.profile_dir).mkdir(parents=True, exist_ok=True)
                     prof = str(Path(a.profile_dir) / f"{name}_{side}.json")
                 print(f"{name} run {rep}: {side} ...", flush=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -72,9 +73,10 @@ class Reference:
         return float(loss), norm, lr, coef
 
 
-def step_trainer(data_cache: str, loss: str = "auto", device: str = "cpu", precision: str = "fp32"):  # noqa: ANN201
+def step_trainer(data_cache: str, loss: str = "auto", device: str = "cpu", precision: str = "fp32",  # noqa: ANN201
+                 one_rank: str = "auto", model: tuple[str, ...] = ()):
     """The trainer's own pieces on one rank: model, optimizer, schedule, data (inside one_rank_pg,
-    or a one-rank NCCL group on a GPU)."""
+    or a one-rank NCCL group on a GPU). ``one_rank``: parallel.one_rank; ``model``: more overrides."""
     cfg = load_config(ROOT / "configs" / "debug.toml", [
         "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
         "--model.multiple_of=16", "--training.seq_len=64", "--training.global_batch=8",
@@ -82,7 +84,8 @@ def step_trainer(data_cache: str, loss: str = "auto", device: str = "cpu", preci
         f"--training.mixed_precision={precision}", f"--training.steps={STEPS}",
         f"--training.max_grad_norm={MAX_NORM}", f"--optimizer.lr={PEAK_LR}", f"--optimizer.weight_decay={WD}",
         f"--lr_scheduler.warmup_steps={WARMUP}", f"--data.cache_dir={data_cache}",
-        "--debug.deterministic=true", f"--training.loss={loss}", f"--run.device={device}"])
+        "--debug.deterministic=true", f"--training.loss={loss}", f"--run.device={device}",
+        f"--parallel.one_rank={one_rank}", *model])
     run = resolve_run(cfg, 1)
     run.dims.build_mesh(device)
     model = build_rank_model(run, device)
@@ -114,3 +117,57 @@ def run_loss(fn, hidden, weight, labels, reduction, **kw):  # noqa: ANN001, ANN2
         upstream = torch.randn(loss.shape, generator=torch.Generator().manual_seed(1)).to(loss)
     (loss * upstream).sum().backward()
     return loss.detach(), h.grad, w.grad
+
+
+AMP_MOE = ("--model.n_experts=4", "--model.moe_top_k=2", "--model.moe_hidden_dim=32",
+           "--model.n_shared_experts=1")
+"""Overrides that make step_trainer's model an MoE (shared expert, top-2 of 4)."""
+
+
+def check_torch_amp(data_cache: str, model: tuple[str, ...], device: str) -> None:
+    """parallel.one_rank = plain under bf16 against torch's AMP written out by hand on an unwrapped copy
+    of the same model -- fp32 parameters, the forward under ``torch.autocast`` (bf16), fp32 gradients,
+    fused AdamW on the clipped gradients: loss and norm to 1e-6 / 1e-5, every parameter to 1e-7, over
+    STEPS steps with accumulation and clipping. Inside a one-rank process group."""
+    import copy
+
+    from shardwise.optim.clip import clip_divisor
+    from shardwise.trainer.loss import TokenLoss, token_loss_sum
+    from shardwise.trainer.train import train_step
+
+    cfg, _, run, m, optimizer, scheduler, loader = step_trainer(
+        data_cache, "plain", device=device, precision="bf16", one_rank="plain", model=model)
+    assert all(type(p) is torch.nn.Parameter and p.dtype == torch.float32 for p in m.parameters())
+    hand = copy.deepcopy(m)
+    for hooks in (hand._forward_pre_hooks, hand._forward_hooks, hand._forward_hooks_always_called):
+        hooks.clear()  # the plain module: no autocast hooks (the loop below enters autocast itself)
+    wd = cfg.optimizer.weight_decay
+    groups = [{"params": [p for p in hand.parameters() if p.dim() >= 2], "weight_decay": wd},
+              {"params": [p for p in hand.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    hand_opt = type(optimizer)(groups, lr=cfg.optimizer.lr, betas=(cfg.optimizer.beta1, cfg.optimizer.beta2),
+                               eps=cfg.optimizer.eps, fused=True)
+    hand_sched = type(scheduler)(hand_opt, scheduler.lr_lambdas)
+    loss = TokenLoss(run.loss_chunk)
+    for step in range(STEPS):
+        batches = loader.next_step()
+        got = train_step(m, optimizer, scheduler, batches, run, loss)
+        n_valid = sum(b.n_valid for b in batches)
+        total = 0.0
+        for b in batches:
+            with torch.autocast(device, dtype=torch.bfloat16):
+                logits = hand(b.inputs)
+            part = token_loss_sum(logits, b.labels)
+            (part / n_valid).backward()
+            total += float(part)
+        grads = [p.grad for p in hand.parameters() if p.grad is not None]
+        norm = torch.stack([g.double().norm() for g in grads]).norm().float()
+        torch._foreach_div_(grads, clip_divisor(norm, cfg.training.max_grad_norm))
+        hand_opt.step()
+        hand_sched.step()
+        hand_opt.zero_grad(set_to_none=True)
+        assert float(got.loss) == pytest.approx(total / n_valid, rel=1e-6), step
+        assert float(got.grad_norm) == pytest.approx(float(norm), rel=1e-5), step
+    for (name, p), q in zip(m.named_parameters(), hand.parameters(), strict=True):
+        assert p.dtype == torch.float32
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-7, msg=name)
+    assert {p.grad for p in m.parameters()} == {None}

@@ -24,7 +24,15 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
 from shardwise.config.model_args import ModelArgs
-from shardwise.models.layers import AttentionCore, FeedForward, KVCache, LayerCache, RMSNorm, apply_rope
+from shardwise.models.layers import (
+    AttentionCore,
+    FeedForward,
+    KVCache,
+    LayerCache,
+    RMSNorm,
+    apply_rope,
+    compute_dtype,
+)
 from shardwise.models.mla import LatentAttention
 from shardwise.models.moe import MoE, routing_not_counted
 from shardwise.models.protocol import BlockPlan, LinearGroup, ModelPlan
@@ -228,6 +236,9 @@ class Transformer(nn.Module):
         rope = self.rope[positions] if positions is not None else self.rope
         mask = document_mask(doc_ids, self._causal_mask(doc_ids)) if doc_ids is not None else None
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, S, dim)
+        # Under autocast (one rank without FSDP) the residual stream runs in its dtype (bf16), as with
+        # FSDP's bf16 parameters: the one-rank run rounds as a multi-rank run does, at half the traffic.
+        h = h.to(compute_dtype(h))
         for layer in self.layers.values():
             h = layer(h, rope, mask) if cache is None else layer(h, rope, mask, cache)
         if cache is not None:

@@ -39,7 +39,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardwise.config.model_args import ModelArgs
-from shardwise.models.layers import FeedForward
+from shardwise.models.layers import FeedForward, compute_dtype
 
 
 class AuxLossGrad(torch.autograd.Function):
@@ -144,7 +144,8 @@ class GroupedExperts(nn.Module):
         """x (N, dim) sorted by expert, counts (n_local,) tokens per expert -> (N, dim)."""
         # Under expert parallel the weights are DTensors sharded over experts and the tokens have
         # already been exchanged: this rank runs its own experts on plain local tensors.
-        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        # (in x's dtype: under autocast the router cast the tokens; autocast skips grouped GEMMs)
+        w1, w2, w3 = (_local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
         index = None
         if pads_groups(x):
             x, counts, index = pad_groups(x, counts, group_alignment(x.shape[0], counts.numel()))
@@ -238,14 +239,15 @@ class MoE(nn.Module):
             aux = self.aux_loss(ids.view(b, s, -1), scores.view(b, s, -1))
         order = torch.argsort(flat_ids, stable=True)  # routing slots grouped by expert
         # (index_select: its backward is an index_add, about twice as fast on CPU as indexing's)
-        routed = tokens.index_select(0, order // self.top_k)  # (T*k, dim)
+        # cast before the gather (autocast's dtype, if on): k copies of each token move at half width
+        routed = tokens.to(compute_dtype(tokens)).index_select(0, order // self.top_k)  # (T*k, dim)
         out = self.experts(routed, counts)  # (T*k, dim)
         out = out * weights.flatten()[order, None].to(out.dtype)
         if aux is not None:  # (every slot's output reaches y, so its gradient always runs)
             out = AuxLossGrad.apply(out, aux)
         # The module's output is a tensor of its own, not a view: FSDP2 warns on every step of a
         # wrapped module that returns one.
-        y = torch.zeros_like(x)  # (B, S, dim)
+        y = x.new_zeros(x.shape, dtype=out.dtype)  # (B, S, dim); x's dtype unless under autocast
         y.view(-1, dim).index_add_(0, order // self.top_k, out)
         if self.shared_expert is not None:
             y = y + self.shared_expert(tokens).view(b, s, dim)

@@ -116,6 +116,8 @@ class _FusedLinearCE(torch.autograd.Function):
         grad_w: torch.Tensor | None = None
         chunk = _even_chunk(hidden.shape[0], chunk)
         one_chunk = chunk >= hidden.shape[0]
+        ctx.weight_dtype = weight.dtype
+        weight = weight.to(hidden.dtype)  # (fp32 parameters under autocast: cast once for all chunks)
         for start in range(0, hidden.shape[0], chunk):
             h, y = hidden[start:start + chunk], labels[start:start + chunk]
             losses, g = kernel(h @ weight.t(), y, ignore_index)  # (C,), (C, V): this chunk's only
@@ -125,7 +127,6 @@ class _FusedLinearCE(torch.autograd.Function):
             if need_w:  # (V, D); one chunk: the product as it is, no fp32 copy
                 grad_w = g.t() @ h if one_chunk else _addmm_fp32(grad_w, g.t(), h, round_on_cpu=True)
         ctx.save_for_backward(grad_h, grad_w)
-        ctx.weight_dtype = weight.dtype
         return total
 
     @staticmethod
@@ -144,9 +145,10 @@ class _ChunkedLinearCE(torch.autograd.Function):
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,  # noqa: ANN001
                 ignore_index: int, chunk: int) -> torch.Tensor:
         losses = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        w = weight.to(hidden.dtype)
         for start in range(0, hidden.shape[0], chunk):
             h, y = hidden[start:start + chunk], labels[start:start + chunk]
-            logits = (h @ weight.t()).float()  # (C, V): the only logits alive at a time
+            logits = (h @ w.t()).float()  # (C, V): the only logits alive at a time
             valid = y != ignore_index
             target = logits.gather(1, torch.where(valid, y, 0)[:, None])[:, 0]
             losses[start:start + chunk] = torch.where(valid, logits.logsumexp(-1) - target, 0.0)
@@ -160,16 +162,17 @@ class _ChunkedLinearCE(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = None
+        w = weight.to(hidden.dtype)
         for start in range(0, hidden.shape[0], ctx.chunk):
             h, y = hidden[start:start + ctx.chunk], labels[start:start + ctx.chunk]
-            logits = (h @ weight.t()).float()  # (C, V), recomputed
+            logits = (h @ w.t()).float()  # (C, V), recomputed
             valid = y != ctx.ignore_index
             g = torch.softmax(logits, dim=-1)
             g[torch.arange(len(y), device=y.device), torch.where(valid, y, 0)] -= 1.0
             g *= (grad_losses[start:start + ctx.chunk] * valid)[:, None]  # d loss_i / d logits_i
             g = g.to(hidden.dtype)
             if need_h:
-                grad_h[start:start + ctx.chunk] = g @ weight
+                grad_h[start:start + ctx.chunk] = g @ w
             if need_w:
                 grad_w = _addmm_fp32(grad_w, g.t(), h)  # (V, D), summed over chunks in fp32, rounded once
         return grad_h, grad_w.to(weight.dtype) if need_w else None, None, None, None
@@ -242,6 +245,14 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, lab
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     shape = labels.shape
+    kind = hidden.device.type
+    if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind):
+        # Autocast would cast inside the custom autograd functions (a bf16 fp32-accumulator too), and
+        # not in their backward: run them outside it, on hidden states in its dtype. An fp32 weight is
+        # cast once per call inside them, and its gradient comes back in fp32.
+        with torch.autocast(kind, enabled=False):
+            return chunked_linear_cross_entropy(hidden.to(torch.get_autocast_dtype(kind)), weight, labels,
+                                                reduction, ignore_index, chunk_size, compiled)
     if isinstance(weight, DTensor):
         mesh = weight.device_mesh
         if not isinstance(hidden, DTensor):

@@ -50,6 +50,45 @@ def one_unit(fsdp_ranks: int, pp: int, device_type: str) -> bool:
     return fsdp_ranks == 1 and pp == 1 and device_type in ONE_UNIT_DEVICES
 
 
+PLAIN_DEVICES = ("cuda",)
+"""Devices where a one-rank run trains without FSDP under ``parallel.one_rank = auto``."""
+
+
+def plain_rank(world_size: int, device_type: str, choice: str) -> bool:
+    """Whether a run trains without FSDP (``parallel.one_rank``): only on one rank; ``auto`` on a GPU.
+
+    On one rank FSDP gathers and reduces nothing, yet its mixed precision costs whole passes over the
+    parameters and gradients every step: the cast to the bf16 copy, the copy-out, the gradients packed
+    into an fp32 reduce buffer, the one-rank "reduce" (a copy) and a divide -- about 19 ms of a 1B
+    step's 164 ms on an H100 and 30 ms of a Qwen3-MoE step's 160 ms, with host time the kernels wait
+    for (bench/results/history.md, "Beside torchtitan"). Without it, autocast casts each weight where
+    a matmul reads it (fused into the compiled blocks) and autograd accumulates fp32 gradients in
+    place. On a CPU ``auto`` keeps FSDP: there the one-rank run is the reference every multi-rank
+    layout is compared against, and FSDP's bf16 parameter copies round as a multi-rank run's do."""
+    if world_size != 1 or choice == "fsdp":
+        return False
+    return choice == "plain" or device_type in PLAIN_DEVICES
+
+
+def apply_autocast(model: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+    """Run every forward of ``model`` (training, evaluation, generation) under ``torch.autocast``:
+    entered by a forward pre-hook, left by a forward hook that also runs when forward raises.
+    Backward needs no context: autograd recorded each op's dtypes. ``model.autocast_dtype`` tells
+    code that must cast by hand (grouped GEMMs and the fused loss: autocast knows neither)."""
+    contexts: list[torch.autocast] = []
+
+    def enter(module: nn.Module, args: tuple) -> None:
+        contexts.append(torch.autocast(device_type, dtype=dtype))
+        contexts[-1].__enter__()
+
+    def leave(module: nn.Module, args: tuple, out: object) -> None:
+        contexts.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave, always_call=True)
+    model.autocast_dtype = dtype
+
+
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig,
                mp_policy: MixedPrecisionPolicy, moe_meshes: dict[str, DeviceMesh] | None = None,
                device_type: str = "") -> None:

@@ -11,6 +11,7 @@ cut into this rank's stage first); the other stages arrive with their issues and
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from shardwise.config.schema import Config
@@ -21,7 +22,7 @@ from shardwise.parallel.context import apply_cp
 from shardwise.parallel.dims import Mesh, ParallelDims
 from shardwise.parallel.expert import apply_ep
 from shardwise.parallel.float8 import apply_float8
-from shardwise.parallel.fsdp import apply_fsdp, mixed_precision_policy
+from shardwise.parallel.fsdp import apply_autocast, apply_fsdp, mixed_precision_policy, plain_rank
 from shardwise.parallel.tensor import apply_tp
 
 
@@ -43,5 +44,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, config: Config, compiled: 
             apply_ep(model, moe_meshes[Mesh.EP])
     apply_ac(model, config.activation_checkpoint)
     apply_compile(model, compiled)
+    device = dims.target_device or dims.mesh.device_type
+    if plain_rank(dims.world_size, device, cfg.one_rank):
+        if config.training.mixed_precision == "bf16":
+            apply_autocast(model, device, torch.bfloat16)
+        return
     mp = mixed_precision_policy(config.training.mixed_precision, cfg.fsdp_reduce_dtype)
     apply_fsdp(model, dims.fsdp_mesh(), cfg, mp, moe_meshes, dims.target_device)

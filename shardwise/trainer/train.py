@@ -24,7 +24,7 @@ from shardwise.launch import rundir
 from shardwise.launch.resilience import exit_with_launcher, maybe_fail
 from shardwise.models.moe import update_expert_bias
 from shardwise.observe.memory import SavedActivations, state_bytes
-from shardwise.optim.clip import clip_grad_norm_
+from shardwise.optim.clip import clip_grad_norm_, folds_grad_scale
 from shardwise.parallel.dims import Mesh
 from shardwise.parallel.float8 import precompute_scales
 from shardwise.parallel.pipeline import Pipe
@@ -95,8 +95,8 @@ class StepResult:
     grad_norm: torch.Tensor
     lr: float
     """The learning rate the step used."""
-    finite: bool
-    """False: the gradient norm was NaN/inf and the update was not applied."""
+    finite: torch.Tensor
+    """False: the gradient norm was NaN/inf and the update was not applied (a bool tensor)."""
     expert_load: torch.Tensor | None = None
     """MoE: the busiest expert's load over the mean, worst layer."""
     memory: dict[str, int] | None = None
@@ -140,11 +140,15 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     # (the clip's division is folded into a fused optimizer's kernel: one pass over the gradients)
     grad_norm = clip_grad_norm_(model.parameters(), run.cfg.training.max_grad_norm, stages, optimizer)
     lr = optimizer.param_groups[0]["lr"]
-    # One host sync per step; the norm is already reduced over every rank, so all agree.
-    finite = bool(torch.isfinite(grad_norm))
-    if finite:
+    # The norm is already reduced over every rank, so all agree on skipping a non-finite update.
+    finite = torch.isfinite(grad_norm)
+    if folds_grad_scale(optimizer):  # its kernel skips the update itself: no host sync mid-step
+        optimizer.found_inf = (~finite).float()
         optimizer.step()
-    optimizer.__dict__.pop("grad_scale", None)  # this step's clip only
+    elif finite:  # (a host sync)
+        optimizer.step()
+    for key in ("grad_scale", "found_inf"):  # this step's only
+        optimizer.__dict__.pop(key, None)
     scheduler.step()  # a skipped update still uses up its step of the LR schedule
     if float8_scales:  # next step's float8 weight scales, one all-reduce
         precompute_scales(model)

@@ -24,7 +24,16 @@ from shardwise.models.llama import apply_rope, build_model, init_weights, rope_t
 from shardwise.ops.chunked_ce import _addmm_fp32, chunked_linear_cross_entropy, reference_linear_cross_entropy
 from shardwise.trainer.loss import TokenLoss
 from shardwise.trainer.train import train_step
-from tests.references import STEPS, Reference, hf_params, loss_inputs, run_loss, step_trainer
+from tests.references import (
+    AMP_MOE,
+    STEPS,
+    Reference,
+    check_torch_amp,
+    hf_params,
+    loss_inputs,
+    run_loss,
+    step_trainer,
+)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -140,6 +149,15 @@ def test_trainer_step_on_cuda_matches_a_plain_pytorch_step(data_cache: str, loss
         for name, p in ref.hf.named_parameters():
             err = (ours[name] - p.detach()).norm() / (p.detach() - ref.start[name]).norm()
             assert err <= 1e-3, f"{name}: {err:.2e} of the update"
+
+
+@pytest.mark.parametrize("model", [(), AMP_MOE], ids=["dense", "moe"])
+def test_one_gpu_without_fsdp_is_torch_amp(data_cache: str, model: tuple[str, ...]):
+    """One GPU's default (parallel.one_rank auto = plain): the trainer's step against torch's AMP written
+    out by hand on CUDA (autocast, the fused AdamW kernel with its clip and skip flags, the grouped
+    GEMMs of the experts cast by hand) -- tests/unit/test_train_step.py's check on the GPU."""
+    with one_rank_nccl():
+        check_torch_amp(data_cache, model, "cuda")
 
 
 def test_a_rank_forked_from_the_rank_server_can_use_cuda():

@@ -225,19 +225,24 @@ def test_a_checkpointed_block_counts_its_tokens_once(mode: str, compiled: bool):
     assert moe.tokens_per_expert.sum() == 2 * 8 * 2  # every token once, top-2
 
 
-def test_an_moe_block_compiles_to_one_graph_on_the_gpu_path(monkeypatch: pytest.MonkeyPatch):
-    """Without the CPU's group padding (whose host sync is CPU-only), a bf16 MoE block traces to one
+@pytest.mark.parametrize("precision", ["bf16", "autocast"])
+def test_an_moe_block_compiles_to_one_graph_on_the_gpu_path(monkeypatch: pytest.MonkeyPatch, precision: str):
+    """Without the CPU's group padding (whose host sync is CPU-only), an MoE block traces to one
     graph: nothing in routing, counting or the grouped GEMMs sends the compiled block back to the
-    host (the token count's autograd check once broke it into four graphs)."""
+    host (the token count's autograd check once broke it into four graphs). bf16: FSDP's bf16
+    parameters; autocast: fp32 parameters and residual stream under bf16 autocast (a one-rank run
+    without FSDP), where the experts cast tokens and weights by hand."""
     from shardwise.models import moe
 
     monkeypatch.setattr(moe, "pads_groups", lambda x: False)
     args = dataclasses.replace(tiny(n_layers=1), moe_balance="bias", moe_aux_coef=0.0)
     model = build_model(args, device="cpu")
     init_weights(model, 0)
-    model = model.bfloat16()
-    x = torch.randn(2, 16, args.dim, dtype=torch.bfloat16, requires_grad=True)
-    explained = torch._dynamo.explain(model.layers["0"])(x, model.rope.float(), None)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    model = model.to(dtype)
+    x = torch.randn(2, 16, args.dim, dtype=dtype, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
+        explained = torch._dynamo.explain(model.layers["0"])(x, model.rope.float(), None)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 

@@ -15,13 +15,15 @@ import pytest
 from shardwise.trainer.loss import TokenLoss
 from shardwise.trainer.train import train_step
 from tests.helpers import one_rank_pg
-from tests.references import STEPS, Reference, hf_params, step_trainer
+from tests.references import AMP_MOE, STEPS, Reference, check_torch_amp, hf_params, step_trainer
 
 
-@pytest.mark.parametrize("loss", ["auto", "plain"])  # auto: the fused loss, gradients in forward
-def test_trainer_step_matches_a_plain_pytorch_step(data_cache: str, loss: str):
+@pytest.mark.parametrize(("loss", "one_rank"), [("auto", "fsdp"), ("plain", "fsdp"), ("auto", "plain")])
+def test_trainer_step_matches_a_plain_pytorch_step(data_cache: str, loss: str, one_rank: str):
+    """auto: the fused loss, gradients in forward; one_rank plain: no FSDP (parallel.one_rank)."""
     with one_rank_pg():
-        cfg, args, run, model, optimizer, scheduler, loader = step_trainer(data_cache, loss)
+        cfg, args, run, model, optimizer, scheduler, loader = step_trainer(data_cache, loss,
+                                                                           one_rank=one_rank)
         assert (run.loss_chunk > 0) == (loss == "auto")
         ref = Reference(model, args, cfg.lr_scheduler.min_lr_ratio)
         clipped = 0
@@ -77,3 +79,38 @@ def test_one_fsdp_unit_trains_bit_identically(data_cache: str, monkeypatch: pyte
     (blocks, per_block), (one, whole) = runs
     assert (blocks, one) == (args.n_layers + 1, 1)
     assert per_block == whole
+
+
+@pytest.mark.parametrize("model", [(), AMP_MOE], ids=["dense", "moe"])
+def test_one_rank_without_fsdp_is_torch_amp(data_cache: str, model: tuple[str, ...]):
+    """parallel.one_rank = plain under bf16: the trainer's step is exactly torch's AMP written out by
+    hand on an unwrapped copy of the same model (tests/references.py check_torch_amp), to 1e-7 over 3
+    steps with accumulation and clipping; the parameters stay fp32 leaves (no FSDP, no DTensor)."""
+    with one_rank_pg():
+        check_torch_amp(data_cache, model, "cpu")
+
+
+@pytest.mark.parametrize("one_rank", ["fsdp", "plain"])
+def test_a_nonfinite_step_changes_nothing(data_cache: str, one_rank: str):
+    """A NaN gradient norm: fused AdamW is told (its ``found_inf``, no host sync mid-step) and leaves
+    every parameter, moment and step count as they were; the result says the step was not finite."""
+    import torch
+
+    from shardwise.parallel.tensor import full_value
+
+    with one_rank_pg():
+        _, _, run, model, optimizer, scheduler, loader = step_trainer(data_cache, one_rank=one_rank)
+        loss = TokenLoss(run.loss_chunk)
+        assert bool(train_step(model, optimizer, scheduler, loader.next_step(), run, loss).finite)
+
+        def snapshot() -> list[torch.Tensor]:
+            states = [v for st in optimizer.state.values() for v in st.values()]
+            return [full_value(t).detach().clone() for t in [*model.parameters(), *states]]
+
+        before = snapshot()
+        got = train_step(model, optimizer, scheduler, loader.next_step(), run, loss, inject_nan=True)
+        assert not bool(got.finite)
+        after = snapshot()
+        assert len(before) == len(after) > 3 * len(list(model.parameters()))
+        for a, b in zip(before, after, strict=True):
+            assert torch.equal(a, b)
