@@ -227,9 +227,12 @@ def step_kernels(profile: dict, hw: Hardware) -> dict[str, dict[str, float]]:
     batch, seq = profile["batch"], profile["seq"]
     step = batch * seq / profile["tokens_per_s"]
     measured["host"] = step - sum(measured.values())  # (the GPU idle: waiting on the host)
+    # (profiles without the key predate parallel.one_rank: FSDP on one rank ran them)
+    one_rank = profile.get("one_rank", "fsdp")
     cfg = load_config(None, [f"--model.name={profile['preset']}", f"--training.global_batch={batch}",
                              f"--training.seq_len={seq}", f"--model.max_seq_len={max(seq, 2048)}",
-                             "--training.steps=100000", "--run.device=cuda"], device="cuda")
+                             "--training.steps=100000", "--run.device=cuda",
+                             f"--parallel.one_rank={one_rank}"], device="cuda")
     est = estimate(cfg, 1, hw, exact=False)
     predicted = dict(est.time.ranks[0].compute)
     return {"measured": {**measured, "step": step}, "predicted": {**predicted, "step": est.time.step}}

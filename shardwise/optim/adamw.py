@@ -28,10 +28,18 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device_type: str) ->
     if cfg.state_dtype == "bf16":
         return LowPrecisionAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                  state_dtype=torch.bfloat16)
-    impl = "fused" if cfg.implementation == "auto" and device_type in ("cpu", "cuda") else cfg.implementation
+    impl = "fused" if fused_kernel(cfg, device_type) else cfg.implementation
     kernel = {"fused": {"fused": True}, "foreach": {"foreach": True},
               "for-loop": {"foreach": False}, "auto": {}}[impl]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernel)
+
+
+def fused_kernel(cfg: OptimizerConfig, device_type: str) -> bool:
+    """Whether :func:`build_optimizer` gives torch's fused AdamW (one kernel for every parameter,
+    which also takes the gradient clip's divisor and the skip of a non-finite step)."""
+    if cfg.state_dtype != "fp32":
+        return False
+    return cfg.implementation == "fused" or (cfg.implementation == "auto" and device_type in ("cpu", "cuda"))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -31,12 +31,13 @@ from typing import NamedTuple
 from shardwise.config.model_args import ModelArgs
 from shardwise.config.schema import Config
 from shardwise.observe.flops import ATTENTION_BACKWARD, MATMUL_BACKWARD, attention_pairs, attention_width
+from shardwise.optim.adamw import fused_kernel
 from shardwise.parallel.dims import Mesh
 from shardwise.plan.activations import Shape, attention_linears, expert_rows, shape_of
 from shardwise.plan.comm import Collective, boundary_bytes, fsdp_reduce_bytes, step_collectives
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.overlap import collective_time, fsdp_exposed_seconds, fsdp_hidden_seconds, per_mesh_dim
-from shardwise.plan.states import BYTES, RankStates
+from shardwise.plan.states import BYTES, RankStates, planned_device
 from shardwise.resolve.run import ResolvedRun
 
 COMPILE_MEMORY_FACTOR = 0.5
@@ -251,7 +252,7 @@ def rank_time(run: ResolvedRun, rank_states: RankStates, hw: Hardware,
     tally.memory *= fused
     fsdp_copy_traffic(tally, run, rank_states, shape)
     compute = {"matmul": tally.matmul, "attention": tally.attention, "memory-bound": tally.memory,
-               "optimizer": optimizer_seconds(cfg, rank_states, hw, run.world),
+               "optimizer": optimizer_seconds(cfg, rank_states, hw, run.world, planned_device(run)),
                "host": host_seconds(run, rank_states, hw, micro_batches, shape.args)
                + gpu_host_seconds(cfg, shape.args, hw, per_layer) * micro_batches}
     colls = step_collectives(run, rank_states) if colls is None else colls
@@ -330,11 +331,17 @@ def fsdp_copy_traffic(tally: ComputeTally, run: ResolvedRun, rank_states: RankSt
         tally.memory += tally.traffic(nbytes, reduce_bytes * unit.numel)
 
 
-def optimizer_seconds(cfg: Config, rank_states: RankStates, hw: Hardware, ranks: int) -> float:
-    """AdamW and gradient clipping over the rank's parameter shards, in place (memory-bound)."""
+def optimizer_seconds(cfg: Config, rank_states: RankStates, hw: Hardware, ranks: int,
+                      device_type: str) -> float:
+    """AdamW and gradient clipping over the rank's parameter shards, in place (memory-bound). torch's
+    fused AdamW (:func:`~shardwise.optim.adamw.fused_kernel`) takes the clip's division: the norm
+    reads the fp32 gradients (4 bytes per element), then one kernel reads parameter, gradient and
+    moments and writes them all back, the gradient too (it stores the division): 36 bytes, measured
+    on an H100 at 2.5 TB/s (bench/results/history.md). Other kernels: 16 + 4 x state bytes + 12."""
     state_bytes = BYTES[cfg.optimizer.state_dtype]
     numel = rank_states.params / 4  # fp32 shards
-    return numel * (4 * 4 + 4 * state_bytes + 12) / hw.memory_bw(ranks)
+    per_element = 36 if fused_kernel(cfg.optimizer, device_type) else 4 * 4 + 4 * state_bytes + 12
+    return numel * per_element / hw.memory_bw(ranks)
 
 
 def host_seconds(run: ResolvedRun, rank_states: RankStates, hw: Hardware, micro_batches: int,

@@ -221,6 +221,8 @@ def step_memory(run: ResolvedRun, st: RankStates) -> RankMemory:
 
     if run.dims.pp > 1:
         _pipeline_timeline(tl, run, st, s, m, per_block, full_block, acts, gather)
+    elif st.plain:
+        _plain_timeline(tl, run, st, s, per_block, full_block, acts)
     else:
         order = list(st.layers)
         # One-unit model (parallel/fsdp.py one_unit): the root gathers every block with itself; a
@@ -265,6 +267,44 @@ def step_memory(run: ResolvedRun, st: RankStates) -> RankMemory:
     saved = tl.peak_parts.get("activations", 0)
     return RankMemory(st.pp_rank, st.params, st.grads, st.optimizer, saved, tl.peak, _where(tl.where),
                       tl.peak_parts)
+
+
+def _plain_timeline(tl: Timeline, run: ResolvedRun, st: RankStates, s: Shape, per_block: dict[int, int],
+                    full_block: dict[int, int], acts: dict[str, int]) -> None:
+    """A model without FSDP (``RankStates.plain``): each part's fp32 gradients appear in its backward
+    on the first micro-batch (later ones add into them) and stay until the step; the fused loss
+    hands the head's over in its backward. Eager, autocast's bf16 copy of each block's weights is
+    saved for backward (under compile the backward casts again)."""
+    cfg = run.cfg
+    grads = dict(st.plain)
+    head = s.args.vocab_size * s.args.dim if st.has_head else 0
+    copies = {i: 0 if run.compile or s.e == 4 else s.e * n for i, n in grads.items() if i is not None}
+    # (the plain loss's output projection too; the chunked loss casts the head inside, saving none)
+    head_copy = 0 if run.compile or s.e == 4 or s.loss_chunk else s.e * head
+    order = list(st.layers)
+    sig = {i: (per_block[i], full_block[i], grads[i]) for i in order}
+    for mb in range(min(run.micro_batches, 2)):  # micro-batches after the second repeat it exactly
+        first = mb == 0
+        tag = f" (micro-batch {mb + 1}/{run.micro_batches})" if run.micro_batches > 1 else ""
+        tl.add("activations", acts["embedding"], "forward" + tag)
+        for r in _runs(order, sig):
+            tl.run([("activations", per_block[r[0]]), ("autocast copies", copies[r[0]])], len(r),
+                   f"forward {_span(r)}" + tag)
+        tl.run([("activations", acts["head"]), ("autocast copies", head_copy)], 1, "loss" + tag)
+        tl.add("loss", loss_temporaries(s, cfg), "loss backward" + tag)
+        tl.add("loss", -loss_temporaries(s, cfg), "loss backward" + tag)
+        tl.add("grads", 4 * head if first else 0, "loss backward" + tag)
+        tl.run([("activations", -acts["head"]), ("autocast copies", -head_copy)], 1, "loss backward" + tag)
+        for r in _runs(list(reversed(order)), sig):
+            i = r[0]
+            recompute, temps = full_block[i] - per_block[i], backward_temporaries(s, i)
+            events = [("recompute", recompute), ("grads", 4 * grads[i] if first else 0),
+                      ("backward temporaries", temps), ("backward temporaries", -temps),
+                      ("recompute", -recompute), ("activations", -per_block[i]),
+                      ("autocast copies", -copies[i])]
+            tl.run(events, len(r), f"backward {_span(r)}" + tag)
+        tl.add("activations", -acts["embedding"], "backward root" + tag)
+        tl.add("grads", 4 * (grads[None] - head) if first else 0, "backward root" + tag)
 
 
 def _where(where: str | tuple) -> str:

@@ -37,7 +37,7 @@ from shardwise.config.schema import Config, ConfigError
 from shardwise.models import ModelArgs
 from shardwise.models.llama import build_model
 from shardwise.parallel.dims import Degrees, Mesh
-from shardwise.parallel.fsdp import one_unit
+from shardwise.parallel.fsdp import one_unit, plain_rank
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.pipeline import rank_stages, stage_layers
 from shardwise.resolve.run import ResolvedRun
@@ -81,6 +81,10 @@ class RankStates:
     """Blocks this rank runs, in order."""
     has_embedding: bool
     has_head: bool
+    plain: tuple[tuple[int | None, int], ...] = ()
+    """A model without FSDP (``parallel.one_rank``): (block, elements) of each block in order, then
+    (None, elements) of the rest (embedding, final norm, head); their fp32 gradients appear in that
+    part's backward and stay. Empty under FSDP."""
 
     @property
     def total(self) -> int:
@@ -245,9 +249,13 @@ def _read_states(model: nn.Module, cfg: Config, pp_rank: int) -> RankStates:
     units = [*before]
     for i in layers:
         units += [_moved(u, i) for u in per_layer.get(rep[i], [])]
+    plain: list[tuple[int | None, int]] = []
+    if not any(isinstance(m, FSDPModule) for m in [*model.modules(), *views]):
+        plain = [(i, block_numel[rep[i]]) for i in layers]
+        plain.append((None, numel - sum(n for _, n in plain)))
     return RankStates(pp_rank, 4 * numel, 4 * numel, optimizer_bytes_per_element(cfg) * numel,
                       tuple(units + after), tuple(layers), getattr(model, model.plan.embedding) is not None,
-                      getattr(model, model.plan.norm, None) is not None)
+                      getattr(model, model.plan.norm, None) is not None, tuple(plain))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,8 +384,10 @@ def _rank_states(run: ResolvedRun, shapes: ParamShapes, pp_rank: int, layers: li
     moe_shard, fsdp = d.moe_shard, d.dp_shard * d.cp
     mode = run.cfg.parallel.reshard_after_forward
     single = one_unit(fsdp * d.dp_replicate, d.pp, planned_device(run))
+    unwrapped = plain_rank(run.world, planned_device(run), run.cfg.parallel.one_rank)
     numel, units = 0, []
     held: list[tuple[int, int]] = []  # one unit: (layer, elements) the root holds
+    plain: dict[int | None, int] = {}  # no FSDP: elements by block (None: the rest)
 
     sizes: dict[tuple, tuple[int, int]] = {}  # blocks of a kind shard alike
 
@@ -389,7 +399,9 @@ def _rank_states(run: ResolvedRun, shapes: ParamShapes, pp_rank: int, layers: li
             sizes[key] = _shard_numel(params, d, shapes, shard, moe_ffn)
         local, padded = sizes[key]
         numel += local
-        if params and single and group == Mesh.DP_SHARD_CP and layer is not None:  # (padded == local)
+        if unwrapped:
+            plain[layer] = plain.get(layer, 0) + local
+        elif params and single and group == Mesh.DP_SHARD_CP and layer is not None:  # (padded == local)
             held.append((layer, padded))
         elif params:
             blocks = tuple(held) if layer is None else ()
@@ -421,5 +433,6 @@ def _rank_states(run: ResolvedRun, shapes: ParamShapes, pp_rank: int, layers: li
         roots = [r for r, keep in ((shapes["embedding"], has_emb), (shapes["head"], has_head)) if keep]
     for params in roots:
         unit("(root)", params, fsdp, Mesh.DP_SHARD_CP, mode == "always", None)
+    parts = tuple((i, plain[i]) for i in layers) + ((None, plain.get(None, 0)),) if unwrapped else ()
     return RankStates(pp_rank, 4 * numel, 4 * numel, optimizer_bytes_per_element(run.cfg) * numel,
-                      tuple(units), tuple(layers), has_emb, has_head)
+                      tuple(units), tuple(layers), has_emb, has_head, parts)

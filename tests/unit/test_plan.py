@@ -104,6 +104,21 @@ def test_one_unit_states_equal_the_built_model(gpu_units: None, path: str, world
         assert len(built[0].units) == 1 or "--parallel.ep=2" in overrides
 
 
+@pytest.mark.parametrize("path", [DEBUG, MOE])
+def test_plain_states_equal_the_built_model(path: str):
+    """parallel.one_rank = plain (no FSDP): no unit, and each block's elements and the rest's, whose
+    gradients the timeline brings in at each part's backward -- from shapes exactly as from the built
+    model."""
+    cfg = load_config(path, ["--parallel.one_rank=plain"])
+    built, shaped = built_states(planned(cfg, 1)), shape_states(planned(cfg, 1))
+    assert built == shaped
+    (st,) = built
+    assert st.units == () and [i for i, _ in st.plain] == [*range(model_args(cfg.model).n_layers), None]
+    assert 4 * sum(n for _, n in st.plain) == st.params == st.grads
+    fsdp = load_config(path, ["--parallel.one_rank=fsdp"])
+    assert shape_states(planned(fsdp, 1))[0].plain == ()
+
+
 @pytest.mark.parametrize("path,world,overrides,one", [
     (DEBUG, 4, ["--parallel.dp_shard=2", "--parallel.tp=2"], False),
     (DEBUG, 4, ["--parallel.dp_shard=4", "--parallel.reshard_after_forward=always"], False),
@@ -234,28 +249,32 @@ PEAK_CASES = [[], ["--activation_checkpoint.mode=full"], ["--activation_checkpoi
 BF16, FP32 = "--training.mixed_precision=bf16", "--training.mixed_precision=fp32"
 
 
-# bf16 in both unit layouts; fp32 (what `auto` picks on a CPU without native bf16) with the CPU's
-# per-block units. Not in the list, as docs/planning.md's limits say: fp32 with micro-batch 1 is
-# +3.4% and fp32 with one unit on one rank +14..+17% (the timeline keeps an unsharded fp32 copy of
-# the model at the root's reduce that MemTracker does not see at world size 1).
-# The extended set (make test-all) has every case in bf16 with both unit layouts; CI keeps the
-# defaults in both precisions and unit layouts, each memory switch in fp32 with the per-block
+# bf16 in both unit layouts and without FSDP (plain: autocast, eager so its weight copies are saved);
+# fp32 (what `auto` picks on a CPU without native bf16) with the CPU's per-block units. Not in the
+# list, as docs/planning.md's limits say: fp32 with micro-batch 1 is +3.4% and fp32 with one unit on
+# one rank +14..+17% (the timeline keeps an unsharded fp32 copy of the model at the root's reduce
+# that MemTracker does not see at world size 1).
+# The extended set (make test-all) has every case in bf16 with the three layouts; CI keeps the
+# defaults in both precisions and the three layouts, each memory switch in fp32 with the per-block
 # units, and the loss-dominated case (bf16 logits) in bf16.
-@pytest.mark.parametrize("units,overrides", [(units, [BF16, *case]) for units in ("per-block", "one")
+@pytest.mark.parametrize("units,overrides", [(units, [BF16, *case]) for units in ("per-block", "one", "plain")
                                              for case in PEAK_CASES if not case]
                          + [("per-block", [BF16, *PEAK_CASES[-1]])]
                          + [pytest.param(units, [BF16, *case], marks=pytest.mark.slow)
-                            for units in ("per-block", "one") for case in PEAK_CASES[1:]
+                            for units in ("per-block", "one", "plain") for case in PEAK_CASES[1:]
                             if (units, case) != ("per-block", PEAK_CASES[-1])]
                          + [("per-block", [FP32, *case]) for case in PEAK_CASES[:5]])
 def test_peak_matches_memtracker(one_rank, units: str, overrides: list[str], monkeypatch: pytest.MonkeyPatch):
     """The timeline's peak of a steady-state step (optimizer states allocated) is within 3% (6% for
     full checkpointing) of torch's MemTracker peak of live tensors for the same step; with the
-    CPU's per-block FSDP units and with a GPU's one unit (parallel/fsdp.py one_unit)."""
+    CPU's per-block FSDP units, with a GPU's one unit (parallel/fsdp.py one_unit) and without FSDP
+    (parallel.one_rank = plain)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     if units == "one":
         monkeypatch.setattr(fsdp, "ONE_UNIT_DEVICES", ("cuda", "cpu"))
+    elif units == "plain":  # no FSDP (parallel.one_rank, a GPU's default): fp32 parameters, autocast
+        overrides = [*overrides, "--parallel.one_rank=plain"]
 
     from shardwise.observe.memory import _StepMemTracker
 
@@ -552,7 +571,8 @@ def test_cuda_ranks_expand_allocator_segments_unless_configured(monkeypatch: pyt
 
 # One-GPU rows this project measured (BENCHMARKS.md: `bench/throughput.py --device cuda`, the
 # trainer's defaults -- compiled blocks, fused loss): profile, preset, sequences x length per step,
-# measured tokens/s of each run. H100 SXM 80GB 2026-11-24 and 2026-11-26, H200 2026-11-26.
+# measured tokens/s of each run. H100 SXM 80GB 2026-11-24 and 2026-11-26, H200 2026-11-26: all with
+# FSDP on the one rank (before parallel.one_rank; the one-GPU default's rows: test_plan_gpu.py).
 OWN_GPU_ROWS = [("h100", "125m", 8, 2048, (361_866, 347_044, 378_892)),
                 ("h100", "125m", 2, 8192, (274_835, 259_057)),
                 ("h100", "1b", 4, 2048, (52_881, 53_703, 53_345, 53_688, 53_176)),
@@ -575,7 +595,8 @@ def test_the_gpu_profiles_predict_our_own_gpu_rows(hardware: str, preset: str, b
 
     cfg = load_config(None, [f"--model.name={preset}", f"--training.global_batch={batch}",
                              f"--training.seq_len={seq}", f"--model.max_seq_len={max(seq, 2048)}",
-                             "--training.steps=100000", "--run.device=cuda"], device="cuda")
+                             "--training.steps=100000", "--run.device=cuda", "--parallel.one_rank=fsdp"],
+                      device="cuda")
     hw = load_hardware(hardware)
     est = estimate(cfg, 1, hw, exact=False)
     assert est.layout.world == 1 and compile_run(cfg, est.layout, "cuda", toolchain=False)[0]  # as measured
