@@ -34,8 +34,11 @@ CASES = {
     "pp2_to_pp1": (["--nproc=2", "--parallel.pp=2"], [], PIPE),
     "ep2_to_ep1": (["--nproc=2", "--parallel.ep=2"], ["--nproc=2"], MOE),
     "tp2_to_1rank": (["--nproc=2", "--parallel.tp=2"], [], []),
+    # one rank without FSDP (parallel.one_rank=plain, a GPU's default: plain tensors) and back
+    "plain_to_fsdp2": (["--nproc=1", "--parallel.one_rank=plain"], ["--nproc=2"], []),
+    "fsdp2_to_plain": (["--nproc=2"], ["--nproc=1", "--parallel.one_rank=plain"], []),
 }
-SLOW = {"fsdp4_to_fsdp2", "ep2_to_ep1", "tp2_to_1rank", "pp2_to_pp1"}
+SLOW = {"fsdp4_to_fsdp2", "ep2_to_ep1", "tp2_to_1rank", "pp2_to_pp1", "fsdp2_to_plain"}
 
 
 def _layouts():
