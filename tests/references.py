@@ -125,10 +125,12 @@ AMP_MOE = ("--model.n_experts=4", "--model.moe_top_k=2", "--model.moe_hidden_dim
 
 
 def check_torch_amp(data_cache: str, model: tuple[str, ...], device: str) -> None:
-    """parallel.one_rank = plain under bf16 against torch's AMP written out by hand on an unwrapped copy
-    of the same model -- fp32 parameters, the forward under ``torch.autocast`` (bf16), fp32 gradients,
-    fused AdamW on the clipped gradients: loss and norm to 1e-6 / 1e-5, every parameter to 1e-7, over
-    STEPS steps with accumulation and clipping. Inside a one-rank process group."""
+    """parallel.one_rank = plain under bf16 against the same model (a copy without the trainer's hooks,
+    its own casts kept: the bf16 residual stream, the experts') under ``torch.autocast`` (bf16) with
+    the clip and fused AdamW written out by hand -- fp32 parameters and gradients: loss and norm to
+    1e-6 / 1e-5, every parameter to 1e-7, over STEPS steps with accumulation and clipping; the plain
+    loss on both sides (the fused loss's casts under autocast: tests/unit/test_chunked_ce.py). Inside
+    a one-rank process group."""
     import copy
 
     from shardwise.optim.clip import clip_divisor

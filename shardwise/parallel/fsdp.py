@@ -59,9 +59,9 @@ def plain_rank(world_size: int, device_type: str, choice: str) -> bool:
 
     On one rank FSDP gathers and reduces nothing, yet its mixed precision costs whole passes over the
     parameters and gradients every step: the cast to the bf16 copy, the copy-out, the gradients packed
-    into an fp32 reduce buffer, the one-rank "reduce" (a copy) and a divide -- about 19 ms of a 1B
-    step's 164 ms on an H100 and 30 ms of a Qwen3-MoE step's 160 ms, with host time the kernels wait
-    for (bench/results/history.md, "Beside torchtitan"). Without it, autocast casts each weight where
+    into an fp32 reduce buffer, the one-rank "reduce" (a copy) and an fp32 scaling pass -- about
+    19 ms of a 1B step's 164 ms on an H100 and 30 ms of a Qwen3-MoE step's 160 ms
+    (bench/results/history.md, "Beside torchtitan"). Without it, autocast casts each weight where
     a matmul reads it (fused into the compiled blocks) and autograd accumulates fp32 gradients in
     place. On a CPU ``auto`` keeps FSDP: there the one-rank run is the reference every multi-rank
     layout is compared against, and FSDP's bf16 parameter copies round as a multi-rank run's do."""
@@ -73,8 +73,9 @@ def plain_rank(world_size: int, device_type: str, choice: str) -> bool:
 def apply_autocast(model: nn.Module, device_type: str, dtype: torch.dtype) -> None:
     """Run every forward of ``model`` (training, evaluation, generation) under ``torch.autocast``:
     entered by a forward pre-hook, left by a forward hook that also runs when forward raises.
-    Backward needs no context: autograd recorded each op's dtypes. ``model.autocast_dtype`` tells
-    code that must cast by hand (grouped GEMMs and the fused loss: autocast knows neither)."""
+    Backward needs no context: autograd recorded each op's dtypes. Code that casts by hand (grouped
+    GEMMs and the fused loss: autocast knows neither) asks torch's autocast state
+    (``models.layers.compute_dtype``); ``model.autocast_dtype`` records the dtype for reports."""
     contexts: list[torch.autocast] = []
 
     def enter(module: nn.Module, args: tuple) -> None:

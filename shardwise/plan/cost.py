@@ -336,8 +336,9 @@ def optimizer_seconds(cfg: Config, rank_states: RankStates, hw: Hardware, ranks:
     """AdamW and gradient clipping over the rank's parameter shards, in place (memory-bound). torch's
     fused AdamW (:func:`~shardwise.optim.adamw.fused_kernel`) takes the clip's division: the norm
     reads the fp32 gradients (4 bytes per element), then one kernel reads parameter, gradient and
-    moments and writes them all back, the gradient too (it stores the division): 36 bytes, measured
-    on an H100 at 2.5 TB/s (bench/results/history.md). Other kernels: 16 + 4 x state bytes + 12."""
+    moments and writes them all back, the gradient too (it stores the division): 36 bytes (an H100
+    moved them at 2.5 TB/s: bench/results/history.md), costed at the hardware's memory rate. Other
+    kernels: 16 + 4 x state bytes + 12."""
     state_bytes = BYTES[cfg.optimizer.state_dtype]
     numel = rank_states.params / 4  # fp32 shards
     per_element = 36 if fused_kernel(cfg.optimizer, device_type) else 4 * 4 + 4 * state_bytes + 12

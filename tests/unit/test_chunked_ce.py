@@ -40,6 +40,31 @@ def test_bf16_is_as_accurate_as_cross_entropy_on_full_logits(reduction: str, chu
     assert got[1].dtype == torch.bfloat16 and got[2].dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("reduction", ["sum", "none"])  # gradients in forward; recomputed in backward
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_under_autocast_it_is_the_bf16_loss_with_fp32_gradients(reduction: str, chunk: int):
+    """fp32 hidden states and weight under ``torch.autocast`` (bf16), as one GPU's default feeds it
+    (fp32 parameters, no FSDP): the loss is the bf16 computation's to the bit, the hidden states'
+    gradient that one's upcast, and the weight's fp32 -- within bf16's rounding of the bf16 path's,
+    and as accurate against the float64 truth -- where autocast alone would have cast the fp32
+    accumulator and left the backward's products mismatched."""
+    hidden, weight, labels = loss_inputs(torch.float32)
+
+    def autocast_forward(*args, **kwargs) -> torch.Tensor:  # backward outside autocast, as in training
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return chunked_linear_cross_entropy(*args, **kwargs)
+    got = run_loss(autocast_forward, hidden, weight, labels, reduction, chunk_size=chunk)
+    bf16 = run_loss(chunked_linear_cross_entropy, hidden.bfloat16(), weight.bfloat16(), labels, reduction,
+                    chunk_size=chunk)
+    assert got[0].dtype == torch.float32 and torch.equal(got[0], bf16[0])
+    assert got[1].dtype == torch.float32 and torch.equal(got[1], bf16[1].float())
+    assert got[2].dtype == torch.float32
+    torch.testing.assert_close(got[2], bf16[2].float(), rtol=2**-7, atol=1e-6)
+    exact = run_loss(reference_linear_cross_entropy, hidden.bfloat16().double(), weight.bfloat16().double(),
+                     labels, reduction)
+    assert (got[2].double() - exact[2]).abs().max() <= (bf16[2].double() - exact[2]).abs().max() + 1e-6
+
+
 def test_global_token_normalization_is_exact_across_splits():
     """What the trainer does: per-call summed loss / valid tokens of the whole batch. Splitting the
     batch in two calls (data parallel, accumulation) gives the gradient of the one-call mean --
