@@ -144,7 +144,8 @@ class GroupedExperts(nn.Module):
         """x (N, dim) sorted by expert, counts (n_local,) tokens per expert -> (N, dim)."""
         # Under expert parallel the weights are DTensors sharded over experts and the tokens have
         # already been exchanged: this rank runs its own experts on plain local tensors.
-        # (in x's dtype: under autocast the router cast the tokens; autocast skips grouped GEMMs)
+        # (in x's dtype: under autocast the MoE cast the tokens before its gather; autocast skips
+        # grouped GEMMs)
         w1, w2, w3 = (_local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
         index = None
         if pads_groups(x):
