@@ -205,13 +205,13 @@ def run_shardwise(shape: Shape, device: str, steps: int, warmup: int, float8: st
         _profile(f"shardwise {shape.preset}", lambda: train_step(
             model, opt, sched, batches(warmup + steps), run, loss).loss.item(), shape, r, env.device.type,
             profile_json)
+    fsdp = any(isinstance(m, FSDPModule) for m in model.modules())
     config = {"model": dataclasses.asdict(run.model), "layout": str(run), "compile": run.compile,
               "loss_chunk_tokens": run.loss_chunk, "micro_batch": mb, "ac": cfg.activation_checkpoint.mode,
               "float8": cfg.float8.recipe if cfg.float8.enabled else "off",
               "optimizer": dataclasses.asdict(cfg.optimizer),
-              "one_rank": one_rank, "fsdp": any(isinstance(m, FSDPModule) for m in model.modules()),
-              "param_dtype": str(next(model.parameters()).dtype),
-              "autocast": str(getattr(model, "autocast_dtype", "off"))}
+              "one_rank": one_rank, "fsdp": fsdp, "param_dtype": str(next(model.parameters()).dtype),
+              "autocast": "bf16" if not fsdp and cfg.training.mixed_precision == "bf16" else "off"}
     return {**r, "setup_s": setup, "config": config}
 
 

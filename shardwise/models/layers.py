@@ -22,16 +22,6 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
 
 
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype a matmul on ``x`` runs in: autocast's where it is on (a one-rank run without FSDP:
-    parallel/fsdp.py ``apply_autocast``), else ``x``'s own. For the products autocast does not
-    cover (grouped GEMMs, the fused loss's), which cast by hand."""
-    kind = x.device.type
-    if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind):
-        return torch.get_autocast_dtype(kind)
-    return x.dtype
-
-
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x)."""
 

@@ -24,18 +24,11 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
 from shardwise.config.model_args import ModelArgs
-from shardwise.models.layers import (
-    AttentionCore,
-    FeedForward,
-    KVCache,
-    LayerCache,
-    RMSNorm,
-    apply_rope,
-    compute_dtype,
-)
+from shardwise.models.layers import AttentionCore, FeedForward, KVCache, LayerCache, RMSNorm, apply_rope
 from shardwise.models.mla import LatentAttention
 from shardwise.models.moe import MoE, routing_not_counted
 from shardwise.models.protocol import BlockPlan, LinearGroup, ModelPlan
+from shardwise.ops.autocast import compute_dtype
 from shardwise.ops.chunked_ce import chunked_linear_cross_entropy
 
 

@@ -39,7 +39,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardwise.config.model_args import ModelArgs
-from shardwise.models.layers import FeedForward, compute_dtype
+from shardwise.models.layers import FeedForward
+from shardwise.ops.autocast import compute_dtype
 
 
 class AuxLossGrad(torch.autograd.Function):

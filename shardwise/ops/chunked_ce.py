@@ -39,6 +39,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from shardwise.ops.autocast import autocast_dtype
+
 
 def _addmm_fp32(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
                 round_on_cpu: bool = False) -> torch.Tensor:
@@ -245,14 +247,13 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, lab
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     shape = labels.shape
-    kind = hidden.device.type
-    if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind):
+    if (dtype := autocast_dtype(hidden)) is not None:
         # Autocast would cast inside the custom autograd functions (a bf16 fp32-accumulator too), and
         # not in their backward: run them outside it, on hidden states in its dtype. An fp32 weight is
         # cast once per call inside them, and its gradient comes back in fp32.
-        with torch.autocast(kind, enabled=False):
-            return chunked_linear_cross_entropy(hidden.to(torch.get_autocast_dtype(kind)), weight, labels,
-                                                reduction, ignore_index, chunk_size, compiled)
+        with torch.autocast(hidden.device.type, enabled=False):
+            return chunked_linear_cross_entropy(hidden.to(dtype), weight, labels, reduction, ignore_index,
+                                                chunk_size, compiled)
     if isinstance(weight, DTensor):
         mesh = weight.device_mesh
         if not isinstance(hidden, DTensor):

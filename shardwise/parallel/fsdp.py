@@ -75,7 +75,7 @@ def apply_autocast(model: nn.Module, device_type: str, dtype: torch.dtype) -> No
     entered by a forward pre-hook, left by a forward hook that also runs when forward raises.
     Backward needs no context: autograd recorded each op's dtypes. Code that casts by hand (grouped
     GEMMs and the fused loss: autocast knows neither) asks torch's autocast state
-    (``models.layers.compute_dtype``); ``model.autocast_dtype`` records the dtype for reports."""
+    (``ops.autocast.compute_dtype``)."""
     contexts: list[torch.autocast] = []
 
     def enter(module: nn.Module, args: tuple) -> None:
@@ -87,7 +87,6 @@ def apply_autocast(model: nn.Module, device_type: str, dtype: torch.dtype) -> No
 
     model.register_forward_pre_hook(enter)
     model.register_forward_hook(leave, always_call=True)
-    model.autocast_dtype = dtype
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig,
