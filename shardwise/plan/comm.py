@@ -299,12 +299,13 @@ def boundary_bytes(run: ResolvedRun, shape: Shape) -> int:
 def step_reductions(run: ResolvedRun, rank_states: RankStates,
                     shape: Shape) -> list[Collective]:
     """Once per step, issued even over one rank: valid tokens (int64) and the loss (fp32) over
-    dp x cp, the gradient norm's partial sums, the MoE token counts."""
+    dp x cp, the gradient norm's partial sums (sharded gradients only), the MoE token counts."""
     issued, n_experts = _Issued(run.dims.degrees), shape.args.n_experts
     issued.add(Mesh.DP_CP, "all_reduce", 8, 1, "step", "valid-token count", size_one=True)
     issued.add(Mesh.DP_CP, "all_reduce", 4, 1, "step", "loss", size_one=True)
-    for group, calls in _norm_groups(run.dims.degrees, rank_states, n_experts > 0).items():
-        issued.add(group, "all_reduce", 8, calls, "step", "gradient norm", size_one=True)
+    if not rank_states.plain:  # (one rank without FSDP has no sharded gradients: no norm sums)
+        for group, calls in _norm_groups(run.dims.degrees, rank_states, n_experts > 0).items():
+            issued.add(group, "all_reduce", 8, calls, "step", "gradient norm", size_one=True)
     if moe_layers := _moe_layers(shape, rank_states):
         issued.add(Mesh.DP_CP_TP, "all_reduce", 4 * moe_layers * n_experts, 1, "step", "MoE token counts",
                    size_one=True)

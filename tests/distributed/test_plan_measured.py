@@ -85,3 +85,11 @@ def test_deepseek(tmp_path: Path, data_cache: str, world: int, extra: list[str])
 ])
 def test_more_layouts(tmp_path: Path, data_cache: str, world: int, extra: list[str]):
     check(tmp_path, data_cache, world, *extra)
+
+
+@pytest.mark.parametrize("model", [[], DEEPSEEK_ARGS], ids=["dense", "deepseek"])
+def test_one_rank_without_fsdp(tmp_path: Path, data_cache: str, model: list[str]):
+    """One rank without FSDP (parallel.one_rank=plain, a GPU's default) in bf16: fp32 states, the
+    timeline's peak with its autocast copies, and the step's collectives -- no gradient-norm
+    all-reduce, since no gradient is sharded."""
+    check(tmp_path, data_cache, 1, *model, "--parallel.one_rank=plain", "--training.mixed_precision=bf16")
