@@ -98,6 +98,8 @@ def resolve_run(cfg: Config, world_size: int, detect_device: bool = True) -> Res
     device_type = shardwise.config.device.device_type(cfg.run.device) if detect_device else cfg.run.device
     compiled, why = compile_run(cfg, dims, device_type, toolchain=detect_device)
     check_async_tp(cfg, dims, device_type, compiled)
+    if cfg.parallel.one_rank == "plain" and world_size > 1 and detect_device:
+        notice(f"parallel.one_rank=plain is for a run on one rank: these {world_size} ranks train with FSDP")
     micro_batch = micro_batch_size(cfg.training, dims.dp)
     return ResolvedRun(cfg, dims, args, micro_batch, micro_batches,
                        loss_chunk_tokens(cfg.training, args.vocab_size, dims.pp, dims.tp,

@@ -114,3 +114,18 @@ def test_a_nonfinite_step_changes_nothing(data_cache: str, one_rank: str):
         assert len(before) == len(after) > 3 * len(list(model.parameters()))
         for a, b in zip(before, after, strict=True):
             assert torch.equal(a, b)
+
+
+def test_one_rank_plain_on_many_ranks_says_so(capsys: pytest.CaptureFixture):
+    """parallel.one_rank=plain on 2 ranks trains with FSDP (there is something to shard): a notice,
+    not a refusal; on one rank, none."""
+    from shardwise.resolve.checks import load_config
+    from shardwise.resolve.run import resolve_run
+    from tests.helpers import ROOT
+
+    cfg = load_config(ROOT / "configs" / "debug.toml", ["--parallel.one_rank=plain", "--run.device=cpu"])
+    resolve_run(cfg, 2)
+    assert "notice: parallel.one_rank=plain is for a run on one rank: these 2 ranks train with FSDP" in \
+        capsys.readouterr().out
+    resolve_run(cfg, 1)
+    assert "one_rank" not in capsys.readouterr().out
