@@ -18,9 +18,13 @@
 **Communication**: :mod:`shardwise.plan.overlap` times each collective and what of FSDP's traffic
 the compute hides.
 
-**Pipeline bubble** (slowest stage's per-micro-batch time ``t``): ``(pp - 1) * t`` for GPipe and
-1F1B, ``(pp - 1) * t / v`` interleaved (Narayanan et al., 2021), ``(pp - 1) * t / 6`` for the V
-schedules (ZB-H1's ``T_F + T_B - T_W`` per V chunk with equal F, B, W passes; Qi et al., 2024).
+**Pipeline bubble** (per-micro-batch stage times ``t_i``, the slowest ``t_max``): the first
+micro-batch's forward and the last one's backward cross every stage but the slowest, ``sum(t_i) -
+t_max`` for GPipe and 1F1B, that over ``v`` interleaved (Narayanan et al., 2021), and over 6 for the
+V schedules (ZB-H1's ``T_F + T_B - T_W`` per V chunk with equal F, B, W passes; Qi et al., 2024).
+On GPUs every stage is costed at the slowest's time, ``(pp - 1) * t_max``, an upper bound that
+needs only the first and last stages (the search costs no others); local ranks sharing cores cost
+every stage, and the last, which also runs the output head, is the slowest by far on small models.
 """
 
 from __future__ import annotations
@@ -201,9 +205,10 @@ class ComputeTally:
     """Memory-bound work."""
     flops: float = 0.0
 
-    def traffic(self, nbytes: float, tensor_bytes: float) -> float:
-        """Seconds to read and write ``nbytes`` of memory-bound work on tensors of ``tensor_bytes``."""
-        return nbytes / self.hw.memory_bw(self.ranks, tensor_bytes, self.cached)
+    def traffic(self, nbytes: float, tensor_bytes: float, elementwise: bool = True) -> float:
+        """Seconds to read and write ``nbytes`` of memory-bound work on tensors of ``tensor_bytes``
+        (``elementwise``: a step's eager ops, not large copies; :meth:`Hardware.memory_bw`)."""
+        return nbytes / self.hw.memory_bw(self.ranks, tensor_bytes, self.cached, elementwise)
 
     def add(self, other: ComputeTally) -> None:
         """Add another tally's terms (a block costed once for all blocks of its kind)."""
@@ -328,7 +333,7 @@ def fsdp_copy_traffic(tally: ComputeTally, run: ResolvedRun, rank_states: RankSt
     for unit in rank_states.units:
         gathers = 1 if run.dims.pp > 1 else micro_batches * (2 if unit.reshard else 1)
         nbytes = gathers * 2 * shape.e * unit.numel + reductions * (shape.e + 5 * reduce_bytes) * unit.numel
-        tally.memory += tally.traffic(nbytes, reduce_bytes * unit.numel)
+        tally.memory += tally.traffic(nbytes, reduce_bytes * unit.numel, elementwise=False)
 
 
 def optimizer_seconds(cfg: Config, rank_states: RankStates, hw: Hardware, ranks: int,
@@ -416,26 +421,28 @@ def shared_cores_pipeline(run: ResolvedRun, ranks: tuple[RankTime, ...],
     share = min(1.0, hw.cores / run.world)
     alone = [share * sum(r.compute.values()) for r in ranks]  # a core to itself
     packed = (run.world // run.dims.pp) * sum(alone) / hw.cores
-    critical = max(alone) + pipeline_bubble(run, max(alone), p2p)
+    critical = max(alone) + pipeline_bubble(run, alone, p2p)
     slowest = max(sum(r.compute.values()) for r in ranks)
     step = max(packed, critical)
     return min(slowest, step), max(0.0, step - slowest)
 
 
-def pipeline_bubble(run: ResolvedRun, busy: float, p2p: float = 0.0) -> float:
-    """Idle seconds of the pipeline schedule, from the slowest rank's ``busy`` seconds per step
-    (the module docstring gives the fraction of a micro-batch's time per schedule), and the
-    transfers the fill and the drain wait for: one activation send at each of the ``pp * v - 1``
-    stage boundaries the first micro-batch crosses on its way down (``v`` stages per rank), one
-    gradient send at each on the last one's way back -- ``p2p`` seconds the pair."""
+def pipeline_bubble(run: ResolvedRun, busy: float | list[float], p2p: float = 0.0) -> float:
+    """Idle seconds of the pipeline schedule, from each pipeline rank's ``busy`` seconds per step
+    (one figure: every rank alike): the other ranks' time for one micro-batch, beside the slowest's
+    (the module docstring gives the fraction per schedule), and the transfers the fill and the drain
+    wait for: one activation send at each of the ``pp * v - 1`` stage boundaries the first
+    micro-batch crosses on its way down (``v`` stages per rank), one gradient send at each on the
+    last one's way back -- ``p2p`` seconds the pair."""
     if run.dims.pp == 1:
         return 0.0
-    per_micro_batch = busy / run.micro_batches
+    stages = [busy] * run.dims.pp if isinstance(busy, float | int) else busy
+    others = (sum(stages) - max(stages)) / run.micro_batches
     schedule = run.pipeline.schedule
     fraction = (1.0 if schedule in ("gpipe", "1f1b") else
                 1.0 / run.stages_per_rank if schedule == "interleaved1f1b" else 1.0 / 6)
     waits = (run.dims.pp * run.stages_per_rank - 1) * p2p
-    return (run.dims.pp - 1) * per_micro_batch * fraction + waits
+    return others * fraction + waits
 
 
 def pipeline_hop_seconds(run: ResolvedRun, hw: Hardware) -> float:

@@ -221,19 +221,24 @@ class Hardware:
         rows = {d: _interpolate({s: v for (dd, s), v in grid.items() if dd == d}, seq) for d in dims}
         return share * _interpolate(rows, head_dim)
 
-    def memory_bw(self, ranks: int = 1, tensor_bytes: float = 0, cached: bool = True) -> float:
+    def memory_bw(self, ranks: int = 1, tensor_bytes: float = 0, cached: bool = True,
+                  elementwise: bool = True) -> float:
         """Bytes/s one rank's elementwise (memory-bound) work moves on tensors of ``tensor_bytes``.
         On ``local``, outputs above ``large_tensor_bytes`` are costed by how the rank's C library
         serves them: with ``cached`` (run.cpu_memory_cache, the default: glibc keeps freed memory)
         from the heap's resident pages, at the rate measured so (``cached@T``; profiles from before
         it: the small-tensor rate); without, from fresh pages the OS faults in on first touch (glibc
-        maps large blocks and unmaps them on free), at the ``large@T`` rate."""
+        maps large blocks and unmaps them on free), at the ``large@T`` rate. Not ``elementwise``
+        (FSDP's copies into and out of its flat buffers: a few large copies and casts per block), on
+        ``local``: at the microbenchmark's rate, without the fraction of it a step's many small eager
+        ops reach (``efficiency.memory``, measured by ``calibrate``'s probe step)."""
         if self.cores:
             threads, share = self._threads(ranks)
             rates = self.memory_bw_per_thread_gbs
             large = tensor_bytes > self.large_tensor_bytes and rates.get(
                 f"{'cached' if cached else 'large'}@{threads}")
-            return (large or rates[str(threads)]) * 1e9 * share * self.efficiency.get("memory", 1.0)
+            efficiency = self.efficiency.get("memory", 1.0) if elementwise else 1.0
+            return (large or rates[str(threads)]) * 1e9 * share * efficiency
         return self.memory_bw_gbs * 1e9 * self.efficiency["memory"]
 
     def _peak(self, dtype: str) -> float:

@@ -24,7 +24,7 @@ from shardwise.data.dataset import Batch
 from shardwise.optim.adamw import build_optimizer
 from shardwise.optim.clip import clip_grad_norm_
 from shardwise.plan.activations import shape_of
-from shardwise.plan.cost import block_gemms
+from shardwise.plan.cost import ComputeTally, block_gemms, fsdp_copy_traffic
 from shardwise.plan.estimate import estimate
 from shardwise.plan.hardware import Hardware
 from shardwise.resolve.checks import load_config
@@ -177,9 +177,13 @@ def memory_efficiency(hw: Hardware, rest_seconds: float) -> float:
     and its host time (costed on ``hw``, just measured), against what its memory-bound work and
     optimizer cost at the microbenchmark's bandwidth. A step's eager elementwise ops --
     broadcasts, fp32 upcasts, complex RoPE products, casts, small reductions -- run below a plain
-    add's rate. Clamped to [0.2, 1]."""
+    add's rate. FSDP's copies are left out of both sides: they are a few large copies, costed at the
+    microbenchmark's rate (:meth:`Hardware.memory_bw`). Clamped to [0.2, 1]."""
     cfg = load_config(None, list(PROBE), device="cpu")
-    parts = estimate(cfg, 1, hw).time.ranks[0].compute
-    memory = parts["memory-bound"] + parts["optimizer"]
-    rest = rest_seconds - parts["host"]
+    est = estimate(cfg, 1, hw)
+    parts = est.time.ranks[0].compute
+    copies = ComputeTally(hw, 1, cfg.run.cpu_memory_cache)
+    fsdp_copy_traffic(copies, est.run, est.states[0], shape_of(est.run))
+    memory = parts["memory-bound"] + parts["optimizer"] - copies.memory
+    rest = rest_seconds - parts["host"] - copies.memory
     return min(1.0, max(0.2, memory / rest)) if rest > 0 else 1.0
