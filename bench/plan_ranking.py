@@ -13,6 +13,7 @@ tokens/s in any repeat: a plan that puts such a layout first is wrong whatever t
     python bench/plan_ranking.py --set moe --repeats 1
     python bench/plan_ranking.py --set moe --steps 70 --warmup 50   # MoE past its CPU heap growth
     python bench/plan_ranking.py --report bench/results/ranking_avx2_moe_2026-11-26.json  # no runs
+    python bench/plan_ranking.py --report bench/results/ranking_avx512_debug_2026-11-27b.json --rescore
 
 Beside the per-repeat verdicts it prints the verdict on each layout's median over the repeats and
 how far the repeats' measured orders agree with each other.
@@ -21,7 +22,10 @@ how far the repeats' measured orders agree with each other.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -65,16 +69,18 @@ def measure(base: list[str], layout: str, steps: int, warmup: int, run_dir: Path
     return statistics.median(r["step_time_s"] for r in rows if "step_time_s" in r and r["step"] > warmup)
 
 
-def predict(base: list[str], layout: str, hardware: str) -> tuple[str, float]:
-    """(the layout as the planner writes it, its predicted step time)."""
+def predict(base: list[str], layout: str, hardware: str, profile: dict | None = None) -> tuple[str, float]:
+    """(the layout as the planner writes it, its predicted step time), on ``hardware`` or on a
+    stored ``profile`` (a round's own calibration)."""
     from shardwise.launch.verify import parse_layout
     from shardwise.plan.estimate import estimate
-    from shardwise.plan.hardware import load_hardware
+    from shardwise.plan.hardware import Hardware, load_hardware
     from shardwise.resolve.checks import load_config
 
     overrides, world = parse_layout(layout)
     cfg = load_config(base[1], base[2:] + overrides + COMMON, device="cpu")
-    est = estimate(cfg, world, load_hardware(hardware, cfg.data.cache_dir))
+    hw = Hardware(**profile) if profile else load_hardware(hardware, cfg.data.cache_dir)
+    est = estimate(cfg, world, hw)
     return str(est.layout), est.time.step
 
 
@@ -110,6 +116,19 @@ def judge(pred: list[float], meas: list[float]) -> dict:
     rho = spearman(pred, meas)
     return {"errors": errors, "spearman": rho, "first_gap": gap, "first": first,
             "ok": all(abs(e) <= 0.25 for e in errors) and rho >= 0.8 and gap <= 0.05}
+
+
+def reachable(meas: list[list[float]]) -> tuple[int, float]:
+    """What any fixed prediction could reach on these repeats: how many orders of the layouts have
+    Spearman >= 0.8 in every repeat, and the highest worst-repeat Spearman of any order. Layouts that
+    differ by less than the machine's drift between repeats swap from one repeat to the next, and
+    no prediction can follow both orders."""
+    met, best = 0, -1.0
+    for order in itertools.permutations(range(len(meas[0]))):
+        worst = min(spearman([float(i) for i in order], m) for m in meas)
+        met += worst >= 0.8
+        best = max(best, worst)
+    return met, best
 
 
 def report(name: str, hardware: str, base: list[str], names: list[str], pred: list[float],
@@ -150,6 +169,10 @@ def report(name: str, hardware: str, base: list[str], names: list[str], pred: li
         pairs = [spearman(meas[i], meas[j]) for i in range(len(meas)) for j in range(i + 1, len(meas))]
         print("measured order against itself, Spearman between repeats: "
               + ", ".join(f"{x:.2f}" for x in pairs))
+        if len(names) <= 8:
+            met, best = reachable(meas)
+            print(f"orders of the {len(names)} layouts that meet Spearman >= 0.8 in every repeat: {met:,} of "
+                  f"{math.factorial(len(names)):,}; the best fixed order's worst repeat: {best:.2f}")
         # each layout's median over the repeats: the machine's drift between repeats averaged out
         # (the issue's targets are judged per repeat, above; this is beside them, not instead)
         v = judge(pred, [statistics.median(m[i] for m in meas) for i in range(len(names))])
@@ -170,10 +193,19 @@ def main() -> None:
     p.add_argument("--json", default="", help="also write the measurements here")
     p.add_argument("--report", default="", metavar="JSON",
                    help="no runs: print the tables and verdicts of a saved --json file")
+    p.add_argument("--rescore", action="store_true",
+                   help="with --report: predict again with today's cost model on the file's own calibration")
     a = p.parse_args()
     if a.report:
         r = json.loads(Path(a.report).read_text())
-        report(r["set"], r["hardware"], SETS[r["set"]][0], r["layouts"], r["predicted"], r["measured"])
+        base, pred = SETS[r["set"]][0], r["predicted"]
+        if a.rescore:
+            if "profile" not in r:
+                raise SystemExit(f"{a.report} has no stored calibration ('profile'): it cannot be rescored")
+            layouts = a.layouts or SETS[r["set"]][1]
+            pred = [predict(base, lay, r["hardware"], r["profile"])[1] for lay in layouts]
+            print(f"rescored: today's cost model on the round's own calibration (measured {r['hardware']})")
+        report(r["set"], r["hardware"], base, r["layouts"], pred, r["measured"])
         return
     base, layouts = SETS[a.set]
     layouts = a.layouts or layouts
@@ -188,8 +220,12 @@ def main() -> None:
             done = ", ".join(f"{n} {m:.3f} s" for n, m in zip(names, meas[-1], strict=True))
             print(f"repeat {r + 1}: {done}", flush=True)
     if a.json:
+        # (the profile the predictions came from: a later model can be scored on the same round)
+        from shardwise.plan.hardware import load_hardware
+        profile = dataclasses.asdict(load_hardware(a.hardware))
         Path(a.json).write_text(json.dumps({"set": a.set, "hardware": a.hardware, "layouts": names,
-                                            "predicted": pred, "measured": meas}, indent=1))
+                                            "predicted": pred, "measured": meas, "profile": profile},
+                                           indent=1))
     report(a.set, a.hardware, base, names, list(pred), meas)
 
 

@@ -228,3 +228,37 @@ def test_cpu_expert_groups_cost_their_padding():
     assert [g[0] for g in cpu[grouped]] == pytest.approx([g[0] * 2300 / 2048 for g in gpu[grouped]])
     assert [g[5] for g in cpu[grouped]] == [288, 288] and [g[5] for g in gpu[grouped]] == [256, 256]
     assert cpu[:-2] == gpu[:-2]
+
+
+def test_ranking_report_counts_the_orders_any_prediction_could_reach(tmp_path):
+    """bench/plan_ranking.py's reachability line: three layouts that swap between two repeats leave
+    few orders meeting Spearman >= 0.8 in both; layouts in one order in every repeat leave exactly
+    the orders near it. And a stored round is rescored on its own calibration: the profile stored
+    in its file predicts what the same profile does loaded as a TOML file."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import plan_ranking
+
+    steady = [[1.0, 2.0, 3.0, 4.0, 5.0]] * 3
+    met, best = plan_ranking.reachable(steady)
+    assert best == pytest.approx(1.0) and 1 < met < 120
+    swapped = [[1.0, 1.01, 1.02, 4.0, 5.0], [1.02, 1.01, 1.0, 4.0, 5.0]]
+    met2, best2 = plan_ranking.reachable(swapped)
+    assert met2 < met and best2 < 1.0
+    # the orders counted are exactly those whose worst repeat is >= 0.8
+    import itertools
+    assert met2 == sum(min(plan_ranking.spearman([float(i) for i in o], m) for m in swapped) >= 0.8
+                       for o in itertools.permutations(range(5)))
+
+    import tomli_w
+
+    r = json.loads((ROOT / "bench" / "results" / "ranking_avx512_debug_2026-11-27b.json").read_text())
+    base, layouts = plan_ranking.SETS["debug"]
+    toml = tmp_path / "hw.toml"
+    toml.write_text(tomli_w.dumps(r["profile"]))
+    for layout in (layouts[0], layouts[-1]):
+        name, step = plan_ranking.predict(base, layout, r["hardware"], r["profile"])
+        assert (name, step) == plan_ranking.predict(base, layout, str(toml))
+    assert name == r["layouts"][-1]
