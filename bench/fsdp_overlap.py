@@ -25,11 +25,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shardwise.plan.calibrate import gather_scatter
+
 MODES = ("compute", "comm", "lockstep", "fsdp")
 
 
 def _step(mode: str, blocks: int, calls: int, bufs: dict) -> None:
     a, b, full, shard, grad, gshards = (bufs[k] for k in ("a", "b", "full", "shard", "grad", "gshards"))
+    gather, scatter = gather_scatter()
 
     def work() -> None:
         for _ in range(calls):
@@ -39,27 +42,27 @@ def _step(mode: str, blocks: int, calls: int, bufs: dict) -> None:
             work()
     elif mode == "comm":
         for i in range(blocks):
-            dist.all_gather_into_tensor(full[i], shard)
+            gather(full[i], shard)
         for i in range(blocks):
-            dist.reduce_scatter_tensor(gshards[i], grad)
+            scatter(gshards[i], grad)
     elif mode == "lockstep":
         for i in range(blocks):
-            dist.all_gather_into_tensor(full[i], shard)
+            gather(full[i], shard)
             work()
         for i in range(blocks):
             work()
-            dist.reduce_scatter_tensor(gshards[i], grad)
+            scatter(gshards[i], grad)
     else:  # as FSDP2 runs: the next block's gather in flight while this one computes
-        handle = dist.all_gather_into_tensor(full[0], shard, async_op=True)
+        handle = gather(full[0], shard, async_op=True)
         for i in range(blocks):
             handle.wait()
             if i + 1 < blocks:
-                handle = dist.all_gather_into_tensor(full[i + 1], shard, async_op=True)
+                handle = gather(full[i + 1], shard, async_op=True)
             work()
         pending = []
         for i in range(blocks):
             work()
-            pending.append(dist.reduce_scatter_tensor(gshards[i], grad, async_op=True))
+            pending.append(scatter(gshards[i], grad, async_op=True))
         for h in pending:
             h.wait()
 

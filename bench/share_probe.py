@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shardwise.plan.calibrate import gather_scatter
+
 ROUNDS, CALLS = 12, 10  # rounds of CALLS GEMMs of (256 x 1024) @ (1024 x 1024)
 GATHERED = 4 * 2**20  # fp32 elements gathered per round: 16 MiB
 
@@ -33,6 +35,7 @@ def _worker(rank: int, world: int, init: str, queue: mp.Queue) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     a, b = torch.randn(256, 1024), torch.randn(1024, 1024)
     shard, out = torch.randn(GATHERED // world), torch.empty(GATHERED)
+    gather, _ = gather_scatter()
     walls = {}
     for mode in ("lockstep", "interleaved", "gathers"):
         dist.barrier()
@@ -43,7 +46,7 @@ def _worker(rank: int, world: int, init: str, queue: mp.Queue) -> None:
             if mode == "lockstep":
                 dist.barrier()
             else:
-                dist.all_gather_into_tensor(out, shard)
+                gather(out, shard)
         walls[mode] = time.perf_counter() - t0
     if rank == 0:
         queue.put(walls)

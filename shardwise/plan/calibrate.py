@@ -130,7 +130,7 @@ def _collective_samples(fn: Callable[[], object], runs: int) -> list[float]:
     return times
 
 
-def _gather_scatter() -> tuple[Callable, Callable]:
+def gather_scatter() -> tuple[Callable, Callable]:
     """All-gather and reduce-scatter into one tensor: torch 2.13 renames them (the old names warn);
     2.11 has only the old ones."""
     import torch.distributed as dist
@@ -149,7 +149,7 @@ def _kind_rates(world: int, sizes_mib: list[int]) -> dict[str, float]:
     MiB at 0.73 and 0.52)."""
     import torch.distributed as dist
 
-    gather, scatter = _gather_scatter()
+    gather, scatter = gather_scatter()
     buffers = {mib: (torch.randn(mib * 2**18), torch.randn(mib * 2**18 // world)) for mib in sizes_mib}
     calls = {"all_gather": lambda full, part: gather(full, part),
              "reduce_scatter": lambda full, part: scatter(part, full),
@@ -195,7 +195,7 @@ def _collective_worker(rank: int, world: int, init: str, out: str, sizes_mib: tu
     size = 4 * 2**20  # fp32 elements: 16 MiB gathered / reduced
     x = torch.randn(size)
     timed = _timed_collective
-    gather, scatter = _gather_scatter()
+    gather, scatter = gather_scatter()
     tiny = torch.zeros(2)
     # (per call, over back-to-back calls: one call after a barrier also times the processes'
     # wake-up skew, which put 2 processes' hop at 80 us in one calibration and 1,650 in the next)
