@@ -6,8 +6,9 @@ correlation of the two orders, and how far the predicted first choice is from th
 Repeats interleave the layouts (a shared machine's speed drifts over minutes; each repeat sees the
 same drift on every layout) and each repeat is judged on its own: the targets (issue 19) are every
 step time within +-25%, Spearman >= 0.8 and the first choice within 5% of the best, in a majority
-of the repeats. A set fails outright when its first choice measures below 95% of the best's
-tokens/s in any repeat: a plan that puts such a layout first is wrong whatever the other repeats say.
+of the repeats (issue 47: in every repeat of one calibration). A set fails outright when its first
+choice measures below 95% of the best's tokens/s in any repeat: a plan that puts such a layout
+first is wrong whatever the other repeats say.
 
     python bench/plan_ranking.py --calibrate                      # debug preset, 4 ranks, 3 repeats
     python bench/plan_ranking.py --set moe --repeats 1

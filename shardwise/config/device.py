@@ -36,9 +36,71 @@ def launched_world_size() -> int | None:
 
 
 def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity, e.g. a Slurm or cgroup allotment), not
-    the machine's count."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    """The cores this process may run on, not the machine's count: its CPU affinity (e.g. a Slurm
+    allotment), and no more than a cgroup CPU quota allows (a container given 2 CPUs of a larger
+    host still lists all of the host's in its affinity)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = cgroup_cpu_limit()
+    return max(1, min(cores, quota)) if quota else cores
+
+
+def cgroup_cpu_limit(root: str = "/sys/fs/cgroup", own: str = "/proc/self/cgroup") -> int | None:
+    """Whole cores the tightest CPU quota over this process's cgroup allows (rounded up), or None
+    without one: cgroup v2's ``cpu.max`` from the process's own group up to the root, or v1's
+    ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``."""
+    import math
+
+    def read(path: str) -> str:
+        try:
+            with open(path) as f:
+                return f.read().strip()
+        except OSError:
+            return ""
+
+    limits = []
+    for line in read(own).splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: every group from this one up to the root may cap it
+            parts = [p for p in path.split("/") if p]
+            for depth in range(len(parts), -1, -1):
+                quota, _, period = read(os.path.join(root, *parts[:depth], "cpu.max")).partition(" ")
+                if quota.isdigit() and period.isdigit() and int(period):
+                    limits.append(int(quota) / int(period))
+        elif "cpu" in controllers.split(","):
+            for base in {path, "/"}:  # (inside a container's namespace the group shows as its root)
+                d = os.path.join(root, controllers, base.lstrip("/"))
+                quota, period = (read(os.path.join(d, f"cpu.cfs_{name}_us")) for name in ("quota", "period"))
+                if quota.isdigit() and period.isdigit() and int(period):  # (-1: no quota)
+                    limits.append(int(quota) / int(period))
+    return max(1, math.ceil(min(limits) - 1e-9)) if limits else None
+
+
+def rank_threads(local_ranks: int) -> tuple[int, str]:
+    """Intra-op threads for each of ``local_ranks`` processes on this machine: the usable cores
+    shared out (at least one each), or fewer where ``OMP_NUM_THREADS`` asks for fewer; and why an
+    ``OMP_NUM_THREADS`` asking for more was lowered ("" if it was not). More threads than cores
+    spin: a pipeline stage's OpenMP threads keep their cores busy while the stage waits for its
+    neighbour, and pp=4 on 4 ranks of 2 cores ran 7.6x slower with 2 threads a rank
+    (docs/planning.md)."""
+    cores = usable_cores()
+    fair = max(1, cores // max(1, local_ranks))
+    asked = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not asked.isdigit() or int(asked) < 1 or int(asked) <= fair:
+        return (int(asked) if asked.isdigit() and int(asked) >= 1 else fair), ""
+    return fair, (f"OMP_NUM_THREADS={asked} on {local_ranks} rank(s) would run {int(asked) * local_ranks} "
+                  f"threads on {cores} usable core(s): each rank runs {fair} (threads beyond the cores spin "
+                  "while a rank waits: pp=4 ran 7.6x slower with 2 threads a rank on 2 cores)")
+
+
+def cap_cpu_threads(local_ranks: int) -> None:
+    """Lower this process's intra-op threads to :func:`rank_threads`'s count if it has more (a
+    rank started by torchrun or Slurm with the machine's own OMP_NUM_THREADS, or torch's default
+    of every core the host has inside a CPU quota)."""
+    import torch
+
+    threads, _ = rank_threads(local_ranks)
+    if torch.get_num_threads() > threads:
+        torch.set_num_threads(threads)
 
 
 def cpu_has_native_bf16() -> bool:
@@ -171,8 +233,10 @@ def init_distributed(requested_device: str, backend: str = "auto", cache_cpu_mem
     import torch.distributed as dist
 
     dtype = device_type(requested_device)
-    if dtype == "cpu" and cache_cpu_memory:
-        keep_freed_cpu_memory()
+    if dtype == "cpu":
+        cap_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        if cache_cpu_memory:
+            keep_freed_cpu_memory()
     if backend == "auto":
         # On GPUs NCCL carries device tensors and gloo the CPU ones (checkpoint metadata, objects).
         backend = "cuda:nccl,cpu:gloo" if dtype == "cuda" else "gloo"

@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 
-from shardwise.config.device import usable_cores
+from shardwise.config.device import rank_threads
 
 _BUFFERED = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
 
@@ -95,16 +95,12 @@ def exit_after_return(grace_s: float = 1.0) -> None:
     threading.Thread(target=leave, name="shardwise-rank-exit", daemon=True).start()
 
 
-def local_threads(nproc: int) -> int:
-    """Threads per local rank: the cores this process may run on, shared out."""
-    return max(1, usable_cores() // nproc)
-
-
 def set_rank_env(nproc: int, max_restarts: int) -> None:
     """The environment the launcher and its ranks run in (set before the rank server starts: the
     ranks inherit the server's environment, and OpenMP reads its thread count when torch loads)."""
-    # One thread per core share (torchrun would force 1 and warn).
-    os.environ.setdefault("OMP_NUM_THREADS", str(local_threads(nproc)))
+    # One thread per core share (torchrun would force 1 and warn); an OMP_NUM_THREADS that would
+    # put more threads than cores on the machine is lowered (preflight says so).
+    os.environ["OMP_NUM_THREADS"] = str(rank_threads(nproc)[0])
     if max_restarts:
         # Restarted ranks sharing the launcher's rendezvous store read the dead attempt's gloo
         # addresses and cannot connect (pytorch/pytorch#135712); a store per attempt avoids it.
@@ -123,7 +119,7 @@ def start_rank_server(nproc: int, max_restarts: int) -> None:
     global _server_env
     if _server_env is not None:
         return
-    before = set(os.environ)
+    before = dict(os.environ)
     set_rank_env(nproc, max_restarts)
     _server_env = dict(os.environ)
     try:
@@ -132,8 +128,8 @@ def start_rank_server(nproc: int, max_restarts: int) -> None:
     finally:
         # Only the server takes them now: a caller of cli.main (a test, a notebook) whose command then
         # fails its checks keeps its environment. The launcher sets them again to launch.
-        for k in set(os.environ) - before:
-            del os.environ[k]
+        os.environ.clear()
+        os.environ.update(before)
 
 
 def env_since_server_start() -> dict[str, str | None]:

@@ -202,5 +202,6 @@ def compare(a: Path, b: Path, rtol: float = 0.0) -> tuple[bool, str]:
                      + ("" if rtol == 0 else f" > rtol {rtol:g}"))
         lines.append(f"{who}  the same up to: {d.before}")
         for h, label in ((ha, "A"), (hb, "B")):
-            lines.append(f"{who}  {label}: {h.get('layout', '?')} on {h.get('cpu', '?')}")
+            threads = f", {h['threads']} thread(s)" if "threads" in h else ""  # (GEMM sums depend on it)
+            lines.append(f"{who}  {label}: {h.get('layout', '?')} on {h.get('cpu', '?')}{threads}")
     return same, "\n".join(lines)

@@ -3,11 +3,12 @@ run directory, the checkpoint to load -- so a bad run fails in one line before a
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
 from shardwise import checkpoint
-from shardwise.config.device import launched_world_size
+from shardwise.config.device import launched_world_size, rank_threads
 from shardwise.config.extras import require_extra
 from shardwise.config.schema import Config, ConfigError, model_label
 from shardwise.data.prepare import check_prepared
@@ -29,6 +30,10 @@ def preflight(cfg: Config, world_size: int) -> ResolvedRun:
     data, tokenizer, run dir, the checkpoint to load -- and the resolved run."""
     run = resolve_run(cfg, world_size)
     cfg, args = run.cfg, run.model  # (the run's config: the pipeline's chosen micro-batch recorded)
+    if run.device_type == "cpu":  # (the ranks are given the lowered count: launch.process, init_distributed)
+        _, lowered = rank_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        if lowered:
+            notice(lowered)
     if run.compile_reason:
         notice(run.compile_reason)
     if cfg.float8.enabled:  # (here, not in resolve_run: the planner checks thousands of layouts)

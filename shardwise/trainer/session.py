@@ -192,7 +192,7 @@ def open_session(run: ResolvedRun, env: DistEnv, run_dir: Path, ckpt_group: dist
     if cfg.debug.trace:
         trace = RunTrace(Path(cfg.debug.trace), model, optimizer, env.rank,
                          {"world": env.world_size, "layout": str(run), "cpu": cpu_name(),
-                          "torch": torch.__version__})
+                          "threads": torch.get_num_threads(), "torch": torch.__version__})
     capture = None
     if cfg.debug.capture:
         capture = StepCapture(Path(cfg.debug.capture), model, optimizer, run.dims, cfg.training.seq_len,

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
+from shardwise.config.device import usable_cores
+from shardwise.observe.trace import rank_path
 from tests.helpers import TINY_ARGS, run_cli
 
 STEPS = ["--training.steps=4"]
@@ -60,3 +63,20 @@ def test_a_trace_never_replaces_a_file_and_runs_eager(tmp_path: Path):
     assert taken.read_text() == "someone's notes\n"
     proc = run_cli([*args, f"--debug.trace={tmp_path / 'new.trace'}", "--compile.enabled=true"], check=False)
     assert proc.returncode == 2 and "set compile.enabled=false (or auto)" in proc.stderr, proc.stderr
+
+
+@pytest.mark.dist
+def test_an_oversubscribing_omp_num_threads_is_lowered_for_the_ranks(tmp_path: Path, monkeypatch):
+    """OMP_NUM_THREADS=8 on 2 local ranks: the launcher says it lowers it, and each rank runs its
+    share of the usable cores (the thread count its trace records)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    trace = tmp_path / "t.trace"
+    proc = run_cli(["train", *TINY_ARGS, "--training.steps=2", f"--run.dir={tmp_path / 'run'}",
+                    f"--data.cache_dir={tmp_path / 'cache'}", f"--debug.trace={trace}", "--nproc=2",
+                    "--parallel.dp_shard=2"])
+    share = max(1, usable_cores() // 2)
+    assert "notice: OMP_NUM_THREADS=8 on 2 rank(s) would run 16 threads" in proc.stdout, proc.stdout
+    assert f"each rank runs {share}" in proc.stdout
+    for rank in (0, 1):
+        header = json.loads(rank_path(trace, rank).read_text().splitlines()[0])
+        assert header["threads"] == share, header
