@@ -59,6 +59,8 @@ def cgroup_cpu_limit(root: str = "/sys/fs/cgroup", own: str = "/proc/self/cgroup
 
     limits = []
     for line in read(own).splitlines():
+        if line.count(":") < 2:
+            continue
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # v2: every group from this one up to the root may cap it
             parts = [p for p in path.split("/") if p]
@@ -75,6 +77,11 @@ def cgroup_cpu_limit(root: str = "/sys/fs/cgroup", own: str = "/proc/self/cgroup
     return max(1, math.ceil(min(limits) - 1e-9)) if limits else None
 
 
+def fair_threads(local_ranks: int, cores: int | None = None) -> int:
+    """Each of ``local_ranks`` processes' share of the usable cores, at least one thread."""
+    return max(1, (cores or usable_cores()) // max(1, local_ranks))
+
+
 def rank_threads(local_ranks: int) -> tuple[int, str]:
     """Intra-op threads for each of ``local_ranks`` processes on this machine: the usable cores
     shared out (at least one each), or fewer where ``OMP_NUM_THREADS`` asks for fewer; and why an
@@ -83,7 +90,7 @@ def rank_threads(local_ranks: int) -> tuple[int, str]:
     neighbour, and pp=4 on 4 ranks of 2 cores ran 7.6x slower with 2 threads a rank
     (docs/planning.md)."""
     cores = usable_cores()
-    fair = max(1, cores // max(1, local_ranks))
+    fair = fair_threads(local_ranks, cores)
     asked = os.environ.get("OMP_NUM_THREADS", "").strip()
     if not asked.isdigit() or int(asked) < 1 or int(asked) <= fair:
         return (int(asked) if asked.isdigit() and int(asked) >= 1 else fair), ""
@@ -93,12 +100,12 @@ def rank_threads(local_ranks: int) -> tuple[int, str]:
 
 
 def cap_cpu_threads(local_ranks: int) -> None:
-    """Lower this process's intra-op threads to :func:`rank_threads`'s count if it has more (a
+    """Lower this process's intra-op threads to its share of the usable cores if it has more (a
     rank started by torchrun or Slurm with the machine's own OMP_NUM_THREADS, or torch's default
-    of every core the host has inside a CPU quota)."""
+    of every core the host has inside a CPU quota). A lower count is left as it is."""
     import torch
 
-    threads, _ = rank_threads(local_ranks)
+    threads = fair_threads(local_ranks)
     if torch.get_num_threads() > threads:
         torch.set_num_threads(threads)
 

@@ -74,3 +74,17 @@ def test_cgroup_quotas(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     # a quota below the affinity is the limit
     monkeypatch.setattr(device, "cgroup_cpu_limit", lambda: 1)
     assert device.usable_cores() == 1
+
+
+def test_a_lower_thread_count_is_left_and_odd_cgroup_lines_are_skipped(two_cores, monkeypatch, tmp_path):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")  # (read by OpenMP at start-up, not here)
+        device.cap_cpu_threads(1)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    _write(tmp_path / "self_cgroup", "garbage\n0::/\n")
+    _write(tmp_path / "cpu.max", "200000 100000\n")
+    assert device.cgroup_cpu_limit(str(tmp_path), str(tmp_path / "self_cgroup")) == 2
