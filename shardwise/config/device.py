@@ -91,10 +91,11 @@ def rank_threads(local_ranks: int) -> tuple[int, str]:
     (docs/planning.md)."""
     cores = usable_cores()
     fair = fair_threads(local_ranks, cores)
-    asked = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if not asked.isdigit() or int(asked) < 1 or int(asked) <= fair:
-        return (int(asked) if asked.isdigit() and int(asked) >= 1 else fair), ""
-    return fair, (f"OMP_NUM_THREADS={asked} on {local_ranks} rank(s) would run {int(asked) * local_ranks} "
+    text = os.environ.get("OMP_NUM_THREADS", "").strip()
+    asked = int(text) if text.isdigit() else 0  # (unset, empty or not a count: 0)
+    if asked <= fair:
+        return asked or fair, ""
+    return fair, (f"OMP_NUM_THREADS={asked} on {local_ranks} rank(s) would run {asked * local_ranks} "
                   f"threads on {cores} usable core(s): each rank runs {fair} (threads beyond the cores spin "
                   "while a rank waits: pp=4 ran 7.6x slower with 2 threads a rank on 2 cores)")
 
