@@ -80,3 +80,21 @@ def test_an_oversubscribing_omp_num_threads_is_lowered_for_the_ranks(tmp_path: P
     for rank in (0, 1):
         header = json.loads(rank_path(trace, rank).read_text().splitlines()[0])
         assert header["threads"] == share, header
+
+
+@pytest.mark.dist
+def test_torchrun_ranks_with_an_oversubscribing_omp_num_threads_run_their_share(tmp_path: Path, monkeypatch):
+    """The same under torch's own launcher: torchrun passes OMP_NUM_THREADS=8 to its 2 ranks as it
+    is; the ranks say they lower it and run their share of the usable cores."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    trace = tmp_path / "t.trace"
+    proc = run_cli(["train", *TINY_ARGS, "--training.steps=2", f"--run.dir={tmp_path / 'run'}",
+                    f"--data.cache_dir={tmp_path / 'cache'}", f"--debug.trace={trace}",
+                    "--parallel.dp_shard=2"],
+                   launcher=["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                             "shardwise"])
+    share = max(1, usable_cores() // 2)
+    assert "notice: OMP_NUM_THREADS=8 on 2 rank(s) would run 16 threads" in proc.stdout, proc.stdout
+    for rank in (0, 1):
+        header = json.loads(rank_path(trace, rank).read_text().splitlines()[0])
+        assert header["threads"] == share, header
