@@ -6,7 +6,8 @@ What the step-time model needs, each measured the way training uses it:
   backward for in/out widths 128 to 2048 (small widths run far below the large-GEMM
   peak on CPUs; CPUs without native bf16 run bf16 GEMMs far slower than fp32);
 - **attention throughput** (causal SDPA, forward + backward, FLOPs as ``executed_flops`` counts
-  them) per dtype, thread count and head width;
+  them) per dtype, thread count, head width and sequence length; and the same for the unmasked
+  calls a context-parallel ring makes off its diagonal;
 - **memory bandwidth** of eager elementwise ops writing new outputs (what norms, RoPE, SwiGLU,
   casts, FSDP's copies and the optimizer are bound by), per thread count, for outputs below and
   above the allocator's mmap threshold (fresh pages are faulted in: several times slower);
@@ -73,14 +74,19 @@ def gemm_tflops(dtype: torch.dtype, k: int, n: int, seconds: float = 0.2, rows: 
     return rate(tokens, seconds)
 
 
-def attention_tflops(dtype: torch.dtype, head_dim: int, seconds: float = 0.2, seq: int = 512) -> float:
+def attention_tflops(dtype: torch.dtype, head_dim: int, seconds: float = 0.2, seq: int = 512,
+                     causal: bool = True) -> float:
     """Causal SDPA forward + backward over ``seq`` positions; FLOPs counted like ``executed_flops``:
     4 * H * D per (query, key) pair forward, 2.5x that backward, S(S+1)/2 pairs. (On CPUs the rate
     depends on the sequence length -- 0.019 against 0.026 TFLOP/s for 256 and 512 positions at
-    one thread -- and hardly on batch or heads.)"""
+    one thread -- and hardly on batch or heads.) Not ``causal``: a ring attention's step off the
+    diagonal, ``seq`` queries against ``seq // 2`` keys unmasked (S * S / 2 pairs), which runs
+    1.3-1.6x faster a FLOP than the causal call of the same queries (one thread of an AVX512-BF16
+    EPYC: docs/planning.md)."""
     b, s, heads = 2, seq, max(1, 256 // head_dim)
-    flops = 4 * heads * head_dim * b * s * (s + 1) / 2 * 3.5
-    return flops / median_seconds(attention_step(dtype, b, heads, s, head_dim), seconds) / 1e12
+    pairs = s * (s + 1) / 2 if causal else s * max(1, s // 2)
+    flops = 4 * heads * head_dim * b * pairs * 3.5
+    return flops / median_seconds(attention_step(dtype, b, heads, s, head_dim, causal), seconds) / 1e12
 
 
 def memory_gbs(large: bool = False, seconds: float = 0.3) -> float:
@@ -305,6 +311,8 @@ def _thread_rates(threads: list[int], gemm_sizes: tuple[int, ...], seqs: tuple[i
                 rates[f"rows_{name}@{th}:{w}:{r}"] = gemm_tflops(dtype, w, w, 0.1 * secs, rows=r)
             for hd, seq in itertools.product(HEAD_DIMS, seqs[-1:] if slim else seqs):
                 rates[f"attention_{name}@{th}:{hd}:{seq}"] = attention_tflops(dtype, hd, 0.2 * secs, seq)
+                rates[f"ring_attention_{name}@{th}:{hd}:{seq}"] = attention_tflops(dtype, hd, 0.2 * secs, seq,
+                                                                                causal=False)
         bandwidth[str(th)] = memory_gbs(seconds=0.3 * secs)
         bandwidth[f"large@{th}"] = memory_gbs(large=True, seconds=0.3 * secs)
         w = gemm_sizes[-2]

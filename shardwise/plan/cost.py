@@ -283,7 +283,7 @@ def rank_time(run: ResolvedRun, rank_states: RankStates, hw: Hardware,
 def block_compute(tally: ComputeTally, run: ResolvedRun, shape: Shape, layer: int) -> None:
     """Add one block's forward and backward for one micro-batch: its GEMMs (float8 ones at the fp8
     rate, recomputed ones again under activation checkpointing), float8's scaling casts, causal
-    attention, and the memory-bound ops."""
+    attention (under context parallel, a ring's steps), and the memory-bound ops."""
     cfg = run.cfg
     args, dtype, hw = shape.args, run.precision, tally.hw
     recompute = _recomputed(cfg, layer)
@@ -298,10 +298,13 @@ def block_compute(tally: ComputeTally, run: ResolvedRun, shape: Shape, layer: in
     forward_flops = 2 * (args.n_heads // shape.tp) * attention_width(args, executed=True) * pairs
     flops = forward_flops * (1 + ATTENTION_BACKWARD + (1 if recompute else 0))
     tally.flops += flops
-    # (per call, this rank's queries: S / cp -- ring attention's chunks run at the rate of their
-    # length; heads as wide as the kernel runs them)
-    rate = hw.attention_tflops(dtype, args.kernel_head_dim, tally.ranks, seq=shape.seq)
-    tally.attention += flops / (rate * 1e12)
+    # (per call, this rank's queries: S / cp, heads as wide as the kernel runs them. A ring makes
+    # cp calls of equal pairs: the diagonal one causal, the cp - 1 others unmasked, which run
+    # faster a FLOP on CPUs -- no masked tiles)
+    causal = hw.attention_tflops(dtype, args.kernel_head_dim, tally.ranks, seq=shape.seq)
+    ring = hw.attention_tflops(dtype, args.kernel_head_dim, tally.ranks, seq=shape.seq, causal=False)
+    cp = run.dims.cp
+    tally.attention += flops / cp * (1 / causal + (cp - 1) / ring) / 1e12
     passes = 3 + (1 if recompute or cfg.activation_checkpoint.mode.startswith("selective") else 0)
     tally.memory += sum(tally.traffic(passes * nbytes, tensor_bytes)
                         for nbytes, tensor_bytes in _elementwise_bytes(shape, cfg, layer))

@@ -81,7 +81,9 @@ class Hardware:
     """CPU cores shared by the local ranks (0 on GPUs: one device per rank)."""
     thread_tflops: dict[str, float] = field(default_factory=dict)
     """Measured TFLOP/s: ``"fp32@2:256x1024"`` (a linear layer's forward + backward, dtype @ threads
-    : in x out width) and ``"attention_fp32@2:64"`` (attention, dtype @ threads : head dim)."""
+    : in x out width), ``"attention_fp32@2:64:512"`` (causal attention, dtype @ threads : head dim
+    : positions; older profiles: no positions) and ``"ring_attention_fp32@2:64:512"`` (a ring's
+    unmasked step off its diagonal: 512 queries against 256 keys)."""
     memory_bw_per_thread_gbs: dict[str, float] = field(default_factory=dict)
     """Measured elementwise memory bandwidth per thread count (``"2"``), and for outputs larger
     than ``large_tensor_bytes``: with glibc's defaults (``"large@2"``) and with freed memory kept
@@ -204,16 +206,23 @@ class Hardware:
         by_in = {a: _interpolate({b: grid[(a, b)] for aa, b in grid if aa == a}, n) for a in ks}
         return _interpolate(by_in, k)
 
-    def attention_tflops(self, dtype: str, head_dim: int, ranks: int = 1, seq: int = 0) -> float:
+    def attention_tflops(self, dtype: str, head_dim: int, ranks: int = 1, seq: int = 0,
+                         causal: bool = True) -> float:
         """Sustained TFLOP/s of one rank's causal attention (forward + backward) over ``seq`` query
         positions per call. On ``local``: interpolated from the measured grid of head widths and
-        sequence lengths (profiles from before the sequence was measured: by head width)."""
+        sequence lengths (profiles from before the sequence was measured: by head width). Not
+        ``causal``: a context-parallel ring's unmasked steps (``seq`` queries, ``seq / 2`` keys) at
+        their own measured rates (``ring_attention_*``); GPUs, and profiles from before those were
+        measured, cost them at the causal rate."""
         if not self.cores:
             return self._peak(dtype) * attention_efficiency(self, head_dim, seq)
         threads, share = self._threads(ranks)
-        prefix = f"attention_{dtype}@{threads}:"
-        grid = {tuple(int(x) for x in k[len(prefix):].split(":")): v
-                for k, v in self.thread_tflops.items() if k.startswith(prefix) and k.count(":") == 2}
+        grid: dict[tuple[int, ...], float] = {}
+        for kind in ("attention",) if causal else ("ring_attention", "attention"):
+            prefix = f"{kind}_{dtype}@{threads}:"
+            grid = grid or {tuple(int(x) for x in k[len(prefix):].split(":")): v
+                            for k, v in self.thread_tflops.items()
+                            if k.startswith(prefix) and k.count(":") == 2}
         if not grid:
             return self._measured(f"attention_{dtype}", ranks, head_dim)
         seq = seq or 512

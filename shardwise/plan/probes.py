@@ -70,13 +70,17 @@ def linear_step(dtype: torch.dtype, k: int, n: int, rows: int) -> Callable[[], N
     return step
 
 
-def attention_step(dtype: torch.dtype, batch: int, heads: int, seq: int, head_dim: int) -> Callable[[], None]:
-    """Causal SDPA forward and backward."""
-    q, k, v = (torch.randn(batch, heads, seq, head_dim).to(dtype).requires_grad_() for _ in range(3))
+def attention_step(dtype: torch.dtype, batch: int, heads: int, seq: int, head_dim: int,
+                   causal: bool = True) -> Callable[[], None]:
+    """Causal SDPA forward and backward over ``seq`` positions; not ``causal``: ``seq`` queries
+    against ``seq // 2`` keys unmasked, as a load-balanced ring attention's steps off the diagonal."""
+    q = torch.randn(batch, heads, seq, head_dim).to(dtype).requires_grad_()
+    keys = seq if causal else max(1, seq // 2)
+    k, v = (torch.randn(batch, heads, keys, head_dim).to(dtype).requires_grad_() for _ in range(2))
     grad = torch.randn(batch, heads, seq, head_dim).to(dtype)
 
     def step() -> None:
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+        F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(grad)
         q.grad = k.grad = v.grad = None
     return step
 

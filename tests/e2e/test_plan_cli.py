@@ -38,6 +38,9 @@ def test_calibrate_quick_then_plan_trains_on_four_ranks(tmp_path: Path, data_cac
     assert hw["overhead_ms"]["per_step"] >= 0.0
     seqs = {k.rsplit(":", 1)[1] for k in hw["thread_tflops"] if k.startswith("attention_")}
     assert seqs == {"256", "512", "1024"}
+    # a context-parallel ring's unmasked calls: measured at each causal call's head width and length
+    ring = {k[len("ring_"):] for k in hw["thread_tflops"] if k.startswith("ring_attention_")}
+    assert ring == {k for k in hw["thread_tflops"] if k.startswith("attention_")}
     assert hw["description"].endswith("--quick") and hw["overhead_ms"]["per_moe_block"] > 0
     assert hw["overhead_ms"]["per_tp_block"] > 0  # DTensor dispatch costs host time per block
     assert 0.2 <= hw["efficiency"]["memory"] <= 1  # from the probe model's real step

@@ -62,6 +62,30 @@ def test_local_profile_lookups():
     assert load_hardware("h100").sync_seconds(8) == 0 and load_hardware("h100").sharing(8) == 1
 
 
+def test_a_context_parallel_ring_costs_its_unmasked_steps_at_their_own_rate():
+    """A load-balanced ring over cp ranks makes cp attention calls of equal pairs per block, the
+    diagonal one causal and the others unmasked. Measured unmasked at twice the causal rate, cp=2's
+    attention costs 3/4 of what the causal rate alone gives; cp=4's 5/8. Profiles without the
+    unmasked rates (and GPUs) cost every call at the causal rate."""
+    from shardwise.plan.cost import rank_time
+
+    base = _local_profile(2)
+    causal = {f"attention_{d}@{t}:16:{s}": 0.02 * t for d in ("fp32", "bf16") for t in (1, 2)
+              for s in (128, 1024)}
+    ring = {"ring_" + k: 2 * v for k, v in causal.items()}
+    old = dataclasses.replace(base, thread_tflops={**base.thread_tflops, **causal})
+    new = dataclasses.replace(base, thread_tflops={**base.thread_tflops, **causal, **ring})
+    assert new.attention_tflops("bf16", 16, 2, 256, False) == 2 * new.attention_tflops("bf16", 16, 2, 256)
+    assert old.attention_tflops("bf16", 16, 2, 256, False) == old.attention_tflops("bf16", 16, 2, 256)
+    h100 = load_hardware("h100")
+    assert h100.attention_tflops("bf16", 128, 8, 4096, False) == h100.attention_tflops("bf16", 128, 8, 4096)
+    for cp, share in ((1, 1.0), (2, 3 / 4), (4, 5 / 8)):
+        run = planned(load_config(DEBUG, [f"--parallel.cp={cp}"]), cp)
+        st = shape_states(run)[0]
+        with_ring, causal_only = (rank_time(run, st, hw).compute["attention"] for hw in (new, old))
+        assert with_ring == pytest.approx(share * causal_only), cp
+
+
 def test_pipeline_ranks_in_the_bubble_lend_their_cores():
     """4 local pipeline ranks on 2 cores: a rank waiting in the bubble gives its core to the others
     (measured: pp4 and pp2 x FSDP2 were the fastest debug layouts on 4 ranks, BENCHMARKS.md), so the
