@@ -81,7 +81,7 @@ def attention_tflops(dtype: torch.dtype, head_dim: int, seconds: float = 0.2, se
     depends on the sequence length -- 0.019 against 0.026 TFLOP/s for 256 and 512 positions at
     one thread -- and hardly on batch or heads.) Not ``causal``: a ring attention's step off the
     diagonal, ``seq`` queries against ``seq // 2`` keys unmasked (S * S / 2 pairs), which runs
-    1.3-1.6x faster a FLOP than the causal call of the same queries (one thread of an AVX512-BF16
+    1.1-1.8x faster a FLOP than the causal call of the same queries (one thread of an AVX512-BF16
     EPYC: docs/planning.md)."""
     b, s, heads = 2, seq, max(1, 256 // head_dim)
     pairs = s * (s + 1) / 2 if causal else s * max(1, s // 2)
