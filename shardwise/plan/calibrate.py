@@ -41,6 +41,7 @@ from shardwise.launch.process import enter_rank, start_rank_server
 from shardwise.plan.hardware import GRID_ROWS, Hardware, local_path, save_hardware
 from shardwise.plan.probes import (
     DTYPES,
+    attention_keys,
     attention_step,
     host_overhead_ms,
     linear_step,
@@ -84,7 +85,7 @@ def attention_tflops(dtype: torch.dtype, head_dim: int, seconds: float = 0.2, se
     1.1-1.8x faster a FLOP than the causal call of the same queries (one thread of an AVX512-BF16
     EPYC: docs/planning.md)."""
     b, s, heads = 2, seq, max(1, 256 // head_dim)
-    pairs = s * (s + 1) / 2 if causal else s * max(1, s // 2)
+    pairs = s * (s + 1) / 2 if causal else s * attention_keys(s, causal)
     flops = 4 * heads * head_dim * b * pairs * 3.5
     return flops / median_seconds(attention_step(dtype, b, heads, s, head_dim, causal), seconds) / 1e12
 

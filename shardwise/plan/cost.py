@@ -301,9 +301,10 @@ def block_compute(tally: ComputeTally, run: ResolvedRun, shape: Shape, layer: in
     # (per call, this rank's queries: S / cp, heads as wide as the kernel runs them. A ring makes
     # cp calls of equal pairs: the diagonal one causal, the cp - 1 others unmasked, which run
     # faster a FLOP on CPUs -- no masked tiles)
-    causal = hw.attention_tflops(dtype, args.kernel_head_dim, tally.ranks, seq=shape.seq)
-    ring = hw.attention_tflops(dtype, args.kernel_head_dim, tally.ranks, seq=shape.seq, causal=False)
     cp = run.dims.cp
+    causal = hw.attention_tflops(dtype, args.kernel_head_dim, tally.ranks, seq=shape.seq)
+    ring = causal if cp == 1 else hw.attention_tflops(dtype, args.kernel_head_dim, tally.ranks, shape.seq,
+                                                      causal=False)
     tally.attention += flops / cp * (1 / causal + (cp - 1) / ring) / 1e12
     passes = 3 + (1 if recompute or cfg.activation_checkpoint.mode.startswith("selective") else 0)
     tally.memory += sum(tally.traffic(passes * nbytes, tensor_bytes)

@@ -217,12 +217,12 @@ class Hardware:
         if not self.cores:
             return self._peak(dtype) * attention_efficiency(self, head_dim, seq)
         threads, share = self._threads(ranks)
-        grid: dict[tuple[int, ...], float] = {}
         for kind in ("attention",) if causal else ("ring_attention", "attention"):
             prefix = f"{kind}_{dtype}@{threads}:"
-            grid = grid or {tuple(int(x) for x in k[len(prefix):].split(":")): v
-                            for k, v in self.thread_tflops.items()
-                            if k.startswith(prefix) and k.count(":") == 2}
+            grid = {tuple(int(x) for x in k[len(prefix):].split(":")): v
+                    for k, v in self.thread_tflops.items() if k.startswith(prefix) and k.count(":") == 2}
+            if grid:
+                break
         if not grid:
             return self._measured(f"attention_{dtype}", ranks, head_dim)
         seq = seq or 512

@@ -70,12 +70,18 @@ def linear_step(dtype: torch.dtype, k: int, n: int, rows: int) -> Callable[[], N
     return step
 
 
+def attention_keys(seq: int, causal: bool = True) -> int:
+    """Keys of a timed attention call over ``seq`` queries: all of them causal; unmasked, half, as
+    a load-balanced ring's calls off its diagonal see (S/cp queries against S/2cp keys)."""
+    return seq if causal else max(1, seq // 2)
+
+
 def attention_step(dtype: torch.dtype, batch: int, heads: int, seq: int, head_dim: int,
                    causal: bool = True) -> Callable[[], None]:
     """Causal SDPA forward and backward over ``seq`` positions; not ``causal``: ``seq`` queries
     against ``seq // 2`` keys unmasked, as a load-balanced ring attention's steps off the diagonal."""
     q = torch.randn(batch, heads, seq, head_dim).to(dtype).requires_grad_()
-    keys = seq if causal else max(1, seq // 2)
+    keys = attention_keys(seq, causal)
     k, v = (torch.randn(batch, heads, keys, head_dim).to(dtype).requires_grad_() for _ in range(2))
     grad = torch.randn(batch, heads, seq, head_dim).to(dtype)
 
