@@ -35,6 +35,23 @@ def launched_world_size() -> int | None:
     return int(ws) if ws else None
 
 
+def check_gpu_count(world_size: int) -> None:
+    """One rank per GPU: more ranks on this machine than visible CUDA devices is refused in one line
+    (each rank takes ``cuda:LOCAL_RANK``; one past the last GPU would fail inside CUDA with a
+    traceback). The local count is the launcher's ``LOCAL_WORLD_SIZE``, else ``world_size`` before
+    a launch, else this rank's own index."""
+    import torch
+
+    launched = launched_world_size() is not None
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or (int(os.environ.get("LOCAL_RANK", 0)) + 1 if launched
+                                                       else world_size))
+    gpus = torch.cuda.device_count()
+    if local > gpus:
+        how = "torchrun --nproc-per-node" if launched else "--nproc"
+        raise ConfigError(f"{local} ranks on this machine but {gpus} CUDA device(s) visible (one rank per "
+                          f"GPU): use {how} {gpus}, or run.device=cpu to run them on the CPU")
+
+
 def usable_cores() -> int:
     """The cores this process may run on, not the machine's count: its CPU affinity (e.g. a Slurm
     allotment), and no more than a cgroup CPU quota allows (a container given 2 CPUs of a larger

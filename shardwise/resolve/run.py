@@ -96,6 +96,8 @@ def resolve_run(cfg: Config, world_size: int, detect_device: bool = True) -> Res
         raise ConfigError("data.document_mask with parallel.cp > 1 is not available (the ring "
                           "attention is causal-only): set data.document_mask=false or cp=1")
     device_type = shardwise.config.device.device_type(cfg.run.device) if detect_device else cfg.run.device
+    if detect_device and device_type == "cuda":
+        shardwise.config.device.check_gpu_count(world_size)
     compiled, why = compile_run(cfg, dims, device_type, toolchain=detect_device)
     check_async_tp(cfg, dims, device_type, compiled)
     if cfg.parallel.one_rank == "plain" and world_size > 1 and detect_device:

@@ -170,6 +170,17 @@ def test_bad_input_subprocess_exit_code(tmp_path: Path):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "!= world size 3" in proc.stderr
 
 
+def test_more_ranks_than_gpus_is_one_line_before_any_rank(tmp_path: Path):
+    """On a machine with one GPU (faked: torch reports one CUDA device), ``--nproc 2`` is refused
+    before the ranks start; on an H200 it was a CUDA traceback from rank 1's ``set_device``."""
+    proc = run_cli(["train", *TINY_ARGS, f"--run.dir={tmp_path / 'r'}", "--run.device=cuda", "--nproc=2"],
+                   check=False, fault="one_gpu")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "2 ranks on this machine but 1 CUDA device(s) visible" in proc.stderr
+    assert "use --nproc 1" in proc.stderr
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory: pytest.TempPathFactory, data_cache: str) -> Path:
     """A finished 2-step run with its final checkpoint (step-2)."""

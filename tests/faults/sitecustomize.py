@@ -20,7 +20,9 @@ exactly one thing, so the test can show that its tolerance catches that fault:
   forward (step 3 with one micro-batch): a one-step change for ``shardwise compare`` to find;
 - ``near_tie_router`` (not a fault of the code: a hard input): at init, every MoE router's expert 1
   gets expert 0's gate row plus a perturbation of ~1e-7, so which of the two a token prefers is
-  decided by rounding -- a layout that sums in another order breaks such ties the other way.
+  decided by rounding -- a layout that sums in another order breaks such ties the other way;
+- ``one_gpu`` (not a fault of the code: a machine): torch reports CUDA available with one device,
+  for the checks that run before any CUDA call.
 """
 
 import os
@@ -214,6 +216,10 @@ def _install(fault: str) -> None:
             return out
 
         build.build_model, layers.FeedForward.forward = build_model, forward
+    elif fault == "one_gpu":
+        import torch
+
+        torch.cuda.is_available, torch.cuda.device_count = (lambda: True), (lambda: 1)
     else:
         raise SystemExit(f"SHARDWISE_TEST_FAULT={fault!r} is not a fault tests/faults/sitecustomize.py knows")
 

@@ -202,3 +202,30 @@ def test_resolving_leaves_the_config_as_it_was():
     assert cfg.to_toml() == before and cfg.training.micro_batch == 0
     assert run.cfg.training.micro_batch == 1 and run.micro_batches == 8  # 4 * pp micro-batches at least
     assert run.cfg is not cfg and run.cfg.parallel is cfg.parallel  # (a copy of what changed only)
+
+
+def test_ranks_beyond_the_visible_gpus_are_refused_per_machine(monkeypatch: pytest.MonkeyPatch):
+    """One rank per GPU, counted per machine: the launcher's LOCAL_WORLD_SIZE (torchrun across
+    nodes), the whole world before a launch, else a launched rank's own index."""
+    import torch
+
+    from shardwise.config.device import check_gpu_count
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    check_gpu_count(2)
+    with pytest.raises(ConfigError, match=r"3 ranks on this machine but 2 CUDA .* --nproc 2"):
+        check_gpu_count(3)
+    monkeypatch.setenv("WORLD_SIZE", "16")  # 2 nodes of 8 ranks, 2 GPUs each
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(ConfigError, match="8 ranks .* torchrun --nproc-per-node 2"):
+        check_gpu_count(16)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    check_gpu_count(16)  # 16 ranks over 8 nodes of 2 GPUs
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    check_gpu_count(16)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(ConfigError, match="3 ranks"):
+        check_gpu_count(16)
