@@ -39,7 +39,7 @@ def check_gpu_count(world_size: int) -> None:
     """One rank per GPU: more ranks on this machine than visible CUDA devices is refused in one line
     (each rank takes ``cuda:LOCAL_RANK``; one past the last GPU would fail inside CUDA with a
     traceback). The local count is the launcher's ``LOCAL_WORLD_SIZE``, else ``world_size`` before
-    a launch, else this rank's own index."""
+    a launch, else this rank's own index plus one."""
     import torch
 
     launched = launched_world_size() is not None
