@@ -7,23 +7,14 @@
 # 1. `pytest -m gpu tests/gpu` (the generation test among them);
 # 2. the generate journey on CUDA: train the debug preset, then `shardwise generate` greedy on the
 #    GPU in bf16 and fp32 and on the CPU in fp32 (the fp32 continuations should be the same text);
-# 3. `--nproc 2` with one GPU: what a user gets asking for more ranks than GPUs;
+# 3. `--nproc 2` with one GPU: more ranks than GPUs, refused in one line (exit 2);
 # 4. float8 tensorwise beside the bf16 one-GPU default on the 1B, in one call (bench/vs_torchtitan.py).
 #
-# Needs torchao's wheel (and the other pure-Python ones) in .whl/ (the machine reaches no registry).
+# Needs torchao's wheel (and the other pure-Python ones) in .whl/ (bench/gpu_common.sh installs them).
 set -u
 out=${1:?usage: gpu_checks.sh OUT_DIR [SECONDS]}
 deadline=$((SECONDS + ${2:-540}))
-work=$(mktemp -d)
-mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed"
-export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,clocks.max.sm,power.limit,driver_version --format=csv
-python3 -c "import torch; print('torch', torch.__version__)"
-lscpu | grep -m1 "Model name"
-left() { echo $((deadline - SECONDS)); }
-sw() { python3 -m shardwise "$@"; }
+source "$(dirname "$0")/gpu_common.sh"
 
 echo "== 1. tests/gpu ($(left) s left)"
 timeout 200 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -25 | tee "$out/tests.log"

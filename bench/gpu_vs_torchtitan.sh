@@ -10,16 +10,9 @@
 set -u
 out=${1:?usage: gpu_vs_torchtitan.sh OUT_DIR [SECONDS]}
 deadline=$((SECONDS + ${2:-560}))
-work=$(mktemp -d)
-mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl || exit 1
-export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,clocks.max.sm,power.limit,driver_version --format=csv
-python3 -c "import torch, torchtitan; print('torch', torch.__version__, 'torchtitan', torchtitan.__version__)"
-lscpu | grep -m1 "Model name"
+source "$(dirname "$0")/gpu_common.sh"
+python3 -c "import torchtitan; print('torchtitan', torchtitan.__version__)"
 
-left() { echo $((deadline - SECONDS)); }
 bench() {  # bench NAME ARGS...: one invocation of vs_torchtitan.py, cut at the deadline
     local name=$1; shift
     [ "$(left)" -gt 40 ] || { echo "skipped $name: $(left) s left"; return; }

@@ -43,8 +43,10 @@ def check_gpu_count(world_size: int) -> None:
     import torch
 
     launched = launched_world_size() is not None
-    local = int(os.environ.get("LOCAL_WORLD_SIZE") or (int(os.environ.get("LOCAL_RANK", 0)) + 1 if launched
-                                                       else world_size))
+    if os.environ.get("LOCAL_WORLD_SIZE"):
+        local = int(os.environ["LOCAL_WORLD_SIZE"])
+    else:
+        local = int(os.environ.get("LOCAL_RANK", 0)) + 1 if launched else world_size
     gpus = torch.cuda.device_count()
     if local > gpus:
         how = "torchrun --nproc-per-node" if launched else "--nproc"

@@ -206,7 +206,7 @@ def test_resolving_leaves_the_config_as_it_was():
 
 def test_ranks_beyond_the_visible_gpus_are_refused_per_machine(monkeypatch: pytest.MonkeyPatch):
     """One rank per GPU, counted per machine: the launcher's LOCAL_WORLD_SIZE (torchrun across
-    nodes), the whole world before a launch, else a launched rank's own index."""
+    nodes), the whole world before a launch, else a launched rank's own index plus one."""
     import torch
 
     from shardwise.config.device import check_gpu_count
