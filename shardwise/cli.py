@@ -100,10 +100,13 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
         if nproc == 1:
             train(run)
             return 0
+        from shardwise.data.dataset import pack_prepared
         from shardwise.data.prepare import prepare
         from shardwise.data.tokenizer import load_tokenizer
 
-        prepare(cfg.data, load_tokenizer(cfg.data.tokenizer))  # once, here; the ranks memory-map it
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
+        prepare(cfg.data, tokenizer)  # once, here; the ranks memory-map it
+        pack_prepared(cfg.data, tokenizer, cfg.training.seq_len)  # (the ranks read it and report it)
         from shardwise.launch.agent import launch, strip_launcher_flags
 
         return launch(strip_launcher_flags(argv), nproc, args.max_restarts, cfg.run.dir, rank_main)
@@ -203,15 +206,19 @@ def cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_prepare(args: argparse.Namespace, overrides: list[str]) -> int:
     import json
 
+    from shardwise.data.dataset import pack_prepared
     from shardwise.data.prepare import prepare
     from shardwise.data.tokenizer import load_tokenizer
 
     cfg = load_config(args.config, overrides)
-    for where in prepare(cfg.data, load_tokenizer(cfg.data.tokenizer)):
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    for where in prepare(cfg.data, tokenizer):
         m = json.loads((where / "manifest.json").read_text())
         bad = f", {m['bad_rows']:,} bad rows skipped" if m["bad_rows"] else ""
         print(f"{where}: {m['shards']} shard(s), {m['docs']:,} documents and {m['tokens']:,} tokens to "
               f"train on, {m['val_docs']:,} documents and {m['val_tokens']:,} tokens held out{bad}")
+    for line in pack_prepared(cfg.data, tokenizer, cfg.training.seq_len):  # chat: whole conversations
+        print(line)
     return 0
 
 

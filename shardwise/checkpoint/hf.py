@@ -155,13 +155,54 @@ def export_hf(checkpoint: Path, out: Path, dtype: str = "bf16", tokenizer: str |
     return files
 
 
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def fp8_block(config: dict, folder: Path) -> tuple[int, int] | None:
+    """The (rows, columns) of a block-scaled fp8 folder's scale blocks (DeepSeek-V3's published
+    weights: ``quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128], ...}``),
+    None without a ``quantization_config``; any other quantization is refused in one line."""
+    q = config.get("quantization_config")
+    if q is None:
+        return None
+    block = q.get("weight_block_size") if isinstance(q, dict) else None
+    if (isinstance(q, dict) and q.get("quant_method") == "fp8" and isinstance(block, list) and len(block) == 2
+            and all(isinstance(b, int) and b > 0 for b in block)):
+        return block[0], block[1]
+    what = f"quant_method={q.get('quant_method')!r}" if isinstance(q, dict) else repr(q)[:60]
+    raise ConfigError(f"'{folder / 'config.json'}' has quantization_config {what}: only block-scaled fp8 "
+                      "weights (quant_method 'fp8' with weight_block_size, as DeepSeek-V3 publishes them) "
+                      "are read: give a folder of unquantized (bf16/fp32) weights")
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                   name: str = "weight") -> torch.Tensor:
+    """A block-scaled fp8 weight (R, C) as fp32: each (block) tile times its ``scale_inv`` entry
+    (ceil(R / br), ceil(C / bc)); tiles at the right and bottom edges may be partial (DeepSeek-V3's
+    576-row ``kv_a_proj_with_mqa``). One fp32 copy of the weight, scaled one row of tiles at a time."""
+    br, bc = block
+    rows, cols = weight.shape
+    want = (-(-rows // br), -(-cols // bc))
+    if tuple(scale_inv.shape) != want:
+        raise ConfigError(f"HF tensor '{name}_scale_inv' has shape {tuple(scale_inv.shape)}; a {rows} x "
+                          f"{cols} weight in {br} x {bc} blocks needs {want}: the folder is damaged or not "
+                          "block-scaled as its config.json says")
+    out = weight.to(torch.float32)
+    scale = scale_inv.to(torch.float32)
+    for i in range(want[0]):
+        out[i * br:(i + 1) * br] *= scale[i].repeat_interleave(bc)[:cols]  # (C,) this row of tiles
+    return out
+
+
 class HFFolder:
-    """An HF model folder's ``config.json`` and its safetensors tensors, read one at a time."""
+    """An HF model folder's ``config.json`` and its safetensors tensors, read one at a time; block-
+    scaled fp8 weights are read dequantized (:func:`dequantize_fp8`)."""
 
     def __init__(self, folder: Path) -> None:
         from safetensors import SafetensorError, safe_open
 
         self.config = read_hf_config(folder)
+        self.fp8_block = fp8_block(self.config, folder)
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise ConfigError(f"'{folder}' has no .safetensors files (only safetensors weights are read)")
@@ -177,7 +218,8 @@ class HFFolder:
         """A tensor by its HF name; a per-expert matrix also from transformers 5's fused layout
         (``mlp.experts.gate_up_proj`` (E, 2h, d), ``mlp.experts.down_proj`` (E, d, h))."""
         if name in self._where:
-            return self._where[name].get_tensor(name)
+            t = self._where[name].get_tensor(name)
+            return self._dequantized(name, t) if t.dtype in FP8 else t
         if ".mlp.experts." in name:
             prefix, e, proj = name.rsplit(".", 3)[0], int(name.split(".")[-3]), name.split(".")[-2]
             if proj == "down_proj":
@@ -187,6 +229,15 @@ class HFFolder:
             return gate_up[:half] if proj == "gate_proj" else gate_up[half:]
         raise ConfigError(f"the HF checkpoint has no tensor '{name}': is it a "
                           f"{self.config.get('model_type')} checkpoint of this shape?")
+
+    def _dequantized(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        scale = f"{name}_scale_inv"
+        if self.fp8_block is None or scale not in self._where:
+            why = ("its config.json has no block-scaled fp8 quantization_config" if self.fp8_block is None
+                   else f"the folder has no '{scale}'")
+            raise ConfigError(f"HF tensor '{name}' is {str(weight.dtype).removeprefix('torch.')} but {why}: "
+                              "its scales are needed to read it; give a folder of unquantized weights")
+        return dequantize_fp8(weight, self._where[scale].get_tensor(scale), self.fp8_block, name)
 
 
 @torch.no_grad()

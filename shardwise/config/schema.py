@@ -103,7 +103,11 @@ class DataConfig:
 @dataclass
 class TrainingConfig:
     steps: int = 100
-    """Optimizer steps to run."""
+    """Optimizer steps to run (derived from training.epochs when that is set)."""
+    epochs: float = 0.0
+    """Passes over the prepared training windows; > 0 sets training.steps to ceil(epochs * windows /
+    global_batch), with a notice (windows: of all sources together; chat data counts its packed
+    windows). 0 = run training.steps."""
     seed: int = 42
     """Seed for weight init, data order and every RNG."""
     seq_len: int = 512

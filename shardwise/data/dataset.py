@@ -1,9 +1,11 @@
-"""Packed causal-LM data: documents -> one token stream with boundaries -> fixed-length windows.
+"""Packed causal-LM data: documents -> windows of ``S + 1`` tokens (inputs and labels shifted by one).
 
-Each document is ``[bos] + tokens + [eos]`` and a source's documents are concatenated (across its
-prepared shards, in order). Window ``i`` is ``stream[i*S : i*S + S + 1]`` (inputs and labels shifted
-by one). A label that belongs to a different document than its input is ignored: nothing in one
-document predicts the start of the next.
+Text (pretraining): each document is ``[bos] + tokens + [eos]`` and a source's documents are
+concatenated (across its prepared shards, in order) into one stream; window ``i`` is
+``stream[i*S : i*S + S + 1]``. Chat: each window holds whole conversations, packed by
+:mod:`shardwise.data.packing`, the rest padding that carries no loss (:class:`DocumentStream`). Either
+way a label that belongs to a different document than its input is ignored: nothing in one document
+predicts the start of the next.
 
 Order is layout-independent: the run's global sequence ``g`` comes from the source a deterministic
 weighted schedule picks for it (one source: always that one), and that source's ``k``-th sequence is
@@ -28,6 +30,7 @@ import torch
 
 from shardwise.config.schema import ConfigError, DataConfig
 from shardwise.data.indexed import Shard, ShardError
+from shardwise.data.packing import Packing, cached_packing
 from shardwise.data.prepare import plan, read_manifest, shard_done
 from shardwise.data.prepare import prepare as run_prepare
 from shardwise.data.tokenizer import Tokenizer
@@ -110,6 +113,95 @@ class ShardStream:
     def max_token(self) -> int:
         return max((s.max_token() for s in self.shards), default=-1)
 
+    def doc_lengths(self) -> np.ndarray:
+        """Every document's length, in order across the shards: (documents,) int64."""
+        parts = [np.asarray(s.lengths, dtype=np.int64) for s in self.shards]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def document(self, g: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Document ``g``'s tokens and (chat) loss mask."""
+        k = int(np.searchsorted(self._first_doc, g, side="right")) - 1
+        local = g - int(self._first_doc[k])
+        mask = self.masks[k].document(local) if self.masks is not None else None
+        return self.shards[k].document(local), mask
+
+
+class DocumentStream:
+    """A prepared split read as whole documents per window (chat data): window ``i`` holds the
+    documents :mod:`shardwise.data.packing` gives it, each truncated to the window, then pad tokens
+    (id 0, a document of their own, no loss)."""
+
+    def __init__(self, base: ShardStream, where: Path | None, split: str) -> None:
+        self.base, self.where, self.split = base, where, split
+        self._packings: dict[int, Packing] = {}
+
+    def packing(self, seq_len: int) -> Packing:
+        if seq_len not in self._packings:
+            self._packings[seq_len] = cached_packing(self.where, self.split, self.base.doc_lengths(),
+                                                     seq_len + 1)
+        return self._packings[seq_len]
+
+    def num_windows(self, seq_len: int) -> int:
+        return self.packing(seq_len).windows
+
+    def window(self, i: int, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        p = self.packing(seq_len)
+        toks, docs, masks = [], [], []
+        for j, d in enumerate(p.order[p.starts[i]:p.starts[i + 1]].tolist()):
+            t, m = self.base.document(d)
+            t = t[:p.capacity]
+            toks.append(t)
+            docs.append(np.full(len(t), j, dtype=np.int64))
+            masks.append(m[:p.capacity] if m is not None else np.ones(len(t), dtype=np.uint8))
+        pad = p.capacity - sum(len(t) for t in toks)
+        toks.append(np.zeros(pad, dtype=np.int64))
+        docs.append(np.full(pad, len(toks) - 1, dtype=np.int64))
+        masks.append(np.zeros(pad, dtype=np.uint8))
+        return _window(np.concatenate(toks), np.concatenate(docs), np.concatenate(masks))
+
+    def truncated_loss_tokens(self, seq_len: int) -> int:
+        """Loss-carrying (assistant) tokens past the window in the documents truncated to it."""
+        p = self.packing(seq_len)
+        long = np.flatnonzero(self.base.doc_lengths() > p.capacity)
+        total = 0
+        for d in long.tolist():
+            t, m = self.base.document(d)
+            total += int(m[p.capacity:].sum()) if m is not None else len(t) - p.capacity
+        return total
+
+    def max_token(self) -> int:
+        return self.base.max_token()
+
+
+def packing_notices(corpus: Corpus, seq_len: int) -> list[str]:
+    """What whole-document packing did to each training source at this sequence length: one line of
+    counts and efficiency, and a notice where conversations are longer than a window."""
+    lines = []
+    for name, stream in zip(corpus.names, corpus.train, strict=True):
+        if not isinstance(stream, DocumentStream):
+            continue
+        p = stream.packing(seq_len)
+        lines.append(f"data '{name}': {len(p.order):,} conversations packed whole into {p.windows:,} "
+                     f"windows of {seq_len} tokens: packing efficiency {100 * p.efficiency:.1f}% (the "
+                     "rest is padding without loss)")
+        if p.truncated:
+            lines.append(f"notice: data '{name}': {p.truncated:,} conversations are longer than "
+                         f"training.seq_len + 1 = {p.capacity} tokens and are truncated to it "
+                         f"({stream.truncated_loss_tokens(seq_len):,} assistant tokens past the cut are "
+                         "not trained): raise training.seq_len to keep them whole")
+    return lines
+
+
+def pack_prepared(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int) -> list[str]:
+    """Chat data: compute and keep each prepared split's packing at ``seq_len`` (once, before any
+    rank reads it) and return :func:`packing_notices`; nothing for text data."""
+    if cfg.format != "chat":
+        return []
+    corpus = open_corpus(cfg, tokenizer, prepare=False)
+    for stream in [*corpus.train, *corpus.val]:
+        stream.num_windows(seq_len)
+    return packing_notices(corpus, seq_len)
+
 
 def check_vocab(max_token: int, vocab_size: int) -> None:
     if max_token >= vocab_size:
@@ -144,10 +236,14 @@ def open_corpus(cfg: DataConfig, tokenizer: Tokenizer, prepare: bool = True) -> 
                                   "missing or from another tokenizer: run `shardwise prepare` with "
                                   "this config (it rewrites that shard)")
         try:
-            streams = [ShardStream([where / "shards" / f"{i:05d}.{part}" for i in range(manifest["shards"])])
-                       for part in ("train", "val")]
+            streams: list[Stream] = [
+                ShardStream([where / "shards" / f"{i:05d}.{part}" for i in range(manifest["shards"])])
+                for part in ("train", "val")]
         except ShardError as e:
             raise ConfigError(f"prepared data: {e}: run `shardwise prepare` with this config") from None
+        if cfg.format == "chat":  # whole conversations per window
+            streams = [DocumentStream(st, where, part) for st, part in zip(streams, ("train", "val"),
+                                                                         strict=True)]
         entries.append((source, *streams))
         top = max(top, int(manifest["max_token"]))
     # plan() lists data.val_path last: then it alone is held out, and the sources only train.

@@ -117,6 +117,11 @@ class Shard:
                              "from another preparation")
         self.tokens = np.memmap(bin_, dtype=self.dtype, mode="r") if want else np.zeros(0, self.dtype)
 
+    @property
+    def lengths(self) -> np.ndarray:
+        """Each document's length in tokens, (D,) int32 (memory-mapped)."""
+        return self._lengths
+
     def doc_of(self, positions: np.ndarray) -> np.ndarray:
         """The document index of each token position (binary search on the index: no copy)."""
         return np.searchsorted(self._pointers, positions * self.dtype.itemsize, side="right") - 1

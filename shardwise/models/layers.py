@@ -4,6 +4,7 @@ cache (llama.py, mla.py, moe.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -55,9 +56,36 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return out.flatten(-2).type_as(x)
 
 
+@dataclass(frozen=True)
+class DocumentSpans:
+    """Where the documents of a packed micro-batch lie: the length of each run of equal document id,
+    sequence after sequence (the lengths sum to B * S; a run never crosses two sequences).
+
+    Document-masked attention is causal attention within each run. Held as run lengths, not as a
+    (B, 1, S, S) mask: the memory is one integer per document, and each document's attention is an
+    ordinary causal SDPA call (flash kernels, O(S) memory), whose pairs sum to ``sum L^2 / 2``
+    instead of ``S^2 / 2``."""
+
+    lengths: tuple[int, ...]
+    batch: int
+    seq_len: int
+
+    @staticmethod
+    def of(doc_ids: torch.Tensor) -> DocumentSpans:
+        """From document ids (B, S): one host sync (the run lengths travel to the host once per
+        forward, not per block)."""
+        b, s = doc_ids.shape
+        starts = torch.ones_like(doc_ids, dtype=torch.bool)
+        starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]  # every sequence starts a run
+        first = starts.flatten().nonzero().flatten()  # (runs,)
+        ends = torch.cat([first[1:], first.new_tensor([b * s])])
+        return DocumentSpans(tuple((ends - first).tolist()), b, s)
+
+
 class AttentionCore(nn.Module):
-    """softmax(q k^T * scale) v with a causal (or document) mask: (B, H, S, D) in and out; ``scale``
-    None is 1/sqrt(D).
+    """softmax(q k^T * scale) v, causal, within documents when given :class:`DocumentSpans`, or under an
+    explicit boolean mask (generation's key-value cache): (B, H, S, D) in and out; ``scale`` None is
+    1/sqrt(D).
 
     A module of its own so that context parallel can wrap exactly this part (as a ring attention).
     """
@@ -67,10 +95,131 @@ class AttentionCore(nn.Module):
         self.scale = scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        # Plain causal attention takes SDPA's is_causal fast path; a document mask is explicit.
+                mask: torch.Tensor | DocumentSpans | None = None) -> torch.Tensor:
+        if isinstance(mask, DocumentSpans):
+            return attention_by_document(q, k, v, mask, self.scale)
+        # Plain causal attention takes SDPA's is_causal fast path.
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                               enable_gqa=q.shape[1] != k.shape[1], scale=self.scale)
+
+
+@torch.compiler.disable  # the loop's length changes with every batch: compiled, each would recompile
+def attention_by_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: DocumentSpans,
+                          scale: float | None = None) -> torch.Tensor:
+    """Causal attention inside each document of ``spans``: q (B, H, S, D), k/v (B, Hkv, S, D) ->
+    (B, H, S, Dv). Equal to SDPA under the dense document mask, with one causal flash-attention call
+    per document.
+
+    Sequences and documents are laid end to end as (B*S, H, D) rows and split into runs. On CPU one
+    autograd function runs torch's flash kernel per run and writes every run's output into one
+    tensor, which is also what the next projection saves: the same activation memory as a causal
+    step. Elsewhere (or with value heads narrower than the query's) each run is an ordinary SDPA call,
+    whose outputs are kept once more, joined."""
+    b, h, s, _ = q.shape
+    if (b, s) != (spans.batch, spans.seq_len):
+        raise ValueError(f"document spans of {spans.batch} x {spans.seq_len} tokens given for q of "
+                         f"{b} x {s}")
+    if q.device.type == "cpu" and q.shape[-1] == v.shape[-1]:  # (the CPU flash kernel's condition)
+        return _FlashByDocumentCPU.apply(q, k, v, spans.lengths, scale)
+    gqa = q.shape[1] != k.shape[1]
+    runs = zip(*(_runs(t, spans.lengths) for t in (q, k, v)), strict=True)
+    outs = [F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=gqa, scale=scale)[0]
+            .transpose(0, 1) for qi, ki, vi in runs]
+    return torch.cat(outs).view(b, s, h, -1).transpose(1, 2)  # (B, H, S, Dv)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """(B, H, S, D) -> (B*S, H, D): a view when ``t`` was made from (B, S, H, D) by a transpose."""
+    b, h, s, d = t.shape
+    return t.transpose(1, 2).reshape(b * s, h, d)
+
+
+def _runs(t: torch.Tensor, lengths: tuple[int, ...]) -> list[torch.Tensor]:
+    """Each run of (B, H, S, D) ``t`` as a (1, H, L, D) view, for SDPA (split's backward is one copy,
+    where slicing per run would zero-fill a full-size gradient for every run)."""
+    return _split(_rows(t), lengths)
+
+
+RUN_ALIGN = 64
+"""On CPU each document's run is padded to a multiple of this many rows. torch's CPU flash kernels in
+bf16 keep a compiled kernel for every block-tail shape they meet (``leak3`` in bench/document_mask.py:
+1.2 GB after 400 distinct lengths): with aligned runs the tails take a handful of shapes. Padding
+goes after the document, which causal attention never lets a real row see."""
+
+
+def _aligned(lengths: tuple[int, ...]) -> tuple[tuple[int, ...], torch.Tensor | None, torch.Tensor | None]:
+    """(padded run lengths, for each padded row the real row it copies -- a pad row repeats its
+    document's last --, for each real row its padded row); both indices None when nothing pads."""
+    padded = tuple(-(-n // RUN_ALIGN) * RUN_ALIGN for n in lengths)
+    if padded == lengths:
+        return lengths, None, None
+    n, p = torch.tensor(lengths), torch.tensor(padded)
+    real_start, pad_start = n.cumsum(0) - n, p.cumsum(0) - p  # (runs,)
+    within = torch.arange(int(p.sum())) - pad_start.repeat_interleave(p)  # row in its padded run
+    source = real_start.repeat_interleave(p) + torch.minimum(within, (n - 1).repeat_interleave(p))
+    target = pad_start.repeat_interleave(n) + torch.arange(int(n.sum())) - real_start.repeat_interleave(n)
+    return padded, source, target
+
+
+class _FlashByDocumentCPU(torch.autograd.Function):
+    """Per-document causal attention on torch's CPU flash kernels (forward and backward). It saves q,
+    k and v (as aligned runs), the output and the log-sum-exp: what one causal SDPA call saves, but
+    the alignment's pad rows."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: tuple[int, ...],
+                scale: float | None) -> torch.Tensor:
+        b, h, s, _ = q.shape
+        padded, source, target = _aligned(lengths)
+        qp, kp, vp = (_rows(t) if source is None else _rows(t).index_select(0, source.to(t.device))
+                      for t in (q, k, v))  # (rows, H, D), runs aligned
+        out = q.new_empty(b * s, h, v.shape[-1])  # (B*S, H, Dv)
+        lse = q.new_empty(qp.shape[0], h, dtype=torch.float32)  # (rows, H)
+        start = pad_start = 0
+        for qi, ki, vi, n, m in zip(*(_split(t, padded) for t in (qp, kp, vp)), lengths, padded, strict=True):
+            o, sums = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qi, ki, vi, 0.0, True,
+                                                                                  scale=scale)
+            out[start:start + n] = o[0, :, :n].transpose(0, 1)
+            lse[pad_start:pad_start + m] = sums[0].transpose(0, 1)
+            start, pad_start = start + n, pad_start + m
+        result = out.view(b, s, h, -1).transpose(1, 2)  # (B, H, S, Dv)
+        ctx.save_for_backward(qp, kp, vp, result, lse)
+        ctx.lengths, ctx.padded, ctx.target, ctx.scale = lengths, padded, target, scale
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        qp, kp, vp, out, lse = ctx.saved_tensors
+        lengths, padded = ctx.lengths, ctx.padded
+        grads = [torch.empty_like(t) for t in (qp, kp, vp)]  # (rows, H, D), aligned like the inputs
+        g_rows, o_rows = _rows(grad.to(out.dtype)), _rows(out)
+        start = pad_start = 0
+        for qi, ki, vi, n, m in zip(*(_split(t, padded) for t in (qp, kp, vp)), lengths, padded, strict=True):
+            # Pad rows: no gradient, any output (rowsum(dO * O) is 0 there); their log-sum-exp is real.
+            gi, oi = (_pad(t[start:start + n], m) for t in (g_rows, o_rows))
+            d = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                gi, qi, ki, vi, oi, lse[pad_start:pad_start + m].transpose(0, 1)[None], 0.0, True,
+                scale=ctx.scale)
+            for full, part in zip(grads, d, strict=True):
+                full[pad_start:pad_start + m] = part[0].transpose(0, 1)
+            start, pad_start = start + n, pad_start + m
+        if ctx.target is not None:
+            grads = [g.index_select(0, ctx.target.to(g.device)) for g in grads]  # the real rows
+        b, h, s, _ = grad.shape
+        dq, dk, dv = (g.view(b, s, g.shape[1], -1).transpose(1, 2) for g in grads)
+        return dq, dk, dv, None, None
+
+
+def _split(rows: torch.Tensor, lengths: tuple[int, ...]) -> list[torch.Tensor]:
+    """(rows, H, D) -> each run as (1, H, L, D) (a view)."""
+    return [r.transpose(0, 1)[None] for r in rows.split(lengths)]
+
+
+def _pad(rows: torch.Tensor, m: int) -> torch.Tensor:
+    """(L, H, D) rows -> (1, H, m, D), zero rows appended."""
+    if rows.shape[0] < m:
+        rows = torch.cat([rows, rows.new_zeros(m - rows.shape[0], *rows.shape[1:])])
+    return rows.transpose(0, 1)[None]
 
 
 class KVCache:

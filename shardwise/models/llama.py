@@ -24,7 +24,15 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
 from shardwise.config.model_args import ModelArgs
-from shardwise.models.layers import AttentionCore, FeedForward, KVCache, LayerCache, RMSNorm, apply_rope
+from shardwise.models.layers import (
+    AttentionCore,
+    DocumentSpans,
+    FeedForward,
+    KVCache,
+    LayerCache,
+    RMSNorm,
+    apply_rope,
+)
 from shardwise.models.mla import LatentAttention
 from shardwise.models.moe import MoE, routing_not_counted
 from shardwise.models.protocol import BlockPlan, LinearGroup, ModelPlan
@@ -96,7 +104,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor,
-                mask: torch.Tensor | None, cache: LayerCache | None = None) -> torch.Tensor:
+                mask: torch.Tensor | DocumentSpans | None, cache: LayerCache | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         # view(b, s, -1, head_dim): the head count follows the local shard under tensor parallel.
         q = self.wq(x).view(b, s, -1, self.head_dim)  # (B, S, H, D)
@@ -145,7 +153,7 @@ class TransformerBlock(nn.Module):
         else:
             if attention.q_norm is not None:
                 common["head_norms"] = ("attention.q_norm", "attention.k_norm")
-            # (x, rope, mask): the hidden states are gathered; RoPE table and mask are the same everywhere
+            # (x, rope, mask): hidden states gathered; the RoPE table and document spans alike everywhere
             groups = (LinearGroup("attention", ("wq", "wk", "wv"), ("wo",), inputs=3),)
         ffn = self.feed_forward
         if not isinstance(ffn, MoE):
@@ -159,7 +167,7 @@ class TransformerBlock(nn.Module):
                          experts="feed_forward.experts", **common)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor,
-                mask: torch.Tensor | None, cache: KVCache | None = None) -> torch.Tensor:
+                mask: DocumentSpans | None, cache: KVCache | None = None) -> torch.Tensor:
         a = self.attention_norm(x)
         # (without a cache, exactly the inputs tensor parallel's plan for the attention expects)
         a = self.attention(a, rope, mask) if cache is None else self.attention(a, rope, mask,
@@ -173,11 +181,10 @@ def causal_mask(s: int, device: torch.device) -> torch.Tensor:
     return torch.ones(s, s, dtype=torch.bool, device=device).tril()
 
 
-def document_mask(doc_ids: torch.Tensor, causal: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal mask that also blocks attention across documents: (B, S) ids -> (B, 1, S, S) bool.
-    ``causal`` is :func:`causal_mask` for S, if the caller keeps one."""
-    if causal is None:
-        causal = causal_mask(doc_ids.shape[1], doc_ids.device)
+def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """The dense causal document mask, (B, S) ids -> (B, 1, S, S) bool: what :class:`DocumentSpans`
+    computes without building it (the reference its tests compare against)."""
+    causal = causal_mask(doc_ids.shape[1], doc_ids.device)
     return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal).unsqueeze(1)
 
 
@@ -206,7 +213,6 @@ class Transformer(nn.Module):
         # The sequence positions this rank's tokens hold, when context parallel shards the
         # sequence; init_weights then keeps only those rows of the RoPE table.
         self.rope_positions: torch.Tensor | None = None
-        self._causal_cache: dict[tuple, torch.Tensor] = {}
         self.placeholder = False  # (true inside placeholder_forward)
 
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
@@ -227,7 +233,7 @@ class Transformer(nn.Module):
             s = tokens.shape[1]
             positions = torch.arange(cache.length, cache.length + s, device=tokens.device)[None]  # (1, S)
         rope = self.rope[positions] if positions is not None else self.rope
-        mask = document_mask(doc_ids, self._causal_mask(doc_ids)) if doc_ids is not None else None
+        mask = DocumentSpans.of(doc_ids) if doc_ids is not None else None
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, S, dim)
         # Under autocast (one rank without FSDP) the residual stream runs in its dtype (bf16), as with
         # FSDP's bf16 parameters: the one-rank run rounds as a multi-rank run does, at half the traffic.
@@ -258,13 +264,6 @@ class Transformer(nn.Module):
                 yield
         finally:
             self.placeholder = False
-
-    def _causal_mask(self, doc_ids: torch.Tensor) -> torch.Tensor:
-        """The (S, S) lower-triangular mask, built once per length and device (not every step)."""
-        key = (doc_ids.shape[1], doc_ids.device)
-        if key not in self._causal_cache:
-            self._causal_cache[key] = causal_mask(*key)
-        return self._causal_cache[key]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.config.model_args import ModelArgs
-from shardwise.models.layers import AttentionCore, LayerCache, RMSNorm, apply_rope
+from shardwise.models.layers import AttentionCore, DocumentSpans, LayerCache, RMSNorm, apply_rope
 
 
 class SharedKey(nn.Module):
@@ -58,7 +58,7 @@ class LatentAttention(nn.Module):
     def low_rank_q(self) -> bool:
         return hasattr(self, "wq_a")
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None,
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | DocumentSpans | None,
                 cache: LayerCache | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.wq_b(self.q_norm(self.wq_a(x))) if self.low_rank_q else self.wq(x)

@@ -4,7 +4,8 @@
 ``6 * N + 12 * L * H * d_head * S`` per token, where ``N`` counts the parameters that do matmuls for
 a token -- the input embedding is a lookup and is excluded unless tied to the output head; for MoE,
 the router, the top-k routed experts and the shared expert -- and the attention term assumes every
-query attends to all ``S`` keys (no causal discount).
+query attends to all ``S`` keys (no causal discount). Under document masks the attention term counts
+each document's own length instead of ``S`` (:func:`palm_flops`): masked-out pairs are no work.
 
 **Executed FLOPs** (:func:`executed_flops`): what the kernels run.
 
@@ -99,10 +100,21 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     """Training FLOPs (forward + backward) per token, PaLM convention (norm weights included in
     ``N`` as torchtitan does); the attention term ``6 * L * H * (d_qk + d_v) * S``, which is
     PaLM's ``12 * L * H * d_head * S`` where the widths are equal."""
+    return 6.0 * _palm_params(args) + 6.0 * args.n_layers * args.n_heads * attention_width(args) * seq_len
+
+
+def palm_flops(args: ModelArgs, tokens: int, pairs: int | torch.Tensor) -> float | torch.Tensor:
+    """PaLM-convention training FLOPs of ``tokens`` tokens whose causal attention covers ``pairs``
+    (query, key) pairs (:func:`batch_pairs`). Under document masks the attention term counts each
+    document's ``L^2`` pairs, as PaLM counts ``S^2`` per sequence (no causal discount): ``sum L^2 =
+    2 * pairs - tokens``. Without masks it equals ``tokens * flops_per_token``."""
+    attention = 6.0 * args.n_layers * args.n_heads * attention_width(args) * (2 * pairs - tokens)
+    return 6.0 * _palm_params(args) * tokens + attention
+
+
+def _palm_params(args: ModelArgs) -> int:
     n = num_params(args, include_embedding=False, active=True)
-    if args.tie_embeddings:
-        n += args.vocab_size * args.dim
-    return 6.0 * n + 6.0 * args.n_layers * args.n_heads * attention_width(args) * seq_len
+    return n + args.vocab_size * args.dim if args.tie_embeddings else n
 
 
 def attention_pairs(seq_len: int, causal: bool = True, window: int = 0) -> int:

@@ -25,16 +25,21 @@ class Throughput:
         self.flops_per_token, self.peak, self.world = flops_per_token, peak_tflops, world_size
         self.reset()
 
-    def add(self, tokens: int, executed_flops_per_device: float | Any = 0.0) -> None:
-        """One step: global tokens, and the FLOPs one device executed (a tensor is fine: it is
-        only read when the window is)."""
+    def add(self, tokens: int, executed_flops_per_device: float | Any = 0.0,
+            model_flops_per_device: float | Any | None = None) -> None:
+        """One step: global tokens, the FLOPs one device executed and, where the data's masks make
+        them differ from ``tokens * flops_per_token``, its PaLM-convention FLOPs (tensors are fine:
+        they are only read when the window is)."""
         self._tokens += tokens
         self._flops = self._flops + executed_flops_per_device
+        if model_flops_per_device is not None:
+            self._model = self._model + model_flops_per_device
         self._steps += 1
 
     def reset(self) -> None:
         """Start a new window now (e.g. after an eval or a checkpoint, which are not training)."""
         self._t, self._tokens, self._steps, self._flops = time.perf_counter(), 0, 0, 0.0
+        self._model: float | Any = 0.0
 
     def window(self) -> dict[str, float]:
         dt = max(time.perf_counter() - self._t, 1e-9)
@@ -43,6 +48,8 @@ class Throughput:
         out = {"tokens_per_s": tps, "tokens_per_s_per_device": per_device,
                "step_time_s": dt / max(self._steps, 1),
                "mfu": per_device * self.flops_per_token / (self.peak * 1e12)}
+        if isinstance(self._model, torch.Tensor) or self._model:
+            out["mfu"] = float(self._model) / dt / (self.peak * 1e12)
         if self._flops:
             out["exec_util"] = float(self._flops) / dt / (self.peak * 1e12)
         self.reset()

@@ -164,8 +164,8 @@ class StageView(nn.Module):
     def placeholder_forward(self) -> contextlib.AbstractContextManager:
         return self._part[0].placeholder_forward()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return type(self._part[0]).forward(self, tokens)
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return type(self._part[0]).forward(self, tokens, doc_ids)
 
 
 class PipelineLoss:
@@ -220,9 +220,13 @@ class Pipe:
         inputs = torch.cat([b.inputs for b in batches])  # (micro-batches * B, S); the schedule splits it
         labels = torch.cat([b.labels for b in batches])
         args = (inputs,) if self.is_first else ()
+        # Document ids go to every stage as a keyword input (torch splits keyword inputs by micro-batch
+        # and hands them to each stage's forward, first or not): each stage masks its own attention.
+        docs = {"doc_ids": torch.cat([b.doc_ids for b in batches])} if batches[0].doc_ids is not None else {}
         losses: list[torch.Tensor] = []
         with self.loss_context():
-            fn(*args, target=labels if self.is_last else None, losses=losses if self.is_last else None)
+            fn(*args, target=labels if self.is_last else None, losses=losses if self.is_last else None,
+               **docs)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for loss in losses:  # last stage only: the micro-batches' scaled losses
             total += full_value(loss).detach()

@@ -180,12 +180,6 @@ def latent_attention(s: Shape) -> int:
     return n
 
 
-def mask_saved(s: Shape, cfg: Config) -> int:
-    """With document masking, attention converts the (B, 1, S, S) boolean mask to the compute dtype
-    and saves that copy, in every block."""
-    return s.e * s.mb * s.seq * s.seq if cfg.data.document_mask else 0
-
-
 def moe_ffn(s: Shape, cfg: Config) -> int:
     """MoE feed-forward on this rank's (sequence-shard) tokens, after the norm."""
     a = s.args
@@ -211,7 +205,7 @@ def moe_ffn(s: Shape, cfg: Config) -> int:
 def block_saved(s: Shape, cfg: Config, layer: int) -> int:
     """Bytes a block saves for backward in one micro-batch without checkpointing."""
     a = s.args
-    n = 2 * _norm(s, s.norm_tokens) + attention(s) + mask_saved(s, cfg)
+    n = 2 * _norm(s, s.norm_tokens) + attention(s)
     if a.is_moe_layer(layer):
         return n + moe_ffn(s, cfg)
     return n + s.e * s.tokens * a.dim + dense_ffn(s, s.tokens, a.ffn_hidden_dim // s.tp)
@@ -243,7 +237,7 @@ def block_selective(s: Shape, cfg: Config, layer: int) -> int:
     step = 2 if cfg.activation_checkpoint.mode == "selective_half" else 1
     n += sum(linear_outputs(s, layer)[::step])
     # attention out (heads as wide as the kernel runs them), log-sum-exp, mask
-    n += e * t * hq * a.kernel_head_dim + 4 * s.mb * hq * s.seq + mask_saved(s, cfg)
+    n += e * t * hq * a.kernel_head_dim + 4 * s.mb * hq * s.seq
     if s.tp > 1:
         n += e * t * a.dim + e * tn * a.dim  # attention: input all-gather, output reduce-scatter
     if a.is_moe_layer(layer):

@@ -23,7 +23,8 @@ _POSITIVE = ("training.steps", "training.seq_len", "training.global_batch", "met
              "model.vocab_size", "model.multiple_of", "model.max_seq_len", "profile.start",
              "profile.every", "profile.active", "activation_checkpoint.every", "float8.min_dim",
              "debug.trace_step", "data.shard_mb")
-_NON_NEGATIVE = ("training.loss_chunk", "training.micro_batch", "training.max_grad_norm", "optimizer.lr",
+_NON_NEGATIVE = ("training.epochs", "training.loss_chunk", "training.micro_batch", "training.max_grad_norm",
+                 "optimizer.lr",
                  "optimizer.weight_decay", "lr_scheduler.warmup_steps", "checkpoint.interval",
                  "eval.interval", "metrics.peak_tflops", "optimizer.eps",
                  "checkpoint.keep_latest_k", "debug.nan_step", "debug.fail_step", "debug.fail_rank",
@@ -155,13 +156,26 @@ def model_from_hf(cfg: Config) -> None:
         return
     if cfg.checkpoint.path:
         raise ConfigError("checkpoint.initial_hf and checkpoint.path both name starting weights: keep one")
-    args = args_from_hf(read_hf_config(Path(folder)))
+    hf = read_hf_config(Path(folder))
+    args = args_from_hf(hf)
     if cfg.model.name in PRESETS and model_args(cfg.model) != args:
         notice(f"checkpoint.initial_hf: the model is {folder}'s (its config.json), not the [model] "
                f"section's ({cfg.model.name})")
     model = model_config_of(args)
     cfg.model = model
     cfg.data.tokenizer = cfg.data.tokenizer or hf_tokenizer(Path(folder))
+    if cfg.optimizer.lr >= PRETRAINING_LR:
+        preset = SFT_PRESETS.get(str(hf.get("model_type")), "sft-llama3")
+        notice(f"checkpoint.initial_hf starts from trained weights, but optimizer.lr={cfg.optimizer.lr:g} is "
+               f"a pretraining rate (fine-tuning uses about 1e-5): --config configs/{preset}.toml sets the "
+               "fine-tuning recipe (learning rate, warm-up, sequence length, epochs)")
+
+
+PRETRAINING_LR = 1e-4
+"""A learning rate at or above this, with pretrained weights, earns the fine-tuning notice."""
+SFT_PRESETS = {"qwen3": "sft-qwen3", "qwen3_moe": "sft-qwen3", "llama": "sft-llama3",
+               "deepseek_v3": "sft-deepseek-v3"}
+"""The fine-tuning preset of each HF family (configs/)."""
 
 
 def resolve_model(cfg: Config) -> None:

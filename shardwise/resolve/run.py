@@ -267,9 +267,6 @@ def check_pipeline(cfg: Config, dims: ParallelDims, n_microbatches: int) -> None
         raise ConfigError(f"parallel.pp_schedule=interleaved1f1b needs the micro-batches per step "
                           f"({n_microbatches}) to be a multiple of max(1, micro-batches // pp)={rounds}: "
                           "change training.micro_batch")
-    if cfg.data.document_mask:
-        raise ConfigError("data.document_mask with parallel.pp > 1 is not available yet (the pipeline "
-                          "feeds extra inputs to the first stage only): set data.document_mask=false")
     if cfg.parallel.pp_schedule == "1f1b" and n_microbatches < dims.pp:
         raise ConfigError(f"parallel.pp_schedule=1f1b needs at least pp={dims.pp} micro-batches per step, "
                           f"got {n_microbatches}: lower training.micro_batch, raise training.global_batch "

@@ -22,13 +22,13 @@ from shardwise import checkpoint
 from shardwise.checkpoint import hf as convert
 from shardwise.config.device import DistEnv
 from shardwise.config.schema import Config, model_label
-from shardwise.data.dataset import Batch, Corpus, PackedLoader, check_vocab, open_corpus
+from shardwise.data.dataset import Batch, Corpus, PackedLoader, check_vocab, open_corpus, packing_notices
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.launch import rundir
 from shardwise.launch.resilience import NonFiniteError, StopRequest, nonfinite_message
 from shardwise.observe.capture import StepCapture
 from shardwise.observe.comm import trace_step
-from shardwise.observe.flops import batch_pairs, executed_flops, flops_per_token, num_params
+from shardwise.observe.flops import batch_pairs, executed_flops, flops_per_token, num_params, palm_flops
 from shardwise.observe.memory import GiB, current_memory_gib, peak_memory_gib, peak_reserved_gib, track_peak
 from shardwise.observe.metrics import MetricsLogger, Throughput, per_rank
 from shardwise.observe.peak import cpu_name, peak_tflops
@@ -101,14 +101,17 @@ class Session:
             stack.enter_context(self.capture.around_step(batches))
         return stack
 
-    def step_flops(self, batches: list[Batch]) -> float | torch.Tensor:
+    def step_flops(self, batches: list[Batch]) -> tuple[float | torch.Tensor, float | torch.Tensor | None]:
         """This data-parallel share's executed FLOPs, exact for its masks, per device of the share
-        (the pp x cp x tp ranks that split it)."""
+        (the pp x cp x tp ranks that split it); and under document masks its PaLM-convention FLOPs
+        (for MFU), which then count each document's length, not the window's."""
         run, ac = self.run, self.run.cfg.activation_checkpoint
-        flops = executed_flops(run.model, sum(b.inputs.numel() for b in batches),
-                               batch_pairs(batches, run.cfg.training.seq_len), ac.mode, ac.every,
+        tokens, pairs = sum(b.inputs.numel() for b in batches), batch_pairs(batches, run.cfg.training.seq_len)
+        flops = executed_flops(run.model, tokens, pairs, ac.mode, ac.every,
                                run.loss_chunk > 0 and run.dims.tp > 1).total
-        return flops / (self.env.world_size // run.dims.dp)
+        devices = self.env.world_size // run.dims.dp
+        masked = any(b.doc_ids is not None for b in batches)
+        return flops / devices, palm_flops(run.model, tokens, pairs) / devices if masked else None
 
     def check_finite(self, step: int, result: Any) -> None:
         """A non-finite gradient norm (the update was not applied): stop with one line naming the
@@ -212,6 +215,8 @@ def open_session(run: ResolvedRun, env: DistEnv, run_dir: Path, ckpt_group: dist
                             env.world_size)
     if env.rank == 0:
         print(describe(run, start), flush=True)
+        for line in packing_notices(corpus, cfg.training.seq_len):  # chat data: whole conversations
+            print(line, flush=True)
     logger = MetricsLogger(run_dir, cfg.metrics, cfg.training.steps, start, enabled=env.rank == 0,
                            run_config=dataclasses.asdict(cfg))
     if logger.notice:

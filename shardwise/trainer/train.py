@@ -69,7 +69,7 @@ def loop(s: Session) -> None:
         s.check_finite(step, result)
         if result.memory is not None:
             s.report_first_step(result.memory)
-        s.throughput.add(s.run.tokens_per_step, s.step_flops(batches))
+        s.throughput.add(s.run.tokens_per_step, *s.step_flops(batches))
         last, stopping = step == cfg.training.steps, s.stop.agreed()  # every rank stops alike
         evaluating, saving = s.evaluator.due(step, last), s.ckpt.due(step, last, stopping)
         if evaluating or s.logger.due(step, last or stopping):

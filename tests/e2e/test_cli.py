@@ -87,7 +87,6 @@ def test_a_benchmark_shape_on_the_shipped_tokenizer_trains_with_a_notice(capsys)
     (["--parallel.cp=2", "--nproc=2"], "data.document_mask with parallel.cp > 1"),
     (["--parallel.cp=2", "--nproc=2", "--data.document_mask=false", "--training.seq_len=66"],
      "divisible by 2*cp=4"),
-    (["--parallel.pp=2", "--nproc=2"], "data.document_mask with parallel.pp > 1"),
     (["--parallel.pp=2", "--nproc=2", "--data.document_mask=false", "--training.micro_batch=8"],
      "1f1b needs at least pp=2 micro-batches"),
     (["--parallel.pp=4", "--nproc=4", "--data.document_mask=false", "--model.n_layers=4",

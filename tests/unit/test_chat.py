@@ -77,31 +77,99 @@ def _chat_cfg(tmp_path: Path, **data) -> Config:
     return cfg
 
 
-def test_windows_count_exactly_the_assistant_tokens(tmp_path: Path):
-    """The shipped chat set, prepared: in every window a label counts iff it is an assistant token of
-    the same conversation as its input; over all windows that is every assistant token the windows
-    reach (the loss mask shard, summed)."""
-    cfg = _chat_cfg(tmp_path)
+def _varied_chats(path: Path, n: int = 60, long: int = 3) -> Path:
+    """``n`` conversations of 1 to 6 exchanges (so that contiguous windows would cut many of them),
+    the last ``long`` of them far longer than a 384-token window."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(n):
+        turns = 40 if i >= n - long else int(rng.integers(1, 7))
+        msgs = [{"role": "system", "content": f"Conversation {i}."}]
+        for t in range(turns):
+            msgs += [{"role": "user", "content": f"Verse {t} of chapter {i}?"},
+                     {"role": "assistant", "content": "And God said, Let there be light" + "." * (t % 3)}]
+        rows.append(json.dumps({"messages": msgs}))
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def test_chat_windows_hold_whole_conversations(tmp_path: Path):
+    """Conversations that straddle window edges when the stream is cut contiguously are packed whole:
+    each window holds conversations from their first token (a conversation longer than the window
+    from its first token to the cut), every conversation exactly once, pad rows without loss; a
+    label counts iff it is an assistant token of its own conversation; the packing is the same for a
+    data-parallel split of the batch; preparation reports efficiency and the truncation."""
+    from shardwise.data.dataset import DocumentStream, packing_notices
+
+    cfg = _chat_cfg(tmp_path, path=str(_varied_chats(tmp_path / "chats.jsonl")), val_fraction=0.0)
     corpus = open_corpus(cfg.data, load_tokenizer(""))
     (stream,) = corpus.train
-    seq = 256
-    n = stream.num_windows(seq)
-    masks = np.concatenate([m.tokens for m in stream.masks])
-    tokens = np.concatenate([s.tokens for s in stream.shards])
-    counted = 0
-    for i in range(n):
-        inputs, labels, _ = stream.window(i, seq)
-        np.testing.assert_array_equal(inputs, tokens[i * seq:(i + 1) * seq])
-        valid = labels != IGNORE_INDEX
-        assert (valid <= masks[i * seq + 1:(i + 1) * seq + 1].astype(bool)).all()  # never a prompt token
-        counted += int(valid.sum())
-    # Each assistant token the windows reach is a label once (an assistant token never opens a
-    # conversation, so no document boundary takes one away).
-    assert counted == int(masks[1:n * seq + 1].sum())
-    loader = PackedLoader(corpus.train, seq, 8, 8, 0, 1, seed=0, document_mask=True)
-    (batch,) = loader.next_step()
-    assert batch.n_valid == int((batch.labels != IGNORE_INDEX).sum()) > 0
-    assert batch.doc_ids is not None
+    assert isinstance(stream, DocumentStream)
+    seq = 384
+    base = stream.base
+    lengths = base.doc_lengths()
+    # Cut contiguously, windows would split conversations: the case this packing exists for.
+    edges = np.arange(seq, int(lengths.sum()), seq)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    assert np.isin(edges, starts).mean() < 0.5
+    docs = [base.document(d) for d in range(len(lengths))]
+    seen, counted = [], 0
+    for i in range(stream.num_windows(seq)):
+        inputs, labels, doc_ids = stream.window(i, seq)
+        for j in np.unique(doc_ids):
+            at = np.flatnonzero(doc_ids == j)
+            pos = int(at[0])
+            match = [d for d, (t, _) in enumerate(docs) if len(t) > 1
+                     and np.array_equal(t[:len(at)], inputs[at]) and d not in seen]
+            if not match:  # pad: no label counts in it, nor on the way into it
+                assert j == doc_ids.max() and (labels[max(pos - 1, 0):] == IGNORE_INDEX).all()
+                continue
+            d = match[0]
+            seen.append(d)
+            t, m = docs[d]
+            kept = min(len(t), seq + 1)
+            assert len(at) == min(kept, seq - pos)  # whole from its first token, or cut by the window
+            valid = labels[at] != IGNORE_INDEX
+            n = min(len(at), kept - 1)  # labels inside the conversation (its last input's is the next's)
+            np.testing.assert_array_equal(valid[:n], m[1:1 + n].astype(bool))
+            assert not valid[n:].any()
+            counted += int(valid.sum())
+    assert sorted(seen) == list(range(len(lengths)))  # every conversation, once
+    assert counted == sum(int(m[1:min(len(t), seq + 1)].sum()) for t, m in docs)
+    p = stream.packing(seq)
+    assert p.truncated == 3 and 0.5 < p.efficiency <= 1
+    lines = packing_notices(corpus, seq)
+    assert "packing efficiency" in lines[0] and f"{100 * p.efficiency:.1f}%" in lines[0]
+    assert lines[1].startswith("notice: data ") and "3 conversations are longer" in lines[1]
+    # A data-parallel split of the global batch reads the same rows.
+    one = PackedLoader(corpus.train, seq, 8, 8, 0, 1, seed=0, document_mask=True)
+    two = [PackedLoader(corpus.train, seq, 8, 2, r, 2, seed=0, document_mask=True) for r in range(2)]
+    for _ in range(3):
+        (ref,) = one.next_step()
+        parts = [b for loader in two for b in loader.next_step()]
+        np.testing.assert_array_equal(np.concatenate([b.labels for b in parts]), ref.labels)
+        np.testing.assert_array_equal(np.concatenate([b.doc_ids for b in parts]), ref.doc_ids)
+
+
+def test_packing_is_kept_and_a_damaged_one_recomputed(tmp_path: Path):
+    """The packing is written once beside the shards and read back; a damaged file is recomputed
+    (and replaced), never trusted."""
+    from shardwise.data.packing import cached_packing, pack
+
+    lengths = np.random.default_rng(1).integers(1, 300, size=500)
+    first = cached_packing(tmp_path, "train", lengths, 257)
+    path = tmp_path / "packing" / "train-256.npz"
+    assert path.exists()
+    again = cached_packing(tmp_path, "train", lengths, 257)
+    np.testing.assert_array_equal(again.order, first.order)
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # a bit flip inside the archive
+    path.write_bytes(bytes(raw))
+    fixed = cached_packing(tmp_path, "train", lengths, 257)
+    np.testing.assert_array_equal(fixed.order, pack(lengths, 257).order)
+    # Every window within capacity, every document once.
+    sizes = np.add.reduceat(np.minimum(lengths, 257)[fixed.order], fixed.starts[:-1])
+    assert (sizes <= 257).all() and sorted(fixed.order.tolist()) == list(range(500))
 
 
 def test_bad_chat_rows_are_named_by_file_and_row(tmp_path: Path):

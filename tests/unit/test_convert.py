@@ -225,3 +225,113 @@ def test_fused_expert_layout_imports_like_the_per_expert_one(tmp_path: Path):
         loaded.append(model.state_dict())
     for k, v in loaded[0].items():
         assert torch.equal(loaded[1][k], v), k
+
+
+def _hf_deepseek(tmp_path: Path) -> Path:
+    """A tiny DeepSeek-V3 that transformers makes and saves itself (fp32)."""
+    transformers = require("transformers")
+    args = model_args(_resolved(DEEPSEEK))
+    hf_cfg = convert.hf_config(args, "fp32")
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**copy.deepcopy(hf_cfg))).eval()
+    hf.save_pretrained(tmp_path / "fp32")
+    return tmp_path / "fp32"
+
+
+def _quantized_like_deepseek(src: Path, out: Path, block: list[int]
+                             ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``src``'s linear weights as float8_e4m3fn with one fp32 ``weight_scale_inv`` per block (the
+    amax of the block over 448, as DeepSeek-V3's release has them), embeddings, head, norms and
+    router left as they are; returns each quantized weight with its scales."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(src / "model.safetensors"))
+    out.mkdir()
+    quantized = {}
+    br, bc = block
+    for name in list(tensors):
+        w = tensors[name]
+        if w.dim() != 2 or any(k in name for k in ("norm", "embed_tokens", "lm_head", "mlp.gate.weight")):
+            continue
+        rows, cols = w.shape
+        scale = torch.empty(-(-rows // br), -(-cols // bc))
+        q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+        for i in range(scale.shape[0]):
+            for j in range(scale.shape[1]):
+                tile = w[i * br:(i + 1) * br, j * bc:(j + 1) * bc]
+                scale[i, j] = tile.abs().max().clamp(min=1e-12) / 448.0
+                q[i * br:(i + 1) * br, j * bc:(j + 1) * bc] = (tile / scale[i, j]).to(torch.float8_e4m3fn)
+        tensors[name], tensors[f"{name}_scale_inv"] = q, scale
+        quantized[name] = (q, scale)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                     "weight_block_size": block}
+    (out / "config.json").write_text(json.dumps(config))
+    return quantized
+
+
+def test_block_fp8_folder_imports_as_its_dequantized_weights(tmp_path: Path):
+    """A block-quantized fp8 DeepSeek-V3 folder (blocks of 16 x 16 on a dim-64 model, so edge tiles
+    are partial, as 576-wide projections are under 128 x 128) imports with the logits transformers
+    computes from the same weights dequantized here by hand; without its scales it would not."""
+    transformers = require("transformers")
+    from safetensors.torch import load_file, save_file
+
+    fp8 = tmp_path / "fp8"
+    quantized = _quantized_like_deepseek(_hf_deepseek(tmp_path), fp8, [16, 16])
+    assert any(q.shape[0] % 16 for q, _ in quantized.values())  # partial edge tiles are exercised
+    by_hand = tmp_path / "by-hand"
+    by_hand.mkdir()
+    tensors = {k: v for k, v in load_file(str(fp8 / "model.safetensors")).items()
+               if not k.endswith("_scale_inv")}
+    for name, (q, scale) in quantized.items():
+        w = q.float()
+        for i in range(scale.shape[0]):
+            for j in range(scale.shape[1]):
+                w[i * 16:(i + 1) * 16, j * 16:(j + 1) * 16] *= scale[i, j]
+        tensors[name] = w
+    save_file(tensors, str(by_hand / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((fp8 / "config.json").read_text())
+    del config["quantization_config"]
+    (by_hand / "config.json").write_text(json.dumps(config))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(by_hand), torch_dtype=torch.float32).eval()
+
+    out, model_cfg = convert.import_hf(fp8, tmp_path / "imported")
+    ours = build_model(model_args(model_cfg))
+    ours.to_empty(device="cpu")
+    init_weights(ours, 0)
+    checkpoint.load_model_only(out, ours)
+    assert_same_logits(ours.eval(), hf)
+    # The scales matter: the fp8 values alone are another model.
+    folder = convert.HFFolder(fp8)
+    name = next(iter(quantized))
+    assert not torch.allclose(folder[name], quantized[name][0].float())
+
+
+@pytest.mark.parametrize("quantization,message", [
+    ({"quant_method": "gptq", "bits": 4}, "quantization_config quant_method='gptq': only block-scaled fp8"),
+    ({"quant_method": "fp8"}, "quantization_config quant_method='fp8': only block-scaled fp8"),
+    ("fp8", "quantization_config 'fp8': only block-scaled fp8"),
+])
+def test_other_quantizations_are_refused_in_one_line(tmp_path: Path, quantization, message: str):
+    src = _hf_deepseek(tmp_path)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = quantization
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=message) as e:
+        convert.import_hf(src, tmp_path / "imported")
+    assert "\n" not in str(e.value)
+
+
+def test_fp8_weights_without_their_scales_are_refused(tmp_path: Path):
+    from safetensors.torch import load_file, save_file
+
+    fp8 = tmp_path / "fp8"
+    quantized = _quantized_like_deepseek(_hf_deepseek(tmp_path), fp8, [16, 16])
+    tensors = load_file(str(fp8 / "model.safetensors"))
+    name = next(iter(quantized))
+    del tensors[f"{name}_scale_inv"]
+    save_file(tensors, str(fp8 / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=f"HF tensor '{name}' is float8_e4m3fn but the folder has no"):
+        convert.import_hf(fp8, tmp_path / "imported")

@@ -190,6 +190,31 @@ def test_attention_pairs_match_the_mask():
     assert document_pairs(doc_ids) == document_mask(doc_ids).sum()
 
 
+def test_palm_flops_count_each_documents_length():
+    """MFU's PaLM figure: without masks ``tokens * flops_per_token``; under document masks the
+    attention term counts each document's ``L^2`` (masked-out pairs are no work), so a window of
+    many short documents is not credited with a whole window's attention."""
+    from shardwise.observe.flops import attention_pairs, attention_width, document_pairs, palm_flops
+
+    args = PRESETS["debug"]
+    s = 64
+    assert palm_flops(args, 2 * s, 2 * attention_pairs(s)) == pytest.approx(2 * s * flops_per_token(args, s))
+    doc_ids = torch.tensor([[0] * 10 + [1] * 54, [0] * 64])
+    per_layer = 6.0 * args.n_heads * attention_width(args) * args.n_layers
+    want = 2 * s * (flops_per_token(args, s) - per_layer * s) + per_layer * (10**2 + 54**2 + 64**2)
+    assert float(palm_flops(args, 2 * s, document_pairs(doc_ids))) == pytest.approx(want)
+
+
+def test_throughput_mfu_from_model_flops(monkeypatch: pytest.MonkeyPatch):
+    """Given each step's PaLM FLOPs (document masks), MFU is their rate over the peak."""
+    clock = itertools.chain([0.0], itertools.repeat(2.0))
+    monkeypatch.setattr("shardwise.observe.metrics.time.perf_counter", lambda: next(clock))
+    t = Throughput(flops_per_token=1e9, peak_tflops=1.0, world_size=2)
+    t.add(1000, 3e11, torch.tensor(2e11))
+    t.add(1000, 1e11, 2e11)
+    assert t.window()["mfu"] == pytest.approx(4e11 / 2.0 / 1e12)
+
+
 def test_executed_flops_terms():
     """GQA does not reduce attention FLOPs; full recompute adds one forward of the blocks but their
     down projections; MoE counts the top-k experts only."""
