@@ -62,6 +62,20 @@ def help_text() -> str:
     return "\n".join(lines)
 
 
+def steps_of_epochs(cfg: config.Config) -> int:
+    """training.epochs -> training.steps, said in a notice (the data is prepared first)."""
+    from shardwise.data.dataset import epochs_to_steps
+    from shardwise.data.tokenizer import load_tokenizer
+    from shardwise.resolve.checks import notice
+
+    t = cfg.training
+    steps, windows = epochs_to_steps(cfg.data, load_tokenizer(cfg.data.tokenizer), t.seq_len, t.global_batch,
+                                     t.epochs)
+    notice(f"training.epochs={t.epochs:g}: {windows:,} training windows of {t.seq_len} tokens at "
+           f"global_batch={t.global_batch} make training.steps={steps}")
+    return steps
+
+
 def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
     from pathlib import Path
 
@@ -82,6 +96,8 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
     if args.print_config:
         print(cfg.to_toml(), end="")
         return 0
+    if cfg.training.epochs:  # steps from the prepared data (every rank derives the same)
+        cfg = load_config(args.config, [*overrides, f"--training.steps={steps_of_epochs(cfg)}"], world=nproc)
     from shardwise.launch.rundir import LOCK_ENV, take
     from shardwise.trainer.preflight import preflight
 

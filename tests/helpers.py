@@ -256,6 +256,14 @@ LAYOUTS = {
                            "--activation_checkpoint.mode=layer", "--activation_checkpoint.every=2"],
     "fsdp2_gloo_override": ["--nproc=2",
                             "--parallel.backend_override=dp_shard=gloo:timeout_s=120:threads=2,tp=gloo"],
+    # Context parallel with document masks: each rank's queries (head-tail chunks, or one chunk
+    # without load balance) against the gathered keys of their documents.
+    "cp2_docs": ["--nproc=2", "--parallel.cp=2"],
+    "cp2_docs_no_load_balance": ["--nproc=2", "--parallel.cp=2", "--parallel.cp_load_balance=false"],
+    "cp4_docs": ["--nproc=4", "--parallel.cp=4"],
+    "fsdp2_cp2_docs": ["--nproc=4", "--parallel.dp_shard=2", "--parallel.cp=2"],
+    "cp2_tp2_docs": ["--nproc=4", "--parallel.cp=2", "--parallel.tp=2"],
+    "pp2_cp2_docs": ["--nproc=4", "--parallel.pp=2", "--parallel.cp=2", "--training.micro_batch=4"],
     # Pipeline stages each mask their own attention: the document ids travel with every micro-batch.
     "pp2_fsdp2_tp2": ["--nproc=8", "--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.tp=2",
                       "--training.micro_batch=2"],
@@ -265,7 +273,7 @@ LAYOUTS = {
     "pp2_tp2": ["--nproc=4", "--parallel.pp=2", "--parallel.tp=2", "--training.micro_batch=2"],
 }
 
-# Context parallel does not take document masks yet, so it is compared with an unmasked reference.
+# Context parallel without document masks runs torch's ring attention: against an unmasked reference.
 UNMASKED_LAYOUTS = {
     "cp2": ["--nproc=2", "--parallel.cp=2"],
     "cp2_no_load_balance_alltoall": ["--nproc=2", "--parallel.cp=2", "--parallel.cp_load_balance=false",

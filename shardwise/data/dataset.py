@@ -21,6 +21,7 @@ is each source's current permutation, 8 bytes per sequence of that source.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -190,6 +191,15 @@ def packing_notices(corpus: Corpus, seq_len: int) -> list[str]:
                          f"({stream.truncated_loss_tokens(seq_len):,} assistant tokens past the cut are "
                          "not trained): raise training.seq_len to keep them whole")
     return lines
+
+
+def epochs_to_steps(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, global_batch: int,
+                    epochs: float) -> tuple[int, int]:
+    """(optimizer steps, training windows) for ``epochs`` passes over the prepared training windows
+    of every source together (preparing what is not yet)."""
+    corpus = open_corpus(cfg, tokenizer)
+    windows = sum(s.num_windows(seq_len) for s in corpus.train)
+    return max(1, math.ceil(epochs * windows / global_batch)), windows
 
 
 def pack_prepared(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int) -> list[str]:

@@ -95,9 +95,11 @@ class AttentionCore(nn.Module):
         self.scale = scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor | DocumentSpans | None = None) -> torch.Tensor:
+                mask: torch.Tensor | DocumentSpans | Any | None = None) -> torch.Tensor:
         if isinstance(mask, DocumentSpans):
             return attention_by_document(q, k, v, mask, self.scale)
+        if hasattr(mask, "attention"):  # document masks another part gives (context parallel's)
+            return mask.attention(q, k, v, self.scale)
         # Plain causal attention takes SDPA's is_causal fast path.
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                               enable_gqa=q.shape[1] != k.shape[1], scale=self.scale)

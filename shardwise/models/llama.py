@@ -213,6 +213,8 @@ class Transformer(nn.Module):
         # The sequence positions this rank's tokens hold, when context parallel shards the
         # sequence; init_weights then keeps only those rows of the RoPE table.
         self.rope_positions: torch.Tensor | None = None
+        # doc ids (B, S) -> what attention masks by; context parallel puts its own here.
+        self.document_spans: Any = DocumentSpans.of
         self.placeholder = False  # (true inside placeholder_forward)
 
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
@@ -233,7 +235,7 @@ class Transformer(nn.Module):
             s = tokens.shape[1]
             positions = torch.arange(cache.length, cache.length + s, device=tokens.device)[None]  # (1, S)
         rope = self.rope[positions] if positions is not None else self.rope
-        mask = DocumentSpans.of(doc_ids) if doc_ids is not None else None
+        mask = self.document_spans(doc_ids) if doc_ids is not None else None
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, S, dim)
         # Under autocast (one rank without FSDP) the residual stream runs in its dtype (bf16), as with
         # FSDP's bf16 parameters: the one-rank run rounds as a multi-rank run does, at half the traffic.

@@ -13,6 +13,13 @@ attends to the whole sequence and the first to almost nothing, so the sequence i
 ``2*cp`` chunks and rank ``r`` takes chunks ``r`` and ``2*cp-1-r`` (head-tail); every rank then does
 the same work.
 
+Document masks (packed chat data): the cores are not wrapped. Each rank gathers the keys and values
+of the whole sequence (torch's differentiable all-gather, whose backward reduce-scatters their
+gradients: the traffic of the ``allgather`` rotation) and attends its own queries -- both head-tail
+chunks -- within their documents: for each (chunk, document) piece, the piece's causal square and,
+when the document began earlier, a full block over its earlier keys, merged by their log-sum-exp
+(:class:`RingDocuments`). The model gets the whole window's document ids; only its tokens are sharded.
+
 CPU: torch 2.13 ships ring handlers for the CUDA SDPA ops only (flash, efficient, cuDNN). CPU SDPA
 runs ``_scaled_dot_product_flash_attention_for_cpu``; :func:`enable_ring_attention` registers ring
 handlers for that op and its backward in torch's own context-parallel op table, built on torch's
@@ -21,9 +28,15 @@ templated ring attention, so the CPU path is the same machinery as the CUDA one.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -44,16 +57,23 @@ aten = torch.ops.aten
 SEQ_DIM = 2  # q/k/v inside attention are (B, H, S, D)
 
 
-def apply_cp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, seq_len: int) -> None:
+def apply_cp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, seq_len: int,
+             document_mask: bool = False) -> None:
     """Make every block's attention core a ring attention over the 1-D ``cp`` mesh, and record
     which sequence positions this rank holds (``model.rope_positions``, used by ``init_weights``
-    for the RoPE table)."""
+    for the RoPE table). With ``document_mask`` the cores stay as they are and the model's document
+    spans become :class:`RingDocuments` (the module's docstring)."""
+    model.rope_positions = local_positions(seq_len, mesh, cfg.cp_load_balance)
+    if document_mask:
+        every = _all_positions(model.rope_positions, mesh)
+        model.document_spans = functools.partial(RingDocuments.of, positions=model.rope_positions,
+                                                 all_positions=every, group=mesh.get_group())
+        return
     enable_ring_attention(cfg.cp_rotate_method)
     for block in blocks(model):
         parallelize_module(block.get_submodule(block.plan.attention_core), mesh,
                            _ContextParallel(seq_dim=SEQ_DIM,
                                             attention_type=_ContextParallel.AttentionType.SDPA))
-    model.rope_positions = local_positions(seq_len, mesh, cfg.cp_load_balance)
 
 
 def local_positions(seq_len: int, mesh: DeviceMesh, load_balance: bool) -> torch.Tensor:
@@ -70,6 +90,128 @@ def shard_sequences(mesh: DeviceMesh, tensors: Sequence[torch.Tensor], load_bala
     balancer = _HeadTailLoadBalancer(seq_len, mesh.size(), tensors[0].device) if load_balance else None
     # Also sets torch's global "load balance on/off" flag that the ring attention reads.
     return _context_parallel_shard(mesh, list(tensors), seq_dims, load_balancer=balancer)
+
+
+# ---------------------------------------------------------------------------------------------
+# Document masks under context parallel
+
+
+def _all_positions(positions: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Every cp rank's positions, in rank order (what an all-gather of the sequence dim lays out)."""
+    out = torch.empty(positions.numel() * mesh.size(), dtype=positions.dtype, device=positions.device)
+    torch.distributed.all_gather_into_tensor(out, positions.contiguous(), group=mesh.get_group())
+    return out
+
+
+@dataclass(frozen=True)
+class RingDocuments:
+    """Document-masked attention of this cp rank's queries over the whole sequence's keys.
+
+    ``pieces``: for each (sequence, local chunk, document) a ``(b, q0, n, k0, p)``: the queries at local
+    rows ``q0 .. q0+n`` are global positions ``p .. p+n`` of a document that starts at ``k0``; they see
+    the keys ``k0 .. p`` in full and ``p .. p+n`` causally."""
+
+    pieces: tuple[tuple[int, int, int, int, int], ...]
+    order: torch.Tensor  # (S,) the gathered row of each global position
+    group: dist.ProcessGroup
+
+    @staticmethod
+    def of(doc_ids: torch.Tensor, positions: torch.Tensor, all_positions: torch.Tensor,
+           group: dist.ProcessGroup) -> RingDocuments:
+        """From the whole window's document ids (B, S) and this rank's positions (S/cp,): one host
+        sync per forward."""
+        ids, pos = doc_ids.cpu().numpy(), positions.cpu().numpy()
+        b, s = ids.shape
+        cuts = np.flatnonzero(np.diff(pos) != 1) + 1
+        chunks = list(zip([0, *cuts.tolist()], [*cuts.tolist(), len(pos)], strict=True))  # local runs
+        pieces = []
+        for row in range(b):
+            new = np.ones(s, dtype=bool)
+            new[1:] = ids[row, 1:] != ids[row, :-1]
+            first = np.maximum.accumulate(np.where(new, np.arange(s), 0))  # (S,) its document's start
+            ends = np.append(np.flatnonzero(new)[1:], s)
+            last = ends[np.searchsorted(np.flatnonzero(new), np.arange(s), side="right") - 1]  # (S,) end
+            for lo, hi in chunks:
+                p, stop = int(pos[lo]), int(pos[hi - 1]) + 1
+                while p < stop:
+                    end = min(stop, int(last[p]))
+                    pieces.append((row, lo + p - int(pos[lo]), end - p, int(first[p]), p))
+                    p = end
+        return RingDocuments(tuple(pieces), torch.argsort(all_positions), group)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  scale: float | None = None) -> torch.Tensor:
+        """q (B, H, S/cp, D), k/v (B, Hkv, S/cp, D) of this rank -> (B, H, S/cp, Dv)."""
+        from torch.distributed._functional_collectives import all_gather_tensor_autograd
+
+        order = self.order.to(k.device)
+        # all-gather over cp (backward: reduce-scatter), then into position order: (B, Hkv, S, D)
+        k, v = (all_gather_tensor_autograd(t.contiguous(), gather_dim=SEQ_DIM, group=self.group)
+                .index_select(SEQ_DIM, order) for t in (k, v))
+        if q.device.type == "cpu" and q.shape[-1] == v.shape[-1]:
+            return _PiecesCPU.apply(q, k, v, self.pieces, scale)
+        return _pieces_sdpa(q, k, v, self.pieces, scale)
+
+
+def _pieces_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: tuple, scale: float | None
+                 ) -> torch.Tensor:
+    """The pieces through SDPA with a lower-right causal bias (each piece's queries are the last
+    rows of its keys): the flash and efficient kernels take it on GPUs."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+    rows = []
+    for b, q0, n, k0, p in pieces:
+        bias = causal_lower_right(n, p + n - k0)
+        rows.append(((b, q0, n), F.scaled_dot_product_attention(
+            q[b:b + 1, :, q0:q0 + n], k[b:b + 1, :, k0:p + n], v[b:b + 1, :, k0:p + n], attn_mask=bias,
+            enable_gqa=q.shape[1] != k.shape[1], scale=scale)))
+    for (b, q0, n), o in rows:  # (written after: autograd records each as a copy into `out`)
+        out[b:b + 1, :, q0:q0 + n] = o
+    return out
+
+
+class _PiecesCPU(torch.autograd.Function):
+    """The pieces on torch's CPU flash kernels: forward merges a piece's earlier-keys block and its
+    causal square by their log-sum-exp; backward runs each block's flash backward against the merged
+    output and log-sum-exp (as ring attention's backward does), summing into the gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: tuple,
+                scale: float | None) -> torch.Tensor:
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])  # (B, H, S/cp, Dv)
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)  # (B, H, S/cp)
+        for b, q0, n, k0, p in pieces:
+            qb = q[b:b + 1, :, q0:q0 + n]
+            o, m = flash(qb, k[b:b + 1, :, p:p + n], v[b:b + 1, :, p:p + n], 0.0, True, scale=scale)
+            if k0 < p:  # the document's keys before this piece: all seen
+                o1, m1 = flash(qb, k[b:b + 1, :, k0:p], v[b:b + 1, :, k0:p], 0.0, False, scale=scale)
+                both = torch.logaddexp(m, m1)
+                o = (o.float() * (m - both).exp()[..., None] + o1.float() * (m1 - both).exp()[..., None])
+                m = both
+            out[b:b + 1, :, q0:q0 + n], lse[b:b + 1, :, q0:q0 + n] = o, m
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.pieces, ctx.scale = pieces, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        q, k, v, out, lse = ctx.saved_tensors
+        grad = grad.to(out.dtype)
+        dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
+        for b, q0, n, k0, p in ctx.pieces:
+            rows = (slice(b, b + 1), slice(None), slice(q0, q0 + n))
+            blocks = [(p, p + n, True)] + ([(k0, p, False)] if k0 < p else [])
+            for lo, hi, causal in blocks:
+                keys = (slice(b, b + 1), slice(None), slice(lo, hi))
+                parts = backward(grad[rows], q[rows], k[keys], v[keys], out[rows], lse[rows], 0.0, causal,
+                                 scale=ctx.scale)
+                dq[rows] += parts[0]
+                dk[keys] += parts[1]
+                dv[keys] += parts[2]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, config: Config, compiled: 
         apply_tp(model, dims.submesh(Mesh.TP), cfg)
     if dims.cp > 1:
         # The training sequence length fixes which positions each cp rank holds.
-        apply_cp(model, dims.submesh(Mesh.CP), cfg, config.training.seq_len)
+        apply_cp(model, dims.submesh(Mesh.CP), cfg, config.training.seq_len, config.data.document_mask)
     moe_meshes = {}
     if has_experts(model):
         moe_meshes = dims.moe_meshes()

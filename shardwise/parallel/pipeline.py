@@ -161,6 +161,10 @@ class StageView(nn.Module):
     def rope(self) -> torch.Tensor:  # the part's RoPE table (init_weights replaces it)
         return self._part[0].rope
 
+    @property
+    def document_spans(self) -> Callable:  # (context parallel replaces the part's)
+        return self._part[0].document_spans
+
     def placeholder_forward(self) -> contextlib.AbstractContextManager:
         return self._part[0].placeholder_forward()
 

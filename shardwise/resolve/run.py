@@ -92,9 +92,6 @@ def resolve_run(cfg: Config, world_size: int, detect_device: bool = True) -> Res
         cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, micro_batch=chosen))
     micro_batches = micro_batches_per_rank(cfg.training, dims.dp)
     check_pipeline(cfg, dims, micro_batches)
-    if dims.cp > 1 and cfg.data.document_mask:
-        raise ConfigError("data.document_mask with parallel.cp > 1 is not available (the ring "
-                          "attention is causal-only): set data.document_mask=false or cp=1")
     device_type = shardwise.config.device.device_type(cfg.run.device) if detect_device else cfg.run.device
     if detect_device and device_type == "cuda":
         shardwise.config.device.check_gpu_count(world_size)

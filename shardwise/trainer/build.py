@@ -67,6 +67,7 @@ def batch_sharder(dims: ParallelDims, load_balance: bool) -> Callable[[list[Batc
         out = []
         for b in batches:
             inputs, labels = shard_sequences(mesh, [b.inputs, b.labels], load_balance)  # (B, S/cp)
-            out.append(Batch(inputs, labels, None, int((labels != IGNORE_INDEX).sum()), b.first_row))
+            # Document ids stay whole (B, S): each rank's queries see keys of the whole window.
+            out.append(Batch(inputs, labels, b.doc_ids, int((labels != IGNORE_INDEX).sum()), b.first_row))
         return out
     return shard

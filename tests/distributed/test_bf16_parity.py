@@ -56,8 +56,15 @@ LAYOUTS = {
     # DeepSeek-V3 (latent attention, group-limited sigmoid routing): EP x FSDP x TP, and CP.
     "ds_ep2_fsdp2_tp2": [*DEEPSEEK_LAYOUTS["ds_ep2_fsdp2_tp2"], *DEEPSEEK_ARGS, "--training.loss=plain"],
     "ds_cp2": [*DEEPSEEK_LAYOUTS["ds_cp2"], *DEEPSEEK_ARGS, "--training.loss=plain"],
+    # Document masks (several documents per window): per-document attention on one rank, on each
+    # tp rank's heads, within each pipeline stage, and over each cp rank's head-tail chunks.
+    "tp2_docs": ["--nproc=2", "--parallel.tp=2", "--data.document_mask=true"],
+    "pp2_docs": ["--nproc=2", "--parallel.pp=2", "--data.document_mask=true"],
+    "cp2_docs": ["--nproc=2", "--parallel.cp=2", "--data.document_mask=true"],
 }
 ROUTED = {"ep2": "moe", "ds_ep2_fsdp2_tp2": "deepseek", "ds_cp2": "deepseek"}
+MASKED = {"tp2_docs": "docs_plain", "pp2_docs": "docs_plain", "cp2_docs": "docs"}
+"""The reference of each document-masked layout (the plain loss where tp and pp take it)."""
 
 
 def train(tmp: Path, name: str, cache: str, *extra: str, fault: str = "") -> Path:
@@ -82,6 +89,9 @@ def references(tmp_path_factory: pytest.TempPathFactory, data_cache: str) -> dic
     tmp = tmp_path_factory.mktemp("bf16")
     return {"dense": train(tmp, "ref", data_cache),
             "dense_plain": train(tmp, "ref_plain", data_cache, "--training.loss=plain"),
+            "docs": train(tmp, "ref_docs", data_cache, "--data.document_mask=true"),
+            "docs_plain": train(tmp, "ref_docs_plain", data_cache, "--data.document_mask=true",
+                                "--training.loss=plain"),
             "moe": train(tmp, "ref_moe", data_cache, *MOE, "--debug.routing_record=true"),
             "deepseek": train(tmp, "ref_deepseek", data_cache, *DEEPSEEK_ARGS, "--training.loss=plain",
                               "--debug.routing_record=true")}
@@ -97,7 +107,8 @@ PLAIN_LOSS = ("tp2", "pp2")
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_bf16_layout_matches_single_rank(layout: str, references: dict[str, Path], tmp_path: Path,
                                          data_cache: str):
-    ref = references[ROUTED.get(layout) or ("dense_plain" if layout in PLAIN_LOSS else "dense")]
+    ref = references[ROUTED.get(layout) or MASKED.get(layout) or ("dense_plain" if layout in PLAIN_LOSS
+                                                                   else "dense")]
     replay = [f"--debug.routing_replay={ref}"] if layout in ROUTED else []
     diffs = differences(ref, train(tmp_path, layout, data_cache, *LAYOUTS[layout], *replay))
     assert metrics(ref)[-1]["loss"] < metrics(ref)[0]["loss"] - 0.2  # it trains

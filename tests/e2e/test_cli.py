@@ -334,6 +334,34 @@ def test_fine_tuning_on_chat_data_lowers_the_assistant_loss(tmp_path: Path, data
     assert len(vals) == 2 and vals[-1] < vals[0], vals
 
 
+def test_epochs_set_the_steps_from_the_prepared_data(tmp_path: Path, data_cache: str):
+    """training.epochs: the steps are epochs x the packed training windows / global batch, said in a
+    notice, and the run takes exactly that many."""
+    import math
+
+    from shardwise.config.schema import Config
+    from shardwise.data.dataset import open_corpus
+    from shardwise.data.tokenizer import load_tokenizer
+
+    chats = tmp_path / "chats.jsonl"
+    verse = "In the beginning God created the heaven and the earth."
+    chats.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"Which verse is number {i}?"},
+        {"role": "assistant", "content": verse * (1 + i % 3)}]}) + "\n" for i in range(48)))
+    cfg = Config()
+    cfg.data.format, cfg.data.path, cfg.data.cache_dir = "chat", str(chats), data_cache
+    windows = sum(s.num_windows(128) for s in open_corpus(cfg.data, load_tokenizer("")).train)
+    steps = math.ceil(1.5 * windows / 4)
+    run_dir = tmp_path / "run"
+    out = run_cli(["train", "--config", str(ROOT / "configs" / "chat-debug.toml"), f"--data.path={chats}",
+                   f"--data.cache_dir={data_cache}", f"--run.dir={run_dir}", "--training.epochs=1.5",
+                   "--training.seq_len=128", "--training.global_batch=4", "--eval.interval=0",
+                   "--checkpoint.interval=0", "--compile.enabled=false", "--metrics.log_format=line"]).stdout
+    assert (f"notice: training.epochs=1.5: {windows} training windows of 128 tokens at global_batch=4 make "
+            f"training.steps={steps}") in out
+    assert [r["step"] for r in metrics(run_dir)][-1] == steps
+
+
 def test_generate_bad_input_is_one_line(tmp_path: Path, capsys):
     """generate's refusals, in-process: a missing checkpoint, a folder that is no run, an HF folder
     without a tokenizer, a prompt longer than the context, a messages file that is not one."""

@@ -64,11 +64,16 @@ def test_chat_fine_tuning_from_an_hf_folder_to_a_model_transformers_chats_with(t
                 {"role": "user", "content": "And the night?"},
                 {"role": "assistant", "content": "<think>\nThe same.\n</think>\n\nHe divided it."}]}) + "\n")
     run_dir = tmp_path / "sft"
-    run_cli(["train", f"--checkpoint.initial_hf={base}", "--data.format=chat", f"--data.path={chats}",
-             f"--run.dir={run_dir}", f"--data.cache_dir={data_cache}", "--training.steps=6",
-             "--training.seq_len=128", "--training.global_batch=4", "--eval.interval=0",
-             "--compile.enabled=false", "--metrics.log_format=line", "--training.mixed_precision=fp32",
-             "--lr_scheduler.warmup_steps=1"])
+    out = run_cli(["train", f"--checkpoint.initial_hf={base}", "--data.format=chat", f"--data.path={chats}",
+                   f"--run.dir={run_dir}", f"--data.cache_dir={data_cache}", "--training.steps=6",
+                   "--training.seq_len=128", "--training.global_batch=4", "--eval.interval=0",
+                   "--compile.enabled=false", "--metrics.log_format=line", "--training.mixed_precision=fp32",
+                   "--lr_scheduler.warmup_steps=1"]).stdout
+    # The pretraining learning rate is named, with the family's fine-tuning preset; whole
+    # conversations are packed and the packing's efficiency is in the run's log.
+    assert "notice: checkpoint.initial_hf starts from trained weights, but optimizer.lr=0.001" in out
+    assert "--config configs/sft-qwen3.toml" in out
+    assert "conversations packed whole into" in out and "packing efficiency" in out
     rows = metrics(run_dir)
     assert len(rows) == 6 and rows[-1]["loss"] < rows[0]["loss"]
     hf_out = tmp_path / "exported"

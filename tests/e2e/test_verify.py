@@ -33,6 +33,20 @@ def test_verify_passes_real_layouts_and_catches_a_wrong_one(tmp_path: Path, data
     assert (out / "reference" / "checkpoints" / "step-0" / ".metadata").is_file()  # the seed
 
 
+def test_verify_passes_on_chat_data_under_fsdp_tp_cp_and_pp(tmp_path: Path, data_cache: str):
+    """configs/chat-debug.toml (whole conversations per window, document masks, bf16): FSDP, tensor,
+    context (head-tail chunks) and pipeline parallel each train the one-rank run."""
+    out = tmp_path / "verify"
+    proc = run_cli(["verify", "--config", "configs/chat-debug.toml", "--model.dim=64", "--model.n_layers=2",
+                    "--model.n_heads=4", "--model.n_kv_heads=2", "--training.seq_len=128",
+                    "--training.mixed_precision=bf16", f"--data.cache_dir={data_cache}", "--steps=6",
+                    f"--out={out}", "--layouts", "dp_shard=2", "tp=2", "cp=2", "pp=2"], timeout=900)
+    rows = {ln.split("|")[1].strip(): ln for ln in proc.stdout.splitlines() if ln.startswith("| ")}
+    for layout in ("dp_shard=2", "tp=2", "cp=2", "pp=2"):
+        assert rows[layout].rstrip().endswith("| PASS |"), proc.stdout
+    assert "tolerances (bf16)" in proc.stdout
+
+
 def test_parse_layout():
     args, world = parse_layout("tp=2,dp_shard=2,optimizer.lr=1e-3")
     assert world == 4 and "--parallel.tp=2" in args and "--parallel.dp_shard=2" in args

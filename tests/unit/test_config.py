@@ -29,7 +29,7 @@ def test_every_preset_file_parses_and_round_trips(path: Path, tmp_path: Path):
 # The world each shipped config is written for (its header comment says how to launch it).
 WORLDS = {"debug": 1, "moe-debug": 2, "chat-debug": 1, "125m": 1, "1b": 8, "8b": 8, "70b": 256, "405b": 512,
           "qwen3-0.6b": 1, "qwen3-30b-a3b": 8, "deepseek-debug": 4, "deepseek-v3-16b": 8,
-          "deepseek-v3-671b": 512}
+          "deepseek-v3-671b": 512, "sft-qwen3": 1, "sft-llama3": 8, "sft-deepseek-v3": 512}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

@@ -332,3 +332,38 @@ def test_cross_entropy_reference_on_logits():
     manual = -torch.log_softmax(logits.double(), -1).gather(-1, labels[..., None]).sum()
     ours = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
     torch.testing.assert_close(ours.double(), manual, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("balanced", [True, False])
+@pytest.mark.parametrize("path", ["cpu", "sdpa"])
+def test_context_parallel_document_pieces_equal_the_dense_mask(balanced, path):
+    """One cp rank's share of document-masked attention (its head-tail chunks, or one chunk, of a
+    window whose documents cross the chunk edges) against the gathered keys equals the dense mask's
+    rows at its positions, forward and gradients (fp32, 1e-5): the CPU flash pieces and the SDPA
+    pieces (lower-right causal bias) the GPU path runs."""
+    from shardwise.parallel import context
+
+    s, cp = 64, 2
+    docs = _doc_ids(2, s, [[5, 30, 29], [64]])
+    chunks = torch.arange(s).view(2 * cp, -1)
+
+    def held(r: int) -> torch.Tensor:  # rank r's positions: head-tail chunks, or one contiguous run
+        return torch.cat([chunks[r], chunks[2 * cp - 1 - r]]) if balanced else chunks.view(cp, -1)[r]
+
+    every = torch.cat([held(r) for r in range(cp)])
+    for rank in range(cp):
+        positions = held(rank)
+        spans = context.RingDocuments.of(docs, positions, every, group=None)
+        gen = torch.Generator().manual_seed(rank)
+        q = torch.randn(2, 4, len(positions), 16, generator=gen, requires_grad=True)
+        k, v = (torch.randn(2, 2, s, 16, generator=gen, requires_grad=True) for _ in range(2))
+        weight = torch.randn(2, 4, len(positions), 16, generator=gen)
+        fn = context._PiecesCPU.apply if path == "cpu" else context._pieces_sdpa
+        out = fn(q, k, v, spans.pieces, 0.3)
+        grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
+        mask = document_mask(docs)[:, :, positions]  # (B, 1, S/cp, S): this rank's query rows
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=0.3)
+        ref_grads = torch.autograd.grad((ref * weight).sum(), (q, k, v))
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        for g, r in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
