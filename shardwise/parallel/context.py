@@ -51,6 +51,7 @@ from torch.distributed.tensor.experimental._context_parallel import (
 from torch.distributed.tensor.parallel import parallelize_module
 
 from shardwise.config.schema import ParallelConfig
+from shardwise.models.layers import RUN_ALIGN
 from shardwise.models.protocol import blocks
 
 aten = torch.ops.aten
@@ -171,10 +172,26 @@ def _pieces_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: tupl
     return out
 
 
+def _blocks(k0: int, p: int, n: int) -> list[tuple[int, int, bool]]:
+    """A piece's key blocks (lo, hi, causal): its causal square, then the document's earlier keys as
+    a block of a multiple of RUN_ALIGN keys and one of fewer (the CPU flash kernels meet a handful of
+    key lengths: models/layers.py ``RUN_ALIGN`` says why)."""
+    cut = k0 + (p - k0) % RUN_ALIGN
+    return [(p, p + n, True)] + [(lo, hi, False) for lo, hi in ((k0, cut), (cut, p)) if hi > lo]
+
+
+def _padded(t: torch.Tensor, m: int) -> torch.Tensor:
+    """(1, H, n, D) -> (1, H, m, D), zero rows after."""
+    n = t.shape[2]
+    return t if n == m else torch.cat([t, t.new_zeros(*t.shape[:2], m - n, t.shape[3])], dim=2)
+
+
 class _PiecesCPU(torch.autograd.Function):
-    """The pieces on torch's CPU flash kernels: forward merges a piece's earlier-keys block and its
-    causal square by their log-sum-exp; backward runs each block's flash backward against the merged
-    output and log-sum-exp (as ring attention's backward does), summing into the gradients."""
+    """The pieces on torch's CPU flash kernels: forward merges a piece's blocks (:func:`_blocks`) by
+    their log-sum-exp; backward runs each block's flash backward against the merged output and
+    log-sum-exp (as ring attention's backward does), summing into the gradients. Query rows (and the
+    causal square's keys) are padded to a multiple of RUN_ALIGN; pad rows carry no gradient and a
+    log-sum-exp of +inf, so they add nothing."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: tuple,
@@ -183,14 +200,22 @@ class _PiecesCPU(torch.autograd.Function):
         out = q.new_empty(*q.shape[:-1], v.shape[-1])  # (B, H, S/cp, Dv)
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)  # (B, H, S/cp)
         for b, q0, n, k0, p in pieces:
-            qb = q[b:b + 1, :, q0:q0 + n]
-            o, m = flash(qb, k[b:b + 1, :, p:p + n], v[b:b + 1, :, p:p + n], 0.0, True, scale=scale)
-            if k0 < p:  # the document's keys before this piece: all seen
-                o1, m1 = flash(qb, k[b:b + 1, :, k0:p], v[b:b + 1, :, k0:p], 0.0, False, scale=scale)
-                both = torch.logaddexp(m, m1)
-                o = (o.float() * (m - both).exp()[..., None] + o1.float() * (m1 - both).exp()[..., None])
-                m = both
-            out[b:b + 1, :, q0:q0 + n], lse[b:b + 1, :, q0:q0 + n] = o, m
+            m = -(-n // RUN_ALIGN) * RUN_ALIGN
+            qb = _padded(q[b:b + 1, :, q0:q0 + n], m)
+            merged, total = None, None
+            for lo, hi, causal in _blocks(k0, p, n):
+                kb, vb = k[b:b + 1, :, lo:hi], v[b:b + 1, :, lo:hi]
+                if causal:
+                    kb, vb = _padded(kb, m), _padded(vb, m)
+                o, sums = flash(qb, kb, vb, 0.0, causal, scale=scale)
+                o, sums = o[:, :, :n].float(), sums[:, :, :n]
+                if merged is None:
+                    merged, total = o, sums
+                else:
+                    both = torch.logaddexp(total, sums)
+                    merged = merged * (total - both).exp()[..., None] + o * (sums - both).exp()[..., None]
+                    total = both
+            out[b:b + 1, :, q0:q0 + n], lse[b:b + 1, :, q0:q0 + n] = merged, total
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.pieces, ctx.scale = pieces, scale
         return out
@@ -202,15 +227,21 @@ class _PiecesCPU(torch.autograd.Function):
         grad = grad.to(out.dtype)
         dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
         for b, q0, n, k0, p in ctx.pieces:
+            m = -(-n // RUN_ALIGN) * RUN_ALIGN
             rows = (slice(b, b + 1), slice(None), slice(q0, q0 + n))
-            blocks = [(p, p + n, True)] + ([(k0, p, False)] if k0 < p else [])
-            for lo, hi, causal in blocks:
+            qb, gb, ob = (_padded(t[rows], m) for t in (q, grad, out))
+            sums = lse[rows]
+            if m > n:  # pad rows: P = exp(s - inf) = 0
+                sums = torch.cat([sums, sums.new_full((1, sums.shape[1], m - n), float("inf"))], dim=2)
+            for lo, hi, causal in _blocks(k0, p, n):
                 keys = (slice(b, b + 1), slice(None), slice(lo, hi))
-                parts = backward(grad[rows], q[rows], k[keys], v[keys], out[rows], lse[rows], 0.0, causal,
-                                 scale=ctx.scale)
-                dq[rows] += parts[0]
-                dk[keys] += parts[1]
-                dv[keys] += parts[2]
+                kb, vb = k[keys], v[keys]
+                if causal:
+                    kb, vb = _padded(kb, m), _padded(vb, m)
+                dqb, dkb, dvb = backward(gb, qb, kb, vb, ob, sums, 0.0, causal, scale=ctx.scale)
+                dq[rows] += dqb[:, :, :n]
+                dk[keys] += dkb[:, :, :hi - lo]
+                dv[keys] += dvb[:, :, :hi - lo]
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 

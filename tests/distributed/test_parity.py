@@ -59,7 +59,10 @@ SLOW = {"fsdp4", "hsdp2_tp2", "cp2_no_load_balance_alltoall", "cp4", "hsdp2_cp2"
         # covered in CI by a larger case of the same kind: the accumulation test, pp2_fsdp2_tp2 (also
         # for 1F1B), moe_cp2_ep2_chunked_loss, fsdp2_tp2 and tp2_ac_selective_half, fsdp2_cp2 (and
         # verify's cp=2), moe_ep2_tp2
-        "fsdp2_accum2", "pp2_fsdp2", "moe_cp2_ep2", "tp2", "cp2", "pp2_1f1b", "moe_ep2"}
+        "fsdp2_accum2", "pp2_fsdp2", "moe_cp2_ep2", "tp2", "cp2", "pp2_1f1b", "moe_ep2",
+        # document masks under cp: cp2_docs, cp2_tp2_docs and pp2_cp2_docs in CI; one contiguous
+        # chunk per rank also in test_model.py's pieces test
+        "cp4_docs", "fsdp2_cp2_docs", "cp2_docs_no_load_balance"}
 
 
 @pytest.fixture(scope="module")

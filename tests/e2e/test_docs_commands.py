@@ -235,6 +235,17 @@ HOW: dict[str, Check] = {
                                        "tiny Qwen3 that transformers makes"),
     "shardwise convert --to-hf runs/sft/checkpoints/step-100 --out sft-hf/": Check(
         reason=f"exports the run above; {_SFT} exports its own"),
+    "shardwise train --config configs/sft-qwen3.toml --checkpoint.initial_hf Qwen3-0.6B/ "
+    "--data.path chats.jsonl": Check(
+        reason=f"needs Qwen3-0.6B from the hub; {_SFT} fine-tunes a tiny Qwen3 and checks the notice naming "
+               "this preset; tests/unit/test_config.py loads the preset and fits it on a GPU"),
+    "shardwise prepare --config configs/chat-debug.toml": Check(),
+    "shardwise train --config configs/chat-debug.toml --nproc 2 --parallel.cp 2 --training.seq_len 2048 "
+    "--run.dir runs/chat-cp2": covered("tests/e2e/test_verify.py::"
+                                      "test_verify_passes_on_chat_data_under_fsdp_tp_cp_and_pp"),
+    "shardwise convert --from-hf DeepSeek-V3/ --out ds-v3": Check(
+        reason="needs DeepSeek-V3's published weights (about 700 GB); tests/unit/test_convert.py::"
+               "test_block_fp8_folder_imports_as_its_dequantized_weights imports a block-quantized one"),
     # docs/inspecting.md
     "shardwise generate --checkpoint runs/debug --prompt \"And God said\"": covered(
         _HF, Check(setup=(_DEBUG_RUN,))),

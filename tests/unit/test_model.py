@@ -343,8 +343,8 @@ def test_context_parallel_document_pieces_equal_the_dense_mask(balanced, path):
     pieces (lower-right causal bias) the GPU path runs."""
     from shardwise.parallel import context
 
-    s, cp = 64, 2
-    docs = _doc_ids(2, s, [[5, 30, 29], [64]])
+    s, cp = 256, 2  # chunks of 64: documents cross them, with earlier keys of every length class
+    docs = _doc_ids(2, s, [[5, 150, 101], [256]])
     chunks = torch.arange(s).view(2 * cp, -1)
 
     def held(r: int) -> torch.Tensor:  # rank r's positions: head-tail chunks, or one contiguous run
