@@ -222,11 +222,12 @@ def cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_prepare(args: argparse.Namespace, overrides: list[str]) -> int:
     import json
 
-    from shardwise.data.dataset import pack_prepared
     from shardwise.data.prepare import prepare
     from shardwise.data.tokenizer import load_tokenizer
 
     cfg = load_config(args.config, overrides)
+    from shardwise.data.dataset import pack_prepared  # (after the config's checks: it imports torch)
+
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     for where in prepare(cfg.data, tokenizer):
         m = json.loads((where / "manifest.json").read_text())

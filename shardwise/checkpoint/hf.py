@@ -264,6 +264,29 @@ def load_hf_weights(model: nn.Module, folder: Path, args: ModelArgs) -> None:
         local.copy_(full)
 
 
+def available_memory() -> int | None:
+    """Bytes this machine can still give a process (Linux's MemAvailable), None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_host_memory(need: int, folder: Path) -> None:
+    """``convert --from-hf`` holds every fp32 weight before writing the checkpoint (DCP writes one
+    process's tensors from one dict): a model larger than the memory left is refused in one line
+    naming the streaming path, before anything is read."""
+    have = available_memory()
+    if have is not None and need > 0.9 * have:
+        raise ConfigError(f"converting '{folder}' holds its {need / 2**30:,.1f} GiB of fp32 weights in "
+                          f"memory, and this machine has {have / 2**30:,.1f} GiB available: start training "
+                          f"from the folder with --checkpoint.initial_hf {folder} instead (each rank reads "
+                          "its own parameters one tensor at a time and keeps its shard)")
+
+
 def import_hf(folder: Path, out: Path, model_cfg: ModelConfig | None = None) -> tuple[Path, ModelConfig]:
     """Write a weights-only shardwise checkpoint (fp32) at ``out`` from an HF folder. The shape comes
     from its config.json, or from ``model_cfg``, which must agree with it. Returns the checkpoint and
@@ -277,6 +300,7 @@ def import_hf(folder: Path, out: Path, model_cfg: ModelConfig | None = None) -> 
         check_hf_config(hf.config, args)
 
     expected = build_model(args).state_dict()
+    check_host_memory(sum(t.numel() * 4 for t in expected.values()), folder)
     ours = {}
     for name, t in from_hf_tensors(hf.__getitem__, args):
         if tuple(t.shape) != tuple(expected[name].shape):

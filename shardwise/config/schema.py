@@ -267,9 +267,10 @@ class CheckpointConfig:
     verify_checksums: bool = True
     """Check every file's SHA-256 against the manifest before loading (sizes are always checked)."""
     initial_hf: str = ""
-    """Start from a Hugging Face folder's weights (Llama, Qwen3, Qwen3-MoE; any layout): its
-    config.json gives the [model] section, its tokenizer.json the tokenizer unless data.tokenizer is
-    set. Each rank reads its shards from the safetensors (no copy on disk); a resume goes on from the
+    """Start from a Hugging Face folder's weights (Llama, Qwen3, Qwen3-MoE, DeepSeek-V3, block-scaled
+    fp8 included; any layout): its config.json gives the [model] section, its tokenizer.json the
+    tokenizer unless data.tokenizer is set. Each rank reads the full tensor of each of its own
+    parameters, one at a time, and keeps its shard (no copy on disk); a resume goes on from the
     run's own checkpoints."""
     export_hf: bool = False
     """Also write each saved checkpoint as a Hugging Face folder (bf16) in run.dir/hf/step-<N>

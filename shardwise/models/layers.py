@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.ops.flash_cpu import aligned
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in fp32 whatever the input dtype."""
@@ -142,72 +144,77 @@ def _runs(t: torch.Tensor, lengths: tuple[int, ...]) -> list[torch.Tensor]:
     return _split(_rows(t), lengths)
 
 
-RUN_ALIGN = 64
-"""On CPU each document's run is padded to a multiple of this many rows. torch's CPU flash kernels in
-bf16 keep a compiled kernel for every block-tail shape they meet (``leak3`` in bench/document_mask.py:
-1.2 GB after 400 distinct lengths): with aligned runs the tails take a handful of shapes. Padding
-goes after the document, which causal attention never lets a real row see."""
-
-
-def _aligned(lengths: tuple[int, ...]) -> tuple[tuple[int, ...], torch.Tensor | None, torch.Tensor | None]:
-    """(padded run lengths, for each padded row the real row it copies -- a pad row repeats its
-    document's last --, for each real row its padded row); both indices None when nothing pads."""
-    padded = tuple(-(-n // RUN_ALIGN) * RUN_ALIGN for n in lengths)
-    if padded == lengths:
+def _aligned_rows(lengths: tuple[int, ...]
+                  ) -> tuple[tuple[int, ...], torch.Tensor | None, torch.Tensor | None]:
+    """Each run's aligned length; for each aligned row the real row it copies (a pad row repeats its
+    run's last); and which aligned rows are pads. Both None when every run is aligned already."""
+    runs = tuple(aligned(n) for n in lengths)
+    if runs == lengths:
         return lengths, None, None
-    n, p = torch.tensor(lengths), torch.tensor(padded)
+    n, p = torch.tensor(lengths), torch.tensor(runs)
     real_start, pad_start = n.cumsum(0) - n, p.cumsum(0) - p  # (runs,)
-    within = torch.arange(int(p.sum())) - pad_start.repeat_interleave(p)  # row in its padded run
-    source = real_start.repeat_interleave(p) + torch.minimum(within, (n - 1).repeat_interleave(p))
-    target = pad_start.repeat_interleave(n) + torch.arange(int(n.sum())) - real_start.repeat_interleave(n)
-    return padded, source, target
+    within = torch.arange(int(p.sum())) - pad_start.repeat_interleave(p)  # row within its aligned run
+    last = (n - 1).repeat_interleave(p)
+    return runs, real_start.repeat_interleave(p) + torch.minimum(within, last), within > last
+
+
+def _aligned_copy(t: torch.Tensor, index: torch.Tensor | None, pads: torch.Tensor | None = None,
+                  fill: float | None = None) -> torch.Tensor:
+    """Rows (B*S, H, ...) of (B, H, S, ...) ``t``, runs aligned by ``index`` (one gather; a view without),
+    pad rows set to ``fill`` when given."""
+    rows = t.transpose(1, 2).flatten(0, 1)  # (B*S, H, ...)
+    if index is None:
+        return rows
+    rows = rows.index_select(0, index.to(t.device))
+    if fill is not None:
+        rows[pads.to(t.device)] = fill
+    return rows
 
 
 class _FlashByDocumentCPU(torch.autograd.Function):
-    """Per-document causal attention on torch's CPU flash kernels (forward and backward). It saves q,
-    k and v (as aligned runs), the output and the log-sum-exp: what one causal SDPA call saves, but
-    the alignment's pad rows."""
+    """Per-document causal attention on torch's CPU flash kernels (forward and backward), each run
+    aligned for the call (ops/flash_cpu.py) in one gathered copy per tensor that lives for the
+    call only. It saves q, k, v, the output and the log-sum-exp: what one causal SDPA call saves."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: tuple[int, ...],
                 scale: float | None) -> torch.Tensor:
         b, h, s, _ = q.shape
-        padded, source, target = _aligned(lengths)
-        qp, kp, vp = (_rows(t) if source is None else _rows(t).index_select(0, source.to(t.device))
-                      for t in (q, k, v))  # (rows, H, D), runs aligned
+        runs, index, _ = _aligned_rows(lengths)
         out = q.new_empty(b * s, h, v.shape[-1])  # (B*S, H, Dv)
-        lse = q.new_empty(qp.shape[0], h, dtype=torch.float32)  # (rows, H)
-        start = pad_start = 0
-        for qi, ki, vi, n, m in zip(*(_split(t, padded) for t in (qp, kp, vp)), lengths, padded, strict=True):
+        lse = q.new_empty(b * s, h, dtype=torch.float32)  # (B*S, H)
+        start = 0
+        for qi, ki, vi, n in zip(*(_split(_aligned_copy(t, index), runs) for t in (q, k, v)), lengths,
+                                 strict=True):
             o, sums = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qi, ki, vi, 0.0, True,
                                                                                   scale=scale)
             out[start:start + n] = o[0, :, :n].transpose(0, 1)
-            lse[pad_start:pad_start + m] = sums[0].transpose(0, 1)
-            start, pad_start = start + n, pad_start + m
+            lse[start:start + n] = sums[0, :, :n].transpose(0, 1)
+            start += n
         result = out.view(b, s, h, -1).transpose(1, 2)  # (B, H, S, Dv)
-        ctx.save_for_backward(qp, kp, vp, result, lse)
-        ctx.lengths, ctx.padded, ctx.target, ctx.scale = lengths, padded, target, scale
+        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.lengths, ctx.scale = lengths, scale
         return result
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        qp, kp, vp, out, lse = ctx.saved_tensors
-        lengths, padded = ctx.lengths, ctx.padded
-        grads = [torch.empty_like(t) for t in (qp, kp, vp)]  # (rows, H, D), aligned like the inputs
-        g_rows, o_rows = _rows(grad.to(out.dtype)), _rows(out)
-        start = pad_start = 0
-        for qi, ki, vi, n, m in zip(*(_split(t, padded) for t in (qp, kp, vp)), lengths, padded, strict=True):
-            # Pad rows: no gradient, any output (rowsum(dO * O) is 0 there); their log-sum-exp is real.
-            gi, oi = (_pad(t[start:start + n], m) for t in (g_rows, o_rows))
+        q, k, v, out, lse = ctx.saved_tensors
+        lengths = ctx.lengths
+        runs, index, pads = _aligned_rows(lengths)
+        b, h, s, _ = q.shape
+        # Pad rows: no gradient and a log-sum-exp of +inf (P = 0), so they add nothing; their output
+        # is a real row's (finite; rowsum(dO * O) is 0 there).
+        parts = (*(_split(_aligned_copy(t, index), runs) for t in (q, k, v, out)),
+                 _split(_aligned_copy(grad.to(out.dtype), index, pads, 0.0), runs),
+                 _split(_aligned_copy(lse.view(b, s, h).transpose(1, 2), index, pads, float("inf")), runs))
+        grads = [torch.empty_like(_rows(t)) for t in (q, k, v)]  # (B*S, H, D) each
+        start = 0
+        for qi, ki, vi, oi, gi, sums, n in zip(*parts, lengths, strict=True):
             d = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                gi, qi, ki, vi, oi, lse[pad_start:pad_start + m].transpose(0, 1)[None], 0.0, True,
-                scale=ctx.scale)
+                gi, qi, ki, vi, oi, sums, 0.0, True, scale=ctx.scale)
             for full, part in zip(grads, d, strict=True):
-                full[pad_start:pad_start + m] = part[0].transpose(0, 1)
-            start, pad_start = start + n, pad_start + m
-        if ctx.target is not None:
-            grads = [g.index_select(0, ctx.target.to(g.device)) for g in grads]  # the real rows
-        b, h, s, _ = grad.shape
+                full[start:start + n] = part[0, :, :n].transpose(0, 1)
+            start += n
         dq, dk, dv = (g.view(b, s, g.shape[1], -1).transpose(1, 2) for g in grads)
         return dq, dk, dv, None, None
 
@@ -215,13 +222,6 @@ class _FlashByDocumentCPU(torch.autograd.Function):
 def _split(rows: torch.Tensor, lengths: tuple[int, ...]) -> list[torch.Tensor]:
     """(rows, H, D) -> each run as (1, H, L, D) (a view)."""
     return [r.transpose(0, 1)[None] for r in rows.split(lengths)]
-
-
-def _pad(rows: torch.Tensor, m: int) -> torch.Tensor:
-    """(L, H, D) rows -> (1, H, m, D), zero rows appended."""
-    if rows.shape[0] < m:
-        rows = torch.cat([rows, rows.new_zeros(m - rows.shape[0], *rows.shape[1:])])
-    return rows.transpose(0, 1)[None]
 
 
 class KVCache:

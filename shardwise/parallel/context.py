@@ -17,8 +17,10 @@ Document masks (packed chat data): the cores are not wrapped. Each rank gathers 
 of the whole sequence (torch's differentiable all-gather, whose backward reduce-scatters their
 gradients: the traffic of the ``allgather`` rotation) and attends its own queries -- both head-tail
 chunks -- within their documents: for each (chunk, document) piece, the piece's causal square and,
-when the document began earlier, a full block over its earlier keys, merged by their log-sum-exp
-(:class:`RingDocuments`). The model gets the whole window's document ids; only its tokens are sharded.
+when the document began earlier, its earlier keys (on CPU as an aligned block and a remainder,
+:func:`_blocks`), merged by their log-sum-exp; elsewhere one SDPA call per piece with a lower-right
+causal bias (:class:`RingDocuments`). The model gets the whole window's document ids; only its
+tokens are sharded.
 
 CPU: torch 2.13 ships ring handlers for the CUDA SDPA ops only (flash, efficient, cuDNN). CPU SDPA
 runs ``_scaled_dot_product_flash_attention_for_cpu``; :func:`enable_ring_attention` registers ring
@@ -51,8 +53,8 @@ from torch.distributed.tensor.experimental._context_parallel import (
 from torch.distributed.tensor.parallel import parallelize_module
 
 from shardwise.config.schema import ParallelConfig
-from shardwise.models.layers import RUN_ALIGN
 from shardwise.models.protocol import blocks
+from shardwise.ops.flash_cpu import RUN_ALIGN, aligned, padded
 
 aten = torch.ops.aten
 SEQ_DIM = 2  # q/k/v inside attention are (B, H, S, D)
@@ -175,15 +177,9 @@ def _pieces_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: tupl
 def _blocks(k0: int, p: int, n: int) -> list[tuple[int, int, bool]]:
     """A piece's key blocks (lo, hi, causal): its causal square, then the document's earlier keys as
     a block of a multiple of RUN_ALIGN keys and one of fewer (the CPU flash kernels meet a handful of
-    key lengths: models/layers.py ``RUN_ALIGN`` says why)."""
+    key lengths: ops/flash_cpu.py says why)."""
     cut = k0 + (p - k0) % RUN_ALIGN
     return [(p, p + n, True)] + [(lo, hi, False) for lo, hi in ((k0, cut), (cut, p)) if hi > lo]
-
-
-def _padded(t: torch.Tensor, m: int) -> torch.Tensor:
-    """(1, H, n, D) -> (1, H, m, D), zero rows after."""
-    n = t.shape[2]
-    return t if n == m else torch.cat([t, t.new_zeros(*t.shape[:2], m - n, t.shape[3])], dim=2)
 
 
 class _PiecesCPU(torch.autograd.Function):
@@ -200,13 +196,13 @@ class _PiecesCPU(torch.autograd.Function):
         out = q.new_empty(*q.shape[:-1], v.shape[-1])  # (B, H, S/cp, Dv)
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)  # (B, H, S/cp)
         for b, q0, n, k0, p in pieces:
-            m = -(-n // RUN_ALIGN) * RUN_ALIGN
-            qb = _padded(q[b:b + 1, :, q0:q0 + n], m)
+            m = aligned(n)
+            qb = padded(q[b:b + 1, :, q0:q0 + n], m)
             merged, total = None, None
             for lo, hi, causal in _blocks(k0, p, n):
                 kb, vb = k[b:b + 1, :, lo:hi], v[b:b + 1, :, lo:hi]
                 if causal:
-                    kb, vb = _padded(kb, m), _padded(vb, m)
+                    kb, vb = padded(kb, m), padded(vb, m)
                 o, sums = flash(qb, kb, vb, 0.0, causal, scale=scale)
                 o, sums = o[:, :, :n].float(), sums[:, :, :n]
                 if merged is None:
@@ -227,17 +223,15 @@ class _PiecesCPU(torch.autograd.Function):
         grad = grad.to(out.dtype)
         dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
         for b, q0, n, k0, p in ctx.pieces:
-            m = -(-n // RUN_ALIGN) * RUN_ALIGN
+            m = aligned(n)
             rows = (slice(b, b + 1), slice(None), slice(q0, q0 + n))
-            qb, gb, ob = (_padded(t[rows], m) for t in (q, grad, out))
-            sums = lse[rows]
-            if m > n:  # pad rows: P = exp(s - inf) = 0
-                sums = torch.cat([sums, sums.new_full((1, sums.shape[1], m - n), float("inf"))], dim=2)
+            qb, gb, ob = (padded(t[rows], m) for t in (q, grad, out))
+            sums = padded(lse[rows], m, float("inf"))  # pad rows: P = exp(s - inf) = 0
             for lo, hi, causal in _blocks(k0, p, n):
                 keys = (slice(b, b + 1), slice(None), slice(lo, hi))
                 kb, vb = k[keys], v[keys]
                 if causal:
-                    kb, vb = _padded(kb, m), _padded(vb, m)
+                    kb, vb = padded(kb, m), padded(vb, m)
                 dqb, dkb, dvb = backward(gb, qb, kb, vb, ob, sums, 0.0, causal, scale=ctx.scale)
                 dq[rows] += dqb[:, :, :n]
                 dk[keys] += dkb[:, :, :hi - lo]

@@ -143,14 +143,16 @@ def dense_ffn(s: Shape, tokens: int, hidden: int) -> int:
     return 4 * s.e * tokens * hidden
 
 
-def attention(s: Shape) -> int:
+def attention(s: Shape, documents: bool = False) -> int:
     """Attention block after the norm: gathered input, q, k (post-RoPE), v, out, log-sum-exp; with
-    QK-norm, its two norms."""
+    QK-norm, its two norms. Under cp with ``documents`` (document masks, parallel/context.py) the
+    whole window's K and V are kept instead of this rank's."""
     a, t = s.args, s.tokens
     if a.mla:
-        return latent_attention(s)
+        return latent_attention(s, documents)
     hq, hkv, dh = a.n_heads // s.tp, a.n_kv_heads // s.tp, a.head_dim
-    out = s.e * t * a.dim + s.e * t * dh * (2 * hq + 2 * hkv) + 4 * s.mb * hq * s.seq
+    kv = s.cp if documents else 1
+    out = s.e * t * a.dim + s.e * t * dh * (2 * hq + 2 * hkv * kv) + 4 * s.mb * hq * s.seq
     if a.qk_norm:  # RMSNorm per head of q and k, as _norm: fp32 input, normalized, 1/rms, weight copy
         out += 8 * t * dh * (hq + hkv) + 4 * t * (hq + hkv) + (8 * dh if s.e < 4 else 0)
     if s.cp > 1:  # ring attention's output is (B, H, S, D): the projection input is a copy
@@ -158,7 +160,7 @@ def attention(s: Shape) -> int:
     return out
 
 
-def latent_attention(s: Shape) -> int:
+def latent_attention(s: Shape, documents: bool = False) -> int:
     """Latent attention after the norm (models/mla.py), on the gathered tokens: the input of the
     compressions; the query latent through its norm into wq_b; the key-value latent through its norm
     into wkv_b (in fp32 the norm keeps the whole compression output, of which the latent is a view);
@@ -172,8 +174,12 @@ def latent_attention(s: Shape) -> int:
     if a.q_lora_rank:
         n += _norm(s, t, a.q_lora_rank) + e * t * a.q_lora_rank
     n += _norm(s, t, c) + (4 * t * r if e == 4 else 0) + e * t * c
-    # q and k: their own tensors (concatenated, padded); v: padded, else a view of wkv_b's output
-    n += 2 * e * t * h * w + e * t * h * (w if v < w else a.qk_nope_head_dim + v)
+    # q and k: their own tensors (concatenated, padded); v: padded, else a view of wkv_b's output;
+    # under cp with document masks k and v are kept gathered over the window instead
+    if documents and s.cp > 1:
+        n += e * t * h * w + 2 * e * t * h * w * s.cp
+    else:
+        n += 2 * e * t * h * w + e * t * h * (w if v < w else a.qk_nope_head_dim + v)
     n += e * t * h * w + 4 * s.mb * h * s.seq  # output, log-sum-exp
     if v < w or s.cp > 1:
         n += e * t * h * v
@@ -205,7 +211,7 @@ def moe_ffn(s: Shape, cfg: Config) -> int:
 def block_saved(s: Shape, cfg: Config, layer: int) -> int:
     """Bytes a block saves for backward in one micro-batch without checkpointing."""
     a = s.args
-    n = 2 * _norm(s, s.norm_tokens) + attention(s)
+    n = 2 * _norm(s, s.norm_tokens) + attention(s, cfg.data.document_mask)
     if a.is_moe_layer(layer):
         return n + moe_ffn(s, cfg)
     return n + s.e * s.tokens * a.dim + dense_ffn(s, s.tokens, a.ffn_hidden_dim // s.tp)

@@ -19,7 +19,8 @@ per step) of ``tokens = micro_batch * seq_len / cp`` tokens on a rank:
   ``training.loss_chunk``; without loss parallel, the logits gathered.
 - **Context parallel** (:func:`context_collectives`; ``cp``): ring attention all-gathers each
   block's K and V in forward and backward and passes the K/V gradients around the ring
-  (all-to-all) in backward.
+  (all-to-all) in backward; under document masks one all-gather of K and V in forward and one
+  reduce-scatter of their gradients in backward.
 - **Expert parallel** (:func:`expert_collectives`; ``ep``): per MoE block the routing counts and
   the routed tokens exchanged by all-to-all, both ways, forward and backward (and the balance
   loss's expert counts over ``cp x tp``). The token volume depends on routing; the model assumes
@@ -235,6 +236,14 @@ def context_collectives(run: ResolvedRun, rank_states: RankStates,
     kv_heads = args.kv_heads // run.dims.tp
     local_kv_bytes = 2 * shape.e * run.micro_batch * kv_heads * shape.seq * args.kernel_head_dim
     attentions = run.micro_batches * len(rank_states.layers)
+    if run.cfg.data.document_mask:
+        # Document masks (parallel/context.py RingDocuments): K and V each all-gathered once in
+        # forward (kept for backward), their gradients reduce-scattered once in backward.
+        issued.add(Mesh.CP, "all_gather", run.dims.cp * local_kv_bytes // 2, 2 * attentions, "forward",
+                   "document attention K/V")
+        issued.add(Mesh.CP, "reduce_scatter", run.dims.cp * local_kv_bytes // 2, 2 * attentions, "backward",
+                   "document attention K/V gradients")
+        return issued.collectives
     for phase in ("forward", "backward"):
         if run.cfg.parallel.cp_rotate_method == "allgather":
             issued.add(Mesh.CP, "all_gather", run.dims.cp * local_kv_bytes, attentions, phase,

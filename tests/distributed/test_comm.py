@@ -67,3 +67,22 @@ def test_cp_ring_bytes_are_exact(tmp_path: Path, data_cache: str):
     assert ring["all_gather"] == args.n_layers * 2 * cp * kv_local
     assert ring["all_to_all"] == args.n_layers * cp * kv_local
     assert set(data["totals"]) == {"cp", "dp_shard_cp"}  # FSDP shards over dp_shard x cp
+
+
+def test_cp_document_attention_bytes_are_exact(tmp_path: Path, data_cache: str):
+    """Document masks under cp=2: each block's forward all-gathers K and V once (the whole window's,
+    kept for backward) and its backward reduce-scatters their gradients once -- the planner's terms."""
+    data = comm(tmp_path, data_cache, "--nproc=2", "--parallel.cp=2", "--data.document_mask=true")
+    cfg = load_config(tmp_path / "config.toml")
+    args = model_args(cfg.model)
+    micro_batch = cfg.training.global_batch  # one data-parallel rank, no accumulation
+    kv_gathered = micro_batch * args.n_kv_heads * cfg.training.seq_len * args.head_dim * 4  # K or V, fp32
+    attention = {}  # (FSDP shards over the same two ranks: its rows are the other modules')
+    for r in data["rows"]:
+        if r["module"].endswith("attention.core"):
+            assert r["mesh_dim"] == "cp"
+            key = (r["phase"], r["collective"])
+            attention[key] = attention.get(key, 0) + r["bytes"]
+    assert attention == {("forward", "all_gather"): args.n_layers * 2 * kv_gathered,
+                         ("backward", "reduce_scatter"): args.n_layers * 2 * kv_gathered}
+    assert "all_to_all" not in data["totals"]["cp"]

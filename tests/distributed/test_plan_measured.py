@@ -63,6 +63,12 @@ def test_pipeline_1f1b(tmp_path: Path, data_cache: str):
           "--data.document_mask=false")
 
 
+def test_context_parallel_with_document_masks(tmp_path: Path, data_cache: str):
+    """cp=2 on packed documents: the gathered K/V (one all-gather in forward, one reduce-scatter of
+    their gradients) and the whole window's K/V kept for backward, as the planner counts them."""
+    check(tmp_path, data_cache, 2, "--parallel.cp=2", "--data.document_mask=true")
+
+
 @pytest.mark.parametrize("world,extra", [
     (4, ["--parallel.ep=2", "--parallel.tp=2", "--training.mixed_precision=bf16"]),
     pytest.param(2, ["--parallel.cp=2"], marks=pytest.mark.slow),

@@ -240,6 +240,8 @@ HOW: dict[str, Check] = {
         reason=f"needs Qwen3-0.6B from the hub; {_SFT} fine-tunes a tiny Qwen3 and checks the notice naming "
                "this preset; tests/unit/test_config.py loads the preset and fits it on a GPU"),
     "shardwise prepare --config configs/chat-debug.toml": Check(),
+    "shardwise train --config configs/chat-debug.toml --training.epochs 2 --run.dir runs/chat-epochs":
+        covered("tests/e2e/test_cli.py::test_epochs_set_the_steps_from_the_prepared_data"),
     "shardwise train --config configs/chat-debug.toml --nproc 2 --parallel.cp 2 --training.seq_len 2048 "
     "--run.dir runs/chat-cp2": covered("tests/e2e/test_verify.py::"
                                       "test_verify_passes_on_chat_data_under_fsdp_tp_cp_and_pp"),

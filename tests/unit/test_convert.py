@@ -335,3 +335,14 @@ def test_fp8_weights_without_their_scales_are_refused(tmp_path: Path):
     save_file(tensors, str(fp8 / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ConfigError, match=f"HF tensor '{name}' is float8_e4m3fn but the folder has no"):
         convert.import_hf(fp8, tmp_path / "imported")
+
+
+def test_a_model_larger_than_memory_is_refused_before_any_read(tmp_path: Path, monkeypatch):
+    """convert --from-hf holds the whole fp32 model: one larger than the memory left is refused in one
+    line naming --checkpoint.initial_hf, which streams, and nothing is written."""
+    src = _hf_deepseek(tmp_path)
+    monkeypatch.setattr(convert, "available_memory", lambda: 1 << 10)  # 1 KiB left
+    with pytest.raises(ConfigError, match=r"GiB of fp32 weights in memory, and this machine has 0\.0 GiB "
+                       r"available: start training from the folder with --checkpoint.initial_hf") as e:
+        convert.import_hf(src, tmp_path / "imported")
+    assert "\n" not in str(e.value) and not (tmp_path / "imported").exists()

@@ -14,7 +14,6 @@ import torch
 from shardwise.config.schema import ConfigError
 from shardwise.data.dataset import Batch
 from shardwise.models import model_args
-from shardwise.models.layers import RUN_ALIGN
 from shardwise.models.llama import build_model
 from shardwise.observe.flops import attention_pairs, executed_flops
 from shardwise.observe.memory import SavedActivations
@@ -184,10 +183,8 @@ def _batch(cfg, n: int) -> Batch:
     g = torch.Generator().manual_seed(0)
     v, s = cfg.model.vocab_size, cfg.training.seq_len
     tokens, labels = (torch.randint(0, v, (n, s), generator=g) for _ in range(2))
-    # Two documents, the first a whole number of the attention's aligned runs: then the saved bytes
-    # are exactly the causal formula's (a document of another length saves up to RUN_ALIGN - 1 pad
-    # rows of q, k and v more, models/layers.py).
-    doc_ids = (torch.arange(s) >= RUN_ALIGN).long().expand(n, s) if cfg.data.document_mask else None
+    # Two documents of unaligned lengths: the per-document attention saves what causal attention does.
+    doc_ids = (torch.arange(s) >= s // 3).long().expand(n, s) if cfg.data.document_mask else None
     return Batch(tokens, labels, doc_ids, n * s)
 
 
