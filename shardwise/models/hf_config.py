@@ -33,9 +33,17 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"'{folder}' has no config.json: pass a Hugging Face model folder")
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"'{path}' is not readable JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"'{path}' holds a JSON {type(config).__name__}, not an object of model settings: "
+                          "pass a Hugging Face model folder")
+    return config
+
+
+_SIZES = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
+"""The config.json fields every family's shape needs, each a positive integer."""
 
 
 def hf_tokenizer(folder: Path) -> str:
@@ -133,12 +141,28 @@ def _rope(hf: dict[str, Any]) -> tuple[dict[str, Any], str, float]:
 
 
 def args_from_hf(hf: dict[str, Any]) -> ModelArgs:
-    """The model shape of an HF ``config.json`` (Llama, Qwen3, Qwen3-MoE), or a one-line error
-    naming what this model family cannot represent."""
+    """The model shape of an HF ``config.json`` (Llama, Qwen3, Qwen3-MoE, DeepSeek-V3), or a one-line
+    error naming what this model family cannot represent, or the field that is missing or wrong."""
     kind = hf.get("model_type")
     if kind not in _CLASSES:
         raise ConfigError(f"HF model_type '{kind}' is not supported: convert reads "
-                          f"{', '.join(_CLASSES)} (Llama, Qwen3 and Qwen3-MoE checkpoints)")
+                          f"{', '.join(_CLASSES)} (Llama, Qwen3, Qwen3-MoE and DeepSeek-V3 checkpoints)")
+    for key in _SIZES:
+        value = hf.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            said = "missing" if key not in hf else f"{value!r}"
+            raise ConfigError(f"HF config.json field '{key}' is {said}: a {kind} config.json gives it as a "
+                              "positive integer (is this the model's own config.json?)")
+    try:
+        return _args_from_hf(hf, kind)
+    except KeyError as e:
+        raise ConfigError(f"HF config.json has no '{e.args[0]}', which a {kind} config.json gives") from None
+    except (TypeError, ValueError, AttributeError) as e:
+        raise ConfigError(f"HF config.json has a value of the wrong kind for a {kind} model ({e})") from None
+
+
+def _args_from_hf(hf: dict[str, Any], kind: str) -> ModelArgs:
+    """:func:`args_from_hf` once the sizes are known to be there."""
     for key, bad in (("hidden_act", hf.get("hidden_act", "silu") != "silu"),
                      ("attention_bias", bool(hf.get("attention_bias"))),
                      ("mlp_bias", bool(hf.get("mlp_bias"))),

@@ -46,6 +46,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if cfg.data.format == "chat" and not cfg.data.document_mask:
         notice("data.format=chat: data.document_mask is on (each conversation attends to itself only)")
         cfg.data.document_mask = True
+    if cfg.optimizer.lr == 0:
+        notice("optimizer.lr=0: the weights will not change (forward and backward only); set "
+               "optimizer.lr above 0 to train")
     clamp_warmup(cfg)
     clamp_profile(cfg)
     resolve_precision(cfg, device)

@@ -21,7 +21,7 @@ from torch import nn
 from shardwise import checkpoint
 from shardwise.checkpoint import hf as convert
 from shardwise.config.device import DistEnv
-from shardwise.config.schema import Config, model_label
+from shardwise.config.schema import Config, ConfigError, model_label
 from shardwise.data.dataset import Batch, Corpus, PackedLoader, check_vocab, open_corpus, packing_notices
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.launch import rundir
@@ -301,6 +301,14 @@ def resume(cfg: Config, run_dir: Path, model: nn.Module, optimizer: torch.optim.
                 print(f"warning: checkpoint '{bad}' {why}: set aside as '{aside.name}'; resumed from the "
                       f"older {path.name}", file=sys.stderr, flush=True)
             print(f"resumed from {path} at step {step}", flush=True)
+        if step >= cfg.training.steps:
+            if explicit:  # a starting point past the end: nothing would train, say so
+                raise ConfigError(f"checkpoint.path '{path}' is at step {step} and training.steps="
+                                  f"{cfg.training.steps}: nothing is left to train: set training.steps above "
+                                  f"{step}")
+            if rank0:
+                print(f"notice: the run is at step {step} of training.steps={cfg.training.steps}: nothing is "
+                      "left to train (raise training.steps to go on)", flush=True)
         return step
     raise no_good_checkpoint(run_dir, damaged)
 

@@ -417,3 +417,19 @@ def test_version_a_bare_boolean_and_toml_defaults(capsys):
     out = capsys.readouterr().out
     assert "--run.overwrite  (bool, default false)" in out and "default False" not in out
     assert '(str, default "runs/default")' in out
+
+
+def test_a_start_past_the_last_step_and_a_zero_learning_rate_are_said(tmp_path: Path, data_cache: str):
+    """--checkpoint.path at step 2 with training.steps=1 would train nothing: one line, exit 2 (it
+    trained nothing without a word); optimizer.lr=0 trains with a notice that nothing will change."""
+    common = ["train", *TINY_ARGS, f"--data.cache_dir={data_cache}", "--lr_scheduler.warmup_steps=0"]
+    run_cli([*common, f"--run.dir={tmp_path / 'a'}", "--training.steps=2", "--checkpoint.final=true"])
+    step2 = tmp_path / "a" / "checkpoints" / "step-2"
+    past = run_cli([*common, f"--run.dir={tmp_path / 'b'}", "--training.steps=1",
+                    f"--checkpoint.path={step2}"], check=False)
+    assert past.returncode == 2, past.stdout + past.stderr
+    lines = [ln for ln in past.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "is at step 2 and training.steps=1: nothing is left to train: set " \
+        "training.steps above 2" in lines[0], past.stderr
+    zero = run_cli([*common, f"--run.dir={tmp_path / 'c'}", "--training.steps=1", "--optimizer.lr=0"])
+    assert "notice: optimizer.lr=0: the weights will not change" in zero.stdout

@@ -183,6 +183,32 @@ def test_unsupported_hf_configs_get_one_line_errors(change: dict, message: str):
         convert.args_from_hf(config)
 
 
+@pytest.mark.parametrize("change,message", [
+    ({"hidden_size": None}, "field 'hidden_size' is missing: a llama config.json gives it as a positive"),
+    ({"num_attention_heads": 0}, "field 'num_attention_heads' is 0: a llama config.json"),
+    ({"vocab_size": "2048"}, "field 'vocab_size' is '2048'"),
+    ({"num_hidden_layers": True}, "field 'num_hidden_layers' is True"),
+    ({"rope_scaling": {"rope_type": "llama3"}}, "has no 'factor', which a llama config.json gives"),
+    ({"rope_scaling": "linear"}, "a value of the wrong kind for a llama model"),
+    ({"model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 8},
+     "has no 'num_experts_per_tok', which a qwen3_moe config.json gives"),
+])
+def test_malformed_hf_configs_are_one_line_errors(change: dict, message: str):
+    """A config.json with a size missing, zero or of the wrong type, or a field its family needs
+    left out, is one line naming the field -- not a KeyError or ZeroDivisionError traceback."""
+    config = {**convert.hf_config(model_args(_resolved(MODEL)), "fp32"), **change}
+    config = {k: v for k, v in config.items() if v is not None}
+    with pytest.raises(ConfigError, match=message) as e:
+        convert.args_from_hf(config)
+    assert "\n" not in str(e.value)
+
+
+def test_a_config_json_that_is_not_an_object_is_one_line(tmp_path: Path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match=r"config.json' holds a JSON list, not an object of model settings"):
+        convert.read_hf_config(tmp_path)
+
+
 def test_shapes_that_have_no_hf_family_are_refused_on_export():
     moe = model_args(_resolved(dataclasses.replace(MODEL, name="moe-debug")))  # no QK-norm, a shared expert
     with pytest.raises(ConfigError, match="covers the Qwen3-MoE layout.*model.qk_norm=false"):
