@@ -133,9 +133,8 @@ def attention_by_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spa
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    """(B, H, S, D) -> (B*S, H, D): a view when ``t`` was made from (B, S, H, D) by a transpose."""
-    b, h, s, d = t.shape
-    return t.transpose(1, 2).reshape(b * s, h, d)
+    """(B, H, S, ...) -> (B*S, H, ...): a view when ``t`` was made from (B, S, H, ...) by a transpose."""
+    return t.transpose(1, 2).flatten(0, 1)
 
 
 def _runs(t: torch.Tensor, lengths: tuple[int, ...]) -> list[torch.Tensor]:
@@ -162,7 +161,7 @@ def _aligned_copy(t: torch.Tensor, index: torch.Tensor | None, pads: torch.Tenso
                   fill: float | None = None) -> torch.Tensor:
     """Rows (B*S, H, ...) of (B, H, S, ...) ``t``, runs aligned by ``index`` (one gather; a view without),
     pad rows set to ``fill`` when given."""
-    rows = t.transpose(1, 2).flatten(0, 1)  # (B*S, H, ...)
+    rows = _rows(t)
     if index is None:
         return rows
     rows = rows.index_select(0, index.to(t.device))

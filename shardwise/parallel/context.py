@@ -163,14 +163,10 @@ def _pieces_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: tupl
     from torch.nn.attention.bias import causal_lower_right
 
     out = q.new_zeros(*q.shape[:-1], v.shape[-1])
-    rows = []
     for b, q0, n, k0, p in pieces:
-        bias = causal_lower_right(n, p + n - k0)
-        rows.append(((b, q0, n), F.scaled_dot_product_attention(
-            q[b:b + 1, :, q0:q0 + n], k[b:b + 1, :, k0:p + n], v[b:b + 1, :, k0:p + n], attn_mask=bias,
-            enable_gqa=q.shape[1] != k.shape[1], scale=scale)))
-    for (b, q0, n), o in rows:  # (written after: autograd records each as a copy into `out`)
-        out[b:b + 1, :, q0:q0 + n] = o
+        out[b:b + 1, :, q0:q0 + n] = F.scaled_dot_product_attention(
+            q[b:b + 1, :, q0:q0 + n], k[b:b + 1, :, k0:p + n], v[b:b + 1, :, k0:p + n],
+            attn_mask=causal_lower_right(n, p + n - k0), enable_gqa=q.shape[1] != k.shape[1], scale=scale)
     return out
 
 

@@ -379,10 +379,9 @@ same."""
 
 def host_ops(args: ModelArgs, layer: int, recomputed: bool) -> int:
     """Host-side ops of one block's forward and backward for one micro-batch (a recomputed block
-    runs its forward twice). Compiled blocks are costed alike: measured on an H200 machine's host
-    (bench/gpu_model.py, BENCHMARKS.md 2026-11-26), a compiled dense block's host side took 2.24
-    and 2.87 ms per forward + backward in two runs, an eager one 2.70 and 2.68 ms -- the compiled
-    graph's call, guards and autograd wrappers cost about what the eager ops they replace do."""
+    runs its forward twice). Compiled blocks are costed alike: a compiled block's graph call, guards
+    and autograd wrappers cost about what the eager ops they replace do (measured by
+    bench/gpu_model.py; the figures are in bench/results/history.md)."""
     kind = "moe_block" if args.is_moe_layer(layer) else "dense"
     forward, both = HOST_OPS_PER_BLOCK[f"latent_{kind}" if args.mla else kind]
     return both + (forward if recomputed else 0)
