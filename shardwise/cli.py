@@ -19,6 +19,7 @@ import traceback
 from shardwise import flags
 from shardwise.config import extras
 from shardwise.config import schema as config
+from shardwise.config.outputs import target
 from shardwise.config.schema import Config, ConfigError
 from shardwise.launch import process
 
@@ -174,13 +175,16 @@ def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
             raise ConfigError(f"'{d}' has no metrics.jsonl: pass a run directory (run.dir of a training run)")
     out = Path(args.out) if args.out else (Path(args.runs[0]) / "report" if len(args.runs) == 1
                                            else Path("runs/report"))
-    page = write_report([Path(d) for d in args.runs], out)
-    print(f"report: {page}")
+    with target(out, "--out", args.overwrite, default=not args.out).staging() as staging:
+        page = write_report([Path(d) for d in args.runs], staging)
+        if args.screenshot:
+            try:
+                shot = screenshot(page, staging / "report.png")
+            except FileNotFoundError as e:
+                raise ConfigError(str(e)) from None
+    print(f"report: {out / page.name}")
     if args.screenshot:
-        try:
-            print(f"screenshot: {screenshot(page, out / 'report.png')}")
-        except FileNotFoundError as e:
-            raise ConfigError(str(e)) from None
+        print(f"screenshot: {out / shot.name}")
     return 0
 
 
@@ -193,13 +197,15 @@ def cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
         if overrides or args.config or args.toml:
             raise ConfigError("convert --to-hf reads the model config from the checkpoint's manifest: "
                               "drop --config, --toml and overrides")
-        files = convert.export_hf(Path(args.to_hf), Path(args.out), args.dtype)
+        where = target(args.out, "--out", args.overwrite)
+        with where.staging() as staging:
+            files = convert.export_hf(Path(args.to_hf), staging, args.dtype,
+                                      checksums=not args.skip_checksums)
         print(f"exported {args.to_hf} -> {args.out} ({len(files)} safetensors file(s), {args.dtype})")
         return 0
     out = Path(args.out)
     toml = Path(args.toml or f"{out}.toml")
-    if toml.exists():
-        raise ConfigError(f"{toml} exists and is not replaced: pass --toml with a new path")
+    where, where_toml = target(out, "--out", args.overwrite), target(toml, "--toml", args.overwrite)
     cfg = load_config(args.config, overrides)
     # The model comes from config.json unless the user named one (a preset or model fields).
     from shardwise.config.types import read_toml
@@ -207,13 +213,14 @@ def cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
 
     named = bool(args.config and "model" in read_toml(Path(args.config), "config file")) or any(
         o.startswith("--model.") for o in overrides)
-    out, model = convert.import_hf(Path(args.from_hf), out, cfg.model if named else None)
+    with where.staging() as staging:
+        _, model = convert.import_hf(Path(args.from_hf), staging, cfg.model if named else None)
     cfg.model = model
     cfg.checkpoint.path = str(out)
     cfg.data.tokenizer = cfg.data.tokenizer or hf_tokenizer(Path(args.from_hf))  # the model's own
     # The config trains elsewhere too: keep `auto` precision for the machine that trains, not this one's.
     cfg.training.mixed_precision = config.read_config(args.config, overrides).training.mixed_precision
-    toml.write_text(cfg.to_toml())
+    where_toml.write(cfg.to_toml())
     print(f"imported {args.from_hf} -> {out} (model {model.name or 'from config.json'}); train from it: "
           f"shardwise train --config {toml}")
     return 0
@@ -254,10 +261,11 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
 
     # The trainer's own refusals, one line each (for the planned machine, not this one's device).
     resolve_run(cfg, world, detect_device=False)
+    where = target(args.json, "--json", args.overwrite) if args.json else None
     est = estimate(cfg, world, hw)
     print(format_estimate(est))
-    if args.json:
-        estimate_json(est, args.json)
+    if where is not None:
+        where.write(estimate_json(est))
     return 0
 
 
@@ -292,6 +300,9 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         why_nothing,
     )
 
+    default_out = args.out is None
+    args.out = "plan.toml" if default_out else args.out
+    where = target(args.out, "--out", args.overwrite, default=default_out) if args.out else None
     seq = args.seq or cfg.training.seq_len
     tokens = (parse_tokens(args.global_batch_tokens) if args.global_batch_tokens
               else max(cfg.training.global_batch, gpus) * seq)
@@ -306,13 +317,8 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
               file=sys.stderr)
         return 1
     if args.out:
-        from pathlib import Path
-
-        from shardwise.launch.rundir import keep_aside
-
-        if kept := keep_aside(Path(args.out)):
-            notice(f"the earlier {args.out} is kept as {kept}")
-        Path(args.out).write_text(layout_toml(result.top[0], args.out, tuple(notes)))
+        if said := where.write(layout_toml(result.top[0], args.out, tuple(notes))):
+            notice(said)
         print(f"best layout written to {args.out}: {run_command(args.out, gpus, hw)}")
     for n in notes:
         notice(n)

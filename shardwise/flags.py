@@ -203,6 +203,7 @@ def generate_parser(sub: argparse._SubParsersAction) -> None:
                    help="auto: bf16 on a GPU, fp32 on a CPU")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each token")
     p.add_argument("--json", action="store_true", help="print {prompt_tokens, tokens, text} as JSON")
+    add_skip_checksums(p)
 
 
 def eval_parser(sub: argparse._SubParsersAction) -> None:
@@ -225,6 +226,7 @@ def eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tasks-path", default="", help="a folder of task YAML files for --tasks (local data)")
     p.add_argument("--limit", type=int, default=None, help="--tasks: at most this many examples per task")
     p.add_argument("--num-fewshot", type=int, default=None, help="--tasks: few-shot examples per prompt")
+    add_skip_checksums(p)
 
 
 def train_parser(sub: argparse._SubParsersAction) -> None:
@@ -276,6 +278,17 @@ def compare_parser(sub: argparse._SubParsersAction) -> None:
                    help="differ only where a norm differs by more than this, relative (0: any bit)")
 
 
+def add_skip_checksums(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--skip-checksums", action="store_true",
+                   help="check the checkpoint's file sizes only, not their SHA-256 (faster on a large one; "
+                        "as checkpoint.verify_checksums=false in training)")
+
+
+def add_overwrite(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--overwrite", action="store_true",
+                   help=f"replace an existing {what} (otherwise an existing non-empty one is refused)")
+
+
 def report_parser(sub: argparse._SubParsersAction) -> None:
     p = command(sub, "report", "HTML + PNG report of one or more runs",
                 "Write a self-contained HTML page and PNGs (loss, lr, grad norm, "
@@ -286,6 +299,7 @@ def report_parser(sub: argparse._SubParsersAction) -> None:
                                              "runs/report for several)")
     p.add_argument("--screenshot", action="store_true",
                    help="also render the page in headless Chromium to report.png")
+    add_overwrite(p, "--out")
 
 
 def convert_parser(sub: argparse._SubParsersAction) -> None:
@@ -304,6 +318,8 @@ def convert_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="TOML config: its other sections go into the written config "
                 "(import only); with model fields, they must match config.json")
     p.add_argument("--toml", help="import: the training config to write (default: <out>.toml)")
+    add_skip_checksums(p)
+    add_overwrite(p, "--out and --toml")
 
 
 def prepare_parser(sub: argparse._SubParsersAction) -> None:
@@ -331,6 +347,7 @@ def estimate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hardware", default="h100",
                    help="h100, h200, a100, b200, mi300x, local (after `shardwise calibrate`) or a .toml")
     p.add_argument("--json", default="", help="also write the estimate as JSON to this file")
+    add_overwrite(p, "--json")
 
 
 def plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -355,7 +372,9 @@ def plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--schedules", default="1f1b,interleaved1f1b,zbv", help="pipeline schedules to try")
     p.add_argument("--memory-fraction", type=float, default=0.9,
                    help="usable fraction of device memory (allocator fragmentation, CUDA context)")
-    p.add_argument("--out", default="plan.toml", help="where the best layout's config is written ('' = not)")
+    p.add_argument("--out", default=None, help="where the best layout's config is written (default: "
+                   "plan.toml, an earlier one kept aside; '' = not written)")
+    add_overwrite(p, "--out")
 
 
 def calibrate_parser(sub: argparse._SubParsersAction) -> None:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from shardwise.checkpoint import CheckpointError, ModelTensors, read_manifest, run_config, save_model_only
+from shardwise.checkpoint import ModelTensors, read_manifest, run_config, save_model_only
 from shardwise.checkpoint.manifest import manifest_model
 from shardwise.config.schema import ConfigError, ModelConfig, read_config
 from shardwise.data.tokenizer import SHIPPED_TOKENIZER, load_tokenizer
@@ -105,20 +105,20 @@ def write_tokenizer(spec: str, out: Path) -> tuple[int, int] | None:
     return tok.bos_id, tok.eos_id
 
 
-def export_hf(checkpoint: Path, out: Path, dtype: str = "bf16", tokenizer: str | None = None) -> list[Path]:
+def export_hf(checkpoint: Path, out: Path, dtype: str = "bf16", tokenizer: str | None = None,
+              checksums: bool = True) -> list[Path]:
     """Write a complete HF folder at ``out`` from a shardwise checkpoint: ``config.json``, safetensors
     (sharded above 5 GiB), ``generation_config.json`` and the tokenizer (``tokenizer``: a
     data.tokenizer spec; None = the run's, from its config.toml). Each tensor is read from the
     checkpoint, converted and added to the shard being built, which is written when full (one tensor
-    in fp32 plus one shard in memory, never the whole model)."""
+    in fp32 plus one shard in memory, never the whole model). The checkpoint's files are checked
+    against its manifest first (``checksums``: their SHA-256 too)."""
     from safetensors.torch import save_file
 
     manifest = read_manifest(checkpoint)
-    if "model" not in manifest:
-        raise CheckpointError(f"checkpoint '{checkpoint}' records no model config in its manifest")
-    args = manifest_model(manifest)
+    args = manifest_model(manifest, checkpoint)
     config = hf_config(args, dtype)
-    state = ModelTensors(checkpoint)
+    state = ModelTensors(checkpoint, checksums)
     if config["model_type"] != "deepseek_v3" and any(
             k.endswith("router.expert_bias") and state[k].any() for k in state.specs):
         raise ConfigError("this checkpoint's experts are chosen with a routing bias (model.moe_balance="

@@ -210,6 +210,28 @@ def is_weights_only(manifest: dict[str, Any]) -> bool:
     return manifest.get("contents") == ["model"]
 
 
-def manifest_model(manifest: dict[str, Any]) -> ModelArgs:
+def manifest_model_config(manifest: dict[str, Any], path: Path) -> ModelConfig:
+    """The ``[model]`` section checkpoint ``path``'s manifest records; one line if it has none, or
+    names a field this version does not know (a checkpoint of a newer shardwise)."""
+    saved = manifest.get("model")
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"checkpoint '{path}' records no model config in its {MANIFEST}: it was not "
+                              "written by shardwise train or convert; export it from the run that made it")
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    if unknown := sorted(set(saved) - known):
+        raise CheckpointError(f"checkpoint '{path}' records model field(s) {', '.join(unknown)} that this "
+                              "shardwise does not know (saved by a newer version?): upgrade shardwise to "
+                              "read it")
+    try:
+        return ModelConfig(**saved)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint '{path}' records an unusable model config ({e}): it was damaged "
+                              "or edited; load an earlier step-<N>") from None
+
+
+def manifest_model(manifest: dict[str, Any], path: Path) -> ModelArgs:
     """The model a checkpoint's manifest records (its ``[model]`` section over the preset it names)."""
-    return model_args(ModelConfig(**manifest["model"]))
+    try:
+        return model_args(manifest_model_config(manifest, path))
+    except ConfigError as e:
+        raise CheckpointError(f"checkpoint '{path}': its recorded model config is refused ({e})") from None

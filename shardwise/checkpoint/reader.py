@@ -33,6 +33,7 @@ from shardwise.checkpoint.manifest import (
     file_problem,
     is_weights_only,
     read_manifest,
+    verify,
 )
 from shardwise.checkpoint.saver import app_state, set_rng_state
 from shardwise.data.dataset import PackedLoader
@@ -122,10 +123,12 @@ def _dcp_load(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
         raise ours from None
 
 
-def read_model_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every model tensor of checkpoint ``path`` as a plain full tensor, in one process."""
+def read_model_tensors(path: Path, checksums: bool = True) -> dict[str, torch.Tensor]:
+    """Every model tensor of checkpoint ``path`` as a plain full tensor, in one process (its files
+    checked against the manifest first)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    verify(path, checksums)
     meta = SafeReader(str(path)).read_metadata()
     state = {k.removeprefix("model."): torch.empty(v.size, dtype=v.properties.dtype)
              for k, v in meta.state_dict_metadata.items()
@@ -136,11 +139,13 @@ def read_model_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 class ModelTensors:
     """Checkpoint ``path``'s model tensors read one at a time (each a plain full tensor): what
-    ``convert --to-hf`` streams from, holding one tensor of the model at a time, not all of it."""
+    ``convert --to-hf`` streams from, holding one tensor of the model at a time, not all of it. The
+    files are checked against the manifest first (``checksums``: their SHA-256 too)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, checksums: bool = True) -> None:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+        verify(path, checksums)
         self.path = path
         meta = SafeReader(str(path)).read_metadata()
         self.specs = {k.removeprefix("model."): (tuple(v.size), v.properties.dtype)
@@ -182,8 +187,10 @@ def check_compatible(path: Path, model: nn.Module) -> None:
                               "it was saved with")
 
 
-def load_model_only(path: Path, model: nn.Module) -> None:
-    """Load just the weights of checkpoint ``path`` into a plain (unparallelized) ``model``."""
+def load_model_only(path: Path, model: nn.Module, checksums: bool = True) -> None:
+    """Load just the weights of checkpoint ``path`` into a plain (unparallelized) ``model``, its files
+    checked against the manifest first (``checksums``: their SHA-256 too)."""
+    verify(path, checksums)
     state = {"model": model.state_dict()}
     _dcp_load(state, path, no_dist=True)
     model.load_state_dict(state["model"])

@@ -37,6 +37,7 @@ from shardwise.checkpoint.manifest import (
     set_aside,
     sha256,
 )
+from shardwise.config.outputs import RunRecord
 from shardwise.config.schema import CheckpointConfig
 from shardwise.data.dataset import PackedLoader
 
@@ -120,11 +121,12 @@ class Checkpointer:
 
     ``info`` (layout, model config) goes into each manifest. ``group``: a gloo group over every rank
     used by nothing else (created here when not given; every rank must then create it at the same
-    point)."""
+    point). ``record`` (rank 0 of a training run): the run record each committed checkpoint joins."""
 
     def __init__(self, folder: Path, cfg: CheckpointConfig, info: dict[str, Any],
-                 group: dist.ProcessGroup | None = None) -> None:
-        self.folder, self.cfg, self.info = folder, cfg, info
+                 group: dist.ProcessGroup | None = None, record: RunRecord | None = None) -> None:
+        self.folder, self.cfg, self.info, self.record = folder, cfg, info, record
+        self.retired_steps: list[int] = []  # deleted by keep_latest_k since the caller last looked
         self.group = group if group is not None else dist.new_group(backend="gloo")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._executor = ThreadPoolExecutor(1, "shardwise-ckpt") if cfg.async_mode != "none" else None
@@ -256,9 +258,12 @@ class Checkpointer:
         _commit(staging, self.folder / f"step-{step}", {
             "step": step, "world_size": self.world, **self.info, "files": files,
             "contents": ["model", "optimizer", "lr_scheduler", "dataloader", "train"]})
+        if self.record is not None:
+            self.record.note(f"{self.folder.name}/step-{step}", "tree", created=True)
         for old in retired(list_checkpoints(self.folder), step, self.cfg.keep_latest_k):
             try:
                 _remove(old)
+                self.retired_steps.append(int(old.name.removeprefix("step-")))
             except OSError as e:  # the new checkpoint is committed; an old one lingering is harmless
                 print(f"warning: could not delete old checkpoint '{old}': {e}", file=sys.stderr)
 
@@ -275,29 +280,35 @@ def retired(found: list[tuple[int, Path]], committed: int, keep: int) -> list[Pa
 
 
 def save_model_only(path: Path, state: dict[str, torch.Tensor], info: dict[str, Any]) -> None:
-    """Write a weights-only checkpoint from one process (``shardwise convert --from-hf``), committed
-    the same way: staging directory, manifest with checksums, rename."""
-    staging = path.with_name(path.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    """Write a weights-only checkpoint into folder ``path`` (new or empty) from one process: the DCP
+    files, then the manifest with their checksums, last and atomically (a folder without one reads
+    as incomplete). A caller writing where a user keeps files stages ``path`` (config/outputs.py)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if any(path.iterdir()):
+        raise CheckpointError(f"'{path}' is not empty: a checkpoint is written into a new or empty folder")
     with warnings.catch_warnings():  # (DCP warns that it assumes one process, as asked)
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({"model": state}, checkpoint_id=str(staging), no_dist=True)
-    files = {p.name: _file_record(p) for p in sorted(staging.iterdir())}
-    _commit(staging, path, {"step": 0, "world_size": 1, "contents": ["model"], **info, "files": files})
+        dcp.save({"model": state}, checkpoint_id=str(path), no_dist=True)
+    files = {p.name: _file_record(p) for p in sorted(path.iterdir())}
+    _write_manifest(path, {"step": 0, "world_size": 1, "contents": ["model"], **info, "files": files})
 
 
-def _commit(staging: Path, final: Path, fields: dict[str, Any]) -> None:
-    """Write the manifest into ``staging`` (temporary name, fsync, rename), then make ``staging``
-    the complete checkpoint ``final`` with one rename (an older ``final`` is removed first)."""
+def _write_manifest(folder: Path, fields: dict[str, Any]) -> None:
+    """The manifest into ``folder``: temporary name, fsync, rename, folder fsynced."""
     manifest = {"format": FORMAT, "created": time.time(), "torch": torch.__version__, **fields}
-    tmp = staging / (MANIFEST + ".part")
+    tmp = folder / (MANIFEST + ".part")
     with tmp.open("w") as f:
         json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    tmp.rename(staging / MANIFEST)
-    _fsync_dir(staging)
+    tmp.rename(folder / MANIFEST)
+    _fsync_dir(folder)
+
+
+def _commit(staging: Path, final: Path, fields: dict[str, Any]) -> None:
+    """Write the manifest into ``staging``, then make ``staging`` the complete checkpoint ``final``
+    with one rename (an older ``final`` is set aside first)."""
+    _write_manifest(staging, fields)
     if final.exists():  # never replaced: the run directory's guard should have kept this from
         # happening (a damaged checkpoint a resume skipped is set aside then); keep it regardless
         kept = set_aside(final, "superseded")

@@ -28,8 +28,8 @@ class RunConfig:
     dir: str = "runs/default"
     """Run directory: resolved config.toml, metrics.jsonl, tb/, loss.png and checkpoints/ go here."""
     overwrite: bool = False
-    """Start over in a run.dir holding an earlier run: delete what training writes there (rundir.py
-    RUN_OUTPUTS: checkpoints/, metrics.jsonl, tb/, ...) but the checkpoint.path checkpoint."""
+    """Start over in a run.dir holding an earlier run: delete what its runs wrote there (as its
+    .shardwise-record lists) but the checkpoint.path checkpoint; your own files stay."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device type: auto (cuda when available, else cpu), cpu or cuda."""
     cpu_memory_cache: bool = True

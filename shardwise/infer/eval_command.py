@@ -17,13 +17,14 @@ import torch
 import torch.distributed as dist
 
 from shardwise.checkpoint import checkpoint_or_latest, load_weights, read_manifest, run_config
+from shardwise.checkpoint.manifest import manifest_model_config
 from shardwise.config.device import init_distributed, launched_world_size
-from shardwise.config.schema import Config, ConfigError, ModelConfig
+from shardwise.config.schema import Config, ConfigError
 from shardwise.data.dataset import check_vocab, open_corpus
 from shardwise.data.prepare import prepare
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.infer.generate import load
-from shardwise.infer.harness import run_tasks
+from shardwise.infer.harness import run_tasks, task_manager
 from shardwise.launch.agent import launch, strip_launcher_flags
 from shardwise.resolve.checks import load_config
 from shardwise.resolve.run import resolve_run
@@ -97,7 +98,8 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str], argv: list[str],
         return lm_eval_tasks(args, overrides)
     ckpt = checkpoint_or_latest(path)
     cfg = load_config(args.config or run_config(ckpt), overrides)
-    cfg.model = ModelConfig(**read_manifest(ckpt)["model"])  # the checkpoint's own shape
+    cfg.checkpoint.verify_checksums = cfg.checkpoint.verify_checksums and not args.skip_checksums
+    cfg.model = manifest_model_config(read_manifest(ckpt), ckpt)  # the checkpoint's own shape
     if not any(o.startswith("--compile.") for o in overrides):
         cfg.compile.enabled = False  # one forward pass over the data does not repay a compile
     named = any(o.startswith(("--data.path", "--data.sources", "--data.val_path")) for o in overrides)
@@ -131,9 +133,10 @@ def lm_eval_tasks(args: argparse.Namespace, overrides: list[str]) -> int:
     if overrides or args.nproc or launched_world_size() is not None:
         raise ConfigError("eval --tasks runs on one device from the checkpoint alone: drop --nproc and "
                           "config overrides (--tokenizer-like choices come from the run)")
-    loaded = load(checkpoint=args.checkpoint)
-    results = run_tasks(loaded, [t for t in args.tasks.split(",") if t], args.tasks_path, args.limit,
-                        args.num_fewshot)
+    tasks = [t for t in args.tasks.split(",") if t]
+    manager = task_manager(tasks, args.tasks_path)  # (before the model: a typo answers at once)
+    loaded = load(checkpoint=args.checkpoint, checksums=not args.skip_checksums)
+    results = run_tasks(loaded, tasks, manager, args.limit, args.num_fewshot)
     if args.json:
         print(json.dumps({"checkpoint": loaded.source, "tasks": results}))
     else:

@@ -127,8 +127,9 @@ def _materialized(args: Any, device: torch.device) -> torch.nn.Module:
 
 
 def load(checkpoint: str = "", hf: str = "", tokenizer: str = "", device: str = "auto",
-         dtype: str = "auto") -> Loaded:
-    """The model of a checkpoint (or run directory) or HF folder, with its tokenizer and end ids."""
+         dtype: str = "auto", checksums: bool = True) -> Loaded:
+    """The model of a checkpoint (or run directory) or HF folder, with its tokenizer and end ids; a
+    checkpoint's files are checked against its manifest first (``checksums``: SHA-256 too)."""
     dev = torch.device(device_type(device))
     dt = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32, "bf16": torch.bfloat16,
           "fp32": torch.float32}[dtype]
@@ -153,10 +154,10 @@ def load(checkpoint: str = "", hf: str = "", tokenizer: str = "", device: str = 
             raise ConfigError(f"--checkpoint '{checkpoint}' does not exist")
         path = checkpoint_or_latest(path)
         manifest = read_manifest(path)
-        args = manifest_model(manifest)
+        args = manifest_model(manifest, path)
         check_compatible(path, build_model(args))
         model = _materialized(args, torch.device("cpu"))
-        load_model_only(path, model)
+        load_model_only(path, model, checksums)
         model = model.to(device=dev, dtype=dt)
         spec = tokenizer or run_tokenizer(path)
         source = str(path)
@@ -209,7 +210,8 @@ def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
         bad = check_messages([*messages, turn]) if isinstance(messages, list) else "not a list of messages"
         if bad:
             raise ConfigError(f"--messages '{path}': {bad}")
-    loaded = load(args.checkpoint or "", args.hf or "", args.tokenizer, args.device, args.dtype)
+    loaded = load(args.checkpoint or "", args.hf or "", args.tokenizer, args.device, args.dtype,
+                  checksums=not args.skip_checksums)
     ids = prompt_ids(loaded.tokenizer, args.prompt or "", messages)
     out = generate(loaded.model, ids, s, loaded.stop, use_cache=not args.no_cache)
     text = loaded.tokenizer.decode(out)

@@ -17,6 +17,8 @@ files and run offline. lm-eval is optional (``pip install shardwise[eval]``).
 
 from __future__ import annotations
 
+import difflib
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -98,19 +100,33 @@ def _adapter(loaded: Loaded) -> Any:
     return ShardwiseLM()
 
 
-def run_tasks(loaded: Loaded, tasks: list[str], tasks_path: str = "", limit: int | None = None,
-              num_fewshot: int | None = None) -> dict[str, dict[str, Any]]:
-    """The harness's metrics of each task (name -> {metric: value}) for ``loaded``'s model."""
-    require_extra("eval", "--tasks (lm-evaluation-harness)")
-    from lm_eval import simple_evaluate
+def task_manager(tasks: list[str], tasks_path: str = "") -> Any:
+    """lm-eval's task index, once every name in ``tasks`` is found there (before any model is
+    loaded); one line for a missing lm-eval, a missing --tasks-path or an unknown task."""
+    if not tasks:
+        raise ConfigError("--tasks is empty: name lm-evaluation-harness tasks, e.g. --tasks hellaswag")
+    if tasks_path and not Path(tasks_path).is_dir():
+        raise ConfigError(f"--tasks-path '{tasks_path}' is not a folder: give a folder of task YAML files")
+    require_extra("eval", f"--tasks {','.join(tasks)} (lm-evaluation-harness, which looks up and runs them)")
     from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_path=tasks_path or None)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
+        near = difflib.get_close_matches(unknown[0], manager.all_tasks, n=3)
         where = (f" (nor in --tasks-path {tasks_path})" if tasks_path
                  else " (--tasks-path adds a folder of them)")
-        raise ConfigError(f"--tasks: lm-eval has no task {', '.join(unknown)}{where}")
+        hint = f"; did you mean {', '.join(near)}?" if near else ""
+        raise ConfigError(f"--tasks: lm-eval has no task {', '.join(unknown)}{where}{hint}")
+    return manager
+
+
+def run_tasks(loaded: Loaded, tasks: list[str], manager: Any, limit: int | None = None,
+              num_fewshot: int | None = None) -> dict[str, dict[str, Any]]:
+    """The harness's metrics of each task (name -> {metric: value}) for ``loaded``'s model
+    (``manager``: :func:`task_manager`'s)."""
+    from lm_eval import simple_evaluate
+
     result = simple_evaluate(model=_adapter(loaded), tasks=tasks, task_manager=manager, limit=limit,
                              num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0,
                              verbosity="ERROR")

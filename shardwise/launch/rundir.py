@@ -11,8 +11,11 @@ asked for exactly that:
 - **A new run never lands on an old one.** :func:`prior_run` says what an earlier run left
   (checkpoints, logged steps); preflight refuses to start a fresh run there unless the user resumes
   it or asks to overwrite it.
-- **Overwrite removes exactly** :data:`RUN_OUTPUTS` -- what a training run writes -- except the
-  checkpoint the new run is about to load.
+- **Overwrite removes exactly what runs wrote there**: each run records its outputs in the run
+  record (``.shardwise-record``, :class:`~shardwise.config.outputs.RunRecord`) before it writes
+  them; ``run.overwrite`` removes those, except the checkpoint the new run is about to load --
+  never a user's file beside or inside them, never through a link, and nothing at all from a
+  folder that holds files but no record.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from shardwise.checkpoint import list_checkpoints
+from shardwise.config.outputs import RECORD_NAME, RunRecord, aside_name, link_on_the_way
 from shardwise.config.schema import Config, ConfigError
 from shardwise.launch.resilience import restart_count
 
@@ -39,10 +43,6 @@ LOCK_NAME = ".shardwise.lock"
 # Under `shardwise train --nproc`, the launcher holds the lock and tells its ranks so here.
 LOCK_ENV = "SHARDWISE_RUN_LOCK"
 
-# What a training run writes into run.dir, and so what run.overwrite=true removes (config.toml is
-# rewritten by every run). Anything else in the directory -- reports, your own files -- is kept.
-RUN_OUTPUTS = ("checkpoints", "hf", "metrics.jsonl", "tb", "loss.png", "memory_breakdown.json",
-               "memory_peak.json", "comm.json", "traces", "wandb", "config.*.toml")
 
 
 class RunDirBusy(ConfigError):
@@ -170,36 +170,93 @@ def keep_aside(path: Path, text: str | None = None) -> Path | None:
     ``<stem>.<its mtime>.<suffix>`` and return the new name."""
     if not path.is_file() or (text is not None and path.read_text() == text):
         return None
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
-    kept = path.with_name(f"{path.stem}.{stamp}{path.suffix}")
+    kept = aside_name(path)
     path.rename(kept)
     return kept
 
 
 def write_config(run_dir: Path, text: str) -> None:
     """Write the resolved ``config.toml``; a different one already there (the config of the run
-    this one resumes, before its changes) is kept as ``config.<time>.toml``."""
-    path = run_dir / "config.toml"
-    keep_aside(path, text)
+    this one resumes, before its changes) is kept as ``config.<time>.toml`` -- recorded as the
+    run's when the one it replaces was."""
+    record, path = RunRecord(run_dir), run_dir / "config.toml"
+    ours = "config.toml" in record.entries()
+    if (kept := keep_aside(path, text)) and ours:
+        record.note(kept.name, "file", created=True)
+    record.note("config.toml", "file")
     path.write_text(text)
 
 
+def note_outputs(run_dir: Path, cfg: Config) -> None:
+    """Rank 0, as the run opens: record what this run will write in ``run_dir`` (before it writes)."""
+    record = RunRecord(run_dir)
+    m = cfg.metrics
+    for name, on in (("metrics.jsonl", True), ("loss.png", m.plot), ("memory_peak.json", True),
+                     ("memory_breakdown.json", True), ("comm.json", True)):
+        if on:
+            record.note(name, "file")
+    for name, on in (("tb", m.tensorboard), ("wandb", m.wandb), ("traces", cfg.profile.enabled),
+                     ("routing", cfg.debug.routing_record or bool(cfg.debug.routing_replay))):
+        if on:
+            record.note(name, "tree")
+    record.make_dir("checkpoints")
+    if cfg.checkpoint.export_hf:
+        record.make_dir("hf")
+
+
+def overwrite_plan(run_dir: Path) -> dict[str, str]:
+    """What ``run.overwrite`` would remove from ``run_dir`` (its run record), checked: a folder
+    holding files but no record never held a run, and a recorded path behind a link out of the
+    folder is not followed -- either is a :class:`ConfigError`, before anything is removed."""
+    if not run_dir.is_dir():
+        return {}
+    record = RunRecord(run_dir)
+    if not record.exists():
+        theirs = sorted(p.name for p in run_dir.iterdir() if p.name not in (LOCK_NAME, RECORD_NAME))
+        if theirs:
+            raise ConfigError(f"run.overwrite: run.dir '{run_dir}' holds {len(theirs)} file(s) or folder(s) "
+                              f"('{theirs[0]}'{', ...' if len(theirs) > 1 else ''}) but no record of a "
+                              f"shardwise run ({RECORD_NAME}), so nothing there is removed: choose a new or "
+                              "empty --run.dir, or remove what you want gone yourself")
+        return {}
+    entries = record.entries()
+    for rel in entries:
+        if (link := link_on_the_way(run_dir, rel)) is not None:
+            raise ConfigError(f"run.overwrite: '{link}' is a link (to '{os.readlink(link)}'), and the "
+                              f"earlier run's '{rel}' lies behind it: nothing is removed through a link: "
+                              "remove the old run's files there yourself, or choose another --run.dir")
+    return entries
+
+
 def clear_outputs(run_dir: Path, keep: Path | None = None) -> list[str]:
-    """``run.overwrite``: remove :data:`RUN_OUTPUTS` from ``run_dir``, except checkpoint ``keep``
-    (the one this run loads) when it lies inside. Returns what was removed."""
-    removed = []
-    keep = keep.resolve() if keep is not None else None
-    for p in sorted(q for pattern in RUN_OUTPUTS for q in run_dir.glob(pattern)):
-        name = p.name
-        if p.is_dir() and keep is not None and keep.is_relative_to(p.resolve()):
-            for child in p.iterdir():  # everything but the checkpoint to load (and its parents)
-                if not keep.is_relative_to(child.resolve()):
-                    shutil.rmtree(child) if child.is_dir() else child.unlink()
-                    removed.append(f"{name}/{child.name}")
+    """``run.overwrite``: remove what the run record lists (:func:`overwrite_plan`), deepest first,
+    except checkpoint ``keep`` (the one this run loads) and the folders holding it; a folder a run
+    made is removed only once empty (what a user put in it stays). Returns what was removed."""
+    entries = overwrite_plan(run_dir)
+    if not entries:
+        return []
+    base = run_dir.resolve()
+    held = keep.resolve() if keep is not None else None
+    removed, left = [], {}
+    for rel in sorted(entries, key=lambda r: -len(Path(r).parts)):
+        kind, p = entries[rel], run_dir / rel
+        if held is not None and (held.is_relative_to(base / rel) or (base / rel).is_relative_to(held)):
+            left[rel] = kind
             continue
-        shutil.rmtree(p) if p.is_dir() else p.unlink()
-        removed.append(name)
-    return removed
+        if p.is_symlink() or p.is_file():
+            p.unlink()  # a link is removed itself, never followed
+        elif p.is_dir() and kind == "tree":
+            shutil.rmtree(p)
+        elif p.is_dir():
+            if any(p.iterdir()):
+                left[rel] = kind  # holds what no run wrote
+                continue
+            p.rmdir()
+        else:
+            continue
+        removed.append(rel)
+    RunRecord(run_dir).rewrite({r: k for r, k in entries.items() if r in left})
+    return sorted(removed)
 
 
 @contextlib.contextmanager
@@ -217,6 +274,7 @@ def hold(cfg: Config, rank: int) -> Iterator[Path]:
                     kept = f"; kept {keep}, which this run loads" if keep and keep.exists() else ""
                     print(f"run.overwrite: removed {', '.join(removed)} from {run_dir}{kept}", flush=True)
             run_dir.mkdir(parents=True, exist_ok=True)
+            note_outputs(run_dir, cfg)
         dist.barrier()
         yield run_dir
     finally:

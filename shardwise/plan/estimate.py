@@ -160,11 +160,10 @@ def comm_table(est: Estimate, pp_rank: int = 0) -> dict[tuple[str, str, str, str
     return out
 
 
-def estimate_json(est: Estimate, path: str) -> None:
+def estimate_json(est: Estimate) -> str:
     """The estimate as JSON (bytes and seconds), for scripts."""
     import dataclasses
     import json
-    from pathlib import Path
 
     data = {
         "layout": dataclasses.asdict(est.layout), "world": est.layout.world, "hardware": est.hardware.name,
@@ -175,4 +174,4 @@ def estimate_json(est: Estimate, path: str) -> None:
                  "tokens_per_s_per_device": est.tokens_per_s_per_device, "mfu": est.mfu,
                  "ranks": [dataclasses.asdict(r) for r in est.time.ranks]},
     }
-    Path(path).write_text(json.dumps(data, indent=1))
+    return json.dumps(data, indent=1)

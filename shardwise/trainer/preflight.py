@@ -117,8 +117,9 @@ def check_run_dir(cfg: Config, run_dir: Path, args: ModelArgs) -> None:
     """What this run may do in ``run_dir``, and the checkpoint it would load.
 
     - ``checkpoint.resume`` continues the run in run.dir (from its newest checkpoint that verifies,
-      or from ``checkpoint.path``); ``run.overwrite`` deletes it (:data:`rundir.RUN_OUTPUTS`, but
-      never the checkpoint to load) and starts over; asking for both is an error.
+      or from ``checkpoint.path``); ``run.overwrite`` deletes it (what the run record lists, never
+      the checkpoint to load; refused for a folder that never held a run) and starts over; asking
+      for both is an error.
     - Otherwise run.dir must not hold an earlier run (checkpoints or logged steps), with or without
       ``checkpoint.path``: nothing is replaced unasked.
     - Resuming from a checkpoint older than run.dir's newest would put a second history beside the
@@ -133,6 +134,8 @@ def check_run_dir(cfg: Config, run_dir: Path, args: ModelArgs) -> None:
     if launched_world_size() is None:  # (under a launcher, the launcher or rank 0 takes the lock)
         rundir.probe(run_dir)
     restarted = restart_count() > 0
+    if cfg.run.overwrite and not restarted:
+        rundir.overwrite_plan(run_dir)  # a folder that never held a run, a link on the way: refused
     if not (c.resume or restarted or cfg.run.overwrite) and (what := rundir.prior_run(run_dir)):
         raise ConfigError(f"run.dir '{run_dir}' already holds a run ({what}): pass --checkpoint.resume "
                           "true to continue it, --run.overwrite true to delete it and start over, or "

@@ -21,6 +21,7 @@ from torch import nn
 from shardwise import checkpoint
 from shardwise.checkpoint import hf as convert
 from shardwise.config.device import DistEnv
+from shardwise.config.outputs import RunRecord, target
 from shardwise.config.schema import Config, ConfigError, model_label
 from shardwise.data.dataset import Batch, Corpus, PackedLoader, check_vocab, open_corpus, packing_notices
 from shardwise.data.tokenizer import load_tokenizer
@@ -143,7 +144,7 @@ class Session:
         how = "saved" if self.run.cfg.checkpoint.async_mode == "none" or stopping or export else "saving"
         self.logger.message(f"{how} checkpoint {path} (training blocked {self.ckpt.blocked_s:.2f} s)")
         if export and self.env.rank == 0:
-            self.logger.message(export_hf_folder(path, self.run_dir / "hf"))
+            self.logger.message(export_hf_folder(path, self.run_dir, self.ckpt.retired_steps))
 
     def report_first_step(self, memory: dict[str, int]) -> None:
         """After the first step: the time to it (start-up, and the compile it paid); every rank's
@@ -200,7 +201,8 @@ def open_session(run: ResolvedRun, env: DistEnv, run_dir: Path, ckpt_group: dist
     if cfg.debug.capture:
         capture = StepCapture(Path(cfg.debug.capture), model, optimizer, run.dims, cfg.training.seq_len,
                               run.model.dim, cfg.parallel.cp_load_balance, env.rank)
-    ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", cfg.checkpoint, manifest_info(run), ckpt_group)
+    ckpt = checkpoint.Checkpointer(run_dir / "checkpoints", cfg.checkpoint, manifest_info(run), ckpt_group,
+                                   record=RunRecord(run_dir) if env.rank == 0 else None)
     stop = StopRequest(stop_group)  # SIGTERM/SIGINT: finish the step, save, exit 0
     start = resume(cfg, run_dir, model, optimizer, scheduler, loader)
     if start == 0 and cfg.checkpoint.initial_hf:  # a fresh start from a Hugging Face folder
@@ -227,22 +229,27 @@ def open_session(run: ResolvedRun, env: DistEnv, run_dir: Path, ckpt_group: dist
                    capture, gathers_float8(model, cfg.float8), start, started)
 
 
-def export_hf_folder(checkpoint_dir: Path, hf_dir: Path) -> str:
-    """checkpoint.export_hf (rank 0): ``checkpoint_dir`` as a Hugging Face folder in ``hf_dir`` under
-    the same name; then the exports whose checkpoint keep_latest_k retired go with it. An existing
-    folder is never replaced. Returns the line to log."""
-    out = hf_dir / checkpoint_dir.name
-    if out.exists():
-        return f"warning: {out} exists and is not replaced: no HF export of {checkpoint_dir.name}"
+def export_hf_folder(checkpoint_dir: Path, run_dir: Path, retired: list[int]) -> str:
+    """checkpoint.export_hf (rank 0): ``checkpoint_dir`` as a Hugging Face folder ``run_dir/hf/<its
+    name>``, staged then renamed; then the exports of the checkpoints this run retired
+    (keep_latest_k) go with them -- only exports a run recorded, never one whose checkpoint a user
+    removed. An existing folder is never replaced. Returns the line to log."""
+    record, name = RunRecord(run_dir), checkpoint_dir.name
+    out = run_dir / "hf" / name
+    if out.exists() or out.is_symlink():
+        return f"warning: {out} exists and is not replaced: no HF export of {name}"
     t0 = time.perf_counter()
-    staging = hf_dir / f"{checkpoint_dir.name}.tmp"
-    shutil.rmtree(staging, ignore_errors=True)  # (an interrupted export of this step)
-    convert.export_hf(checkpoint_dir, staging, "bf16")
-    staging.rename(out)
-    for old in hf_dir.glob("step-*"):
-        if old.name.removeprefix("step-").isdigit() and not (checkpoint_dir.parent / old.name).exists():
+    record.make_dir("hf")
+    with target(out, "checkpoint.export_hf").staging() as staging:
+        convert.export_hf(checkpoint_dir, staging, "bf16")
+        record.note(f"hf/{name}", "tree")
+    ours = record.entries()
+    for step in retired:
+        old = run_dir / "hf" / f"step-{step}"
+        if ours.get(f"hf/{old.name}") == "tree" and old.is_dir() and not old.is_symlink():
             shutil.rmtree(old)  # its checkpoint was retired (checkpoint.keep_latest_k)
-    return f"exported {checkpoint_dir.name} as a Hugging Face folder {out} ({time.perf_counter() - t0:.1f} s)"
+    retired.clear()
+    return f"exported {name} as a Hugging Face folder {out} ({time.perf_counter() - t0:.1f} s)"
 
 
 def build_data(run: ResolvedRun, device: torch.device) -> tuple[PackedLoader, Corpus]:

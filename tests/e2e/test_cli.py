@@ -313,7 +313,7 @@ def test_hf_folder_to_training_and_back_with_no_model_flags(tmp_path: Path, data
         assert out["prompt_tokens"] == prompt and out["tokens"] == theirs
     again = run_cli(["convert", "--from-hf", str(tmp_path / "qwen3"), "--out", str(tmp_path / "x"),
                      "--toml", str(toml)], check=False)
-    assert again.returncode == 2 and again.stderr.count("\n") == 1 and "is not replaced" in again.stderr
+    assert again.returncode == 2 and again.stderr.count("\n") == 1 and "pass --overwrite" in again.stderr
     assert toml.read_text() == written
 
 

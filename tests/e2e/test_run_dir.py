@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from shardwise import checkpoint
-from shardwise.launch.rundir import LOCK_NAME, RUN_OUTPUTS, clear_outputs
+from shardwise.config.outputs import RECORD_NAME, RunRecord
+from shardwise.launch.rundir import LOCK_NAME, clear_outputs
 from tests.helpers import ROOT, TINY_ARGS, flip_byte, metrics, train_tiny, truncate_shard
 
 pytestmark = pytest.mark.e2e
@@ -71,17 +72,64 @@ def test_overwrite_keeps_the_checkpoint_it_loads(finished: Path, tmp_path: Path,
     assert (run_dir / "notes.txt").read_text() == "mine"  # not a training output: kept
 
 
-def test_overwrite_removes_exactly_the_run_outputs(tmp_path: Path):
+def test_overwrite_removes_exactly_what_the_runs_recorded(tmp_path: Path):
+    """The run record lists what runs wrote: those go; a user's files beside or inside them (an
+    ``hf/my-llama``, a ``config.base.toml``, a note in checkpoints/) stay, and so do the folders
+    holding them."""
     run_dir = tmp_path / "run"
-    for name in ("checkpoints/step-1", "hf/step-1", "tb", "traces", "wandb", "report", "mine"):
-        (run_dir / name).mkdir(parents=True)
-    for name in ("metrics.jsonl", "loss.png", "comm.json", "memory_peak.json", "memory_breakdown.json",
-                 "config.toml", "config.20260101-000000.toml", "notes.txt"):
+    record = RunRecord(run_dir)
+    for rel in ("checkpoints/step-1", "hf/step-1", "tb"):
+        if "/" in rel:
+            record.make_dir(rel.split("/")[0])
+        record.note(rel, "tree")  # a folder a run writes wholly
+        (run_dir / rel).mkdir()
+        (run_dir / rel / "data").write_text("x")
+    record.make_dir("traces")  # made, still empty: removed
+    for name in ("metrics.jsonl", "loss.png", "config.toml"):
+        record.note(name, "file")
         (run_dir / name).write_text("x")
+    mine = {"hf/my-llama/config.json": "{}", "config.base.toml": "a", "notes.txt": "n",
+            "checkpoints/README": "r", "report/index.html": "h"}
+    for rel, text in mine.items():
+        (run_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / rel).write_text(text)
     removed = clear_outputs(run_dir)
-    left = sorted(p.name for p in run_dir.iterdir())
-    assert left == ["config.toml", "mine", "notes.txt", "report"]
-    assert len(removed) == len(RUN_OUTPUTS)  # each output (config.*.toml matched one file)
+    assert removed == ["checkpoints/step-1", "config.toml", "hf/step-1", "loss.png", "metrics.jsonl",
+                       "tb", "traces"]
+    assert {str(p.relative_to(run_dir)): p.read_text() for p in run_dir.rglob("*") if p.is_file()
+            and p.name != RECORD_NAME} == mine
+    assert RunRecord(run_dir).entries() == {"checkpoints": "dir", "hf": "dir"}  # what is left of it
+
+
+def test_overwrite_refuses_a_folder_that_never_held_a_run(tmp_path: Path, data_cache: str):
+    """`--run.overwrite true` on a folder of the user's (no run record): one line, nothing removed."""
+    run_dir = tmp_path / "mine"
+    for rel in ("hf/my-llama/config.json", "config.base.toml", "checkpoints/step-3/weights.bin"):
+        (run_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / rel).write_text(rel)
+    before = snapshot(run_dir)
+    line = one_error_line(train(run_dir, data_cache, "--run.overwrite=true", "--training.steps=1",
+                                check=False))
+    assert "no record of a shardwise run" in line and "nothing there is removed" in line, line
+    assert snapshot(run_dir) == before
+
+
+@pytest.mark.parametrize("checkpoint_path", [False, True], ids=["plain", "with_checkpoint_path"])
+def test_overwrite_never_follows_a_link_out_of_the_run_dir(checkpoint_path: bool, finished: Path,
+                                                            tmp_path: Path, data_cache: str):
+    """run.dir/checkpoints is a link to a folder elsewhere that also holds other files: overwrite
+    removes nothing through it (it was an rmtree of the target, or a traceback)."""
+    run_dir = copy_of(finished, tmp_path)
+    elsewhere = tmp_path / "scratch"
+    shutil.move(run_dir / "checkpoints", elsewhere)
+    (elsewhere / "other-project.bin").write_text("theirs")
+    (run_dir / "checkpoints").symlink_to(elsewhere)
+    before, outside = snapshot(run_dir), snapshot(elsewhere)
+    extra = [f"--checkpoint.path={elsewhere / 'step-2'}"] if checkpoint_path else []
+    line = one_error_line(train(run_dir, data_cache, "--run.overwrite=true", "--training.steps=3", *extra,
+                                check=False))
+    assert "is a link" in line and "nothing is removed through a link" in line, line
+    assert snapshot(run_dir) == before and snapshot(elsewhere) == outside
 
 
 @pytest.mark.parametrize("args", [[], ["ckpt"]], ids=["plain", "with_checkpoint_path"])
