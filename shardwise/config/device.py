@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import importlib.util
+import ipaddress
 import os
 import shutil
 import sys
@@ -277,8 +278,45 @@ def init_distributed(requested_device: str, backend: str = "auto", cache_cpu_mem
         if world is None:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         else:
-            dist.init_process_group(backend, device_id=device if dtype == "cuda" else None)
+            store = rank_store(world)  # (None: env:// as torch does it, on the launcher's store)
+            where = {} if store is None else {"store": store, "rank": int(os.environ["RANK"]),
+                                              "world_size": world}
+            dist.init_process_group(backend, device_id=device if dtype == "cuda" else None, **where)
     return DistEnv(dist.get_rank(), local_rank, dist.get_world_size(), device)
+
+
+def rank_store(world: int) -> torch.distributed.Store | None:
+    """The store the ranks meet in, when rank 0 hosts it (``MASTER_ADDR:MASTER_PORT``, not the
+    launcher's shared store): listening on ``MASTER_ADDR``'s address only. torch's own env://
+    store binds every interface (``*:port``), unauthenticated, for the whole run; a local launch
+    (MASTER_ADDR 127.0.0.1) then listens on loopback only, a multi-node one on the rendezvous
+    interface only. None: the launcher's store serves (torchrun's agent store), or no address."""
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or not addr or not port:
+        return None
+    rank, timeout = int(os.environ.get("RANK", 0)), timedelta(minutes=10)
+    if rank != 0:
+        return dist.TCPStore(addr, int(port), world, is_master=False, timeout=timeout)
+    family, kind, proto, _, where = socket.getaddrinfo(addr, int(port), type=socket.SOCK_STREAM)[0]
+    if ipaddress.ip_address(where[0]).is_loopback and world > int(os.environ.get("LOCAL_WORLD_SIZE", world)):
+        print(f"warning: MASTER_ADDR {addr} is {where[0]} (loopback) on rank 0's node: ranks on other "
+              "machines cannot reach it; set MASTER_ADDR to this node's network address", file=sys.stderr)
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(where)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"rank 0 cannot listen on MASTER_ADDR {addr}:{port} ({e.strerror}): set "
+                          "MASTER_ADDR to an address of this node, or MASTER_PORT to a free port") from None
+    sock.listen(4096)
+    return dist.TCPStore(addr, int(port), world, is_master=True, timeout=timeout,
+                         master_listen_fd=sock.detach(), wait_for_workers=False)
 
 
 def leave_distributed(timeout_s: float = 10.0) -> None:

@@ -6,6 +6,7 @@ test fails on a shardwise that deletes, replaces or truncates what the user did 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -348,11 +349,14 @@ def _listening(pids: list[int]) -> list[str]:
     return found
 
 
-def test_the_local_launcher_listens_on_loopback_only(tmp_path: Path, data_cache: str):
-    """`--nproc 2`: the rendezvous store, the ranks' store and gloo all listen on 127.0.0.1 -- nothing
-    on the network can join the job (torch's TCPStore server alone would bind every interface)."""
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_the_local_launcher_listens_on_loopback_only(restarts: int, tmp_path: Path, data_cache: str):
+    """`--nproc 2` (and `--max-restarts 1`, where rank 0 hosts the ranks' store itself): the
+    rendezvous store, the ranks' store and gloo all listen on 127.0.0.1 -- nothing on the network
+    can join the job (torch's TCPStore server alone would bind every interface)."""
     run_dir = tmp_path / "run"
-    launcher = _launch(run_dir, data_cache, "--nproc=2", "--training.steps=100000")
+    launcher = _launch(run_dir, data_cache, "--nproc=2", "--training.steps=100000",
+                       f"--max-restarts={restarts}")
     try:
         deadline = time.monotonic() + 120
         while not ((run_dir / "metrics.jsonl").is_file() and len(metrics(run_dir)) >= 2):
@@ -366,6 +370,39 @@ def test_the_local_launcher_listens_on_loopback_only(tmp_path: Path, data_cache:
     finally:
         launcher.send_signal(signal.SIGTERM)
         launcher.wait(timeout=120)
+
+
+def _descendants(root: int) -> list[int]:
+    procs = _processes()
+
+    def under(pid: int) -> bool:
+        while pid > 1 and pid in procs:
+            if pid == root:
+                return True
+            pid = procs[pid][0]
+        return False
+
+    return [p for p in procs if under(p)]
+
+
+def test_calibrates_gloo_workers_listen_on_loopback_only(tmp_path: Path):
+    """calibrate's collective measurement: its gloo processes (forked from the rank server) listen on
+    127.0.0.1 only, like training's ranks."""
+    script = ("from shardwise.plan.calibrate import collective_bandwidth\n"
+              "if __name__ == '__main__':\n    collective_bandwidth(2, (1, 4, 16, 64))\n")
+    (tmp_path / "cal.py").write_text(script)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "cal.py")], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    seen: set[str] = set()
+    try:
+        while proc.poll() is None:
+            with contextlib.suppress(OSError):  # (a process may exit while it is read)
+                seen |= set(_listening(_descendants(proc.pid)))
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0
+    assert seen and all(a.startswith(("127.0.0.1:", "::1:")) for a in seen), seen
 
 
 def test_the_quick_exit_keeps_what_a_normal_exit_keeps(tmp_path: Path):
