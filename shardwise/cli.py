@@ -135,7 +135,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
 def cmd_verify(args: argparse.Namespace, overrides: list[str]) -> int:
     from pathlib import Path
 
-    from shardwise.resolve.layouts import fill_layouts
+    from shardwise.resolve.layouts import fill_layouts, parse_layout
 
     if args.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
@@ -143,9 +143,15 @@ def cmd_verify(args: argparse.Namespace, overrides: list[str]) -> int:
     base = load_config(args.config, [*overrides, f"--training.steps={args.steps}"])
     if args.layouts is None and base.model.n_experts:  # an MoE model's standard layouts add EP
         layouts = fill_layouts(None, args.nproc, experts=True)
+    for text in layouts:  # each layout as the trainer will check it, before the reference runs
+        layout_overrides, world = parse_layout(text)
+        load_config(args.config, [*overrides, *layout_overrides], world=world)
+    out = Path(args.out)
+    if blocker := next((p for p in (out, *out.absolute().parents) if p.exists() and not p.is_dir()), None):
+        raise ConfigError(f"--out '{args.out}': '{blocker}' is a file, not a folder: choose another --out")
     from shardwise.launch.verify import verify
 
-    return 0 if verify(base, args.config, overrides, layouts, args.steps, Path(args.out),
+    return 0 if verify(base, args.config, overrides, layouts, args.steps, out,
                        args.moe_routing, args.localize) else 1
 
 
@@ -205,7 +211,8 @@ def cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
         return 0
     out = Path(args.out)
     toml = Path(args.toml or f"{out}.toml")
-    where, where_toml = target(out, "--out", args.overwrite), target(toml, "--toml", args.overwrite)
+    where, where_toml = target(out, "--out", args.overwrite), target(toml, "--toml", args.overwrite,
+                                                                     folder=False)
     cfg = load_config(args.config, overrides)
     # The model comes from config.json unless the user named one (a preset or model fields).
     from shardwise.config.types import read_toml
@@ -261,7 +268,7 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
 
     # The trainer's own refusals, one line each (for the planned machine, not this one's device).
     resolve_run(cfg, world, detect_device=False)
-    where = target(args.json, "--json", args.overwrite) if args.json else None
+    where = target(args.json, "--json", args.overwrite, folder=False) if args.json else None
     est = estimate(cfg, world, hw)
     print(format_estimate(est))
     if where is not None:
@@ -276,6 +283,8 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from shardwise.resolve.checks import notice
 
     gpus = flags.need_nproc(args, "devices to plan for")
+    if args.top < 1:
+        raise ConfigError(f"--top must be >= 1, got {args.top}")
     if not 0 < args.memory_fraction <= 1:
         raise ConfigError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
     ac = tuple(filter(None, args.ac.split(",")))
@@ -302,7 +311,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
 
     default_out = args.out is None
     args.out = "plan.toml" if default_out else args.out
-    where = target(args.out, "--out", args.overwrite, default=default_out) if args.out else None
+    where = target(args.out, "--out", args.overwrite, default=default_out, folder=False) if args.out else None
     seq = args.seq or cfg.training.seq_len
     tokens = (parse_tokens(args.global_batch_tokens) if args.global_batch_tokens
               else max(cfg.training.global_batch, gpus) * seq)
@@ -400,22 +409,18 @@ def main(argv: list[str] | None = None) -> int:
 
             return cmd_eval(args, rest, argv, rank_main)
     except ConfigError as e:
-        from shardwise.launch.agent import rank_error
-
         rank = os.environ.get("RANK")
         prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
-        if not rank_error(f"{prefix}{e}", "config"):
+        if not process.rank_error(f"{prefix}{e}", "config"):
             print(f"shardwise: error: {prefix}{e}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `shardwise plan ... | head`: the reader left; nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except Exception:
-        from shardwise.launch.agent import peer_failed_first, rank_error
-
-        if peer_failed_first():  # lost a peer that already reported why: nothing more to say
+        if process.peer_failed_first():  # lost a peer that already reported why: nothing more to say
             return 1
-        rank_error(traceback.format_exc().strip().splitlines()[-1], "crash")
+        process.rank_error(traceback.format_exc().strip().splitlines()[-1], "crash")
         raise
     finally:
         from shardwise.config.device import leave_distributed

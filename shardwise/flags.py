@@ -14,6 +14,7 @@ import textwrap
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
 from pathlib import Path
+from typing import NoReturn
 
 from shardwise.config.schema import preset_toml, section_fields, sections
 from shardwise.config.types import ConfigError
@@ -58,6 +59,14 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpF
         if action.default in (None, "", False) or "default" in (action.help or ""):
             return action.help or ""
         return super()._get_help_string(action) or ""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors (a value of the wrong type, a choice it does not offer, a missing
+    flag) raised as one line, as every other bad input is, instead of a usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
 def command(sub: argparse._SubParsersAction, name: str, summary: str, description: str
@@ -145,7 +154,7 @@ def _suggest(word: str, known: list[str]) -> str:
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """``shardwise``'s parser and its commands' parsers by name, in the order a user meets them."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="shardwise", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="PyTorch-native N-D parallel LLM training.",
         epilog="examples (shardwise COMMAND --help for each command's flags and more examples):\n"

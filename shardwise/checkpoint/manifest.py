@@ -185,9 +185,11 @@ def check_same_function(path: Path, model_cfg: Any) -> None:
     different function from the one checkpoint ``path`` was trained as (RoPE base and scaling,
     norm epsilon, head size, MoE scoring and routing, ...), with both values. Shapes are checked
     by :func:`check_compatible`; a manifest without a model config (an old one) is not checked."""
-    saved = read_manifest(path).get("model")
-    if not isinstance(saved, dict):
+    manifest = read_manifest(path)
+    if not isinstance(manifest.get("model"), dict):
         return
+    saved = dataclasses.asdict(manifest_model_config(manifest, path))  # (a newer version's: refused)
+    saved = {k: v for k, v in saved.items() if k in manifest["model"]}
     ours = dataclasses.asdict(model_cfg)
     for name, value in ours.items():
         if name in TRAINING_ONLY_FIELDS or name not in saved or saved[name] == value:

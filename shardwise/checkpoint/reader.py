@@ -83,6 +83,12 @@ class SafeReader(dcp.FileSystemReader):
             raise CheckpointError(f"checkpoint '{self.path}' has an unreadable .metadata "
                                   f"({type(e).__name__}): it was damaged; load an earlier step-<N>",
                                   "has an unreadable .metadata") from None
+        for info in (getattr(metadata, "storage_data", None) or {}).values():
+            rel = str(getattr(info, "relative_path", ""))
+            if not rel or rel.startswith(("/", "\\")) or ".." in Path(rel).parts or Path(rel).name != rel:
+                raise CheckpointError(f"checkpoint '{self.path}': its .metadata points at '{rel[:80]}', "
+                                      "outside the checkpoint folder: refused; use a checkpoint you trust",
+                                      "has a .metadata pointing outside it")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = getattr(self, "load_id", None)

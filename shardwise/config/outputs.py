@@ -110,11 +110,13 @@ class Target:
             raise
 
 
-def target(path: str | Path, flag: str, overwrite: bool = False, default: bool = False) -> Target:
+def target(path: str | Path, flag: str, overwrite: bool = False, default: bool = False,
+           folder: bool = True) -> Target:
     """Check output ``path`` (given with ``flag``) before any work, creating nothing: its nearest
     existing parent must be a writable folder (the missing ones are made when it is written), and
     an existing non-empty file or folder is refused unless ``overwrite`` -- or kept aside at
-    commit when ``default`` (the user did not name it)."""
+    commit when ``default`` (the user did not name it). ``folder=False``: the output is a file,
+    and an existing folder there (empty or not) is refused."""
     path = Path(path)
     parent = path.absolute().parent
     blocker = next(p for p in (parent, *parent.parents) if p.exists() or p.is_symlink())
@@ -122,6 +124,8 @@ def target(path: str | Path, flag: str, overwrite: bool = False, default: bool =
         raise ConfigError(f"{flag} '{path}': '{blocker}' is a file, not a folder: choose another {flag}")
     if not os.access(blocker, os.W_OK):
         raise ConfigError(f"{flag} '{path}': '{blocker}' is not writable: choose another {flag}")
+    if not folder and path.is_dir():
+        raise ConfigError(f"{flag} '{path}' is a folder: name a file (e.g. '{path / 'out.json'}')")
     there = _holds_something(path)
     if path.exists() and not path.is_dir() and not path.is_file():
         raise ConfigError(f"{flag} '{path}' is not a regular file or folder: choose another {flag}")

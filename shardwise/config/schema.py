@@ -480,6 +480,9 @@ def read_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg = Config()
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"config file '{p}' is a directory: pass --config with a TOML file in it "
+                              "(e.g. configs/debug.toml)")
         if not p.is_file():
             raise ConfigError(f"config file '{p}' does not exist: pass --config with a TOML file "
                               "(e.g. configs/debug.toml)")

@@ -22,14 +22,48 @@ turn are the ones the loss counts, found in the rendered conversation in one of 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
+import signal
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 from shardwise.config.schema import ConfigError
 
 Message = dict[str, str]
+
+
+RENDER_LIMIT_S = 10.0
+"""The longest one conversation's rendering may take (a template is code from the model's folder: a
+loop that never ends, or one nested to billions of steps, stops here instead of hanging prepare)."""
+
+
+class TemplateRaised(ValueError):
+    """The chat template failed on one conversation (it raised, or ran past :data:`RENDER_LIMIT_S`):
+    a problem of that row, which ``data.skip_bad_rows`` skips and counts."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    """Raise :class:`TemplateRaised` in the block after ``seconds`` (an interval timer: the main
+    thread of a process only -- elsewhere the block runs without a limit)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expired(*_: Any) -> None:
+        raise TemplateRaised(f"the chat template took more than {seconds:g} s to render this conversation")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 OPEN, CLOSE = "\ue000", "\ue001"
@@ -78,9 +112,17 @@ class ChatTemplate:
         self.marked = bool(_MARKED.search(source))
 
     def _render(self, messages: list[Message], add_generation_prompt: bool = False) -> str:
-        """The rendering with any generation markers left in."""
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **self.special)
+        """The rendering with any generation markers left in; :class:`TemplateRaised` if the
+        template raises (its ``raise_exception``, or an error in its code) or runs too long."""
+        try:
+            with _time_limit(RENDER_LIMIT_S):
+                return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                             **self.special)
+        except TemplateRaised:
+            raise
+        except Exception as e:  # noqa: BLE001 - the template's own code failed: one line, per row
+            first = str(e).splitlines()[0][:200] if str(e) else ""
+            raise TemplateRaised(f"the chat template raised {type(e).__name__}: {first}") from None
 
     def render(self, messages: list[Message], add_generation_prompt: bool = False) -> str:
         return self._render(messages, add_generation_prompt).replace(OPEN, "").replace(CLOSE, "")

@@ -292,8 +292,9 @@ def _encoded(tokenizer: Tokenizer, batch: list[Any], chat: bool) -> Iterator[tup
     """(hash key, document tokens, loss mask or None) of each document of ``batch``: a text is
     ``[bos] + tokens + [eos]``; a conversation is what its chat template renders (the template writes
     the special tokens), with 1 on its assistant tokens."""
-    if chat:
-        for conv, (ids, mask) in zip(batch, tokenizer.encode_chats(batch), strict=True):
+    if chat:  # (each conversation already rendered, as documents() read it: conv, text, spans)
+        encoded = tokenizer.encode_rendered([(text, spans) for _, text, spans in batch])
+        for (conv, _, _), (ids, mask) in zip(batch, encoded, strict=True):
             yield json.dumps(conv, sort_keys=True), np.asarray(ids, np.int64), np.asarray(mask, np.uint8)
         return
     for text, ids in zip(batch, tokenizer.encode_batch(batch), strict=True):
@@ -337,12 +338,13 @@ def write_shard(tokenizer: Tokenizer, index: int, unit: Unit, payload: bytes | N
         batch.clear()
 
     held = 0
-    for doc in documents(unit, payload, kind, text_field, sample_by, bad, chat):
+    render = (lambda conv: (conv, *tokenizer.render_chat(conv))) if chat else None
+    for doc in documents(unit, payload, kind, text_field, sample_by, bad, chat, render):
         if not chat and not doc.strip():
             stats["empty"] += 1
             continue
         batch.append(doc)
-        held += len(doc) if not chat else sum(len(m["content"]) for m in doc)
+        held += len(doc) if not chat else len(doc[1])
         if held >= _BATCH_CHARS:
             flush()
             held = 0

@@ -18,7 +18,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -277,18 +277,34 @@ def row_number(unit: Unit, offset: int) -> int:
 
 
 def documents(unit: Unit, payload: bytes | None, kind: str, text_field: str, sample_by: str,
-              bad: list[str] | None, chat: bool = False) -> Iterator[Any]:
-    """The unit's document texts (``chat``: its conversations, each a list of messages). A row that
-    cannot be read raises ``DataError`` (file and row), or with ``bad`` given is skipped and
-    described there."""
+              bad: list[str] | None, chat: bool = False,
+              render: Callable[[Any], Any] | None = None) -> Iterator[Any]:
+    """The unit's document texts (``chat``: its conversations, each a list of messages, or what
+    ``render`` makes of each). A row that cannot be read -- or that ``render`` refuses with a
+    ``ValueError`` (a chat template that raises on it) -- raises ``DataError`` (file and row), or
+    with ``bad`` given is skipped and described there."""
     def fail(i: int, why: str) -> None:
         msg = f"data file '{unit.file}' row {row_number(unit, i)}: {why}"
         if bad is None:
             raise DataError(f"{msg} (data.skip_bad_rows=true skips and counts such rows)")
         bad.append(msg)
 
+    def accept(i: int, value: Any) -> Iterator[Any]:
+        if render is None:
+            yield value
+            return
+        try:
+            done = render(value)
+        except ConfigError:  # (a problem of the whole template, or the data: not of this row)
+            raise
+        except ValueError as e:
+            fail(i, str(e))
+            return
+        yield done
+
     if kind == "parquet":
-        yield from _parquet_docs(unit, text_field, fail, chat)
+        for i, value in _parquet_docs(unit, text_field, fail, chat):
+            yield from accept(i, value)
         return
     if kind == "json" and unit.whole:
         raw = payload if payload is not None else Path(unit.file).read_bytes()
@@ -301,7 +317,7 @@ def documents(unit: Unit, payload: bytes | None, kind: str, text_field: str, sam
             if why:
                 fail(i, why)
             else:
-                yield text
+                yield from accept(i, text)
         return
     if kind == "text" and unit.whole:
         raw = payload if payload is not None else Path(unit.file).read_bytes()
@@ -329,7 +345,7 @@ def documents(unit: Unit, payload: bytes | None, kind: str, text_field: str, sam
             if why:
                 fail(i, why)
             else:
-                yield value
+                yield from accept(i, value)
         elif sample_by == "line":
             yield text.replace("\r\n", "\n").removesuffix("\n")
         else:  # paragraphs: split on "\n\n" as one string would, a block at a time
@@ -359,7 +375,8 @@ def _field(row: Any, text_field: str, chat: bool = False) -> tuple[Any, str]:
     return "", f"'{text_field}' is {type(value).__name__}, not a string"
 
 
-def _parquet_docs(unit: Unit, text_field: str, fail: Any, chat: bool = False) -> Iterator[Any]:
+def _parquet_docs(unit: Unit, text_field: str, fail: Any, chat: bool = False) -> Iterator[tuple[int, Any]]:
+    """(row index in the unit, value) of each readable row of a parquet unit."""
     import pyarrow.parquet as pq
 
     pf = pq.ParquetFile(unit.file)
@@ -374,5 +391,5 @@ def _parquet_docs(unit: Unit, text_field: str, fail: Any, chat: bool = False) ->
             if why:
                 fail(i, f"'{text_field}' is {why}")
             else:
-                yield value
+                yield i, value
             i += 1

@@ -9,7 +9,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shardwise.config.schema import ConfigError
-from shardwise.data.chat import ChatTemplate, Message, template, token_mask
+from shardwise.data.chat import ChatTemplate, Message, TemplateRaised, template, token_mask
+
+Rendered = tuple[str, list[tuple[int, int]]]
+"""A conversation as its chat template renders it, and each assistant turn's [start, end) characters."""
 
 ASSETS = Path(__file__).parent / "assets"
 SHIPPED_TOKENIZER = ASSETS / "tokenizer.json"
@@ -34,6 +37,10 @@ class Tokenizer(Protocol):
 
     def encode_chats(self, chats: list[list[Message]]) -> list[tuple[list[int], list[int]]]: ...
 
+    def render_chat(self, chat: list[Message]) -> Rendered: ...
+
+    def encode_rendered(self, rendered: list[Rendered]) -> list[tuple[list[int], list[int]]]: ...
+
     def encode_prompt(self, text: str) -> list[int]:
         """A prompt to continue, with the special tokens the tokenizer itself adds (generation)."""
         ...
@@ -54,6 +61,12 @@ class ByteTokenizer:
         return [list(t.encode("utf-8")) for t in texts]
 
     def encode_chats(self, chats: list[list[Message]]) -> list[tuple[list[int], list[int]]]:
+        return self.encode_rendered([self.render_chat(c) for c in chats])
+
+    def render_chat(self, chat: list[Message]) -> Rendered:
+        raise ConfigError("data.format=chat needs a tokenizer with a chat template; 'byte' has none")
+
+    def encode_rendered(self, rendered: list[Rendered]) -> list[tuple[list[int], list[int]]]:
         raise ConfigError("data.format=chat needs a tokenizer with a chat template; 'byte' has none")
 
     def encode_prompt(self, text: str) -> list[int]:
@@ -99,8 +112,11 @@ class HFTokenizer:
         if config_path.is_file():
             try:
                 config = json.loads(config_path.read_text())
-            except ValueError as e:
+            except (ValueError, UnicodeDecodeError) as e:
                 raise ConfigError(f"'{config_path}' is not valid JSON ({e})") from None
+            if not isinstance(config, dict):
+                raise ConfigError(f"'{config_path}' holds a JSON {type(config).__name__}, not an object of "
+                                  "tokenizer settings: replace it with the model's own tokenizer_config.json")
         vocab = self._tok.get_vocab(with_added_tokens=True)
         # The rows an embedding needs: ids may be sparse (a hand-made vocabulary), so the largest + 1.
         self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1)
@@ -129,13 +145,23 @@ class HFTokenizer:
     def encode_chats(self, chats: list[list[Message]]) -> list[tuple[list[int], list[int]]]:
         """Each conversation rendered by the chat template and tokenized: (ids, 1 on assistant tokens).
         The template writes the special tokens itself (no bos/eos is added)."""
+        return self.encode_rendered([self.render_chat(c) for c in chats])
+
+    def render_chat(self, chat: list[Message]) -> Rendered:
+        """The conversation as the chat template renders it, with each assistant turn's character
+        span; :class:`TemplateRaised` when the template fails on this conversation (a bad row)."""
         if self.chat is None:
             raise ConfigError("data.format=chat needs a chat template: data.tokenizer's folder has no "
                               "chat_template in tokenizer_config.json (nor a chat_template.jinja)")
         try:
-            rendered = [self.chat.assistant_spans(c) for c in chats]
+            return self.chat.assistant_spans(chat)
+        except TemplateRaised:
+            raise
         except ValueError as e:
             raise ConfigError(f"data.format=chat: {e}") from None
+
+    def encode_rendered(self, rendered: list[Rendered]) -> list[tuple[list[int], list[int]]]:
+        """Rendered conversations (:meth:`render_chat`) tokenized: (ids, 1 on assistant tokens)."""
         encoded = self._tok.encode_batch([text for text, _ in rendered], add_special_tokens=False)
         return [(e.ids, token_mask(e.offsets, spans))
                 for e, (_, spans) in zip(encoded, rendered, strict=True)]

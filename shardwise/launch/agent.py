@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.checkpoint import list_checkpoints
-from shardwise.launch.process import env_since_server_start, set_rank_env, start_rank_server
-from shardwise.resolve.checks import LAUNCHED_RANK_ENV
+from shardwise.launch.process import ERROR_DIR_ENV, env_since_server_start, set_rank_env, start_rank_server
 
 
 def strip_launcher_flags(argv: list[str]) -> list[str]:
@@ -58,32 +57,6 @@ def stopped_cleanly(run_dir: str) -> bool:
 # A rank launched by `shardwise train --nproc` writes its one-line error here instead of printing
 # it; the launcher reports the first failing rank's line once (and exits 2), not N copies of it
 # beside the secondary failures of the ranks that lost their peer.
-ERROR_DIR_ENV = LAUNCHED_RANK_ENV
-
-
-def rank_error(message: str, kind: str) -> bool:
-    """In a launched rank: record this rank's failure for the launcher. Returns whether it did."""
-    folder, rank = os.environ.get(ERROR_DIR_ENV), os.environ.get("RANK")
-    if not folder or rank is None:
-        return False
-    import json
-    import time
-
-    tmp = os.path.join(folder, f".rank{rank}.json")
-    with open(tmp, "w") as f:
-        json.dump({"rank": int(rank), "time": time.time(), "kind": kind, "message": message}, f)
-    os.replace(tmp, os.path.join(folder, f"rank{rank}.json"))
-    return True
-
-
-def peer_failed_first() -> bool:
-    """In a launched rank: has another rank already recorded a failure? (Then this rank's own error
-    is most likely the consequence: a collective whose peer is gone.)"""
-    folder, rank = os.environ.get(ERROR_DIR_ENV), os.environ.get("RANK")
-    return bool(folder and any(f != f"rank{rank}.json" and f.startswith("rank")
-                               for f in os.listdir(folder)))
-
-
 def first_failure(folder: str) -> dict | None:
     import json
 

@@ -30,6 +30,7 @@ import threading
 import time
 
 from shardwise.config.device import rank_threads
+from shardwise.resolve.checks import LAUNCHED_RANK_ENV
 
 _BUFFERED = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
 
@@ -178,3 +179,31 @@ def enter_rank(env: dict[str, str | None]) -> None:
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(write_through=True)
+
+
+# A launched rank records its failure where the launcher reads it (agent.launch); light enough for
+# cli.main to report a config error without loading torch.
+ERROR_DIR_ENV = LAUNCHED_RANK_ENV
+
+
+def rank_error(message: str, kind: str) -> bool:
+    """In a launched rank: record this rank's failure for the launcher. Returns whether it did."""
+    folder, rank = os.environ.get(ERROR_DIR_ENV), os.environ.get("RANK")
+    if not folder or rank is None:
+        return False
+    import json
+    import time
+
+    tmp = os.path.join(folder, f".rank{rank}.json")
+    with open(tmp, "w") as f:
+        json.dump({"rank": int(rank), "time": time.time(), "kind": kind, "message": message}, f)
+    os.replace(tmp, os.path.join(folder, f"rank{rank}.json"))
+    return True
+
+
+def peer_failed_first() -> bool:
+    """In a launched rank: has another rank already recorded a failure? (Then this rank's own error
+    is most likely the consequence: a collective whose peer is gone.)"""
+    folder, rank = os.environ.get(ERROR_DIR_ENV), os.environ.get("RANK")
+    return bool(folder and any(f != f"rank{rank}.json" and f.startswith("rank")
+                               for f in os.listdir(folder)))

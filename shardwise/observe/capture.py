@@ -23,6 +23,7 @@ with the mesh dims that split it and the next two that follow.
 from __future__ import annotations
 
 import contextlib
+import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardwise.config.schema import ConfigError
 from shardwise.parallel.context import local_positions
 from shardwise.parallel.dims import Mesh, ParallelDims
 
@@ -127,6 +129,17 @@ class Mismatch:
     """The mesh dims that split it in the layout."""
 
 
+def _load_capture(path: Path) -> dict:
+    """One rank's capture: tensors, numbers, strings and containers only (``weights_only``: a file
+    that names anything else -- code to run on unpickling -- is refused in one line)."""
+    try:
+        return torch.load(path, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+        first = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        raise ConfigError(f"capture '{path}' is not a capture shardwise wrote ({first}): refused, since "
+                          "loading it could run code; capture the runs again") from None
+
+
 def _assemble(ranks: list[dict]) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Full outputs by module name (from every rank's pieces, by rows and positions), in the order
     the first rank to hold each ran them."""
@@ -156,8 +169,8 @@ def localize(reference: Path, layout: Path, precision: str, sharded: str) -> tup
     difference of all those compared. ``sharded``: the mesh dims that split the residual stream in
     the layout (batch and sequence), for the report."""
     tol = TOLERANCE[precision]
-    ref = [torch.load(p, weights_only=False) for p in sorted(reference.glob("rank*.pt"))]
-    lay = [torch.load(p, weights_only=False) for p in sorted(layout.glob("rank*.pt"))]
+    ref = [_load_capture(p) for p in sorted(reference.glob("rank*.pt"))]
+    lay = [_load_capture(p) for p in sorted(layout.glob("rank*.pt"))]
     ref_out, order = _assemble(ref)
     lay_out, _ = _assemble(lay)
     # (a module whose output is not residual-shaped in the layout -- a projection split over tp --

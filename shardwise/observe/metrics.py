@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise.config.schema import MetricsConfig
+from shardwise.config.schema import ConfigError, MetricsConfig
 
 
 class Throughput:
@@ -183,15 +183,26 @@ class MetricsLogger:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The logged records; a line that does not parse (a crash mid-write) is skipped."""
+    """The logged records; a line that does not parse (a crash mid-write) is skipped, a parsed one
+    that is not a record with an integer ``step`` is a one-line error (not a log shardwise wrote)."""
     if not path.is_file():
         return []
     records = []
-    for line in path.read_text().splitlines():
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"'{path}' cannot be read as a metrics log ({e}): pass a run directory") from None
+    for n, line in enumerate(lines, 1):
         try:
-            records.append(json.loads(line))
+            row = json.loads(line)
         except ValueError:
             continue
+        step = row.get("step") if isinstance(row, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool):
+            what = "has no integer 'step'" if isinstance(row, dict) else f"is a JSON {type(row).__name__}"
+            raise ConfigError(f"'{path}' line {n} {what}: not a record shardwise logged (the file was edited "
+                              "or is another tool's): remove that line")
+        records.append(row)
     return records
 
 

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from shardwise.config.schema import ConfigError
 from shardwise.observe.metrics import read_metrics
 
 # (file stem, title, y label, metric keys); a key ending in _per_rank is drawn once per rank.
@@ -33,7 +34,7 @@ def load_run(run_dir: Path) -> dict[str, Any]:
     path = run_dir / "metrics.jsonl"
     records = read_metrics(path)
     if not records:
-        raise FileNotFoundError(f"{path} has no metrics: is '{run_dir}' a run directory?")
+        raise ConfigError(f"{path} has no metrics: is '{run_dir}' a run directory?")
     config = (run_dir / "config.toml").read_text() if (run_dir / "config.toml").is_file() else ""
     return {"name": run_dir.name, "dir": run_dir, "records": records, "config": config}
 

@@ -136,17 +136,25 @@ class Difference:
 
 def read_trace(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(header, steps) of a trace file; a one-line error if it is not one."""
+    if path.is_dir():
+        raise ConfigError(f"trace '{path}' is a folder, not a trace file: pass the FILE a run wrote with "
+                          "train --debug.trace FILE")
     if not path.is_file():
         raise ConfigError(f"trace '{path}' does not exist: record one with train --debug.trace FILE")
     try:
         lines = path.read_text().splitlines()
         header, steps = json.loads(lines[0]), [json.loads(line) for line in lines[1:]]
-    except (OSError, IndexError, json.JSONDecodeError) as e:
-        raise ConfigError(f"'{path}' is not a shardwise trace ({type(e).__name__}: {e}): record one with "
-                          "--debug.trace FILE") from None
-    if header.get("trace") != FORMAT:
+    except (OSError, IndexError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"'{path}' is not a shardwise trace ({type(e).__name__}: {str(e)[:100]}): record "
+                          "one with --debug.trace FILE") from None
+    if not isinstance(header, dict) or header.get("trace") != FORMAT:
         raise ConfigError(f"'{path}' is not a shardwise trace of format {FORMAT}: record it again with "
                           "--debug.trace FILE")
+    for n, row in enumerate(steps, 2):
+        if not (isinstance(row, dict) and isinstance(row.get("step"), int)
+                and all(isinstance(row.get(k), list) for k in ("outputs", "grads"))):
+            raise ConfigError(f"'{path}' line {n} is not a trace step (no integer 'step', 'outputs' and "
+                              "'grads'): the file was cut or edited; record it again with --debug.trace FILE")
     return header, steps
 
 

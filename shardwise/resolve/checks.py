@@ -62,6 +62,15 @@ def _get(cfg: Config, key: str) -> Any:
     return getattr(getattr(cfg, s), k)
 
 
+def check_folder(key: str, value: str) -> None:
+    """Folder setting ``key``: neither it nor a folder above it may be an existing file."""
+    if not value:
+        return
+    p = Path(value).expanduser().absolute()
+    if blocker := next((q for q in (p, *p.parents) if q.exists() and not q.is_dir()), None):
+        raise ConfigError(f"{key} '{value}': '{blocker}' is a file, not a folder: choose another {key}")
+
+
 def validate(cfg: Config) -> None:
     """Value checks that need no world size (layout checks live in ParallelDims)."""
     for key in _POSITIVE:
@@ -76,6 +85,8 @@ def validate(cfg: Config) -> None:
     for key in ("data.val_fraction", "lr_scheduler.min_lr_ratio", "lr_scheduler.decay_fraction"):
         if not 0.0 <= _get(cfg, key) <= 1.0:
             raise ConfigError(f"{key} must be in [0, 1], got {_get(cfg, key)}")
+    for key in ("data.prepared_dir", "data.cache_dir"):
+        check_folder(key, _get(cfg, key))
     check_args(model_args(cfg.model))
     if cfg.training.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"training.seq_len={cfg.training.seq_len} exceeds model.max_seq_len="

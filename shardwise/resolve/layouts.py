@@ -28,6 +28,8 @@ def parse_layout(text: str) -> tuple[list[str], int]:
             degrees[key] = int(value)
         except ValueError:
             raise ConfigError(f"layout '{text}': {key} must be an integer, got '{value}'") from None
+        if degrees[key] < 1:
+            raise ConfigError(f"layout '{text}': {key} must be >= 1, got {degrees[key]}")
     world = math.prod(v for k, v in degrees.items() if k != Mesh.EP)
     overrides += [f"--parallel.{k}={v}" for k, v in degrees.items()]
     return overrides, world

@@ -144,6 +144,9 @@ def check_run_dir(cfg: Config, run_dir: Path, args: ModelArgs) -> None:
     candidates, explicit = load_candidates(cfg, run_dir)
     if explicit:
         path = candidates[0]
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"checkpoint.path '{path}' is a file, not a checkpoint: point it at a step-<N> "
+                              "directory")
         if not path.is_dir():
             raise ConfigError(f"checkpoint.path '{path}' does not exist: point it at a step-<N> directory")
         manifest = checkpoint.read_manifest(path)

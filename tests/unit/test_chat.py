@@ -251,3 +251,53 @@ def test_a_template_whose_turns_cannot_be_found_is_refused(tmp_path: Path):
     tok = load_tokenizer(str(chat_folder(tmp_path, odd)))
     with pytest.raises(ConfigError, match="assistant turn 3 so that its tokens cannot be found"):
         tok.encode_chats([CHAT])
+
+
+def _strict_folder(tmp_path: Path, template: str) -> str:
+    """The shipped tokenizer with ``template`` as its chat template."""
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes((ASSETS / "tokenizer.json").read_bytes())
+    config = json.loads((ASSETS / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_a_template_that_raises_on_a_row_is_that_rows_error(tmp_path: Path):
+    """A template that raises (raise_exception, as HF templates refuse roles out of order) on row 2:
+    one line naming the file and row, and data.skip_bad_rows skips and counts it (it was a 55-line
+    jinja2 traceback, skip_bad_rows ignored)."""
+    shipped = json.loads((ASSETS / "tokenizer_config.json").read_text())["chat_template"]
+    strict = ("{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('Conversations must start "
+              "with a user or system turn') }}{% endif %}" + shipped)
+    rows = [CHAT, [{"role": "assistant", "content": "Hi."}, {"role": "user", "content": "Hello?"},
+                   {"role": "assistant", "content": "Yes."}], CHAT]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": r}) + "\n" for r in rows))
+    cfg = _chat_cfg(tmp_path, path=str(data), tokenizer=_strict_folder(tmp_path, strict), val_fraction=0.0)
+    tok = load_tokenizer(cfg.data.tokenizer)
+    with pytest.raises(DataError, match=r"chats.jsonl' row 2: the chat template raised TemplateError: "
+                                        r"Conversations must start with a user or system turn \(data.skip"):
+        open_corpus(cfg.data, tok)
+    cfg.data.skip_bad_rows = True
+    corpus = open_corpus(cfg.data, tok)
+    assert sum(s.base.doc_lengths().size for s in corpus.train) == 2  # the two good conversations
+
+
+def test_a_template_that_never_ends_is_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from shardwise.data import chat
+
+    monkeypatch.setattr(chat, "RENDER_LIMIT_S", 0.5)
+    endless = ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
+               "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    tok = load_tokenizer(_strict_folder(tmp_path, endless))
+    with pytest.raises(chat.TemplateRaised, match="took more than 0.5 s to render"):
+        tok.render_chat(CHAT)
+
+
+def test_a_tokenizer_config_that_is_not_an_object_is_one_line(tmp_path: Path):
+    (tmp_path / "tokenizer.json").write_bytes((ASSETS / "tokenizer.json").read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="holds a JSON list, not an object of tokenizer settings"):
+        load_tokenizer(str(tmp_path))

@@ -6,7 +6,9 @@ import copy
 import dataclasses
 import json
 import os
+import pickle
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -263,6 +265,29 @@ def test_a_checkpoint_that_would_run_code_is_refused(where: str, tmp_path: Path,
         checkpoint.load(path, *fresh)
     assert "\n" not in str(e.value)
     assert not marker.exists()
+
+
+def test_a_metadata_pointing_outside_the_checkpoint_is_refused(tmp_path: Path, one_rank_group: None):
+    """DCP reads each item from the file its .metadata names: a name like '../secret' (hashes made to
+    match) would be read from outside the checkpoint folder; refused in one line."""
+    from shardwise.checkpoint.reader import SafeReader, _MetadataUnpickler
+
+    model, opt, sched, loader = trainer()
+    ck = saver(tmp_path)
+    path = ck.save(1, model, opt, sched, loader)
+    ck.close()
+    with (path / ".metadata").open("rb") as f:
+        meta = _MetadataUnpickler(f).load()
+    outside = tmp_path / "elsewhere.distcp"
+    first = next(iter(meta.storage_data))
+    shutil.copy(path / meta.storage_data[first].relative_path, outside)
+    meta.storage_data[first].relative_path = "../elsewhere.distcp"
+    (path / ".metadata").write_bytes(pickle.dumps(meta))
+    _rehash(path)
+    with pytest.raises(CheckpointError, match="points at '../elsewhere.distcp', outside the checkpoint"):
+        SafeReader(str(path)).read_metadata()
+    with pytest.raises(CheckpointError, match="outside the checkpoint folder"):
+        checkpoint.load(path, *trainer(seed=1))
 
 
 def test_changing_what_the_model_computes_is_refused(tmp_path: Path, one_rank_group: None):

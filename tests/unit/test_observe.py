@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -278,3 +279,23 @@ def test_executed_flops_with_recompute_match_the_flop_counter(kind: str, mode: s
     # chunked_loss=False: the summed fused loss recomputes no logits (only the vocab-parallel op does)
     want = executed_flops(args, b * s, pairs=b * s * s, recompute=mode, every=2, chunked_loss=False)
     assert counter.get_total_flops() == pytest.approx(want.total, rel=1e-9)
+
+
+def test_a_capture_that_would_run_code_is_refused(tmp_path: Path):
+    """verify --localize loads each rank's capture: one that unpickles into code is refused in one line
+    (it was torch.load(weights_only=False))."""
+
+    from shardwise.config.schema import ConfigError
+    from shardwise.observe.capture import localize
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {tmp_path / 'pwned'}",)
+
+    for run in ("ref", "lay"):
+        (tmp_path / run).mkdir()
+        torch.save({"rows": [(0, 1)], "outputs": [], "grads": [], "x": Payload()},
+                   tmp_path / run / "rank0.pt")
+    with pytest.raises(ConfigError, match="refused, since loading it could run code"):
+        localize(tmp_path / "ref", tmp_path / "lay", "fp32", "")
+    assert not (tmp_path / "pwned").exists()

@@ -138,3 +138,15 @@ def test_a_missing_extra_is_one_line_naming_the_install(monkeypatch: pytest.Monk
         require_extra("float8", "float8.enabled=true")
     assert str(e.value) == "float8.enabled=true needs the torchao package: pip install 'shardwise[float8]'"
     require_extra("parquet", "data.path")  # installed here: no error
+
+
+def test_jinja2_below_the_sandbox_fixes_is_not_admitted():
+    """Chat templates come with downloaded models and run in jinja2's sandbox: 3.1.5 and earlier have
+    known sandbox escapes (fixed in 3.1.6), so the requirement must exclude them."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    jinja = next(Requirement(d) for d in deps if Requirement(d).name == "jinja2")
+    assert not jinja.specifier.contains("3.1.5") and jinja.specifier.contains("3.1.6")
