@@ -11,6 +11,7 @@ import errno
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -88,6 +89,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+# What an interrupted save (step-<N>.tmp) or deletion (step-<N>.deleting) leaves: removed at the
+# next save. Nothing else in the folder is touched (a user's notes.tmp stays).
+_LEFTOVER = re.compile(r"^step-\d+\.(tmp|deleting)$")
+
+
 def _file_record(path: Path) -> dict[str, Any]:
     """Size and SHA-256 of ``path``, after forcing it to stable storage."""
     with path.open("rb") as f:
@@ -152,8 +158,8 @@ class Checkpointer:
         if self.rank == 0:
             try:
                 self.folder.mkdir(parents=True, exist_ok=True)
-                for p in self.folder.iterdir():  # leftovers of interrupted saves/deletions
-                    if p.name.endswith((".tmp", ".deleting")):
+                for p in self.folder.iterdir():  # leftovers of interrupted saves/deletions (only)
+                    if _LEFTOVER.match(p.name) and p.is_dir() and not p.is_symlink():
                         shutil.rmtree(p, ignore_errors=True)
                 staging.mkdir()
             except OSError as e:

@@ -239,10 +239,16 @@ def export_hf_folder(checkpoint_dir: Path, run_dir: Path, retired: list[int]) ->
     if out.exists() or out.is_symlink():
         return f"warning: {out} exists and is not replaced: no HF export of {name}"
     t0 = time.perf_counter()
-    record.make_dir("hf")
-    with target(out, "checkpoint.export_hf").staging() as staging:
-        convert.export_hf(checkpoint_dir, staging, "bf16")
-        record.note(f"hf/{name}", "tree")
+    try:
+        record.make_dir("hf")
+        with target(out, "checkpoint.export_hf").staging() as staging:
+            convert.export_hf(checkpoint_dir, staging, "bf16")
+            record.note(f"hf/{name}", "tree")
+    except OSError as e:  # a full disk, a read-only folder: the checkpoint itself is committed
+        raise checkpoint.CheckpointError(
+            f"could not export {name} as a Hugging Face folder in '{run_dir / 'hf'}': {e.strerror or e}: "
+            f"free disk space or set checkpoint.export_hf=false (checkpoint {checkpoint_dir} is saved and "
+            "intact; no half-written export is left)") from None
     ours = record.entries()
     for step in retired:
         old = run_dir / "hf" / f"step-{step}"

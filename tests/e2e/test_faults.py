@@ -188,3 +188,99 @@ def test_disk_full_on_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_pat
     assert not list(copy.glob("*.tmp"))  # the failed save cleaned up after itself
     loadable(copy / "step-2")
     json.loads((copy / "step-2" / checkpoint.MANIFEST).read_text())
+
+
+# --------------------------------------------------------------------------------------------------
+# The fault suite of what a user's checkpoint and run directory meet (issue #59): each damage to each
+# kind of checkpoint file, met by each command that reads a checkpoint, ends in one line naming the
+# file, exit 2, and nothing changed; foreign files beside a run are neither loaded nor lost; a full
+# disk during an export stops with one line and keeps the checkpoint.
+
+FILE_KINDS = {"distcp": "*.distcp", "metadata": ".metadata", "rng": "rng-rank0.pt",
+              "manifest": "manifest.json"}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory, data_cache: str) -> Path:
+    run_dir = tmp_path_factory.mktemp("suite") / "run"
+    run_cli(["train", *TINY_ARGS, f"--data.cache_dir={data_cache}", f"--run.dir={run_dir}",
+             "--training.steps=2", "--checkpoint.final=true"])
+    return run_dir
+
+
+def _damage(ckpt: Path, kind: str, how: str) -> str:
+    """Damage one file of ``kind`` in ``ckpt`` (a byte flipped in place, or its tail cut); its name."""
+    f = next(ckpt.glob(FILE_KINDS[kind]))
+    data = bytearray(f.read_bytes())
+    if how == "flip":
+        data[len(data) // 3] ^= 0x55
+    else:
+        del data[len(data) * 2 // 3:]
+    f.write_bytes(bytes(data))
+    return f.name
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+@pytest.mark.parametrize("kind", list(FILE_KINDS))
+@pytest.mark.parametrize("command", ["train", "eval", "generate", "convert"])
+def test_every_damaged_checkpoint_file_is_one_line_for_every_reader(command: str, kind: str, how: str,
+                                                                     saved: Path, tmp_path: Path,
+                                                                     data_cache: str):
+    ckpt = tmp_path / "step-2"
+    shutil.copytree(saved / "checkpoints" / "step-2", ckpt)
+    shutil.copy(saved / "config.toml", tmp_path / "config.toml")
+    name = _damage(ckpt, kind, how)
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    args = {"train": ["train", *TINY_ARGS, f"--data.cache_dir={data_cache}", f"--run.dir={tmp_path / 'r'}",
+                      f"--checkpoint.path={ckpt}", "--training.steps=3"],
+            "eval": ["eval", "--checkpoint", str(ckpt), f"--data.cache_dir={data_cache}"],
+            "generate": ["generate", "--checkpoint", str(ckpt), "--prompt", "And", "--max-new-tokens", "2"],
+            "convert": ["convert", "--to-hf", str(ckpt), "--out", str(tmp_path / "hf")]}[command]
+    proc = run_cli(args, check=False, timeout=300)
+    lines = [ln for ln in proc.stderr.splitlines()
+             if ln.strip() and not ln.startswith(("warning:", "notice:"))]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[0].startswith("shardwise: error:") and str(ckpt) in lines[0], lines
+    if kind == "manifest":
+        assert "manifest.json" in lines[0], lines  # unreadable, or naming what it no longer matches
+    else:
+        assert name in lines[0] and ("SHA-256" in lines[0] or "truncated" in lines[0]), lines
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    assert not (tmp_path / "hf").exists()
+    assert not (tmp_path / "r" / "metrics.jsonl").exists() or not metrics(tmp_path / "r")
+
+
+def test_foreign_files_in_a_run_directory_are_neither_loaded_nor_lost(saved: Path, tmp_path: Path,
+                                                                      data_cache: str):
+    """A user's files in checkpoints/ (a file named like a checkpoint, a notes.tmp, a folder without a
+    manifest) and beside it: resume loads step-2, and each foreign file is still there, unchanged. (Only
+    step-<N>.tmp and step-<N>.deleting folders, what an interrupted save or deletion leaves, are
+    cleared by the next save.)"""
+    run_dir = tmp_path / "run"
+    shutil.copytree(saved, run_dir)
+    foreign = {"checkpoints/step-9": "a file, not a checkpoint", "checkpoints/notes.tmp": "mine",
+               "checkpoints/step-7/weights.bin": "no manifest", "checkpoints/notes.tmp.d/keep": "mine too",
+               "hf/my-llama/config.json": "{}", "config.base.toml": "[training]"}
+    for rel, text in foreign.items():
+        (run_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / rel).write_text(text)
+    proc = run_cli(["train", *TINY_ARGS, f"--data.cache_dir={data_cache}", f"--run.dir={run_dir}",
+                    "--checkpoint.resume=true", "--training.steps=3", "--checkpoint.final=true"])
+    assert "resumed from" in proc.stdout and "step-2" in proc.stdout, proc.stdout[-2000:]
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3]
+    for rel, text in foreign.items():
+        assert (run_dir / rel).read_text() == text, rel
+    assert [s for s, _ in checkpoint.list_checkpoints(run_dir / "checkpoints")] == [2, 3]
+
+
+def test_a_full_disk_during_an_export_is_one_line_and_keeps_the_checkpoint(tmp_path: Path, data_cache: str):
+    run_dir = tmp_path / "run"
+    proc = run_cli(["train", *TINY_ARGS, f"--data.cache_dir={data_cache}", f"--run.dir={run_dir}",
+                    "--training.steps=2", "--checkpoint.interval=2", "--checkpoint.export_hf=true"],
+                   check=False, fault="enospc_export")
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("warning:")]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert "could not export step-2 as a Hugging Face folder" in lines[0] and "No space left" in lines[0]
+    assert "is saved and intact" in lines[0]
+    loadable(run_dir / "checkpoints" / "step-2")
+    assert list((run_dir / "hf").iterdir()) == []  # nothing half-written (no staging folder either)

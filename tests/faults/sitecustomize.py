@@ -21,6 +21,7 @@ exactly one thing, so the test can show that its tolerance catches that fault:
 - ``near_tie_router`` (not a fault of the code: a hard input): at init, every MoE router's expert 1
   gets expert 0's gate row plus a perturbation of ~1e-7, so which of the two a token prefers is
   decided by rounding -- a layout that sums in another order breaks such ties the other way;
+- ``enospc_export``: the disk is full when an HF export writes its safetensors (a failing writer);
 - ``one_gpu`` (not a fault of the code: a machine): torch reports CUDA available with one device,
   for the checks that run before any CUDA call.
 """
@@ -216,6 +217,15 @@ def _install(fault: str) -> None:
             return out
 
         build.build_model, layers.FeedForward.forward = build_model, forward
+    elif fault == "enospc_export":
+        import errno
+
+        import safetensors.torch
+
+        def save_file(*_args, **_kwargs):  # noqa: ANN002, ANN003, ANN202
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        safetensors.torch.save_file = save_file
     elif fault == "one_gpu":
         import torch
 
