@@ -290,17 +290,7 @@ def documents(unit: Unit, payload: bytes | None, kind: str, text_field: str, sam
         bad.append(msg)
 
     def accept(i: int, value: Any) -> Iterator[Any]:
-        if render is None:
-            yield value
-            return
-        try:
-            done = render(value)
-        except ConfigError:  # (a problem of the whole template, or the data: not of this row)
-            raise
-        except ValueError as e:
-            fail(i, str(e))
-            return
-        yield done
+        yield from (value,) if render is None else _rendered(i, value, render, fail)
 
     if kind == "parquet":
         for i, value in _parquet_docs(unit, text_field, fail, chat):
@@ -373,6 +363,19 @@ def _field(row: Any, text_field: str, chat: bool = False) -> tuple[Any, str]:
     if isinstance(value, str):
         return value, ""
     return "", f"'{text_field}' is {type(value).__name__}, not a string"
+
+
+def _rendered(i: int, value: Any, render: Callable[[Any], Any], fail: Callable[[int, str], None]
+              ) -> Iterator[Any]:
+    """``render(value)``, or nothing with row ``i`` reported to ``fail`` when it refuses the row."""
+    try:
+        done = render(value)
+    except ConfigError:  # (a problem of the whole template, or the data: not of this row)
+        raise
+    except ValueError as e:
+        fail(i, str(e))
+        return
+    yield done
 
 
 def _parquet_docs(unit: Unit, text_field: str, fail: Any, chat: bool = False) -> Iterator[tuple[int, Any]]:

@@ -78,7 +78,7 @@ class StepCapture:
             if local.dim() != 3 or local.shape[1:] != (len(self.positions), self.dim):
                 return  # not the residual stream's pieces (heads, hidden, logits, gathered inputs)
             call = self.calls[name] = self.calls.get(name, -1) + 1
-            self.outputs.append((name, call, local.detach().float().cpu()))
+            self.outputs.append((name, call, _plain(local)))
         return record
 
     def _grads(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -95,7 +95,7 @@ class StepCapture:
                                 if pl.is_shard() and mesh[n].size() > 1)
                 g = g.full_tensor()
             if self.writes_grads:
-                self.grads[name] = (g.detach().float().cpu(), dims)
+                self.grads[name] = (_plain(g), dims)
 
     @contextlib.contextmanager
     def around_step(self, batches: list) -> Iterator[None]:
@@ -127,6 +127,15 @@ class Mismatch:
     rel: float
     split: str
     """The mesh dims that split it in the layout."""
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A detached fp32 CPU copy as a plain tensor: a collective's pending result (functional
+    collectives' ``AsyncCollectiveTensor``) is waited for and unwrapped, so the file holds tensors
+    only and loads with ``weights_only``."""
+    if hasattr(t, "trigger_wait"):
+        t = t.trigger_wait()
+    return t.detach().float().cpu().as_subclass(torch.Tensor)
 
 
 def _load_capture(path: Path) -> dict:

@@ -385,6 +385,7 @@ def _descendants(root: int) -> list[int]:
     return [p for p in procs if under(p)]
 
 
+@pytest.mark.slow  # (22 s: a full collective calibration)
 def test_calibrates_gloo_workers_listen_on_loopback_only(tmp_path: Path):
     """calibrate's collective measurement: its gloo processes (forked from the rank server) listen on
     127.0.0.1 only, like training's ranks."""
