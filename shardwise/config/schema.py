@@ -464,7 +464,7 @@ def choices(key: str) -> tuple[str, ...]:
     return typing.get_args(section_fields(sections()[section])[name])
 
 
-PRESET_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+PRESET_CONFIGS = Path(__file__).resolve().parents[1] / "configs"  # (package data; ./configs links here)
 """The shipped TOML of each model people run (``configs/<preset>.toml``), beside the package."""
 
 

@@ -213,6 +213,11 @@ def overwrite_plan(run_dir: Path) -> dict[str, str]:
     record = RunRecord(run_dir)
     if not record.exists():
         theirs = sorted(p.name for p in run_dir.iterdir() if p.name not in (LOCK_NAME, RECORD_NAME))
+        if theirs and (what := prior_run(run_dir)):
+            raise ConfigError(f"run.overwrite: run.dir '{run_dir}' holds a run ({what}) written before "
+                              f"shardwise kept a record of what a run writes ({RECORD_NAME}), so nothing "
+                              "there is removed: delete the folder yourself if you want it gone, or choose "
+                              "another --run.dir")
         if theirs:
             raise ConfigError(f"run.overwrite: run.dir '{run_dir}' holds {len(theirs)} file(s) or folder(s) "
                               f"('{theirs[0]}'{', ...' if len(theirs) > 1 else ''}) but no record of a "

@@ -99,11 +99,12 @@ def format_line(r: dict[str, Any]) -> str:
 
 
 def console_format(cfg: MetricsConfig) -> str:
-    """``metrics.log_format`` for this process: ``auto`` is the bar where the bar's stream (stderr)
-    is a terminal, else the line."""
+    """``metrics.log_format`` for this process: ``auto`` is the bar where both streams are a terminal
+    (the bar draws on stderr), else the line -- so ``| tee`` and a redirected stdout get one line per
+    logged step, although stderr is still the terminal."""
     if cfg.log_format != "auto":
         return cfg.log_format
-    return "bar" if sys.stderr.isatty() else "line"
+    return "bar" if sys.stderr.isatty() and sys.stdout.isatty() else "line"
 
 
 class MetricsLogger:

@@ -115,6 +115,21 @@ def test_overwrite_refuses_a_folder_that_never_held_a_run(tmp_path: Path, data_c
     assert snapshot(run_dir) == before
 
 
+def test_overwrite_refuses_a_run_from_before_the_record(tmp_path: Path):
+    """A run directory an older shardwise wrote (a logged run, no record): what it wrote is not known,
+    so nothing is removed; the line says how to start over."""
+    from shardwise.config.types import ConfigError
+    from shardwise.launch.rundir import overwrite_plan
+
+    run_dir = tmp_path / "old"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+    (run_dir / "hf").mkdir()
+    with pytest.raises(ConfigError, match="written before shardwise kept a record .* delete the folder"):
+        overwrite_plan(run_dir)
+    assert sorted(p.name for p in run_dir.iterdir()) == ["hf", "metrics.jsonl"]
+
+
 @pytest.mark.parametrize("checkpoint_path", [False, True], ids=["plain", "with_checkpoint_path"])
 def test_overwrite_never_follows_a_link_out_of_the_run_dir(checkpoint_path: bool, finished: Path,
                                                             tmp_path: Path, data_cache: str):

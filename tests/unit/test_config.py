@@ -13,8 +13,17 @@ from shardwise.resolve.checks import load_config
 CONFIGS = sorted(Path(__file__).parents[2].joinpath("configs").glob("*.toml"))
 
 
-def test_there_are_presets():
-    assert any(p.name == "debug.toml" for p in CONFIGS)
+def test_every_preset_file_is_a_model_preset_or_names_one():
+    """configs/NAME.toml is the published training shape of preset NAME (``--model NAME`` reads it),
+    or a recipe over a preset it names (chat, SFT): none names a model that does not exist."""
+    from shardwise.models import PRESETS
+
+    assert {"debug", "moe-debug", "deepseek-debug"} <= {p.stem for p in CONFIGS}
+    for path in CONFIGS:
+        name = load_config(path).model.name
+        assert path.stem in PRESETS or name in PRESETS or name == "", (path.name, name)
+        if path.stem in PRESETS:
+            assert name == path.stem, (path.name, name)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

@@ -299,3 +299,19 @@ def test_a_capture_that_would_run_code_is_refused(tmp_path: Path):
     with pytest.raises(ConfigError, match="refused, since loading it could run code"):
         localize(tmp_path / "ref", tmp_path / "lay", "fp32", "")
     assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("out_tty,err_tty,want", [(True, True, "bar"), (False, True, "line"),
+                                                  (True, False, "line"), (False, False, "line")])
+def test_auto_log_format_gives_lines_to_a_pipe(out_tty: bool, err_tty: bool, want: str,
+                                               monkeypatch: pytest.MonkeyPatch):
+    """`shardwise train ... | tee log` keeps a line per step (stdout is the pipe; stderr is still the
+    terminal, which alone used to choose the bar: the log got no step lines)."""
+    import sys
+
+    from shardwise.config.schema import MetricsConfig
+    from shardwise.observe.metrics import console_format
+
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: out_tty, raising=False)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: err_tty, raising=False)
+    assert console_format(MetricsConfig()) == want

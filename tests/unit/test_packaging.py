@@ -150,3 +150,32 @@ def test_jinja2_below_the_sandbox_fixes_is_not_admitted():
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     jinja = next(Requirement(d) for d in deps if Requirement(d).name == "jinja2")
     assert not jinja.specifier.contains("3.1.5") and jinja.specifier.contains("3.1.6")
+
+
+def test_an_installed_wheel_ships_the_presets(tmp_path: Path):
+    """The wheel, unpacked into a fresh site (with the runtime set, away from the repository): `--model
+    8b` reads the preset's own configs/8b.toml -- it fell back to the built-in defaults when configs/
+    was not package data."""
+    import shutil
+    import zipfile
+
+    src = tmp_path / "src"  # (a copy: building in place would leave build/ in the repository)
+    shutil.copytree(ROOT / "shardwise", src / "shardwise", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        if (ROOT / name).is_file():
+            shutil.copy(ROOT / name, src / name)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                            "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True,
+                           timeout=300)
+    assert built.returncode == 0, built.stderr[-2000:]
+    wheel = next((tmp_path / "dist").glob("shardwise-*.whl"))
+    with zipfile.ZipFile(wheel) as z:
+        assert "shardwise/configs/8b.toml" in z.namelist()
+        z.extractall(tmp_path / "installed")
+    env = {"PYTHONPATH": f"{tmp_path / 'installed'}:{_runtime_site(tmp_path)}", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-S", "-m", "shardwise", "train", "--model", "8b",
+                          "--print-config"], capture_output=True, text=True, cwd=tmp_path, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "starting from 8b.toml" in out.stdout and "[float8]\nenabled = true" in out.stdout
+    assert str(ROOT) not in out.stdout + out.stderr

@@ -163,7 +163,7 @@ def test_a_profiled_steps_kernels_by_term(name: str):
     assert sum(v for t, v in m.items() if t not in ("host", "step")) == pytest.approx(kernels)
     assert m["host"] + kernels == pytest.approx(m["step"])
     assert 0.008 < m["host"] < 0.016 and p["host"] == 0.0
-    assert 1.2 < p["memory-bound"] / m["memory-bound"] < 1.9
+    assert 0.8 < p["memory-bound"] / m["memory-bound"] < 1.9  # (over-predicted today: a better model passes)
     assert 1.12 < p["matmul"] / m["matmul"] < 1.2 if profile["preset"] == "1b" else \
         abs(p["matmul"] / m["matmul"] - 1) < 0.05
 

@@ -39,3 +39,13 @@ def test_the_status_table_has_short_cells_and_names_a_test_per_row():
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert len(cells) == 3 and max(len(c) for c in cells) <= 200, row[:80]
         assert re.search(r"`(tests|bench)/", cells[2]), f"no test or benchmark named: {row[:80]}"
+
+
+def test_the_cli_guide_names_every_preset():
+    """docs/cli.md's list of --model names is the presets' table, no more, no less."""
+    from shardwise.models import PRESETS
+
+    text = (ROOT / "docs" / "cli.md").read_text()
+    line = text[text.index("- `--model NAME`"):text.index("- `--config FILE`")]
+    listed = set(re.findall(r"`([\w.-]+)`", line.split("in `train`")[0])) - {"--model NAME"}
+    assert listed == set(PRESETS), sorted(listed ^ set(PRESETS))
