@@ -220,3 +220,14 @@ def test_the_training_loop_fits_on_one_screen():
     assert train.end_lineno - train.lineno + 1 <= 45
     (loop,) = [n for n in ast.walk(funcs["loop"]) if isinstance(n, ast.For)]
     assert loop.end_lineno - loop.lineno + 1 <= 25
+
+
+def test_every_package_says_what_it_holds_and_the_readme_tours_them():
+    """A folder listing tells a newcomer something: each package's __init__.py opens with a docstring,
+    and the README's "Where things are" names every package."""
+    packages = sorted(p.parent for p in PACKAGE.glob("*/__init__.py"))
+    bare = [p.name for p in packages if ast.get_docstring(ast.parse((p / "__init__.py").read_text())) is None]
+    assert bare == []
+    readme = (ROOT / "README.md").read_text()
+    tour = readme[readme.index("## Where things are"):]
+    assert [p.name for p in packages if f"`{p.name}" not in tour and f"{p.name}/" not in tour] == []
