@@ -203,11 +203,15 @@ def cmd_convert(args: argparse.Namespace, overrides: list[str]) -> int:
         if overrides or args.config or args.toml:
             raise ConfigError("convert --to-hf reads the model config from the checkpoint's manifest: "
                               "drop --config, --toml and overrides")
+        from shardwise.checkpoint import checkpoint_or_latest
+
+        source = Path(args.to_hf)
+        source = checkpoint_or_latest(source) if source.is_dir() else source  # (a run: its latest)
         where = target(args.out, "--out", args.overwrite)
         with where.staging() as staging:
-            files = convert.export_hf(Path(args.to_hf), staging, args.dtype,
+            files = convert.export_hf(source, staging, args.dtype,
                                       checksums=not args.skip_checksums)
-        print(f"exported {args.to_hf} -> {args.out} ({len(files)} safetensors file(s), {args.dtype})")
+        print(f"exported {source} -> {args.out} ({len(files)} safetensors file(s), {args.dtype})")
         return 0
     out = Path(args.out)
     toml = Path(args.toml or f"{out}.toml")
@@ -311,7 +315,8 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
 
     default_out = args.out is None
     args.out = "plan.toml" if default_out else args.out
-    where = target(args.out, "--out", args.overwrite, default=default_out, folder=False) if args.out else None
+    where = (target(args.out, "--out", args.overwrite, default=default_out, folder=False, example="plan.toml")
+             if args.out else None)
     seq = args.seq or cfg.training.seq_len
     tokens = (parse_tokens(args.global_batch_tokens) if args.global_batch_tokens
               else max(cfg.training.global_batch, gpus) * seq)

@@ -295,7 +295,8 @@ def add_skip_checksums(p: argparse.ArgumentParser) -> None:
 
 def add_overwrite(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--overwrite", action="store_true",
-                   help=f"replace an existing {what} (otherwise an existing non-empty one is refused)")
+                   help=f"replace an existing {what} (otherwise an existing file, or a folder holding "
+                        "files, is refused)")
 
 
 def report_parser(sub: argparse._SubParsersAction) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardwise.checkpoint import ModelTensors, read_manifest, run_config, save_model_only
 from shardwise.checkpoint.manifest import manifest_model
+from shardwise.config.outputs import umask
 from shardwise.config.schema import ConfigError, ModelConfig, read_config
 from shardwise.data.tokenizer import SHIPPED_TOKENIZER, load_tokenizer
 from shardwise.models import ModelArgs, model_args
@@ -152,6 +154,8 @@ def export_hf(checkpoint: Path, out: Path, dtype: str = "bf16", tokenizer: str |
             current, tensors = shard_of[name], {}
         tensors[name] = t.detach().to(_DTYPES[dtype]).contiguous()
     save_file(tensors, str(files[current]), metadata={"format": "pt"})
+    for f in files:  # safetensors writes its files owner-only; an HF folder is shared like the rest of it
+        os.chmod(f, 0o644 & ~umask())
     return files
 
 

@@ -73,8 +73,7 @@ def checkpoint_or_latest(path: Path) -> Path:
         return path
     found = list_checkpoints(path / "checkpoints") or list_checkpoints(path)
     if not found:
-        raise CheckpointError(f"'{path}' is neither a checkpoint (a step-<N> folder with {MANIFEST}) nor a "
-                              "run directory holding one")
+        raise CheckpointError(*_not_a_checkpoint(path))
     return found[-1][1]
 
 
@@ -103,9 +102,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
                               "step-<N> directory")
     file = path / MANIFEST
     if not file.is_file():
-        raise CheckpointError(f"checkpoint '{path}' is incomplete (no {MANIFEST}: its save never "
-                              "finished): point checkpoint.path at a complete step-<N> directory",
-                              f"is incomplete (no {MANIFEST})")
+        raise CheckpointError(*_not_a_checkpoint(path))
     try:
         manifest = json.loads(file.read_text())
         if manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
@@ -114,6 +111,22 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint '{path}' has an unreadable {MANIFEST} ({e}): it was "
                               "damaged; load an earlier step-<N>", f"has an unreadable {MANIFEST}") from None
     return manifest
+
+
+def _not_a_checkpoint(path: Path) -> tuple[str, str]:
+    """(message, reason) for a folder without a manifest: what it is instead, and the way on."""
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        return (f"'{path}' is a Hugging Face model folder, not a shardwise checkpoint: start from it with "
+                "--checkpoint.initial_hf, or import it with shardwise convert --from-hf", "is an HF folder")
+    if list_checkpoints(path / "checkpoints"):
+        latest = list_checkpoints(path / "checkpoints")[-1][1]
+        return (f"'{path}' is a run directory, not a checkpoint: give one of its checkpoints, e.g. "
+                f"'{latest}'", "is a run directory")
+    if (path / ".metadata").exists() or any(path.glob("*.distcp")) or path.name.endswith(".tmp"):
+        return (f"checkpoint '{path}' is incomplete (no {MANIFEST}: its save never finished): give a "
+                "complete step-<N> directory", f"is incomplete (no {MANIFEST})")
+    return (f"'{path}' is neither a shardwise checkpoint (no {MANIFEST}) nor a run directory holding one: "
+            "give a step-<N> directory of a run's checkpoints/", f"is not a checkpoint (no {MANIFEST})")
 
 
 def sha256(path: Path) -> str:

@@ -45,6 +45,13 @@ def aside_name(path: Path) -> Path:
     return aside
 
 
+def umask() -> int:
+    """This process's umask (mkstemp/mkdtemp make owner-only paths; the output gets the usual mode)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _holds_something(path: Path) -> bool:
     if path.is_symlink() or path.is_file():
         return True
@@ -88,7 +95,7 @@ class Target:
                 f.write(data.encode() if isinstance(data, str) else data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)
+            os.chmod(tmp, 0o644 & ~umask())
             return self._commit(Path(tmp))
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -102,7 +109,7 @@ class Target:
         tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.", suffix=".partial", dir=self.path.parent))
         try:
             yield tmp
-            os.chmod(tmp, 0o755)
+            os.chmod(tmp, 0o755 & ~umask())
             if said := self._commit(tmp):
                 print(f"notice: {said}", flush=True)
         except BaseException:
@@ -111,7 +118,7 @@ class Target:
 
 
 def target(path: str | Path, flag: str, overwrite: bool = False, default: bool = False,
-           folder: bool = True) -> Target:
+           folder: bool = True, example: str = "out.json") -> Target:
     """Check output ``path`` (given with ``flag``) before any work, creating nothing: its nearest
     existing parent must be a writable folder (the missing ones are made when it is written), and
     an existing non-empty file or folder is refused unless ``overwrite`` -- or kept aside at
@@ -125,7 +132,7 @@ def target(path: str | Path, flag: str, overwrite: bool = False, default: bool =
     if not os.access(blocker, os.W_OK):
         raise ConfigError(f"{flag} '{path}': '{blocker}' is not writable: choose another {flag}")
     if not folder and path.is_dir():
-        raise ConfigError(f"{flag} '{path}' is a folder: name a file (e.g. '{path / 'out.json'}')")
+        raise ConfigError(f"{flag} '{path}' is a folder: name a file (e.g. '{path / example}')")
     there = _holds_something(path)
     if path.exists() and not path.is_dir() and not path.is_file():
         raise ConfigError(f"{flag} '{path}' is not a regular file or folder: choose another {flag}")

@@ -200,3 +200,18 @@ def test_a_training_run_exports_and_retires_its_own(tmp_path: Path, data_cache: 
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-3", "step-4"]
     assert {"hf/step-4": "tree", "checkpoints/step-4": "tree"}.items() <= RunRecord(run_dir).entries().items()
 
+
+
+def test_an_export_is_readable_by_others_and_a_run_directory_exports_its_latest(saved: Path, tmp_path: Path,
+                                                                                capsys):
+    """convert --to-hf of a run directory exports its latest checkpoint (as generate reads one), with
+    every file readable as the rest of the folder is (safetensors writes owner-only files); an HF
+    folder where a checkpoint belongs is named as such, with the way on."""
+    out = tmp_path / "hf"
+    assert main(["convert", "--to-hf", str(saved), "--out", str(out)]) == 0
+    assert f"exported {saved / 'checkpoints' / 'step-4'} ->" in capsys.readouterr().out
+    assert all(p.stat().st_mode & 0o044 == 0o044 for p in out.iterdir()), {
+        p.name: oct(p.stat().st_mode) for p in out.iterdir()}
+    line = one_line(main(["convert", "--to-hf", str(out), "--out", str(tmp_path / "again")]),
+                    capsys.readouterr().err)
+    assert "is a Hugging Face model folder, not a shardwise checkpoint" in line and "--from-hf" in line

@@ -231,3 +231,14 @@ def test_every_package_says_what_it_holds_and_the_readme_tours_them():
     readme = (ROOT / "README.md").read_text()
     tour = readme[readme.index("## Where things are"):]
     assert [p.name for p in packages if f"`{p.name}" not in tour and f"{p.name}/" not in tour] == []
+
+
+def test_docs_are_guides_not_notebooks():
+    """docs/planning.md a guide of at most 250 lines, no docs page over 600, no BENCHMARKS.md table cell
+    over 300 characters (the rounds and long explanations live in bench/results/history.md)."""
+    lengths = {p.name: len(p.read_text().splitlines()) for p in (ROOT / "docs").glob("*.md")}
+    assert lengths["planning.md"] <= 250, lengths["planning.md"]
+    assert {n: k for n, k in lengths.items() if k > 600} == {}
+    cells = [c.strip() for line in (ROOT / "BENCHMARKS.md").read_text().splitlines()
+             if line.startswith("|") for c in line.strip("|").split("|")]
+    assert cells and max(len(c) for c in cells) <= 300, max(cells, key=len)[:120]
