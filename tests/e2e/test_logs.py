@@ -26,8 +26,9 @@ LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d step (\d+)/6 \| loss \d+\.\d
                   r"mfu \d+\.\d% \| mem \d+\.\d\d GiB \| eta \d+m\d\ds$")
 
 
-def _train(tmp_path: Path, *extra: str, terminal: bool = False) -> tuple[str, str]:
-    """Train 6 steps, stdout to a file (and stderr to a file, or to a terminal); both as text."""
+def _train(tmp_path: Path, *extra: str, terminal: bool = False, both: bool = False) -> tuple[str, str]:
+    """Train 6 steps, stdout to a file (and stderr to a file, or to a terminal; ``both``: stdout to
+    the terminal too, as an interactive shell has it); both as text."""
     args = [a for a in TINY_ARGS if not a.startswith("--metrics.log_format")]
     cmd = [sys.executable, "-m", "shardwise", "train", *args, "--training.steps=6",
            "--metrics.log_interval=2", f"--run.dir={tmp_path / 'run'}", *extra]
@@ -38,7 +39,7 @@ def _train(tmp_path: Path, *extra: str, terminal: bool = False) -> tuple[str, st
         leader, follower = pty.openpty()
         fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # 40 rows, 120 columns
         with out_path.open("w") as out:
-            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=follower, env=env)
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=follower if both else out, stderr=follower, env=env)
             os.close(follower)
             chunks = []
             while True:
@@ -78,9 +79,17 @@ def test_json_lines_carry_the_same_fields(tmp_path: Path, data_cache: str):
 
 
 def test_a_terminal_gets_the_bar(tmp_path: Path, data_cache: str):
-    out, terminal = _train(tmp_path, f"--data.cache_dir={data_cache}", terminal=True)
+    _, terminal = _train(tmp_path, f"--data.cache_dir={data_cache}", terminal=True, both=True)
     assert "train:" in terminal and "6/6" in terminal and "\r" in terminal, terminal[-500:]
-    assert not any(LINE.match(line) for line in out.splitlines()), out
+    assert not any(LINE.match(line.strip("\r")) for line in terminal.splitlines()), terminal[-500:]
+
+
+def test_a_piped_stdout_gets_lines_though_stderr_is_a_terminal(tmp_path: Path, data_cache: str):
+    """`shardwise train ... | tee log` (or `> log`): stdout is the pipe, stderr still the terminal; the
+    log keeps a line per logged step (the bar on stderr used to leave it without any)."""
+    out, terminal = _train(tmp_path, f"--data.cache_dir={data_cache}", terminal=True)
+    assert [int(m.group(1)) for line in out.splitlines() if (m := LINE.match(line))] == [2, 4, 6], out
+    assert "train:" not in terminal, terminal[-500:]
 
 
 def test_the_line_counts_down_to_the_end():
