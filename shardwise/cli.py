@@ -19,7 +19,7 @@ import traceback
 from shardwise import flags
 from shardwise.config import extras
 from shardwise.config import schema as config
-from shardwise.config.outputs import target
+from shardwise.config.outputs import check_folder, target
 from shardwise.config.schema import Config, ConfigError
 from shardwise.launch import process
 
@@ -146,12 +146,10 @@ def cmd_verify(args: argparse.Namespace, overrides: list[str]) -> int:
     for text in layouts:  # each layout as the trainer will check it, before the reference runs
         layout_overrides, world = parse_layout(text)
         load_config(args.config, [*overrides, *layout_overrides], world=world)
-    out = Path(args.out)
-    if blocker := next((p for p in (out, *out.absolute().parents) if p.exists() and not p.is_dir()), None):
-        raise ConfigError(f"--out '{args.out}': '{blocker}' is a file, not a folder: choose another --out")
+    check_folder(args.out, "--out")
     from shardwise.launch.verify import verify
 
-    return 0 if verify(base, args.config, overrides, layouts, args.steps, out,
+    return 0 if verify(base, args.config, overrides, layouts, args.steps, Path(args.out),
                        args.moe_routing, args.localize) else 1
 
 

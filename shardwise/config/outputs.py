@@ -117,6 +117,14 @@ class Target:
             raise
 
 
+def check_folder(path: str | Path, flag: str) -> None:
+    """Folder ``path`` (given with ``flag``) can be a folder: neither it nor one above it is an
+    existing file (creating nothing)."""
+    p = Path(path).expanduser().absolute()
+    if blocker := next((q for q in (p, *p.parents) if q.exists() and not q.is_dir()), None):
+        raise ConfigError(f"{flag} '{path}': '{blocker}' is a file, not a folder: choose another {flag}")
+
+
 def target(path: str | Path, flag: str, overwrite: bool = False, default: bool = False,
            folder: bool = True, example: str = "out.json") -> Target:
     """Check output ``path`` (given with ``flag``) before any work, creating nothing: its nearest
@@ -126,9 +134,8 @@ def target(path: str | Path, flag: str, overwrite: bool = False, default: bool =
     and an existing folder there (empty or not) is refused."""
     path = Path(path)
     parent = path.absolute().parent
-    blocker = next(p for p in (parent, *parent.parents) if p.exists() or p.is_symlink())
-    if not blocker.is_dir():
-        raise ConfigError(f"{flag} '{path}': '{blocker}' is a file, not a folder: choose another {flag}")
+    check_folder(parent, flag)
+    blocker = next(p for p in (parent, *parent.parents) if p.exists())
     if not os.access(blocker, os.W_OK):
         raise ConfigError(f"{flag} '{path}': '{blocker}' is not writable: choose another {flag}")
     if not folder and path.is_dir():

@@ -12,6 +12,7 @@ from typing import Any
 
 import shardwise.config.device
 from shardwise.config.model_args import ModelArgs
+from shardwise.config.outputs import check_folder
 from shardwise.config.schema import Config, ConfigError, ModelConfig, read_config
 from shardwise.models import check_args, model_args
 from shardwise.models.hf_config import args_from_hf, hf_tokenizer, model_config_of, read_hf_config
@@ -62,15 +63,6 @@ def _get(cfg: Config, key: str) -> Any:
     return getattr(getattr(cfg, s), k)
 
 
-def check_folder(key: str, value: str) -> None:
-    """Folder setting ``key``: neither it nor a folder above it may be an existing file."""
-    if not value:
-        return
-    p = Path(value).expanduser().absolute()
-    if blocker := next((q for q in (p, *p.parents) if q.exists() and not q.is_dir()), None):
-        raise ConfigError(f"{key} '{value}': '{blocker}' is a file, not a folder: choose another {key}")
-
-
 def validate(cfg: Config) -> None:
     """Value checks that need no world size (layout checks live in ParallelDims)."""
     for key in _POSITIVE:
@@ -86,7 +78,8 @@ def validate(cfg: Config) -> None:
         if not 0.0 <= _get(cfg, key) <= 1.0:
             raise ConfigError(f"{key} must be in [0, 1], got {_get(cfg, key)}")
     for key in ("data.prepared_dir", "data.cache_dir"):
-        check_folder(key, _get(cfg, key))
+        if _get(cfg, key):
+            check_folder(_get(cfg, key), key)
     check_args(model_args(cfg.model))
     if cfg.training.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"training.seq_len={cfg.training.seq_len} exceeds model.max_seq_len="

@@ -270,16 +270,7 @@ def _ranks(launcher: int) -> list[int]:
     """The launcher and its live ranks: the processes named ``shardwise-r<RANK>`` that descend from
     it (forked from its rank server)."""
     procs = _processes()
-
-    def descends(pid: int) -> bool:
-        while pid > 1 and pid in procs:
-            if pid == launcher:
-                return True
-            pid = procs[pid][0]
-        return False
-
-    return [launcher] + [p for p, (_, name) in procs.items()
-                         if name.startswith("shardwise-r") and descends(p)]
+    return [launcher] + [p for p in _descendants(launcher, procs) if procs[p][1].startswith("shardwise-r")]
 
 
 def _alive(pids: list[int]) -> list[int]:
@@ -387,8 +378,9 @@ def test_the_local_launcher_listens_on_loopback_only(restarts: int, tmp_path: Pa
         launcher.wait(timeout=120)
 
 
-def _descendants(root: int) -> list[int]:
-    procs = _processes()
+def _descendants(root: int, procs: dict[int, tuple[int, str]] | None = None) -> list[int]:
+    """The live processes below ``root`` (from :func:`_processes`, read now unless given)."""
+    procs = _processes() if procs is None else procs
 
     def under(pid: int) -> bool:
         while pid > 1 and pid in procs:
