@@ -9,7 +9,7 @@ processes over the wall time: gloo's loopback TCP is mostly kernel time).
     python bench/fsdp_overlap.py --mib 64 --calls 45   # the 125m set's proportions on 4 ranks
     python bench/fsdp_overlap.py --mib 2 --calls 18    # the debug set's
 
-Findings: docs/planning.md ("FSDP's copies and unequal pipeline stages").
+Findings: bench/results/history.md ("FSDP's copies and unequal pipeline stages").
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ GEMM work alternating with 16 MiB all-gathers (as FSDP's blocks alternate comput
     python bench/share_probe.py --world 4 --repeats 3
 
 A share is the work's time alone, stretched to a fair share of the cores (world / cores), over the
-time it took: 1.0 is a fair share, more is more than a fair share. Findings: docs/planning.md.
+time it took: 1.0 is a fair share, more is more than a fair share. Findings: bench/results/history.md
+("Where the 125m set's FSDP layouts are over-predicted").
 """
 
 from __future__ import annotations

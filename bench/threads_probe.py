@@ -8,7 +8,7 @@ with ``OMP_WAIT_POLICY=passive``.
 
 Until 4 ranks on 2 cores were given one thread each whatever the environment asked, ``OMP_NUM_THREADS=2``
 ran pp=4 7.6x slower, the cores 95% busy in user time (1% idle); ``OMP_WAIT_POLICY=passive`` took it
-back to the one-thread speed. Findings: docs/planning.md ("Pipelines on oversubscribed threads").
+back to the one-thread speed. Findings: bench/results/history.md ("Pipelines on oversubscribed threads").
 """
 
 from __future__ import annotations

@@ -107,8 +107,8 @@ def rank_threads(local_ranks: int) -> tuple[int, str]:
     shared out (at least one each), or fewer where ``OMP_NUM_THREADS`` asks for fewer; and why an
     ``OMP_NUM_THREADS`` asking for more was lowered ("" if it was not). More threads than cores
     spin: a pipeline stage's OpenMP threads keep their cores busy while the stage waits for its
-    neighbour, and pp=4 on 4 ranks of 2 cores ran 7.6x slower with 2 threads a rank
-    (docs/planning.md)."""
+    neighbour, so oversubscribed pipelines run several times slower (bench/results/history.md,
+    "Pipelines on oversubscribed threads")."""
     cores = usable_cores()
     fair = fair_threads(local_ranks, cores)
     text = os.environ.get("OMP_NUM_THREADS", "").strip()
@@ -224,9 +224,8 @@ def bound_matmul_caches(entries: int = 256) -> bool:
     entry to both caches: unbounded, a moe-debug rank grew 0.6 -> 1.5 GiB over 40 steps and paid a
     page fault per new page, 4x as dear when ranks share the cores. The experts now pad their
     groups (:func:`shardwise.models.moe.group_alignment`), which bounds the shapes to a few
-    hundred; a cap of 64 then evicted kernels that were needed again (each rebuilt at about 1.5 ms
-    on an AMX CPU): one moe-debug rank on 2 threads took 0.97 s/step at 64 and 0.89 at 256 (1.32
-    against 1.6 GiB resident, flat from step 20; BENCHMARKS.md, MoE on CPU)."""
+    hundred; a smaller cap evicts kernels that are needed again, each rebuilt at a JIT compile's
+    cost, so the cap sits above that count (BENCHMARKS.md, MoE on CPU)."""
     if any(name in os.environ for name in MATMUL_CACHE_ENV):
         return False
     for name in MATMUL_CACHE_ENV:

@@ -97,11 +97,10 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
 
 CPU_GROUP_ROWS = 64
 """Fewest rows a CPU expert group is padded to a multiple of. oneDNN builds (JIT-compiles) a kernel
-for every new GEMM shape -- about 1.5 ms per product on an AMX CPU -- and keeps them in a
-shape-keyed cache (capped, :func:`shardwise.config.device.bound_matmul_caches`). Routing gives each expert
-a new row count at almost every call, so unpadded every grouped GEMM rebuilt its kernels: a
-(8192, 256) x (8, 256, 256) grouped product forward and backward took 49 ms against 2.5 ms with
-fixed counts. Padded to multiples of 64 rows it took 2.7 ms (BENCHMARKS.md, MoE on CPU)."""
+for every new GEMM shape and keeps them in a shape-keyed cache (capped,
+:func:`shardwise.config.device.bound_matmul_caches`). Routing gives each expert a new row count at
+almost every call, so unpadded every grouped GEMM rebuilds its kernels, many times the product's
+own cost; padded, the shapes repeat and the kernels are reused (BENCHMARKS.md, MoE on CPU)."""
 
 
 def group_alignment(slots: int, n_experts: int) -> int:

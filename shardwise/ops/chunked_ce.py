@@ -48,8 +48,8 @@ def _addmm_fp32(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
     gradient summed over chunks keeps fp32 partial sums (a bf16 result per chunk would round every
     chunk's contribution). On CUDA the bf16 GEMM writes its fp32 result straight into ``acc``
     (tensor cores, cuBLAS beta = 1): no second pass over the (V, D) accumulator per chunk, which at
-    a 128k vocabulary and dim 2048 is 1 GB read twice and written once (measured on an H100: such
-    adds took 15% of a Llama-3.2-1B step). A CPU has no bf16 GEMM with an fp32 output: there the
+    a 128k vocabulary and dim 2048 is 1 GB read twice and written once, a visible share of a 1B
+    step on a GPU (bench/results/history.md). A CPU has no bf16 GEMM with an fp32 output: there the
     product is an fp32 GEMM of the upcast inputs, or with ``round_on_cpu`` (the fused training loss,
     whose chunks are large and few; the CPU's fp32 GEMM is ~4x slower than its bf16 one) a bf16
     GEMM whose result rounds once, as the plain computation's one product does, before the add."""

@@ -41,12 +41,11 @@ def one_unit(fsdp_ranks: int, pp: int, device_type: str) -> bool:
     Per-block units exist to overlap each block's all-gather and reduce-scatter with compute and to
     free each block's gathered copy after use. On one rank there is nothing to gather or reduce --
     FSDP only casts the parameters to the compute dtype and the gradients back -- and on a GPU each
-    unit's hooks, stream syncs and copies are host time the kernels wait for: the 125m preset ran
-    1.8x faster on an H100 as one unit (181k -> 323k tokens/s, BENCHMARKS.md). One unit keeps the
+    unit's hooks, stream syncs and copies are host time the kernels wait for, which made small
+    models much slower on a GPU (BENCHMARKS.md). One unit keeps the
     compute-dtype copy of the parameters until backward ends (as autocast keeps its cast weights)
     and reduces all gradients at once at the end. On a CPU the step is compute-bound, so one unit
-    gains nothing there and its whole-model reduce buffers cost memory (125m, bf16: no faster, peak
-    RSS 5.3 -> 6.4 GiB): CPUs keep per-block units."""
+    gains nothing there and its whole-model reduce buffers cost memory: CPUs keep per-block units."""
     return fsdp_ranks == 1 and pp == 1 and device_type in ONE_UNIT_DEVICES
 
 
@@ -59,12 +58,12 @@ def plain_rank(world_size: int, device_type: str, choice: str) -> bool:
 
     On one rank FSDP gathers and reduces nothing, yet its mixed precision costs whole passes over the
     parameters and gradients every step: the cast to the bf16 copy, the copy-out, the gradients packed
-    into an fp32 reduce buffer, the one-rank "reduce" (a copy) and an fp32 scaling pass -- about
-    19 ms of a 1B step's 164 ms on an H100 and 30 ms of a Qwen3-MoE step's 160 ms
-    (bench/results/history.md, "Beside torchtitan"). Without it, autocast casts each weight where
-    a matmul reads it (fused into the compiled blocks) and autograd accumulates fp32 gradients in
-    place. On a CPU ``auto`` keeps FSDP: there the one-rank run is the reference every multi-rank
-    layout is compared against, and FSDP's bf16 parameter copies round as a multi-rank run's do."""
+    into an fp32 reduce buffer, the one-rank "reduce" (a copy) and an fp32 scaling pass: a tenth of a
+    GPU step or more (bench/results/history.md, "Beside torchtitan"). Without it, autocast casts each
+    weight where a matmul reads it (fused into the compiled blocks) and autograd accumulates fp32
+    gradients in place. On a CPU ``auto`` keeps FSDP: there the one-rank run is the reference every
+    multi-rank layout is compared against, and FSDP's bf16 parameter copies round as a multi-rank run's
+    do."""
     if world_size != 1 or choice == "fsdp":
         return False
     return choice == "plain" or device_type in PLAIN_DEVICES

@@ -79,11 +79,10 @@ def attention_tflops(dtype: torch.dtype, head_dim: int, seconds: float = 0.2, se
                      causal: bool = True) -> float:
     """Causal SDPA forward + backward over ``seq`` positions; FLOPs counted like ``executed_flops``:
     4 * H * D per (query, key) pair forward, 2.5x that backward, S(S+1)/2 pairs. (On CPUs the rate
-    depends on the sequence length -- 0.019 against 0.026 TFLOP/s for 256 and 512 positions at
-    one thread -- and hardly on batch or heads.) Not ``causal``: a ring attention's step off the
-    diagonal, ``seq`` queries against ``seq // 2`` keys unmasked (S * S / 2 pairs), which runs
-    1.1-1.8x faster a FLOP than the causal call of the same queries (one thread of an AVX512-BF16
-    EPYC: docs/planning.md)."""
+    depends on the sequence length and hardly on batch or heads.) Not ``causal``: a ring
+    attention's step off the diagonal, ``seq`` queries against ``seq // 2`` keys unmasked
+    (S * S / 2 pairs), which runs faster a FLOP than the causal call of the same queries
+    (bench/results/history.md)."""
     b, s, heads = 2, seq, max(1, 256 // head_dim)
     pairs = s * (s + 1) / 2 if causal else s * attention_keys(s, causal)
     flops = 4 * heads * head_dim * b * pairs * 3.5

@@ -343,11 +343,10 @@ def fsdp_copy_traffic(tally: ComputeTally, run: ResolvedRun, rank_states: RankSt
 def optimizer_seconds(cfg: Config, rank_states: RankStates, hw: Hardware, ranks: int,
                       device_type: str) -> float:
     """AdamW and gradient clipping over the rank's parameter shards, in place (memory-bound). torch's
-    fused AdamW (:func:`~shardwise.optim.adamw.fused_kernel`) takes the clip's division: the norm
-    reads the fp32 gradients (4 bytes per element), then one kernel reads parameter, gradient and
-    moments and writes them all back, the gradient too (it stores the division): 36 bytes (an H100
-    moved them at 2.5 TB/s: bench/results/history.md), costed at the hardware's memory rate. Other
-    kernels: 16 + 4 x state bytes + 12."""
+    fused AdamW (:func:`~shardwise.optim.adamw.fused_kernel`) takes the clip's division: the norm reads
+    the fp32 gradients (4 bytes per element), then one kernel reads parameter, gradient and moments and
+    writes them all back, the gradient too (it stores the division): 36 bytes, costed at the hardware's
+    memory rate. Other kernels: 16 + 4 x state bytes + 12."""
     state_bytes = BYTES[cfg.optimizer.state_dtype]
     numel = rank_states.params / 4  # fp32 shards
     per_element = 36 if fused_kernel(cfg.optimizer, device_type) else 4 * 4 + 4 * state_bytes + 12
@@ -356,9 +355,9 @@ def optimizer_seconds(cfg: Config, rank_states: RankStates, hw: Hardware, ranks:
 
 def host_seconds(run: ResolvedRun, rank_states: RankStates, hw: Hardware, micro_batches: int,
                  args: ModelArgs) -> float:
-    """Host time of the step, measured on the local CPU per block (dense or MoE; more under TP) and
-    per step; ranks beyond the cores share them. 0 on GPUs, where it is assumed hidden behind the
-    kernels."""
+    """Host time of the step, as calibrate timed it on the local CPU per block (dense or MoE; more under
+    TP) and per step; ranks beyond the cores share them. 0 on GPUs, where it is assumed hidden behind
+    the kernels."""
     overhead_ms = hw.overhead_ms
     if not overhead_ms:
         return 0.0

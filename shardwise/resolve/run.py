@@ -107,12 +107,10 @@ def resolve_run(cfg: Config, world_size: int, detect_device: bool = True) -> Res
 
 
 COMPILE_MIN_STEPS = 300
-"""compile.enabled=auto compiles runs of at least this many steps. Measured with the smallest preset,
-where compile pays least (debug.toml, 8 x 512, 2-core CPU, BENCHMARKS.md "time to first step"): the
-first step takes 13.9 s compiling with an empty inductor cache (3.4 s from the cache) against 1.1 s
-eager, and the steady state gains 7% (5,616 vs 5,254 tokens/s, 0.05 s of a 0.8 s step), so a cold
-compile breaks even after about 250 steps. A bigger model saves more per step for the same compile
-(blocks share one graph: the 125m saves about 1 s per step), so it pays sooner."""
+"""compile.enabled=auto compiles runs of at least this many steps: a cold compile costs seconds
+before the first step and gains a few percent per step on the smallest preset (where compile pays
+least), so it breaks even after a few hundred steps (BENCHMARKS.md, "time to first step"). A
+bigger model saves more per step for the same compile (blocks share one graph), so it pays sooner."""
 
 
 def check_async_tp(cfg: Config, dims: ParallelDims, device_type: str, compiled: bool) -> None:
@@ -168,19 +166,17 @@ def compile_run(cfg: Config, dims: _Degrees, device_type: str, toolchain: bool =
 
 FUSED_LOSS_LOGITS = 2**25
 """Logits per chunk of the fused loss when training.loss_chunk = 0: 64 MiB in bf16, and the
-chunk's matmuls stay large (CPU, 125m head, compiled pass: chunks of 1,024 tokens 1.12 s, of 4,096
-0.97 s, for one chunk's logits instead of four)."""
+chunk's matmuls stay large enough that narrower chunks would cost time (BENCHMARKS.md)."""
 
 FUSED_LOSS_MAX_CHUNKS = 4
-"""... but a micro-batch is cut into at most this many chunks: at a 128k vocabulary 2^25 logits are
-261 tokens, and the 32 chunks of a 4 x 2048 micro-batch cost a Llama-3.2-1B step on an H100 14%
-(45.4k tokens/s against 53.0k with 4 chunks of 2,048 tokens, BENCHMARKS.md): per-chunk launches and
-narrow GEMMs. Four chunks still hold a quarter of the logits the plain loss holds ..."""
+"""... but a micro-batch is cut into at most this many chunks: at a 128k vocabulary 2^25 logits are 261
+tokens, and 32 chunks of a 4 x 2048 micro-batch slow a 1B step on a GPU by per-chunk launches and narrow
+GEMMs (BENCHMARKS.md). Four chunks still hold a quarter of the logits the plain loss holds ..."""
 
 FUSED_LOSS_MAX_LOGITS = 2**28
-"""... and a chunk that floor makes holds at most this many logits (512 MiB in bf16, the 1B
-measurement's chunk): a large vocabulary times a long micro-batch (Qwen3's 151,936 x 8 x 4,096)
-gets more chunks rather than gigabytes of logits."""
+"""... and a chunk that floor makes holds at most this many logits (512 MiB in bf16): a large vocabulary
+times a long micro-batch (Qwen3's 151,936 x 8 x 4,096) gets more chunks rather than gigabytes of
+logits."""
 
 
 def loss_chunk_tokens(t: TrainingConfig, vocab_size: int, pp: int, tp: int = 1, tokens: int = 0) -> int:

@@ -5,6 +5,7 @@ short functions and files, a loop that fits on one screen, and a config layer at
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -242,3 +243,15 @@ def test_docs_are_guides_not_notebooks():
     cells = [c.strip() for line in (ROOT / "BENCHMARKS.md").read_text().splitlines()
              if line.startswith("|") for c in line.strip("|").split("|")]
     assert cells and max(len(c) for c in cells) <= 300, max(cells, key=len)[:120]
+
+
+MEASUREMENT_STORY = re.compile(r"\b20\d\d-\d\d-\d\d\b|\bround [A-Z]\b|\bmeasured on (a|an|the)\b")
+
+
+def test_source_states_rules_not_dated_measurements():
+    """Docstrings and comments give a rule or a reason, with a pointer to the benchmark at most: no
+    date, no "round X", no "measured on a/the ..." story (those live in bench/results/history.md)."""
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()[:80]}" for path in PACKAGE.rglob("*.py")
+             for n, line in enumerate(path.read_text().splitlines(), 1) if MEASUREMENT_STORY.search(line)]
+    assert found == []
+    assert MEASUREMENT_STORY.search("took 2.2 ms (measured on an H200, 2026-11-26)")
