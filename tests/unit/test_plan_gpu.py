@@ -31,6 +31,8 @@ from shardwise.resolve.checks import load_config
 from tests.helpers import ROOT, one_rank_pg, planned
 
 TFLOPS, SMS = 132.0, 132  # 1 TFLOP/s per multiprocessor
+FIXTURES = ROOT / "tests" / "fixtures" / "planner"
+"""Measurements the planner is tested against (frozen copies: tests/fixtures/README.md)."""
 FAST = 1e18  # bytes/s: never memory-bound
 
 
@@ -57,7 +59,7 @@ def test_gemm_model_quantizes_tiles_and_waves():
     assert shallow == pytest.approx(2 * (8192 * 64 * 2 + 8192 * 8192) / bw)
 
 
-H200_MEASURED = ROOT / "bench" / "results" / "h200_gpu_model.json"
+H200_MEASURED = FIXTURES / "h200_gpu_model.json"
 
 
 def test_gemm_model_predicts_measured_h200_kernels_by_shape():
@@ -106,7 +108,7 @@ def test_attention_by_shape_is_fitted_to_each_gpus_own_timings(hardware: str):
     from shardwise.plan.hardware import attention_efficiency
 
     hw = load_hardware(hardware)
-    rows = json.loads((ROOT / "bench" / "results" / f"{hardware}_attention.json").read_text())["attention"]
+    rows = json.loads((FIXTURES / f"{hardware}_attention.json").read_text())["attention"]
     assert len(rows) == 36 and {r["head_dim"] for r in rows} == {64, 96, 128, 256}
     fitted = gpu_model.fit_attention(rows)
     assert fitted["attention"] == hw.efficiency["attention"]
@@ -129,7 +131,7 @@ def _step_kernels(name: str, hw: Hardware | None = None) -> tuple[dict, dict]:
     sys.path.insert(0, str(ROOT / "bench"))
     from gpu_model import step_kernels
 
-    profile = json.loads((ROOT / "bench" / "results" / name).read_text())
+    profile = json.loads((FIXTURES / name).read_text())
     return profile, step_kernels(profile, hw or load_hardware("h100"))
 
 
@@ -351,9 +353,8 @@ def test_planning_a_gpu_on_a_cpu_builds_the_gpus_layout():
     assert len(built_states(planned(cpu, 1))[0].units) == model_args(cpu.model).n_layers + 1  # per block
 
 
-H100_RUNS = ROOT / "bench" / "results" / "vs_torchtitan_h100"
-ONE_GPU = [H100_RUNS / "one_gpu_2026-11-27" / name for name in ("main.json", "more.json")]
-FSDP_ONE_RANK = H100_RUNS / "runs_2026-11-27.json"  # the same shapes with FSDP on one rank
+ONE_GPU = [FIXTURES / name for name in ("h100_one_gpu_main.json", "h100_one_gpu_more.json")]
+FSDP_ONE_RANK = FIXTURES / "h100_fsdp_one_rank.json"  # the same shapes with FSDP on one rank
 
 
 def _measured(files: list, shape: str) -> tuple[dict, list[dict]]:

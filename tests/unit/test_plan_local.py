@@ -278,7 +278,7 @@ def test_ranking_report_counts_the_orders_any_prediction_could_reach(tmp_path):
 
     import tomli_w
 
-    r = json.loads((ROOT / "bench" / "results" / "ranking_avx512_debug_2026-11-27b.json").read_text())
+    r = json.loads((ROOT / "tests" / "fixtures" / "planner" / "ranking_avx512_debug.json").read_text())
     base, layouts = plan_ranking.SETS["debug"]
     toml = tmp_path / "hw.toml"
     toml.write_text(tomli_w.dumps(r["profile"]))

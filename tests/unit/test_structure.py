@@ -255,3 +255,12 @@ def test_source_states_rules_not_dated_measurements():
              for n, line in enumerate(path.read_text().splitlines(), 1) if MEASUREMENT_STORY.search(line)]
     assert found == []
     assert MEASUREMENT_STORY.search("took 2.2 ms (measured on an H200, 2026-11-26)")
+
+
+def test_tests_read_fixtures_from_tests_not_from_the_benchmark_record():
+    """bench/results/ is a record that grows; what a test compares against is frozen under tests/fixtures/.
+    (test_docs_commands.py runs documented bench commands, which name their own inputs.)"""
+    readers = [str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("*.py")
+               if p.name not in ("test_docs_commands.py", "test_structure.py")
+               and re.search(r"bench/results/|\"bench\" / \"results\"", p.read_text())]
+    assert readers == []
