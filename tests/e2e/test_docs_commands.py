@@ -56,10 +56,12 @@ class Check:
     (``slow``, or ``covered``: a test in ``make test``, ``file::name``, runs the same code path --
     the same layout, launcher or tool -- and the command as written runs in ``make test-all``); or
     not run here, for the stated ``reason`` (another test runs the same command, or it needs what
-    this machine has not got)."""
+    this machine has not got). Its output must match each pattern in ``shows`` (default: the
+    command's own in :data:`SHOWS`); a ``file`` group names a path the command made."""
 
     extra: str = ""
     setup: tuple[str, ...] = ()
+    shows: tuple[str, ...] = ()
     slow: bool = False
     reason: str = ""
     needs: str = ""
@@ -228,7 +230,7 @@ HOW: dict[str, Check] = {
     "shardwise train --config plan-debug.toml --run.device cpu --nproc 2 --run.dir runs/pretrain "
     "--checkpoint.resume true": covered(_PRETRAIN, Check(TRAIN, setup=(
         _PLAN_DEBUG, "shardwise train --config plan-debug.toml --run.device cpu --nproc 2 "
-                     "--run.dir runs/pretrain --training.steps 2"))),
+                     "--run.dir runs/pretrain --training.steps 1"))),
     # docs/fine-tuning.md: a Hugging Face folder from the hub, which this machine cannot reach
     "shardwise train --checkpoint.initial_hf Qwen3-0.6B/ --data.format chat --data.path chats.jsonl "
     "--run.dir runs/sft": Check(reason=f"needs Qwen3-0.6B from the hub; {_SFT} runs the same commands on a "
@@ -268,6 +270,38 @@ HOW: dict[str, Check] = {
 }
 
 
+_TRAINED = (r"step 2/2 \| loss \d", r"run directory: (?P<file>\S+) ")
+SHOWS: list[tuple[str, tuple[str, ...]]] = [
+    # (a command's start, what its output must hold): the first start that matches decides
+    (r"shardwise train .*--print-config", (r"(?m)^\[training\]$", r"(?m)^steps = \d+$")),
+    (r"shardwise train --help-config", (r"--training\.steps +\(int, default \d+\)",)),
+    (r"shardwise train |torchrun .*-m shardwise train ", _TRAINED),
+    (r"shardwise verify ", (r"\| PASS \|",)),
+    (r"shardwise estimate ", (r"step [\d.]+ s -> [\d,]+ tokens/s, [\d,]+ per device, MFU [\d.]+%",)),
+    (r"shardwise plan ", (r"best layout written to (?P<file>\S+): ",)),
+    (r"shardwise calibrate", (r"saved (?P<file>\S+): use --hardware local",)),
+    (r"shardwise prepare ", (r"prepared \S+: [\d,]+ \+ [\d,]+ held-out documents, [\d,]+ tokens",)),
+    (r"shardwise convert --to-hf ", (r"exported \S+ -> (?P<file>\S+) \(\d+ safetensors file",)),
+    (r"shardwise convert --from-hf ", (r"imported \S+ -> (?P<file>\S+) \(model \w+\)",)),
+    (r"shardwise compare ", (r"bitwise equal: \d+ steps",)),
+    (r"shardwise report ", (r"report: (?P<file>\S+report\.html)",)),
+    (r"shardwise generate ", (r"\w",)),
+    (r"shardwise eval ", (r"all: loss [\d.]+, perplexity [\d.]+",)),
+    (r"python bench/gpu_model\.py --fit-attention", (r'"attention": 0\.\d+, "attention_seq_half": \d+',)),
+    (r"python bench/gpu_model\.py --step-kernels", (r"\| step \| [\d.]+ \| [\d.]+ \| [\d.]+ \|",)),
+    (r"python bench/plan_ranking\.py --report", (r"median of the repeats: step-time error",)),
+    (r"python bench/published\.py", (r"\| 405B FSDP8 TP8 PP8 1F1B",)),
+]
+"""What each documented command must print (beyond exit 0): its result line, not merely no error."""
+
+
+def expected(command: str) -> tuple[str, ...]:
+    """The patterns ``command``'s output must match: its Check's own, else its kind's in :data:`SHOWS`."""
+    if HOW[command].shows:
+        return HOW[command].shows
+    return next((shows for start, shows in SHOWS if re.match(start, command)), ())
+
+
 def _add_parallelism_matrices() -> None:
     """docs/parallelism.md's verify matrices (long lines, so listed from its text)."""
     for command, doc in documented_commands().items():
@@ -295,6 +329,10 @@ def test_each_covering_test_exists():
             at = text.find(f"\ndef {name}(")
             assert at > 0, f"{command}: no test {how.covered}"
             assert "@pytest.mark.slow" not in text[text.rfind("\n\n", 0, at):at], how.covered
+
+
+def test_every_command_run_checks_what_it_prints():
+    assert [c for c, how in HOW.items() if how.runs and not expected(c)] == []
 
 
 def _params(slow: bool) -> list:
@@ -330,4 +368,10 @@ def test_documented_command_runs(command: str, tmp_path: Path, data_cache: str):
     cwd = _scratch(tmp_path)
     for step in how.setup:
         _run(step, cwd, data_cache)
-    _run(f"{command} {how.extra}".strip(), cwd, data_cache)
+    proc = _run(f"{command} {how.extra}".strip(), cwd, data_cache)
+    said = proc.stdout + proc.stderr
+    for pattern in expected(command):
+        found = re.search(pattern, said)
+        assert found, f"{command}: output lacks /{pattern}/:\n{said[-3000:]}"
+        if "file" in found.groupdict():
+            assert (cwd / found["file"]).exists(), f"{command}: says it wrote {found['file']}, absent"
