@@ -45,7 +45,7 @@ def main() -> None:
     from shardwise import checkpoint
     from shardwise.config.schema import CheckpointConfig
     from shardwise.models import PRESETS
-    from shardwise.models.llama import build_model, init_weights
+    from shardwise.models.transformer import build_model, init_weights
 
     root = Path(tempfile.mkdtemp(dir=a.dir))
     dist.init_process_group("gloo", init_method=f"file://{root / 'pg'}", rank=0, world_size=1)

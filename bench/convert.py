@@ -26,7 +26,7 @@ def seed_checkpoint(preset: str, out: Path) -> int:
     from shardwise.checkpoint import save_model_only
     from shardwise.config.schema import ModelConfig
     from shardwise.models import PRESETS
-    from shardwise.models.llama import build_model, init_weights
+    from shardwise.models.transformer import build_model, init_weights
 
     args = PRESETS[preset]
     model = build_model(args, device="cpu")

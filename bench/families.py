@@ -21,12 +21,11 @@ import time
 
 import torch
 
-from shardwise.config.device import cpu_kind
 from shardwise.config.schema import Config
 from shardwise.data.dataset import PackedLoader, open_corpus
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.models import PRESETS
-from shardwise.models.llama import build_model, init_weights
+from shardwise.models.transformer import build_model, init_weights
 from shardwise.observe.flops import attention_pairs, executed_flops, flops_per_token, num_params
 from shardwise.observe.peak import measure_gemm_tflops
 from shardwise.optim.adamw import build_optimizer
@@ -34,6 +33,7 @@ from shardwise.optim.lr import build_lr_scheduler
 from shardwise.parallel.dims import ParallelDims
 from shardwise.parallel.parallelize import parallelize
 from shardwise.resolve.run import ResolvedRun, loss_chunk_tokens
+from shardwise.runtime.machine import cpu_kind
 from shardwise.trainer.loss import TokenLoss
 from shardwise.trainer.train import train_step
 

@@ -46,7 +46,6 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
-from shardwise.config.device import init_distributed  # noqa: E402
 from shardwise.models import ModelArgs  # noqa: E402
 from shardwise.plan.cost import host_ops  # noqa: E402
 from shardwise.plan.hardware import (  # noqa: E402
@@ -57,6 +56,7 @@ from shardwise.plan.hardware import (  # noqa: E402
     load_hardware,
 )
 from shardwise.plan.probes import median_seconds, tiny_step  # noqa: E402
+from shardwise.runtime.distributed import init_distributed  # noqa: E402
 
 
 def _shapes() -> list[tuple[str, int, int, int]]:

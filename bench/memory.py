@@ -41,7 +41,7 @@ def build(row: dict, a: argparse.Namespace) -> tuple:
     import torch
 
     from shardwise.config.schema import ActivationCheckpointConfig, OptimizerConfig
-    from shardwise.models.llama import build_model, init_weights
+    from shardwise.models.transformer import build_model, init_weights
     from shardwise.optim.adamw import build_optimizer
     from shardwise.parallel.ac import apply_ac
     from shardwise.parallel.compile import apply_compile
@@ -78,16 +78,17 @@ def trainer_step(row: dict, a: argparse.Namespace) -> tuple:
     the loss, the allocator setting and compile."""
     import torch
 
-    from shardwise.config.device import init_distributed, keep_freed_cpu_memory
     from shardwise.config.schema import Config
     from shardwise.data.dataset import Batch
     from shardwise.models import PRESETS
-    from shardwise.models.llama import build_model, init_weights
+    from shardwise.models.transformer import build_model, init_weights
     from shardwise.optim.adamw import build_optimizer
     from shardwise.optim.lr import build_lr_scheduler
     from shardwise.parallel.dims import ParallelDims
     from shardwise.parallel.parallelize import parallelize
     from shardwise.resolve.run import ResolvedRun, loss_chunk_tokens
+    from shardwise.runtime.distributed import init_distributed
+    from shardwise.runtime.machine import keep_freed_cpu_memory
     from shardwise.trainer.loss import TokenLoss
     from shardwise.trainer.train import train_step
 

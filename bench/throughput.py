@@ -39,12 +39,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from shardwise.config.device import init_distributed, keep_freed_cpu_memory
 from shardwise.config.schema import Config
 from shardwise.data.dataset import IGNORE_INDEX, PackedLoader, open_corpus
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.models import PRESETS
-from shardwise.models.llama import build_model, init_weights
+from shardwise.models.transformer import build_model, init_weights
 from shardwise.observe.flops import flops_per_token, num_params
 from shardwise.observe.peak import measure_gemm_tflops
 from shardwise.optim.adamw import build_optimizer
@@ -52,6 +51,8 @@ from shardwise.optim.lr import build_lr_scheduler
 from shardwise.parallel.dims import ParallelDims
 from shardwise.parallel.parallelize import parallelize
 from shardwise.resolve.run import ResolvedRun, compile_run, loss_chunk_tokens
+from shardwise.runtime.distributed import init_distributed
+from shardwise.runtime.machine import keep_freed_cpu_memory
 from shardwise.trainer.loss import TokenLoss
 from shardwise.trainer.train import train_step
 

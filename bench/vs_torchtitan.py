@@ -171,11 +171,11 @@ def run_shardwise(shape: Shape, device: str, steps: int, warmup: int, float8: st
     import torch
     from torch.distributed.fsdp import FSDPModule
 
-    from shardwise.config.device import init_distributed
     from shardwise.data.dataset import Batch
     from shardwise.optim.adamw import build_optimizer
     from shardwise.optim.lr import build_lr_scheduler
     from shardwise.resolve.run import resolve_run
+    from shardwise.runtime.distributed import init_distributed
     from shardwise.trainer.build import build_rank_model
     from shardwise.trainer.loss import TokenLoss
     from shardwise.trainer.train import train_step

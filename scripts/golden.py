@@ -26,8 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shardwise.config.device import cpu_kind  # noqa: E402
 from shardwise.observe.peak import cpu_name  # noqa: E402
+from shardwise.runtime.machine import cpu_kind  # noqa: E402
 
 GOLDEN = ROOT / "tests" / "golden"
 FAMILIES = {

@@ -65,9 +65,9 @@ def help_text() -> str:
 
 def steps_of_epochs(cfg: config.Config) -> int:
     """training.epochs -> training.steps, said in a notice (the data is prepared first)."""
+    from shardwise.config.notice import notice
     from shardwise.data.dataset import epochs_to_steps
     from shardwise.data.tokenizer import load_tokenizer
-    from shardwise.resolve.checks import notice
 
     t = cfg.training
     steps, windows = epochs_to_steps(cfg.data, load_tokenizer(cfg.data.tokenizer), t.seq_len, t.global_batch,
@@ -80,7 +80,7 @@ def steps_of_epochs(cfg: config.Config) -> int:
 def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
     from pathlib import Path
 
-    from shardwise.config.device import launched_world_size
+    from shardwise.runtime.distributed import launched_world_size
 
     if args.help_config:
         print(help_text())
@@ -256,8 +256,8 @@ def cmd_prepare(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
+    from shardwise.config.notice import notice
     from shardwise.plan.hardware import load_hardware, profile_device
-    from shardwise.resolve.checks import notice
 
     world = flags.need_nproc(args, "ranks (devices) to estimate for")
     # training.mixed_precision=auto resolves for the planned device, not for this machine.
@@ -281,8 +281,8 @@ def cmd_estimate(args: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     import time
 
+    from shardwise.config.notice import notice
     from shardwise.plan.hardware import load_hardware, profile_device
-    from shardwise.resolve.checks import notice
 
     gpus = flags.need_nproc(args, "devices to plan for")
     if args.top < 1:
@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
             config.read_config(None, rest)
         rest, args.model_note = flags.apply_model(args, rest)
         if args.model_note and args.command != "plan":  # (plan writes it into its config, and says it)
-            from shardwise.resolve.checks import notice
+            from shardwise.config.notice import notice
 
             notice(args.model_note)
         if args.command == "train":
@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         process.rank_error(traceback.format_exc().strip().splitlines()[-1], "crash")
         raise
     finally:
-        from shardwise.config.device import leave_distributed
+        from shardwise.runtime.distributed import leave_distributed
 
         leave_distributed()  # after the error is recorded: a peer that then fails is the second
     return 1

@@ -16,10 +16,10 @@ from importlib.metadata import version as dist_version
 from pathlib import Path
 from typing import NoReturn
 
+from shardwise.config.notice import notice
 from shardwise.config.schema import preset_toml, section_fields, sections
 from shardwise.config.types import ConfigError
 from shardwise.models import PRESETS
-from shardwise.resolve.checks import notice
 
 EXAMPLES: dict[str, tuple[str, ...]] = {
     "train": ("shardwise train --config configs/debug.toml",

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from shardwise.data.tokenizer import ASSETS
 from shardwise.launch.verify import checkpoint_params, update_error
 from shardwise.models import ModelArgs, model_args
-from shardwise.models.llama import (
+from shardwise.models.transformer import (
     build_model,
     init_weights,
 )

@@ -47,7 +47,7 @@ from shardwise.models.hf_config import (  # (hf_family: re-exported for the test
     rope_rows,
     to_rotate_half,
 )
-from shardwise.models.llama import build_model
+from shardwise.models.transformer import build_model
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _SHARD_BYTES = 5 << 30  # split safetensors files at this size, as HF's save_pretrained does
@@ -248,7 +248,7 @@ class HFFolder:
 def load_hf_weights(model: nn.Module, folder: Path, args: ModelArgs) -> None:
     """Fill this rank's parameters (any layout: FSDP, TP and EP shards, pipeline stages) from an HF
     folder of ``args``'s shape: each parameter's full tensor is read and converted, and the rank
-    keeps its shard -- the split :func:`shardwise.models.llama.init_weights` makes, one full tensor at a
+    keeps its shard -- the split :func:`shardwise.models.transformer.init_weights` makes, one full tensor at a
     time. Buffers stay as init built them (the RoPE table, MoE token counts), but for DeepSeek-V3's
     routing bias, which its checkpoints carry."""
     hf = HFFolder(folder)

@@ -30,7 +30,6 @@ from typing import Any
 
 import numpy as np
 
-from shardwise.config.device import usable_cores
 from shardwise.config.schema import ConfigError, DataConfig
 from shardwise.data.indexed import ShardWriter, token_dtype
 from shardwise.data.sources import (
@@ -44,6 +43,7 @@ from shardwise.data.sources import (
     resolve_sources,
 )
 from shardwise.data.tokenizer import Tokenizer, load_tokenizer
+from shardwise.runtime.machine import usable_cores
 
 FORMAT = 1
 _BATCH_CHARS = 1 << 20  # documents are tokenized ~1 MB of text at a time: a worker's memory bound

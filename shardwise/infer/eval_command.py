@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 from shardwise.checkpoint import checkpoint_or_latest, load_weights, read_manifest, run_config
 from shardwise.checkpoint.manifest import manifest_model_config
-from shardwise.config.device import init_distributed, launched_world_size
 from shardwise.config.schema import Config, ConfigError
 from shardwise.data.dataset import check_vocab, open_corpus
 from shardwise.data.prepare import prepare
@@ -28,6 +27,7 @@ from shardwise.infer.harness import run_tasks, task_manager
 from shardwise.launch.agent import launch, strip_launcher_flags
 from shardwise.resolve.checks import load_config
 from shardwise.resolve.run import resolve_run
+from shardwise.runtime.distributed import init_distributed, launched_world_size
 from shardwise.trainer.build import batch_sharder, build_pipe, build_rank_model
 from shardwise.trainer.evaluate import score
 from shardwise.trainer.loss import TokenLoss

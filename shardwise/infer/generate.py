@@ -22,12 +22,12 @@ from shardwise.checkpoint import read_manifest
 from shardwise.checkpoint.hf import load_hf_weights, run_tokenizer
 from shardwise.checkpoint.manifest import checkpoint_or_latest, manifest_model
 from shardwise.checkpoint.reader import check_compatible, load_model_only
-from shardwise.config.device import device_type
 from shardwise.config.schema import ConfigError
 from shardwise.data.chat import check_messages
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.models.hf_config import args_from_hf, read_hf_config
-from shardwise.models.llama import KVCache, build_model, rope_table
+from shardwise.models.transformer import KVCache, build_model, rope_table
+from shardwise.runtime.machine import device_type
 
 
 @dataclass(frozen=True)

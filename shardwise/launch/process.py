@@ -29,8 +29,8 @@ import sys
 import threading
 import time
 
-from shardwise.config.device import rank_threads
-from shardwise.resolve.checks import LAUNCHED_RANK_ENV
+from shardwise.config.notice import LAUNCHED_RANK_ENV
+from shardwise.runtime.machine import rank_threads
 
 _BUFFERED = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
 

@@ -1,6 +1,6 @@
 """Model families and presets: which model a config names, and whether it can be built. Torch-free,
 so a config is checked before torch loads; the modules themselves (``build_model``, ``Transformer``,
-``init_weights``) are in :mod:`shardwise.models.llama`."""
+``init_weights``) are in :mod:`shardwise.models.transformer`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Layers the blocks share: norms, the SwiGLU MLP, RoPE, the attention kernel and generation's key-value
-cache (llama.py, mla.py, moe.py)."""
+cache (transformer.py, mla.py, moe.py)."""
 
 from __future__ import annotations
 

@@ -98,7 +98,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
 CPU_GROUP_ROWS = 64
 """Fewest rows a CPU expert group is padded to a multiple of. oneDNN builds (JIT-compiles) a kernel
 for every new GEMM shape and keeps them in a shape-keyed cache (capped,
-:func:`shardwise.config.device.bound_matmul_caches`). Routing gives each expert a new row count at
+:func:`shardwise.runtime.machine.bound_matmul_caches`). Routing gives each expert a new row count at
 almost every call, so unpadded every grouped GEMM rebuilds its kernels, many times the product's
 own cost; padded, the shapes repeat and the kernels are reused (BENCHMARKS.md, MoE on CPU)."""
 

@@ -2,7 +2,7 @@
 
 ``parallel/*.py`` apply these plans and import no model class (tests/unit/test_structure.py holds
 it), so a new family adds its modules and plans under ``models/`` and nothing to ``parallel/``.
-A model built by :func:`shardwise.models.llama.build_model` has:
+A model built by :func:`shardwise.models.transformer.build_model` has:
 
 - ``model.layers``: an ``nn.ModuleDict`` of blocks keyed by layer index (pipeline stages take
   contiguous runs of it: the model's split points are between blocks), ``model.args`` and a

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardwise.models.llama import ModelArgs
+from shardwise.models.transformer import ModelArgs
 
 # Backward-to-forward FLOP ratios: matmuls compute two gradients (input, weight) of the same size
 # as the forward product; flash attention's backward recomputes QK^T then runs four matmuls.

@@ -36,7 +36,6 @@ from pathlib import Path
 
 import torch
 
-from shardwise.config.device import cpu_has_native_bf16, keep_freed_cpu_memory, usable_cores
 from shardwise.launch.process import enter_rank, start_rank_server
 from shardwise.plan.hardware import GRID_ROWS, Hardware, local_path, save_hardware
 from shardwise.plan.probes import (
@@ -49,6 +48,7 @@ from shardwise.plan.probes import (
     memory_efficiency,
     tiny_step,
 )
+from shardwise.runtime.machine import cpu_has_native_bf16, keep_freed_cpu_memory, usable_cores
 
 GEMM_SIZES = (128, 256, 512, 1024, 2048)
 HEAD_DIMS = (16, 32, 64, 128)

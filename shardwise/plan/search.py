@@ -23,7 +23,6 @@ import multiprocessing
 from collections import Counter
 from dataclasses import dataclass, field
 
-from shardwise.config.device import usable_cores
 from shardwise.config.model_args import ModelArgs
 from shardwise.config.schema import Config, ConfigError, model_label, preset_toml, read_config
 from shardwise.models.presets import FAMILY_TOKENIZERS
@@ -34,6 +33,7 @@ from shardwise.plan.layout import Layout
 from shardwise.plan.memory import memory_floor, step_memory
 from shardwise.plan.states import ParamShapes, bounding_pp_ranks, param_shapes, shape_states
 from shardwise.resolve.run import ResolvedRun, resolve_model
+from shardwise.runtime.machine import usable_cores
 
 AC_MODES = ("none", "selective", "selective_half", "full")
 MEMORY_ORDER = ("full", "selective_half", "selective", "none", "layer")

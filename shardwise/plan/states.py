@@ -32,10 +32,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-import shardwise.config.device
+import shardwise.runtime.machine
 from shardwise.config.schema import Config, ConfigError
 from shardwise.models import ModelArgs
-from shardwise.models.llama import build_model
+from shardwise.models.transformer import build_model
 from shardwise.parallel.dims import Degrees, Mesh
 from shardwise.parallel.fsdp import one_unit, plain_rank
 from shardwise.parallel.parallelize import parallelize
@@ -338,7 +338,7 @@ def planned_device(run: ResolvedRun) -> str:
     """The device type the plan is for: run.device, or with ``auto`` this machine's (so a one-rank
     layout planned on a CPU machine gets the CPU's FSDP units; --run.device cuda plans a GPU's)."""
     device = run.device_type  # (the planner resolves runs without detecting the device)
-    return device if device != "auto" else shardwise.config.device.device_type("auto")
+    return device if device != "auto" else shardwise.runtime.machine.device_type("auto")
 
 
 def shape_states(run: ResolvedRun, shapes: ParamShapes | None = None,

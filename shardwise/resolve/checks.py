@@ -6,12 +6,12 @@ settings are resolved for the device."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 from typing import Any
 
-import shardwise.config.device
+import shardwise.runtime.machine
 from shardwise.config.model_args import ModelArgs
+from shardwise.config.notice import notice
 from shardwise.config.outputs import check_folder
 from shardwise.config.schema import Config, ConfigError, ModelConfig, read_config
 from shardwise.models import check_args, model_args
@@ -104,19 +104,6 @@ def check_layout(cfg: Config, world: int) -> None:
     dims.check_model(model_args(cfg.model), cfg.training.seq_len)
 
 
-# Set by `shardwise train --nproc` for its ranks: the folder where a failing rank leaves its one-line
-# error for the launcher (shardwise/cli.py), which also marks a process as a launched rank.
-LAUNCHED_RANK_ENV = "SHARDWISE_ERROR_DIR"
-
-
-def notice(text: str) -> None:
-    """Tell the user about a value resolved for them, once per run: the process the user started
-    speaks (under torchrun, rank 0); ranks started by ``shardwise train --nproc`` stay quiet."""
-    if os.environ.get(LAUNCHED_RANK_ENV) or os.environ.get("RANK", "0") != "0":
-        return
-    print(f"notice: {text}", flush=True)
-
-
 def clamp_profile(cfg: Config) -> None:
     """A profiler window that would end after the run (``--profile.enabled true`` on a 10-step run
     with the 50-step windows) records the run's last steps instead, with a notice: a trace, not
@@ -150,8 +137,8 @@ def resolve_precision(cfg: Config, device: str | None = None) -> None:
     Every rank of a job decides alike: from CPU feature flags, not from a timing."""
     if cfg.training.mixed_precision != "auto":
         return
-    device = device or shardwise.config.device.device_type(cfg.run.device)
-    fast = device != "cpu" or shardwise.config.device.cpu_has_native_bf16()
+    device = device or shardwise.runtime.machine.device_type(cfg.run.device)
+    fast = device != "cpu" or shardwise.runtime.machine.cpu_has_native_bf16()
     cfg.training.mixed_precision = "bf16" if fast else "fp32"
 
 

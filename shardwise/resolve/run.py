@@ -9,12 +9,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
-import shardwise.config.device
+import shardwise.runtime.distributed
+import shardwise.runtime.machine
+from shardwise.config.notice import notice
 from shardwise.config.schema import Config, ConfigError, TrainingConfig
 from shardwise.models import ModelArgs, model_args
 from shardwise.parallel.dims import Mesh, ParallelDims
 from shardwise.parallel.pipeline import PipelineShape, stages_per_rank
-from shardwise.resolve.checks import notice
 
 
 @dataclass(frozen=True)
@@ -92,9 +93,9 @@ def resolve_run(cfg: Config, world_size: int, detect_device: bool = True) -> Res
         cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, micro_batch=chosen))
     micro_batches = micro_batches_per_rank(cfg.training, dims.dp)
     check_pipeline(cfg, dims, micro_batches)
-    device_type = shardwise.config.device.device_type(cfg.run.device) if detect_device else cfg.run.device
+    device_type = shardwise.runtime.machine.device_type(cfg.run.device) if detect_device else cfg.run.device
     if detect_device and device_type == "cuda":
-        shardwise.config.device.check_gpu_count(world_size)
+        shardwise.runtime.distributed.check_gpu_count(world_size)
     compiled, why = compile_run(cfg, dims, device_type, toolchain=detect_device)
     check_async_tp(cfg, dims, device_type, compiled)
     if cfg.parallel.one_rank == "plain" and world_size > 1 and detect_device:
@@ -144,7 +145,7 @@ def compile_run(cfg: Config, dims: _Degrees, device_type: str, toolchain: bool =
             raise ConfigError("debug.trace hooks every module's output, eager only: set "
                               "compile.enabled=false (or auto) to trace")
         return False, "compile.enabled=auto: eager, debug.trace hooks every module"
-    missing = shardwise.config.device.compile_toolchain(device_type) if toolchain and want else None
+    missing = shardwise.runtime.machine.compile_toolchain(device_type) if toolchain and want else None
     if want is True and missing:
         raise ConfigError(f"compile.enabled=true needs {missing} to build its {device_type} kernels: "
                           "install it, or set compile.enabled=false")

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from shardwise.data.dataset import IGNORE_INDEX, Batch
-from shardwise.models.llama import build_model, init_weights
+from shardwise.models.transformer import build_model, init_weights
 from shardwise.parallel.context import shard_sequences
 from shardwise.parallel.dims import Mesh, ParallelDims
 from shardwise.parallel.parallelize import parallelize

@@ -8,21 +8,22 @@ import tempfile
 from pathlib import Path
 
 from shardwise import checkpoint
-from shardwise.config.device import launched_world_size, rank_threads
 from shardwise.config.extras import require_extra
+from shardwise.config.notice import notice
 from shardwise.config.schema import Config, ConfigError, model_label
 from shardwise.data.prepare import check_prepared
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.launch import rundir
 from shardwise.launch.resilience import restart_count
 from shardwise.models import ModelArgs
-from shardwise.models.llama import build_model
 from shardwise.models.presets import FAMILY_TOKENIZERS, vocab_beyond_padding
+from shardwise.models.transformer import build_model
 from shardwise.observe.routing import read_meta
 from shardwise.observe.trace import rank_path, taken
 from shardwise.parallel.float8 import float8_summary
-from shardwise.resolve.checks import notice
 from shardwise.resolve.run import ResolvedRun, resolve_run
+from shardwise.runtime.distributed import launched_world_size
+from shardwise.runtime.machine import rank_threads
 
 
 def preflight(cfg: Config, world_size: int) -> ResolvedRun:

@@ -20,7 +20,6 @@ from torch import nn
 
 from shardwise import checkpoint
 from shardwise.checkpoint import hf as convert
-from shardwise.config.device import DistEnv
 from shardwise.config.outputs import RunRecord, target
 from shardwise.config.schema import Config, ConfigError, model_label
 from shardwise.data.dataset import Batch, Corpus, PackedLoader, check_vocab, open_corpus, packing_notices
@@ -44,6 +43,7 @@ from shardwise.parallel.dims import DEGREES, Mesh
 from shardwise.parallel.float8 import gathers_float8
 from shardwise.parallel.pipeline import Pipe
 from shardwise.resolve.run import ResolvedRun
+from shardwise.runtime.distributed import DistEnv
 from shardwise.trainer.build import batch_sharder, build_pipe, build_rank_model
 from shardwise.trainer.evaluate import Evaluator
 from shardwise.trainer.loss import TokenLoss

@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.config.device import bound_matmul_caches, init_distributed
 from shardwise.config.schema import ConfigError
 from shardwise.data.dataset import Batch
 from shardwise.launch import rundir
@@ -29,6 +28,8 @@ from shardwise.parallel.dims import Mesh
 from shardwise.parallel.float8 import precompute_scales
 from shardwise.parallel.pipeline import Pipe
 from shardwise.resolve.run import ResolvedRun
+from shardwise.runtime.distributed import init_distributed
+from shardwise.runtime.machine import bound_matmul_caches
 from shardwise.trainer.loss import TokenLoss
 from shardwise.trainer.session import Session, open_session
 

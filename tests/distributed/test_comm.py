@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from shardwise.models import model_args
-from shardwise.models.llama import build_model
+from shardwise.models.transformer import build_model
 from shardwise.resolve.checks import load_config
 from tests.helpers import TINY_ARGS, run_cli
 

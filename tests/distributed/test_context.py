@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.experimental._context_parallel import _ContextParallel
 from torch.distributed.tensor.parallel import parallelize_module
 
-from shardwise.models.llama import AttentionCore
+from shardwise.models.transformer import AttentionCore
 from shardwise.parallel.context import SEQ_DIM, enable_ring_attention, local_positions
 from tests.helpers import free_port
 

@@ -54,7 +54,7 @@ def test_memory_breakdown_counts_every_tensor(tmp_path: Path, data_cache: str):
     of the batch per rank saves what accumulation's half-size micro-batch saves) and grow with them
     linearly (8, 4 and 2 sequences), over a part that does not grow (the loss's chunks)."""
     from shardwise.models import model_args
-    from shardwise.models.llama import build_model
+    from shardwise.models.transformer import build_model
     from shardwise.resolve.checks import load_config
 
     def breakdown(name: str, *extra: str) -> dict:

@@ -1,8 +1,8 @@
 """A rank's way out: leaving the process groups before the interpreter finalizes.
 
-Without :func:`shardwise.config.device.leave_distributed`, a rank that exits right after a collective can
-abort in interpreter finalization (a gloo worker thread still freeing the collective's tensors
-needs the GIL): "terminate called without an active exception" beside the rank's one-line error.
+Without :func:`shardwise.runtime.distributed.leave_distributed`, a rank that exits right after a
+collective can abort in interpreter finalization (a gloo worker thread still freeing the collective's
+tensors needs the GIL): "terminate called without an active exception" beside the rank's one-line error.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 # rank does after a one-line error; LEAVE says whether they leave their groups first.
 _RANK = """
 import sys, torch.distributed as dist
-from shardwise.config.device import leave_distributed
+from shardwise.runtime.distributed import leave_distributed
 rank, store, leave = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
 dist.new_group(backend="gloo")
@@ -30,7 +30,7 @@ sys.exit(2)
 # Rank 0 starts a collective that rank 1 never joins (rank 1 stays alive elsewhere), then leaves.
 _STUCK = """
 import sys, time, torch, torch.distributed as dist
-from shardwise.config.device import leave_distributed
+from shardwise.runtime.distributed import leave_distributed
 rank, store = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
 dist.barrier()

@@ -19,7 +19,7 @@ import torch
 from shardwise import checkpoint
 from shardwise.launch.verify import checkpoint_params
 from shardwise.models import model_args
-from shardwise.models.llama import build_model
+from shardwise.models.transformer import build_model
 from shardwise.resolve.checks import load_config
 from tests.helpers import ROOT, TINY_ARGS, metrics, need, run_cli
 

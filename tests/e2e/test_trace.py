@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.config.device import usable_cores
 from shardwise.observe.trace import rank_path
+from shardwise.runtime.machine import usable_cores
 from tests.helpers import TINY_ARGS, run_cli
 
 STEPS = ["--training.steps=4"]

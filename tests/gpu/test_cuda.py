@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.models import PRESETS
-from shardwise.models.llama import apply_rope, build_model, init_weights, rope_table
+from shardwise.models.transformer import apply_rope, build_model, init_weights, rope_table
 from shardwise.ops.chunked_ce import _addmm_fp32, chunked_linear_cross_entropy, reference_linear_cross_entropy
 from shardwise.trainer.loss import TokenLoss
 from shardwise.trainer.train import train_step
@@ -191,7 +191,7 @@ def test_generation_on_cuda_matches_the_cpu_and_its_cache():
     """shardwise generate's decoding on CUDA: fp32 greedy tokens equal the CPU's on the same weights;
     in bf16 the cached logits equal recomputing the sequence's within bf16's rounding."""
     from shardwise.infer.generate import Sampling, generate
-    from shardwise.models.llama import KVCache
+    from shardwise.models.transformer import KVCache
 
     args = dataclasses.replace(PRESETS["debug"], n_layers=2, max_seq_len=256)
     cpu = build_model(args, device="cpu")

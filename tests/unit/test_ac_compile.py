@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardwise.config.schema import ActivationCheckpointConfig
 from shardwise.models import PRESETS
-from shardwise.models.llama import build_model, init_weights
+from shardwise.models.transformer import build_model, init_weights
 from shardwise.parallel.ac import apply_ac
 from shardwise.parallel.compile import apply_compile
 

@@ -18,7 +18,7 @@ from shardwise import checkpoint
 from shardwise.checkpoint import Checkpointer, CheckpointError
 from shardwise.config.schema import CheckpointConfig
 from shardwise.models import ModelArgs
-from shardwise.models.llama import build_model, init_weights
+from shardwise.models.transformer import build_model, init_weights
 
 ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=32)
 

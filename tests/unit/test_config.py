@@ -138,7 +138,7 @@ def test_every_field_is_documented():
 def test_auto_precision_resolves_per_device(monkeypatch: pytest.MonkeyPatch):
     """auto is bf16 on GPUs and on CPUs that multiply bf16 natively, fp32 on other CPUs; the loaded
     config names the dtype, so a saved run resumes with the same one on any machine."""
-    import shardwise.config.device as device
+    import shardwise.runtime.machine as device
 
     def mp(args: list[str], device: str | None = None) -> str:
         return load_config(None, args, device=device).training.mixed_precision
@@ -218,7 +218,7 @@ def test_ranks_beyond_the_visible_gpus_are_refused_per_machine(monkeypatch: pyte
     nodes), the whole world before a launch, else a launched rank's own index plus one."""
     import torch
 
-    from shardwise.config.device import check_gpu_count
+    from shardwise.runtime.distributed import check_gpu_count
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):

@@ -14,7 +14,7 @@ from shardwise import checkpoint
 from shardwise.checkpoint import hf as convert
 from shardwise.config.schema import ConfigError, ModelConfig
 from shardwise.models import model_args
-from shardwise.models.llama import build_model, init_weights
+from shardwise.models.transformer import build_model, init_weights
 from tests.helpers import require
 
 MODEL = ModelConfig(name="debug", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256,

@@ -12,7 +12,7 @@ from torch.distributed.fsdp import fully_shard
 
 from shardwise.config.schema import Float8Config
 from shardwise.models import PRESETS
-from shardwise.models.llama import build_model, init_weights
+from shardwise.models.transformer import build_model, init_weights
 from shardwise.parallel.float8 import (
     apply_float8,
     float8_groups,

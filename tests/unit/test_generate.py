@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from shardwise.infer import generate as gen
-from shardwise.models.llama import KVCache, build_model, init_weights
 from shardwise.models.presets import PRESETS
+from shardwise.models.transformer import KVCache, build_model, init_weights
 from tests.helpers import ROOT, require
 
 ASSETS = ROOT / "shardwise" / "data" / "assets"

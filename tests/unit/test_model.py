@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.models import PRESETS, ModelArgs
-from shardwise.models.llama import (
+from shardwise.models.transformer import (
     Transformer,
     apply_rope,
     build_model,

@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.models import PRESETS, ModelArgs
-from shardwise.models.llama import build_model, init_weights
 from shardwise.models.moe import (
     CPU_GROUP_ROWS,
     GroupedExperts,
@@ -23,6 +22,7 @@ from shardwise.models.moe import (
     pad_groups,
     update_expert_bias,
 )
+from shardwise.models.transformer import build_model, init_weights
 from shardwise.observe.flops import num_params
 from tests.helpers import require
 
@@ -260,7 +260,7 @@ def test_presets_count_parameters():
 # the resident set in MiB. argv: the cache cap to set first ("none": the library defaults), rounds.
 _ROW_COUNTS = """
 import os, random, sys
-from shardwise.config.device import bound_matmul_caches, keep_freed_cpu_memory
+from shardwise.runtime.machine import bound_matmul_caches, keep_freed_cpu_memory
 if sys.argv[1] != "none":
     assert bound_matmul_caches(int(sys.argv[1]))
 import torch
@@ -281,7 +281,7 @@ print(rss() - start)
 
 
 def _row_count_growth(cap: str, rounds: int = 300) -> float:
-    from shardwise.config.device import MATMUL_CACHE_ENV
+    from shardwise.runtime.machine import MATMUL_CACHE_ENV
 
     env = {k: v for k, v in os.environ.items() if k not in MATMUL_CACHE_ENV}
     proc = subprocess.run([sys.executable, "-c", _ROW_COUNTS, cap, str(rounds)], capture_output=True,
@@ -304,7 +304,7 @@ def test_capped_matmul_caches_stop_the_row_count_growth():
 
 
 def test_matmul_cache_caps_leave_a_users_setting(monkeypatch: pytest.MonkeyPatch):
-    from shardwise.config.device import MATMUL_CACHE_ENV, bound_matmul_caches
+    from shardwise.runtime.machine import MATMUL_CACHE_ENV, bound_matmul_caches
 
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "2048")
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)

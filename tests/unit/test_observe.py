@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shardwise.models import PRESETS, ModelArgs
-from shardwise.models.llama import build_model
+from shardwise.models.transformer import build_model
 from shardwise.observe import peak as peak_mod
 from shardwise.observe.flops import flops_per_token, num_params
 from shardwise.observe.metrics import Throughput
@@ -159,7 +159,7 @@ def test_executed_flops_match_torch_flop_counter(kind: str, monkeypatch: pytest.
 
     from torch.utils.flop_counter import FlopCounterMode
 
-    from shardwise.models.llama import init_weights
+    from shardwise.models.transformer import init_weights
     from shardwise.observe.flops import executed_flops, flop_counter_formulas
 
     args = _small(kind)
@@ -177,7 +177,7 @@ def test_executed_flops_match_torch_flop_counter(kind: str, monkeypatch: pytest.
 
 def test_attention_pairs_match_the_mask():
     """Causal, sliding-window and document-mask pair counts equal the True entries of the mask."""
-    from shardwise.models.llama import document_mask
+    from shardwise.models.transformer import document_mask
     from shardwise.observe.flops import attention_pairs, document_pairs
 
     s = 37
@@ -261,7 +261,7 @@ def test_executed_flops_with_recompute_match_the_flop_counter(kind: str, mode: s
     from torch.utils.flop_counter import FlopCounterMode
 
     from shardwise.config.schema import ActivationCheckpointConfig
-    from shardwise.models.llama import init_weights
+    from shardwise.models.transformer import init_weights
     from shardwise.observe.flops import executed_flops, flop_counter_formulas
     from shardwise.parallel.ac import apply_ac
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shardwise.config.schema import LRSchedulerConfig, OptimizerConfig
-from shardwise.models.llama import RMSNorm
+from shardwise.models.transformer import RMSNorm
 from shardwise.optim.adamw import build_optimizer
 from shardwise.optim.clip import clip_grad_norm_
 from shardwise.optim.lr import WarmupDecay

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.models.llama import build_model, init_weights
+from shardwise.models.transformer import build_model, init_weights
 from shardwise.parallel.pipeline import split_stage, stage_layers
 from tests.helpers import TINY_MODEL
 

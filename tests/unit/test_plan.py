@@ -14,7 +14,7 @@ import torch
 from shardwise.config.schema import ConfigError
 from shardwise.data.dataset import Batch
 from shardwise.models import model_args
-from shardwise.models.llama import build_model
+from shardwise.models.transformer import build_model
 from shardwise.observe.flops import attention_pairs, executed_flops
 from shardwise.observe.memory import SavedActivations
 from shardwise.optim.adamw import build_optimizer
@@ -560,7 +560,7 @@ def test_cuda_ranks_expand_allocator_segments_unless_configured(monkeypatch: pyt
     (expandable segments); an allocator setting of the user's, under either name, is kept."""
     import os
 
-    from shardwise.config.device import CUDA_ALLOC_ENV, expandable_cuda_segments
+    from shardwise.runtime.machine import CUDA_ALLOC_ENV, expandable_cuda_segments
 
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:128")
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)

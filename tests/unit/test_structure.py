@@ -94,7 +94,8 @@ def test_no_function_local_imports_of_the_package_outside_the_cli():
 
 # The stages, bottom up (docs/architecture.md): a module imports only from its own stage and those
 # below it. The library folders share a stage; the cycle test above keeps them acyclic.
-STAGES = [{"config"}, {"data", "ops", "models", "optim", "parallel", "observe", "checkpoint"}, {"resolve"},
+STAGES = [{"config"}, {"runtime", "data", "ops", "models", "optim", "parallel", "observe", "checkpoint"},
+          {"resolve"},
           {"launch"}, {"trainer"}, {"infer", "plan"}, {""}]
 
 
@@ -191,7 +192,8 @@ def test_config_sits_at_the_bottom():
     assert graph["shardwise.config.schema"] <= {"shardwise.config.types", "shardwise.config.model_args"}
     for leaf in graph["shardwise.config.schema"]:
         assert graph[leaf] == set(), leaf
-    assert graph["shardwise.config.device"] <= {"shardwise.config.types"}
+    assert graph["shardwise.runtime.machine"] <= {"shardwise.config.types"}
+    assert graph["shardwise.config.notice"] == set()
 
 
 def test_the_cli_and_the_preparation_workers_start_without_torch():

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardwise.config import device
 from shardwise.launch import process
+from shardwise.runtime import machine as device
 
 
 @pytest.fixture

@@ -1,5 +1,7 @@
-"""Llama-3-style decoder: RMSNorm, RoPE (with Llama-3.1 frequency scaling), grouped-query attention
-through ``scaled_dot_product_attention`` (optionally masked per document), SwiGLU MLP.
+"""The decoder every family shares (Llama 3, Qwen3, DeepSeek-V3): RMSNorm, RoPE (Llama-3.1 and YaRN
+frequency scaling), attention through ``scaled_dot_product_attention`` (grouped-query, optionally with
+per-head norms, or multi-head latent attention: :mod:`shardwise.models.mla`; masked per document), and a
+SwiGLU feed-forward, dense or routed (:mod:`shardwise.models.moe`). A family is a ``ModelArgs``.
 
 The model runs no parallelism itself; it declares how the parallelisms split it (``model.plan``,
 ``block.plan``: :mod:`shardwise.models.protocol`), which ``parallel/`` applies. It is built on the meta
