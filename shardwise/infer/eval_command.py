@@ -87,7 +87,7 @@ def evaluate_checkpoint(cfg: Config, checkpoint: Path, split: str) -> list[Score
     return out
 
 
-def cmd_eval(args: argparse.Namespace, overrides: list[str], argv: list[str],
+def eval_command(args: argparse.Namespace, overrides: list[str], argv: list[str],
              rank_main: Callable[..., None]) -> int:
     """``shardwise eval``: on one rank, on ``--nproc`` local ranks (``rank_main`` runs this command
     in each), or as a rank under torchrun."""

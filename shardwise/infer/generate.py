@@ -191,9 +191,9 @@ def prompt_ids(tok: Any, prompt: str = "", messages: list[dict[str, str]] | None
 
 
 # ---------------------------------------------------------------------------------------------
-# The command (its flags: shardwise/generate_flags.py)
+# The command (its flags: shardwise/commands/generate.py)
 
-def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
+def generate_command(args: argparse.Namespace, extra: list[str]) -> int:
     if extra:
         raise ConfigError(f"generate takes no config overrides: {' '.join(extra)}")
     s = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from shardwise import flags
 from shardwise.cli import main
+from shardwise.commands import COMMANDS, build_parser, common
 from shardwise.config.types import ConfigError
 from shardwise.resolve.layouts import fill_layouts
 from tests.helpers import ROOT
@@ -116,20 +116,21 @@ def test_verify_nproc_fills_and_checks_layouts():
 
 
 def test_help_shows_defaults_and_ends_with_examples_that_parse(capsys):
-    parser, commands = flags.build_parser()
+    parser, commands = build_parser()
+    examples_of = {name: m.EXAMPLES for name, m in COMMANDS.items()}
     top = parser.format_help().rstrip().splitlines()
-    assert top[-len(flags.EXAMPLES) - 1].startswith("examples") and len(commands) == len(flags.EXAMPLES)
+    assert top[-len(examples_of) - 1].startswith("examples") and len(commands) == len(examples_of)
     for name, sub in commands.items():
         text = sub.format_help()
-        assert text.rstrip().splitlines()[-len(flags.EXAMPLES[name]) - 1] == "examples:", name
+        assert text.rstrip().splitlines()[-len(examples_of[name]) - 1] == "examples:", name
     assert "(default: h100)" in commands["plan"].format_help()
     assert "(default: 20)" in commands["verify"].format_help()
     assert "(default: None)" not in "".join(c.format_help() for c in commands.values())
-    for name, examples in flags.EXAMPLES.items():
+    for name, examples in examples_of.items():
         for example in examples:
             words = shlex.split(example)
             words = words[words.index("shardwise") + 1:] if "shardwise" in words else words[3:]
             args, rest = parser.parse_known_args(words)
             assert args.command == name, example
-            flags.check_unknown_flags(commands[name], rest)
-            flags.apply_model(args, rest)
+            common.check_unknown_flags(commands[name], rest)
+            common.apply_model(args, rest)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.cli import field_docs, help_text
+from shardwise.commands.train import field_docs, help_text
 from shardwise.config.schema import Config, ConfigError, parse_overrides
 from shardwise.resolve.checks import load_config
 

@@ -1,0 +1,55 @@
+"""``shardwise estimate``: per-rank memory, communication and step time of one layout."""
+
+from __future__ import annotations
+
+import argparse
+
+from shardwise.commands.common import add_model, add_nproc, add_overwrite, load_config, need_nproc
+from shardwise.config import extras
+from shardwise.config.outputs import target
+
+NAME = "estimate"
+SUMMARY = "per-rank memory, communication and step time of a layout"
+DESCRIPTION = (
+    "Predict, without the cluster, what one layout costs per rank: parameters, gradients and optimizer "
+    "states (exact: the real model built and parallelized on torch's fake process group), activations "
+    "and the step's peak memory, every collective with its bytes, and the step time on a hardware "
+    "profile. Overrides --section.key=value apply as in train."
+)
+EXAMPLES = (
+    "shardwise estimate --model 8b --nproc 8 --parallel.tp 2",
+    "shardwise estimate --config plan.toml --nproc 64 --json estimate.json",
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML preset, e.g. configs/debug.toml")
+    add_model(p)
+    add_nproc(p, "number of ranks (devices), required")
+    p.add_argument("--hardware", default="h100",
+                   help="h100, h200, a100, b200, mi300x, local (after `shardwise calibrate`) or a .toml")
+    p.add_argument("--json", default="", help="also write the estimate as JSON to this file")
+    add_overwrite(p, "--json")
+
+
+def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
+    from shardwise.config.notice import notice
+    from shardwise.plan.hardware import load_hardware, profile_device
+
+    world = need_nproc(args, "ranks (devices) to estimate for")
+    # training.mixed_precision=auto resolves for the planned device, not for this machine.
+    cfg = load_config(args.config, overrides, device=profile_device(args.hardware), world=world)
+    if said := extras.plan_without_float8(cfg):
+        notice(said)
+    hw = load_hardware(args.hardware, cfg.data.cache_dir)
+    from shardwise.plan.estimate import estimate, estimate_json, format_estimate
+    from shardwise.resolve.run import resolve_run
+
+    # The trainer's own refusals, one line each (for the planned machine, not this one's device).
+    resolve_run(cfg, world, detect_device=False)
+    where = target(args.json, "--json", args.overwrite, folder=False) if args.json else None
+    est = estimate(cfg, world, hw)
+    print(format_estimate(est))
+    if where is not None:
+        where.write(estimate_json(est))
+    return 0

@@ -1,0 +1,105 @@
+"""``shardwise plan``: rank the layouts of a model on a cluster and write the best as a config."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shardwise.commands.common import add_model, add_nproc, add_overwrite, load_config, need_nproc
+from shardwise.config import extras
+from shardwise.config import schema as config
+from shardwise.config.outputs import target
+from shardwise.config.schema import ConfigError
+
+NAME = "plan"
+SUMMARY = "rank the layouts of a model on a cluster"
+DESCRIPTION = (
+    "Enumerate layouts (pp, dp_replicate, dp_shard, cp, tp, ep, pipeline schedule, micro-batch, "
+    "activation checkpointing), drop those the trainer would refuse or that do not fit in memory, rank "
+    "the rest by predicted tokens/s per device, print the best and write the first as a ready-to-run "
+    "config. Overrides --section.key=value (e.g. --float8.enabled true) apply to every candidate."
+)
+EXAMPLES = (
+    "shardwise plan --model 8b --nproc 8",
+    "shardwise plan --model 70b --nproc 256 --hardware h200 --global-batch-tokens 4M",
+)
+OWN_MODEL_NOTICE = True
+"""plan writes the --model notice into the config it writes, and says it after the table."""
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML giving everything but the layout (default: built-in defaults)")
+    add_model(p)
+    add_nproc(p, "number of devices (ranks), required")
+    p.add_argument("--hardware", default="h100", help="hardware profile (see estimate)")
+    p.add_argument("--seq", type=int, default=0, help="sequence length (default: the config's)")
+    p.add_argument("--global-batch-tokens", default="",
+                   help="tokens per optimizer step, e.g. 4M (default: one sequence of --seq tokens per "
+                        "device, and at least the config's training.global_batch, which counts sequences)")
+    p.add_argument("--top", type=int, default=5, help="layouts to show (each estimated exactly)")
+    p.add_argument("--ac", default="none,selective,selective_half,full",
+                   help="activation-checkpointing modes to try")
+    p.add_argument("--schedules", default="1f1b,interleaved1f1b,zbv", help="pipeline schedules to try")
+    p.add_argument("--memory-fraction", type=float, default=0.9,
+                   help="usable fraction of device memory (allocator fragmentation, CUDA context)")
+    p.add_argument("--out", default=None, help="where the best layout's config is written (default: "
+                   "plan.toml, an earlier one kept aside; '' = not written)")
+    add_overwrite(p, "--out")
+
+
+def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
+    import time
+
+    from shardwise.config.notice import notice
+    from shardwise.plan.hardware import load_hardware, profile_device
+
+    gpus = need_nproc(args, "devices to plan for")
+    if args.top < 1:
+        raise ConfigError(f"--top must be >= 1, got {args.top}")
+    if not 0 < args.memory_fraction <= 1:
+        raise ConfigError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
+    ac = tuple(filter(None, args.ac.split(",")))
+    schedules = tuple(filter(None, args.schedules.split(",")))
+    for name, values, key in (("--ac", ac, "activation_checkpoint.mode"),
+                              ("--schedules", schedules, "parallel.pp_schedule")):
+        if bad := [v for v in values if v not in config.choices(key)]:
+            known = ", ".join(config.choices(key))
+            raise ConfigError(f"{name}: unknown {', '.join(bad)}; choose from {known}")
+    cfg = load_config(args.config, overrides, device=profile_device(args.hardware))
+    without_float8 = extras.plan_without_float8(cfg)
+    hw = load_hardware(args.hardware, cfg.data.cache_dir)
+    from shardwise.plan.search import (
+        data_note,
+        format_plan,
+        layout_toml,
+        parse_tokens,
+        plan,
+        plan_config,
+        run_command,
+        shape_differs,
+        why_nothing,
+    )
+
+    default_out = args.out is None
+    args.out = "plan.toml" if default_out else args.out
+    where = (target(args.out, "--out", args.overwrite, default=default_out, folder=False, example="plan.toml")
+             if args.out else None)
+    seq = args.seq or cfg.training.seq_len
+    tokens = (parse_tokens(args.global_batch_tokens) if args.global_batch_tokens
+              else max(cfg.training.global_batch, gpus) * seq)
+    cfg = plan_config(cfg, seq, tokens)
+    notes = [n for n in (args.model_note, without_float8, shape_differs(cfg), data_note(cfg)) if n]
+    start = time.perf_counter()
+    result = plan(cfg, gpus, hw, args.top, args.memory_fraction, ac, schedules)
+    print(format_plan(result, cfg, gpus, hw))
+    print(f"({time.perf_counter() - start:.1f} s)")
+    if not result.top:
+        print(why_nothing(result, cfg, gpus, hw, args.memory_fraction, not args.global_batch_tokens),
+              file=sys.stderr)
+        return 1
+    if args.out:
+        if said := where.write(layout_toml(result.top[0], args.out, tuple(notes))):
+            notice(said)
+        print(f"best layout written to {args.out}: {run_command(args.out, gpus, hw)}")
+    for n in notes:
+        notice(n)
+    return 0

@@ -1,0 +1,44 @@
+"""``shardwise prepare``: tokenize the data into the memory-mapped shards training reads."""
+
+from __future__ import annotations
+
+import argparse
+
+from shardwise.commands.common import add_model, load_config
+
+NAME = "prepare"
+SUMMARY = "tokenize the data into memory-mapped shards"
+DESCRIPTION = (
+    "Stream data.path (or each of data.sources, and data.val_path), tokenize it on every core and write "
+    "the token shards training memory-maps, into data.prepared_dir (or the cache). Run it on a CPU node "
+    "before a GPU job; an interrupted run resumes from the shards it finished. Extra "
+    "--section.key=value overrides apply."
+)
+EXAMPLES = (
+    "shardwise prepare --config configs/debug.toml --data.path corpus/",
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML preset, e.g. configs/debug.toml")
+    add_model(p)
+
+
+def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
+    import json
+
+    from shardwise.data.prepare import prepare
+    from shardwise.data.tokenizer import load_tokenizer
+
+    cfg = load_config(args.config, overrides)
+    from shardwise.data.dataset import pack_prepared  # (after the config's checks: it imports torch)
+
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    for where in prepare(cfg.data, tokenizer):
+        m = json.loads((where / "manifest.json").read_text())
+        bad = f", {m['bad_rows']:,} bad rows skipped" if m["bad_rows"] else ""
+        print(f"{where}: {m['shards']} shard(s), {m['docs']:,} documents and {m['tokens']:,} tokens to "
+              f"train on, {m['val_docs']:,} documents and {m['val_tokens']:,} tokens held out{bad}")
+    for line in pack_prepared(cfg.data, tokenizer, cfg.training.seq_len):  # chat: whole conversations
+        print(line)
+    return 0

@@ -1,0 +1,62 @@
+"""``shardwise verify``: train the 1-rank reference and each layout from one seed and compare
+losses and parameters against stated tolerances."""
+
+from __future__ import annotations
+
+import argparse
+
+from shardwise.commands.common import add_model, add_nproc, load_config
+from shardwise.config.outputs import check_folder
+from shardwise.config.schema import ConfigError
+
+NAME = "verify"
+SUMMARY = "prove layouts match the 1-rank run"
+DESCRIPTION = (
+    "Train the 1-rank reference and each layout for --steps steps from one seed checkpoint; compare "
+    "losses and final parameters against documented tolerances. Extra --section.key=value overrides "
+    "apply to every run."
+)
+EXAMPLES = (
+    "shardwise verify --config configs/debug.toml --nproc 4",
+    "shardwise verify --config configs/debug.toml --layouts dp_shard=2 tp=2 --steps 10",
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML preset, e.g. configs/debug.toml")
+    add_model(p)
+    add_nproc(p, "ranks of every layout: a layout without dp_shard fills it to this many; without "
+                 "--layouts, verify dp_shard=N and (N even) tp=2 with dp_shard=N/2")
+    p.add_argument("--layouts", nargs="+", default=None,
+                   help="layouts as degree lists, e.g. dp_shard=4 tp=2,dp_shard=2 (each one's product of "
+                        "degrees is its number of ranks)")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps of every run")
+    p.add_argument("--out", default="runs/verify", help="where runs, logs and the plot go")
+    p.add_argument("--localize", action="store_true",
+                   help="name where each layout first departs from the reference (module output or "
+                        "gradient of step 1), not only the failing ones")
+    p.add_argument("--moe-routing", default="replay", choices=["replay", "free"],
+                   help="MoE models: each layout replays the reference's expert choices per token and "
+                        "reports where its own router differs (default), or routes freely (a near-tie "
+                        "broken the other way then fails the layout)")
+
+
+def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
+    from pathlib import Path
+
+    from shardwise.resolve.layouts import fill_layouts, parse_layout
+
+    if args.steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {args.steps}")
+    layouts = fill_layouts(args.layouts, args.nproc)  # a bad one fails before any run (and torch)
+    base = load_config(args.config, [*overrides, f"--training.steps={args.steps}"])
+    if args.layouts is None and base.model.n_experts:  # an MoE model's standard layouts add EP
+        layouts = fill_layouts(None, args.nproc, experts=True)
+    for text in layouts:  # each layout as the trainer will check it, before the reference runs
+        layout_overrides, world = parse_layout(text)
+        load_config(args.config, [*overrides, *layout_overrides], world=world)
+    check_folder(args.out, "--out")
+    from shardwise.launch.verify import verify
+
+    return 0 if verify(base, args.config, overrides, layouts, args.steps, Path(args.out),
+                       args.moe_routing, args.localize) else 1
