@@ -76,10 +76,10 @@ def predict(base: list[str], layout: str, hardware: str, profile: dict | None = 
     from shardwise.launch.verify import parse_layout
     from shardwise.plan.estimate import estimate
     from shardwise.plan.hardware import Hardware, load_hardware
-    from shardwise.resolve.checks import load_config
+    from shardwise.resolve.checks import load_config, resolve_config
 
     overrides, world = parse_layout(layout)
-    cfg = load_config(base[1], base[2:] + overrides + COMMON, device="cpu")
+    cfg = resolve_config(load_config(base[1], base[2:] + overrides + COMMON), "cpu")
     hw = Hardware(**profile) if profile else load_hardware(hardware, cfg.data.cache_dir)
     est = estimate(cfg, world, hw)
     return str(est.layout), est.time.step

@@ -54,14 +54,14 @@ ROWS = [
 
 def config(model: str, world: int, batch: int, degrees: dict, mb: int, ac: str, compile_: bool, fp8: bool,
            schedule: str):
-    from shardwise.resolve.checks import load_config
+    from shardwise.resolve.checks import load_config, resolve_config
 
     over = [f"--model.name={model}", "--training.seq_len=8192", f"--training.global_batch={batch}",
             f"--training.micro_batch={mb}", f"--activation_checkpoint.mode={ac}",
             f"--compile.enabled={compile_}", f"--float8.enabled={fp8}", f"--parallel.pp_schedule={schedule}",
             "--training.loss=plain",  # torchtitan's: cross-entropy of the fp32 logits, eager
             "--parallel.dp_shard=1", *(f"--parallel.{k}={v}" for k, v in degrees.items())]
-    return load_config(None, over, device="cuda")  # (auto precision resolves for the GPUs planned)
+    return resolve_config(load_config(None, over), "cuda")  # (auto precision resolves for the GPUs planned)
 
 
 FIT = {"matmul": (0.30, 0.95), "matmul_fp8": (0.20, 0.95), "attention": (0.15, 0.95), "memory": (0.20, 1.0)}

@@ -26,7 +26,7 @@ from shardwise.models.transformer import (
     init_weights,
 )
 from shardwise.parallel.dims import DEGREES
-from shardwise.resolve.checks import load_config
+from shardwise.resolve.checks import load_config, resolve_config
 from shardwise.resolve.layouts import fill_layouts
 from shardwise.resolve.run import ResolvedRun, resolve_run
 
@@ -92,6 +92,12 @@ def run_cli(args: list[str], timeout: float = 300, launcher: list[str] | None = 
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def resolved_config(path: str | Path | None, overrides: list[str] | None = None,
+                    device: str | None = None):  # noqa: ANN201 - a Config
+    """The config as a run on ``device`` resolves it (None: this machine): what the planner plans from."""
+    return resolve_config(load_config(path, overrides), device)
 
 
 def planned(cfg, world: int) -> ResolvedRun:  # noqa: ANN001 - a Config

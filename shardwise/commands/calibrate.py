@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from shardwise.commands.common import load_config
-
 NAME = "calibrate"
 SUMMARY = "measure this machine for --hardware local"
 DESCRIPTION = (
@@ -26,6 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, extra: list[str], argv: list[str]) -> int:
     from shardwise.plan.calibrate import calibrate
     from shardwise.plan.hardware import local_path
+    from shardwise.resolve.checks import load_config
 
     cfg = load_config(None, extra)
     print("calibrating this machine ...", flush=True)

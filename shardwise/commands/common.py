@@ -153,10 +153,9 @@ def add_overwrite(p: argparse.ArgumentParser, what: str) -> None:
                         "files, is refused)")
 
 
-def load_config(path: str | None, overrides: list[str], device: str | None = None,
-                world: int | None = None) -> Config:
-    """:func:`shardwise.resolve.checks.load_config`, imported on first use: the checks load the
-    models and torch, which ``shardwise --help`` and a mistyped subcommand never need."""
-    from shardwise.resolve.checks import load_config as load
+def load_resolved(path: str | None, overrides: list[str], device: str | None = None) -> Config:
+    """The config as a run on ``device`` resolves it (:func:`shardwise.resolve.checks.resolve_config`):
+    what ``--print-config`` shows and what the planner plans from."""
+    from shardwise.resolve.checks import load_config, resolve_config
 
-    return load(path, overrides, device, world)
+    return resolve_config(load_config(path, overrides), device)

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from shardwise.commands.common import add_overwrite, add_skip_checksums, load_config
-from shardwise.config import schema as config
+from shardwise.commands.common import add_overwrite, add_skip_checksums
 from shardwise.config.outputs import target
 from shardwise.config.schema import ConfigError
 
@@ -41,6 +40,7 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
     from pathlib import Path
 
     from shardwise.checkpoint import hf as convert
+    from shardwise.resolve.checks import load_config
 
     if args.to_hf:
         if overrides or args.config or args.toml:
@@ -72,8 +72,6 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
     cfg.model = model
     cfg.checkpoint.path = str(out)
     cfg.data.tokenizer = cfg.data.tokenizer or hf_tokenizer(Path(args.from_hf))  # the model's own
-    # The config trains elsewhere too: keep `auto` precision for the machine that trains, not this one's.
-    cfg.training.mixed_precision = config.read_config(args.config, overrides).training.mixed_precision
     where_toml.write(cfg.to_toml())
     print(f"imported {args.from_hf} -> {out} (model {model.name or 'from config.json'}); train from it: "
           f"shardwise train --config {toml}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from shardwise.commands.common import add_model, add_nproc, add_overwrite, load_config, need_nproc
+from shardwise.commands.common import add_model, add_nproc, add_overwrite, load_resolved, need_nproc
 from shardwise.config import extras
 from shardwise.config.outputs import target
 
@@ -38,15 +38,16 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
 
     world = need_nproc(args, "ranks (devices) to estimate for")
     # training.mixed_precision=auto resolves for the planned device, not for this machine.
-    cfg = load_config(args.config, overrides, device=profile_device(args.hardware), world=world)
-    if said := extras.plan_without_float8(cfg):
-        notice(said)
-    hw = load_hardware(args.hardware, cfg.data.cache_dir)
-    from shardwise.plan.estimate import estimate, estimate_json, format_estimate
+    cfg = load_resolved(args.config, overrides, profile_device(args.hardware))
     from shardwise.resolve.run import resolve_run
 
     # The trainer's own refusals, one line each (for the planned machine, not this one's device).
     resolve_run(cfg, world, detect_device=False)
+    if said := extras.plan_without_float8(cfg):
+        notice(said)
+    hw = load_hardware(args.hardware, cfg.data.cache_dir)
+    from shardwise.plan.estimate import estimate, estimate_json, format_estimate
+
     where = target(args.json, "--json", args.overwrite, folder=False) if args.json else None
     est = estimate(cfg, world, hw)
     print(format_estimate(est))

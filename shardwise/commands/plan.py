@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardwise.commands.common import add_model, add_nproc, add_overwrite, load_config, need_nproc
+from shardwise.commands.common import add_model, add_nproc, add_overwrite, load_resolved, need_nproc
 from shardwise.config import extras
 from shardwise.config import schema as config
 from shardwise.config.outputs import target
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
         if bad := [v for v in values if v not in config.choices(key)]:
             known = ", ".join(config.choices(key))
             raise ConfigError(f"{name}: unknown {', '.join(bad)}; choose from {known}")
-    cfg = load_config(args.config, overrides, device=profile_device(args.hardware))
+    cfg = load_resolved(args.config, overrides, profile_device(args.hardware))
     without_float8 = extras.plan_without_float8(cfg)
     hw = load_hardware(args.hardware, cfg.data.cache_dir)
     from shardwise.plan.search import (

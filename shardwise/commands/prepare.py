@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from shardwise.commands.common import add_model, load_config
+from shardwise.commands.common import add_model
 
 NAME = "prepare"
 SUMMARY = "tokenize the data into memory-mapped shards"
@@ -29,6 +29,7 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
 
     from shardwise.data.prepare import prepare
     from shardwise.data.tokenizer import load_tokenizer
+    from shardwise.resolve.checks import load_config
 
     cfg = load_config(args.config, overrides)
     from shardwise.data.dataset import pack_prepared  # (after the config's checks: it imports torch)

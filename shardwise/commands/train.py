@@ -10,7 +10,7 @@ import inspect
 import os
 import textwrap
 
-from shardwise.commands.common import add_model, add_nproc, load_config
+from shardwise.commands.common import add_model, add_nproc, load_resolved
 from shardwise.config import schema as config
 from shardwise.config.schema import ConfigError
 from shardwise.launch import process
@@ -86,6 +86,7 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
     """Train: here on one rank, as a rank under a launcher, or as the launcher of ``--nproc`` ranks."""
     from pathlib import Path
 
+    from shardwise.resolve.checks import load_config
     from shardwise.runtime.distributed import launched_world_size
 
     if args.help_config:
@@ -99,16 +100,19 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
         raise ConfigError("--nproc/--max-restarts cannot be used under torchrun: the launcher already "
                           "sets them (use its --nproc-per-node / --max-restarts)")
     nproc = args.nproc if args.nproc is not None else (world or 1)
-    cfg = load_config(args.config, overrides, world=None if args.print_config else nproc)
     if args.print_config:
-        print(cfg.to_toml(), end="")
+        print(load_resolved(args.config, overrides).to_toml(), end="")
         return 0
+    cfg = load_config(args.config, overrides)
     if cfg.training.epochs:  # steps from the prepared data (every rank derives the same)
-        cfg = load_config(args.config, [*overrides, f"--training.steps={steps_of_epochs(cfg)}"], world=nproc)
+        cfg = load_config(args.config, [*overrides, f"--training.steps={steps_of_epochs(cfg)}"])
+    from shardwise.resolve.run import resolve_run
+
+    run = resolve_run(cfg, nproc)  # the layout's refusals, before torch is loaded
     from shardwise.launch.rundir import LOCK_ENV, take
     from shardwise.trainer.preflight import preflight
 
-    run = preflight(cfg, nproc)  # all config errors surface here, before any process group exists
+    run = preflight(run)  # the files' and the data's refusals, before any process group exists
     if world is not None or nproc == 1:
         # The trainer's modules are imported only where it runs: the launcher of --nproc ranks
         # starts them a second sooner without torch._dynamo, which the trainer's import brings.
@@ -125,11 +129,10 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
             return 0
         from shardwise.data.dataset import pack_prepared
         from shardwise.data.prepare import prepare
-        from shardwise.data.tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(cfg.data.tokenizer)
-        prepare(cfg.data, tokenizer)  # once, here; the ranks memory-map it
-        pack_prepared(cfg.data, tokenizer, cfg.training.seq_len)  # (the ranks read it and report it)
+        data = run.cfg.data
+        prepare(data, run.tokenizer)  # once, here; the ranks memory-map it
+        pack_prepared(data, run.tokenizer, run.cfg.training.seq_len)  # (the ranks read it and report it)
         from shardwise.launch.agent import launch, strip_launcher_flags
 
         return launch(strip_launcher_flags(argv), nproc, args.max_restarts, cfg.run.dir, args.entry)

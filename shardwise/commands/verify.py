@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from shardwise.commands.common import add_model, add_nproc, load_config
+from shardwise.commands.common import add_model, add_nproc, load_resolved
 from shardwise.config.outputs import check_folder
 from shardwise.config.schema import ConfigError
 
@@ -44,19 +44,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
     from pathlib import Path
 
+    from shardwise.resolve.checks import load_config
     from shardwise.resolve.layouts import fill_layouts, parse_layout
 
     if args.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
     layouts = fill_layouts(args.layouts, args.nproc)  # a bad one fails before any run (and torch)
-    base = load_config(args.config, [*overrides, f"--training.steps={args.steps}"])
+    # (resolved: its precision chooses the tolerances)
+    base = load_resolved(args.config, [*overrides, f"--training.steps={args.steps}"])
     if args.layouts is None and base.model.n_experts:  # an MoE model's standard layouts add EP
         layouts = fill_layouts(None, args.nproc, experts=True)
+    from shardwise.resolve.run import resolve_run
+
     for text in layouts:  # each layout as the trainer will check it, before the reference runs
         layout_overrides, world = parse_layout(text)
-        load_config(args.config, [*overrides, *layout_overrides], world=world)
+        resolve_run(load_config(args.config, [*overrides, *layout_overrides]), world, detect_device=False)
     check_folder(args.out, "--out")
-    from shardwise.launch.verify import verify
+    from shardwise.launch.verify import verify_layouts
 
-    return 0 if verify(base, args.config, overrides, layouts, args.steps, Path(args.out),
+    return 0 if verify_layouts(base, args.config, overrides, layouts, args.steps, Path(args.out),
                        args.moe_routing, args.localize) else 1

@@ -32,8 +32,8 @@ import torch
 from shardwise.config.schema import ConfigError, DataConfig
 from shardwise.data.indexed import Shard, ShardError
 from shardwise.data.packing import Packing, cached_packing
-from shardwise.data.prepare import plan, read_manifest, shard_done
 from shardwise.data.prepare import prepare as run_prepare
+from shardwise.data.prepare import prepare_plan, read_prepared, shard_done
 from shardwise.data.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100
@@ -236,8 +236,8 @@ def open_corpus(cfg: DataConfig, tokenizer: Tokenizer, prepare: bool = True) -> 
     if prepare:
         run_prepare(cfg, tokenizer)
     entries, top = [], -1
-    for source, where, _ in plan(cfg, tokenizer):
-        manifest = read_manifest(where)
+    for source, where, _ in prepare_plan(cfg, tokenizer):
+        manifest = read_prepared(where)
         if not manifest or not manifest.get("complete"):
             raise ConfigError(f"'{where}' is not fully prepared: run `shardwise prepare` with this config")
         for i in range(manifest["shards"]):
@@ -256,7 +256,7 @@ def open_corpus(cfg: DataConfig, tokenizer: Tokenizer, prepare: bool = True) -> 
                                                                          strict=True)]
         entries.append((source, *streams))
         top = max(top, int(manifest["max_token"]))
-    # plan() lists data.val_path last: then it alone is held out, and the sources only train.
+    # prepare_plan() lists data.val_path last: then it alone is held out, and the sources only train.
     sources = entries[:-1] if cfg.val_path else entries
     held_out = entries[-1:] if cfg.val_path else entries
     return Corpus([s.name for s, _, _ in sources], [s.weight for s, _, _ in sources],

@@ -67,7 +67,7 @@ def settings(source: Source, cfg: DataConfig, tokenizer: Tokenizer, val_fraction
                        "mtime_ns": f.stat().st_mtime_ns} for f in source.files]}
 
 
-def plan(cfg: DataConfig, tokenizer: Tokenizer) -> list[tuple[Source, Path, dict[str, Any]]]:
+def prepare_plan(cfg: DataConfig, tokenizer: Tokenizer) -> list[tuple[Source, Path, dict[str, Any]]]:
     """(source, its prepared folder, its settings) for each training source, then data.val_path."""
     sources = resolve_sources(cfg)
     fraction = 0.0 if cfg.val_path else cfg.val_fraction
@@ -112,13 +112,13 @@ def check_settings(where: Path, recorded: dict[str, Any], wanted: dict[str, Any]
 
 def check_prepared(cfg: DataConfig, tokenizer: Tokenizer) -> None:
     """The sources resolve, and each folder already prepared was prepared from them as they are."""
-    for _, where, sets in plan(cfg, tokenizer):
-        manifest = read_manifest(where)
+    for _, where, sets in prepare_plan(cfg, tokenizer):
+        manifest = read_prepared(where)
         if manifest is not None:
             check_settings(where, manifest, sets)
 
 
-def read_manifest(where: Path) -> dict[str, Any] | None:
+def read_prepared(where: Path) -> dict[str, Any] | None:
     try:
         return json.loads((where / "manifest.json").read_text())
     except FileNotFoundError:
@@ -169,9 +169,9 @@ def shard_done(where: Path, index: int, fingerprint: str) -> dict[str, Any] | No
 def prepare(cfg: DataConfig, tokenizer: Tokenizer, workers: int = 0, quiet: bool = False) -> list[Path]:
     """Prepare every source that is not yet (resuming one that was interrupted); the folders."""
     out = []
-    for source, where, sets in plan(cfg, tokenizer):
+    for source, where, sets in prepare_plan(cfg, tokenizer):
         with _locked(where):
-            manifest = read_manifest(where)
+            manifest = read_prepared(where)
             if manifest is not None:
                 check_settings(where, manifest, sets)
             if manifest is None or not manifest.get("complete"):

@@ -22,7 +22,7 @@ from shardwise.config.schema import Config, ConfigError
 from shardwise.data.dataset import check_vocab, open_corpus
 from shardwise.data.prepare import prepare
 from shardwise.data.tokenizer import load_tokenizer
-from shardwise.infer.generate import load
+from shardwise.infer.generate import load_for_generation
 from shardwise.infer.harness import run_tasks, task_manager
 from shardwise.launch.agent import launch, strip_launcher_flags
 from shardwise.resolve.checks import load_config
@@ -135,7 +135,7 @@ def lm_eval_tasks(args: argparse.Namespace, overrides: list[str]) -> int:
                           "config overrides (--tokenizer-like choices come from the run)")
     tasks = [t for t in args.tasks.split(",") if t]
     manager = task_manager(tasks, args.tasks_path)  # (before the model: a typo answers at once)
-    loaded = load(checkpoint=args.checkpoint, checksums=not args.skip_checksums)
+    loaded = load_for_generation(checkpoint=args.checkpoint, checksums=not args.skip_checksums)
     results = run_tasks(loaded, tasks, manager, args.limit, args.num_fewshot)
     if args.json:
         print(json.dumps({"checkpoint": loaded.source, "tasks": results}))

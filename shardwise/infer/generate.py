@@ -126,7 +126,7 @@ def _materialized(args: Any, device: torch.device) -> torch.nn.Module:
     return model.eval()
 
 
-def load(checkpoint: str = "", hf: str = "", tokenizer: str = "", device: str = "auto",
+def load_for_generation(checkpoint: str = "", hf: str = "", tokenizer: str = "", device: str = "auto",
          dtype: str = "auto", checksums: bool = True) -> Loaded:
     """The model of a checkpoint (or run directory) or HF folder, with its tokenizer and end ids; a
     checkpoint's files are checked against its manifest first (``checksums``: SHA-256 too)."""
@@ -210,8 +210,8 @@ def generate_command(args: argparse.Namespace, extra: list[str]) -> int:
         bad = check_messages([*messages, turn]) if isinstance(messages, list) else "not a list of messages"
         if bad:
             raise ConfigError(f"--messages '{path}': {bad}")
-    loaded = load(args.checkpoint or "", args.hf or "", args.tokenizer, args.device, args.dtype,
-                  checksums=not args.skip_checksums)
+    loaded = load_for_generation(args.checkpoint or "", args.hf or "", args.tokenizer, args.device,
+                                 args.dtype, checksums=not args.skip_checksums)
     ids = prompt_ids(loaded.tokenizer, args.prompt or "", messages)
     out = generate(loaded.model, ids, s, loaded.stop, use_cache=not args.no_cache)
     text = loaded.tokenizer.decode(out)

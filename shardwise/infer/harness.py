@@ -1,6 +1,6 @@
 """lm-evaluation-harness on a shardwise model: ``shardwise eval --tasks NAMES [--tasks-path DIR]``.
 
-The adapter answers the harness's three kinds of request with the model :func:`generate.load`
+The adapter answers the harness's three kinds of request with the model :func:`generate.load_for_generation`
 gives (a checkpoint, a run's latest, or an HF folder, on one device):
 
 - ``loglikelihood``: the log-probability of a continuation after a context, and whether greedy

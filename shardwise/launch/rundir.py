@@ -121,7 +121,7 @@ def probe(run_dir: Path) -> None:
 def _busy(lock: Path) -> RunDirBusy:
     holder = read_holder(lock)
     return RunDirBusy(f"run.dir '{lock.parent}' is in use by a live run "
-                      f"({describe(holder) if holder else 'another process'}): wait for it to finish "
+                      f"({describe_holder(holder) if holder else 'another process'}): wait for it to finish "
                       "or stop it, or choose another --run.dir")
 
 
@@ -133,7 +133,7 @@ def read_holder(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def describe(holder: dict) -> str:
+def describe_holder(holder: dict) -> str:
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
     return f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, since {started}"
 
@@ -144,7 +144,7 @@ def take(run_dir: Path) -> RunLock:
     lock = RunLock(run_dir).acquire()
     if lock.took_over:
         print(f"notice: took over run.dir from a run that is no longer running "
-              f"({describe(lock.took_over)})", flush=True)
+              f"({describe_holder(lock.took_over)})", flush=True)
     return lock
 
 

@@ -96,7 +96,7 @@ def update_error(p: dict[str, torch.Tensor], p_ref: dict[str, torch.Tensor],
                for k in p_ref)
 
 
-def verify(base: Config, config: str | None, overrides: list[str], layouts: list[str], steps: int,
+def verify_layouts(base: Config, config: str | None, overrides: list[str], layouts: list[str], steps: int,
            out: Path, moe_routing: str = "replay", localize_all: bool = False) -> bool:
     """Run the reference and every layout; print the table; return True if all pass. ``base``: the
     config (``config`` with ``overrides``) of the reference run, loaded and checked by the caller.

@@ -23,9 +23,10 @@ def model_args(cfg: Any) -> ModelArgs:
     return dataclasses.replace(PRESETS[cfg.name] if cfg.name else ModelArgs(), **overrides)
 
 
-def check_args(args: ModelArgs) -> None:
-    """One-line errors for model shapes that cannot be built (the config checks call this)."""
-    if args.mla:
+def check_args(args: Any) -> None:
+    """One-line errors for model shapes that cannot be built: ``args`` is a ModelArgs or a completed
+    ``[model]`` section (the same fields; the config checks pass that, so no ModelArgs is made)."""
+    if args.kv_lora_rank > 0:  # latent attention (ModelArgs.mla)
         _check_mla(args)
     elif args.n_heads % args.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads={args.n_kv_heads} must divide model.n_heads={args.n_heads}")

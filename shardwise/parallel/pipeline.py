@@ -33,12 +33,12 @@ import copy
 import functools
 import inspect
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardwise.parallel.stages import V_SHAPED, rank_stages, stage_layers
 from shardwise.parallel.tensor import full_value
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved1f1b": "ScheduleInterleaved1F1B",
@@ -46,35 +46,6 @@ SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved1f1b"
 """Schedule name -> its class in torch.distributed.pipelining (imported on a pipeline's first use:
 it imports torch._dynamo, a second of start-up for the launcher and the planner, which need only
 this module's stage arithmetic)."""
-V_SHAPED = ("zbv", "dualpipev")
-
-
-def stages_per_rank(schedule: str, interleaved: int) -> int:
-    if schedule in V_SHAPED:
-        return 2
-    return interleaved if schedule == "interleaved1f1b" else 1
-
-
-class PipelineShape(NamedTuple):
-    """What a schedule's order of passes depends on (hashable: the planner caches orders by it)."""
-
-    pp: int
-    schedule: str = "1f1b"
-    interleaved: int = 2
-    """parallel.pp_stages_per_rank (read by the interleaved schedule only)."""
-
-    @property
-    def stages_per_rank(self) -> int:
-        """Stages each pp rank holds (1 without PP)."""
-        return stages_per_rank(self.schedule, self.interleaved) if self.pp > 1 else 1
-
-
-def rank_stages(rank: int, pp: int, schedule: str, interleaved: int = 2) -> list[int]:
-    """The stage indices ``rank`` holds: looped (rank, rank+pp, ...) or V-shaped (zbv, dualpipev:
-    rank and 2*pp-1-rank)."""
-    if schedule in V_SHAPED:
-        return [rank, 2 * pp - 1 - rank]
-    return [rank + i * pp for i in range(stages_per_rank(schedule, interleaved))]
 
 
 @functools.cache
@@ -95,17 +66,6 @@ def _stage_class() -> type:
         return wrapper
     names = [n for n in ("_shape_inference", "_forward_metadata_inference") if hasattr(PipelineStage, n)]
     return type("Stage", (PipelineStage,), {n: uncounted(n) for n in names})
-
-
-def stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
-    """Contiguous block indices per stage, as even as possible, earlier stages take the remainder."""
-    base, extra = divmod(n_layers, n_stages)
-    out, start = [], 0
-    for s in range(n_stages):
-        size = base + (1 if s < extra else 0)
-        out.append(list(range(start, start + size)))
-        start += size
-    return out
 
 
 def split_stage(model: nn.Module, stages: int | list[int], n_stages: int) -> nn.Module:

@@ -280,7 +280,7 @@ def block_activations(s: Shape, cfg: Config, layer: int) -> int:
     return s.e * s.norm_tokens * s.args.dim  # the block input only
 
 
-def rope_table(s: Shape, cfg: Config) -> int:
+def rope_table_bytes(s: Shape, cfg: Config) -> int:
     """The RoPE rotations attention saves (one table shared by all blocks): the whole table, or
     under cp this rank's rows."""
     rows = s.seq if s.cp > 1 else s.args.max_seq_len
@@ -341,7 +341,7 @@ def activations(run: ResolvedRun, layers: tuple[int, ...], has_embedding: bool,
     """Saved bytes of one micro-batch on a rank running ``layers``: blocks, embedding, head/loss."""
     s, cfg = shape_of(run), run.cfg
     blocks = sum(block_activations(s, cfg, i) for i in layers)
-    out = {"blocks": blocks + (rope_table(s, cfg) if layers else 0)}
+    out = {"blocks": blocks + (rope_table_bytes(s, cfg) if layers else 0)}
     out["embedding"] = embedding_saved(s) if has_embedding else 0
     out["head"] = head_saved(s, cfg) if has_head else 0
     return out

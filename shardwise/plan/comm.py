@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from shardwise.config.model_args import ModelArgs
 from shardwise.parallel.dims import FLAT_VIEWS, MESH_DIMS, MOE_VIEWS, Degrees, Mesh
-from shardwise.parallel.pipeline import rank_stages
+from shardwise.parallel.stages import rank_stages
 from shardwise.plan.activations import Shape, shape_of
 from shardwise.plan.states import BYTES, FsdpUnit, RankStates
 from shardwise.resolve.run import ResolvedRun

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shardwise.config.schema import Config
-from shardwise.parallel.pipeline import stage_layers
+from shardwise.parallel.stages import stage_layers
 from shardwise.plan.activations import (
     Shape,
     attention_linears,
@@ -27,7 +27,7 @@ from shardwise.plan.activations import (
     expert_rows,
     head_saved,
     loss_temporaries,
-    rope_table,
+    rope_table_bytes,
     shape_of,
 )
 from shardwise.plan.schedule import schedule_actions
@@ -169,7 +169,7 @@ def _rank_activations(cfg: Config, s: Shape, st: RankStates) -> tuple[dict[int, 
         if key not in kinds:
             kinds[key] = (block_activations(s, cfg, i), block_saved(s, cfg, i))
         per_block[i], full_block[i] = kinds[key]
-    acts = {"blocks": sum(per_block.values()) + (rope_table(s, cfg) if st.layers else 0),
+    acts = {"blocks": sum(per_block.values()) + (rope_table_bytes(s, cfg) if st.layers else 0),
             "embedding": embedding_saved(s) if st.has_embedding else 0,
             "head": head_saved(s, cfg) if st.has_head else 0}
     return per_block, full_block, acts
@@ -185,7 +185,7 @@ def memory_floor(run: ResolvedRun, st: RankStates) -> int:
     cfg = run.cfg
     s = shape_of(run)
     per_block, _, acts = _rank_activations(cfg, s, st)
-    base = st.params + st.optimizer + rope_table(s, cfg)
+    base = st.params + st.optimizer + rope_table_bytes(s, cfg)
     if run.dims.pp == 1:
         loss = loss_temporaries(s, cfg) if st.has_head else 0
         return base + acts["embedding"] + sum(per_block.values()) + acts["head"] + loss
@@ -214,7 +214,7 @@ def step_memory(run: ResolvedRun, st: RankStates) -> RankMemory:
     tl = Timeline()
     tl.add("params", st.params, "start")
     tl.add("optimizer", st.optimizer, "start")
-    tl.add("buffers", rope_table(s, cfg), "start")
+    tl.add("buffers", rope_table_bytes(s, cfg), "start")
 
     def gather(us: list, where: str) -> None:
         tl.run(_gather_events(us, e), 1, where)

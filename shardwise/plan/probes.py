@@ -27,7 +27,7 @@ from shardwise.plan.activations import shape_of
 from shardwise.plan.cost import ComputeTally, block_gemms, fsdp_copy_traffic
 from shardwise.plan.estimate import estimate
 from shardwise.plan.hardware import Hardware
-from shardwise.resolve.checks import load_config
+from shardwise.resolve.checks import load_config, resolve_config
 from shardwise.resolve.run import resolve_run
 from shardwise.trainer.build import build_rank_model
 from shardwise.trainer.loss import TokenLoss
@@ -106,7 +106,7 @@ def _train_step(overrides: list[str], sequences: int, device: str = "cpu") -> Ca
     then ends by waiting for the GPU)."""
     import torch.distributed as dist
 
-    cfg = load_config(None, overrides, device=device)
+    cfg = resolve_config(load_config(None, overrides), device)
     run = resolve_run(cfg, dist.get_world_size())
     run.dims.build_mesh(device)
     model = build_rank_model(run, device)
@@ -129,7 +129,7 @@ def probe_kernels(overrides: list[str]) -> Callable[[], None]:
     """The GEMMs (forward and backward, at the widths and rows the cost model gives each block and
     the output head) and the causal attention of one 1-rank step of the model ``overrides``
     configure, run back to back."""
-    cfg = load_config(None, overrides, device="cpu")
+    cfg = resolve_config(load_config(None, overrides), "cpu")
     shape = shape_of(resolve_run(cfg, 1, detect_device=False))
     a, dtype = shape.args, DTYPES[cfg.training.mixed_precision]
     calls = [linear_step(dtype, k, n, rows) for layer in range(a.n_layers)
@@ -189,7 +189,7 @@ def memory_efficiency(hw: Hardware, rest_seconds: float) -> float:
     broadcasts, fp32 upcasts, complex RoPE products, casts, small reductions -- run below a plain
     add's rate. FSDP's copies are left out of both sides: they are a few large copies, costed at the
     microbenchmark's rate (:meth:`Hardware.memory_bw`). Clamped to [0.2, 1]."""
-    cfg = load_config(None, list(PROBE), device="cpu")
+    cfg = resolve_config(load_config(None, list(PROBE)), "cpu")
     est = estimate(cfg, 1, hw)
     parts = est.time.ranks[0].compute
     copies = ComputeTally(hw, 1, cfg.run.cpu_memory_cache)

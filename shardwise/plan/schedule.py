@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 
-from shardwise.parallel.pipeline import PipelineShape
+from shardwise.parallel.stages import PipelineShape
 
 
 def in_flight(pipe: PipelineShape, micro_batches: int, pp_rank: int) -> float:

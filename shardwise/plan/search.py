@@ -97,7 +97,7 @@ def enumerate_layouts(args: ModelArgs, gpus: int, hw: Hardware, ac_modes: tuple[
     return out
 
 
-def check_layout(cfg: Config, layout: Layout) -> str:
+def layout_refusal(cfg: Config, layout: Layout) -> str:
     """'' if the trainer accepts ``layout`` for ``cfg``, else its one-line refusal."""
     run = _resolved(cfg, layout)
     return run if isinstance(run, str) else ""

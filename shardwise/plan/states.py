@@ -39,7 +39,7 @@ from shardwise.models.transformer import build_model
 from shardwise.parallel.dims import Degrees, Mesh
 from shardwise.parallel.fsdp import one_unit, plain_rank
 from shardwise.parallel.parallelize import parallelize
-from shardwise.parallel.pipeline import rank_stages, stage_layers
+from shardwise.parallel.stages import rank_stages, stage_layers
 from shardwise.resolve.run import ResolvedRun
 from shardwise.trainer.build import build_stage
 

@@ -1,10 +1,16 @@
-"""What happens to a :class:`~shardwise.config.schema.Config` once it is read: the model preset fills the
-unset model fields, values are checked (choices, signs, ranges and the relations between fields
-that need no process group; each failure is one line naming the field and the fix), and ``auto``
-settings are resolved for the device."""
+"""A :class:`~shardwise.config.schema.Config` as read and checked, then as resolved.
+
+:func:`load_config` reads the file and flags, completes the ``[model]`` section (from an HF folder's
+config.json, else the preset it names) and checks every value (choices, signs, ranges and the
+relations between fields that need no model or process group; each failure one line naming the
+field and the fix). It changes nothing else the user wrote. :func:`resolve_config` makes the run's
+own copy with what was left to the machine (``auto`` precision, the device) or asked beyond the run
+(a warm-up or profiler window past its last step) resolved, each said in a notice;
+:func:`shardwise.resolve.run.resolve_run` calls it, and the copy is ``run.cfg``."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -17,7 +23,7 @@ from shardwise.config.schema import Config, ConfigError, ModelConfig, read_confi
 from shardwise.models import check_args, model_args
 from shardwise.models.hf_config import args_from_hf, hf_tokenizer, model_config_of, read_hf_config
 from shardwise.models.presets import PRESETS
-from shardwise.parallel.dims import ParallelDims, parse_backend_spec
+from shardwise.parallel.dims import parse_backend_spec
 
 _POSITIVE = ("training.steps", "training.seq_len", "training.global_batch", "metrics.log_interval",
              "eval.steps", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
@@ -32,30 +38,45 @@ _NON_NEGATIVE = ("training.epochs", "training.loss_chunk", "training.micro_batch
                  "data.workers")
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                device: str | None = None, world: int | None = None) -> Config:
-    """Defaults <- TOML file <- CLI overrides (:func:`read_config`), then the preset, the checks (with
-    ``world``: the layout's degrees against that many ranks), and ``auto`` resolved for ``device``
-    ("cpu" / "cuda"; None = this machine's per ``run.device``, the planner passes the device it plans
-    for, which then also fills ``run.device=auto``). Every check runs before torch is imported."""
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- TOML file <- CLI overrides (:func:`read_config`), the ``[model]`` section completed
+    (``checkpoint.initial_hf``'s config.json, else the named preset's values for the unset fields),
+    then every value checked. Runs before torch is imported, and changes nothing else: the layout, the
+    model's shape and the values resolved for a machine are :func:`~shardwise.resolve.run.resolve_run`'s."""
     cfg = read_config(path, overrides)
     model_from_hf(cfg)
-    resolve_model(cfg)
+    complete_model(cfg)
     validate(cfg)
-    if world is not None:
-        check_layout(cfg, world)
-    if cfg.data.format == "chat" and not cfg.data.document_mask:
-        notice("data.format=chat: data.document_mask is on (each conversation attends to itself only)")
-        cfg.data.document_mask = True
     if cfg.optimizer.lr == 0:
         notice("optimizer.lr=0: the weights will not change (forward and backward only); set "
                "optimizer.lr above 0 to train")
-    clamp_warmup(cfg)
-    clamp_profile(cfg)
-    resolve_precision(cfg, device)
-    if device is not None and cfg.run.device == "auto":
-        cfg.run.device = device
     return cfg
+
+
+def resolve_config(cfg: Config, device: str | None = None) -> Config:
+    """The run's own config: ``cfg`` with ``auto`` precision resolved for ``device`` ("cpu" / "cuda";
+    None = this machine's, per ``run.device``; the planner passes the device it plans for, which then
+    also fills ``run.device=auto``), chat data's document mask on, and a warm-up or profiler window
+    past the run's end clamped to it -- each said once in a notice. ``cfg`` itself is not changed;
+    it is returned as it is when nothing needs resolving (so resolving twice says nothing twice)."""
+    p, steps = cfg.profile, cfg.training.steps
+    chat_unmasked = cfg.data.format == "chat" and not cfg.data.document_mask
+    past_end = cfg.lr_scheduler.warmup_steps > steps or (p.enabled and p.start + p.every - 1 > steps)
+    if not (chat_unmasked or past_end or cfg.training.mixed_precision == "auto"
+            or (device is not None and cfg.run.device == "auto")):
+        return cfg  # (the planner resolves thousands of candidates of one resolved base)
+    out = copy.copy(cfg)  # (the sections resolved here are copied; the others are shared with cfg)
+    for section in ("data", "lr_scheduler", "profile", "training", "run"):
+        setattr(out, section, copy.copy(getattr(cfg, section)))
+    if out.data.format == "chat" and not out.data.document_mask:
+        notice("data.format=chat: data.document_mask is on (each conversation attends to itself only)")
+        out.data.document_mask = True
+    clamp_warmup(out)
+    clamp_profile(out)
+    resolve_precision(out, device)
+    if device is not None and out.run.device == "auto":
+        out.run.device = device
+    return out
 
 
 def _get(cfg: Config, key: str) -> Any:
@@ -80,7 +101,7 @@ def validate(cfg: Config) -> None:
     for key in ("data.prepared_dir", "data.cache_dir"):
         if _get(cfg, key):
             check_folder(_get(cfg, key), key)
-    check_args(model_args(cfg.model))
+    check_args(cfg.model)
     if cfg.training.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"training.seq_len={cfg.training.seq_len} exceeds model.max_seq_len="
                           f"{cfg.model.max_seq_len}: lower the sequence length or raise model.max_seq_len")
@@ -95,13 +116,6 @@ def validate(cfg: Config) -> None:
                           "tensorwise-scaled weights only): set float8.fsdp_all_gather=false")
     for dim, spec in cfg.parallel.backend_override.items():
         parse_backend_spec(dim, spec)
-
-
-def check_layout(cfg: Config, world: int) -> None:
-    """The parallel degrees against the number of ranks and the model's shape (the trainer's and the
-    planner's own checks run the same code when they resolve the run)."""
-    dims = ParallelDims.from_config(cfg.parallel, world)
-    dims.check_model(model_args(cfg.model), cfg.training.seq_len)
 
 
 def clamp_profile(cfg: Config) -> None:
@@ -172,7 +186,7 @@ SFT_PRESETS = {"qwen3": "sft-qwen3", "qwen3_moe": "sft-qwen3", "llama": "sft-lla
 """The fine-tuning preset of each HF family (configs/)."""
 
 
-def resolve_model(cfg: Config) -> None:
+def complete_model(cfg: Config) -> None:
     """Fill every unset model field from the named preset, so the saved config is complete."""
     if cfg.model.name and cfg.model.name not in PRESETS:
         raise ConfigError(f"model.name '{cfg.model.name}' is not a preset; choose one of "

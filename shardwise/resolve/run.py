@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import shardwise.runtime.distributed
 import shardwise.runtime.machine
@@ -15,7 +15,8 @@ from shardwise.config.notice import notice
 from shardwise.config.schema import Config, ConfigError, TrainingConfig
 from shardwise.models import ModelArgs, model_args
 from shardwise.parallel.dims import Mesh, ParallelDims
-from shardwise.parallel.pipeline import PipelineShape, stages_per_rank
+from shardwise.parallel.stages import PipelineShape, stages_per_rank
+from shardwise.resolve.checks import resolve_config
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ class ResolvedRun:
     """torch.compile the blocks and the loss (compile.enabled, ``auto`` resolved: :func:`compile_run`)."""
     compile_reason: str = ""
     """Why ``auto`` chose as it did (said once, by preflight)."""
+    tokenizer: Any = dataclasses.field(default=None, compare=False, repr=False)
+    """The run's tokenizer, loaded once by preflight (None where no data is read: the planner)."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -74,22 +77,28 @@ class ResolvedRun:
 
 
 def resolve_model(cfg: Config) -> ModelArgs:
-    """The model ``cfg`` describes: its ``[model]`` section over the preset it names. For what needs
-    the model before any layout (the planner's enumeration); a run has it as ``run.model``."""
+    """The model ``cfg`` describes (its ``[model]`` section, completed and checked by load_config).
+    :func:`resolve_run` calls it once per run, and a run has it as ``run.model``; the planner calls it
+    once to enumerate layouts."""
     return model_args(cfg.model)
 
 
-def resolve_run(cfg: Config, world_size: int, detect_device: bool = True) -> ResolvedRun:
+def resolve_run(cfg: Config, world_size: int, detect_device: bool = True, model: ModelArgs | None = None
+                ) -> ResolvedRun:
     """The layout checks -- degrees against the world, the model, the batch split and the pipeline
     schedule, and the features a layout cannot combine with -- and the run they resolve to. With
-    pipeline parallel and no training.micro_batch, the micro-batch is chosen and recorded in the
-    run's own copy of the config (``run.cfg``, which the saved config.toml is); ``cfg`` itself is
-    left as it was. ``detect_device=False`` (the planner, which
-    plans for other machines) takes run.device as written instead of finding this machine's."""
+    pipeline parallel and no training.micro_batch, the micro-batch is chosen; it and what
+    :func:`~shardwise.resolve.checks.resolve_config` resolves are recorded in the run's own copy of the
+    config (``run.cfg``, which the saved config.toml is); ``cfg`` itself is left as it was.
+    ``detect_device=False`` (the planner, which plans for other machines) takes run.device as written
+    instead of finding this machine's. ``model``: the model, when the caller resolved it already."""
     dims = ParallelDims.from_config(cfg.parallel, world_size)
-    args = resolve_model(cfg)
+    args = model or resolve_model(cfg)
     dims.check_model(args, cfg.training.seq_len)
-    if (chosen := pipeline_micro_batch(cfg, dims)) != cfg.training.micro_batch:
+    chosen = pipeline_micro_batch(cfg, dims)
+    # (the layout's refusals come first: resolving the precision may detect the device, loading torch)
+    cfg = resolve_config(cfg)
+    if chosen != cfg.training.micro_batch:
         cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, micro_batch=chosen))
     micro_batches = micro_batches_per_rank(cfg.training, dims.dp)
     check_pipeline(cfg, dims, micro_batches)

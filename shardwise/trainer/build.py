@@ -17,7 +17,8 @@ from shardwise.models.transformer import build_model, init_weights
 from shardwise.parallel.context import shard_sequences
 from shardwise.parallel.dims import Mesh, ParallelDims
 from shardwise.parallel.parallelize import parallelize
-from shardwise.parallel.pipeline import Pipe, attach_stage_views, rank_stages, split_stage
+from shardwise.parallel.pipeline import Pipe, attach_stage_views, split_stage
+from shardwise.parallel.stages import rank_stages
 from shardwise.resolve.run import ResolvedRun
 from shardwise.trainer.loss import token_loss_sum
 

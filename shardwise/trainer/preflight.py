@@ -3,6 +3,7 @@ run directory, the checkpoint to load -- so a bad run fails in one line before a
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from pathlib import Path
@@ -21,16 +22,16 @@ from shardwise.models.transformer import build_model
 from shardwise.observe.routing import read_meta
 from shardwise.observe.trace import rank_path, taken
 from shardwise.parallel.float8 import float8_summary
-from shardwise.resolve.run import ResolvedRun, resolve_run
+from shardwise.resolve.run import ResolvedRun
 from shardwise.runtime.distributed import launched_world_size
 from shardwise.runtime.machine import rank_threads
 
 
-def preflight(cfg: Config, world_size: int) -> ResolvedRun:
-    """Every check that needs no process group -- layout and batch split (:func:`resolve_run`),
-    data, tokenizer, run dir, the checkpoint to load -- and the resolved run."""
-    run = resolve_run(cfg, world_size)
-    cfg, args = run.cfg, run.model  # (the run's config: the pipeline's chosen micro-batch recorded)
+def preflight(run: ResolvedRun) -> ResolvedRun:
+    """Every check of ``run`` (what :func:`~shardwise.resolve.run.resolve_run` made of the config, its
+    layout checked) that needs no process group -- data, tokenizer, run dir, the checkpoint to load,
+    optional packages -- and the run with its tokenizer."""
+    cfg, args, world_size = run.cfg, run.model, run.world  # (the run's config: what resolving chose)
     if run.device_type == "cpu":  # (the ranks are given the lowered count: launch.process, init_distributed)
         _, lowered = rank_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
         if lowered:
@@ -42,7 +43,7 @@ def preflight(cfg: Config, world_size: int) -> ResolvedRun:
         notice(float8_summary(build_model(args), cfg.float8, run.dims.tp))
     if cfg.metrics.wandb:
         require_extra("wandb", "metrics.wandb=true")
-    tok = load_tokenizer(cfg.data.tokenizer)
+    tok = load_tokenizer(cfg.data.tokenizer)  # (once: the run carries it to the data and the launcher)
     check_tokenizer(cfg, args, tok.vocab_size)
     check_prepared(cfg.data, tok)
     run_dir = Path(cfg.run.dir)
@@ -66,7 +67,7 @@ def preflight(cfg: Config, world_size: int) -> ResolvedRun:
         for path in (rank_path(Path(cfg.debug.trace), r) for r in range(world_size)):
             if path.exists():
                 raise taken(path)
-    return run
+    return dataclasses.replace(run, tokenizer=tok)
 
 
 def check_tokenizer(cfg: Config, args: ModelArgs, tokens: int) -> None:

@@ -216,7 +216,7 @@ def open_session(run: ResolvedRun, env: DistEnv, run_dir: Path, ckpt_group: dist
     throughput = Throughput(flops_per_token(run.model, cfg.training.seq_len), shared_peak(env.device, cfg),
                             env.world_size)
     if env.rank == 0:
-        print(describe(run, start), flush=True)
+        print(describe_run(run, start), flush=True)
         for line in packing_notices(corpus, cfg.training.seq_len):  # chat data: whole conversations
             print(line, flush=True)
     logger = MetricsLogger(run_dir, cfg.metrics, cfg.training.steps, start, enabled=env.rank == 0,
@@ -262,7 +262,7 @@ def build_data(run: ResolvedRun, device: torch.device) -> tuple[PackedLoader, Co
     """Memory-map the prepared corpus (preparing what is not yet: under torchrun the first rank to
     reach a source's folder does it, the others wait on its lock) and build this rank's loader."""
     cfg, t, dims = run.cfg, run.cfg.training, run.dims
-    corpus = open_corpus(cfg.data, load_tokenizer(cfg.data.tokenizer))
+    corpus = open_corpus(cfg.data, run.tokenizer or load_tokenizer(cfg.data.tokenizer))
     check_vocab(corpus.max_token, run.model.vocab_size)
     loader = PackedLoader(corpus.train, t.seq_len, t.global_batch, run.micro_batch,
                           dims.submesh(Mesh.DP).get_local_rank(), dims.dp, t.seed,
@@ -345,7 +345,7 @@ def shared_peak(device: torch.device, cfg: Config) -> float:
     return value
 
 
-def describe(run: ResolvedRun, start: int) -> str:
+def describe_run(run: ResolvedRun, start: int) -> str:
     args, t = run.model, run.cfg.training
     active = f", {num_params(args, active=True) / 1e6:.1f}M active" if args.n_experts else ""
     return (f"model {model_label(run.cfg.model)}: {num_params(args) / 1e6:.1f}M params{active} | {run} | "

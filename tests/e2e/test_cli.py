@@ -15,7 +15,16 @@ from shardwise.cli import main
 from shardwise.models import PRESETS, model_args
 from shardwise.observe.flops import attention_pairs, executed_flops, flops_per_token
 from shardwise.resolve.checks import load_config
-from tests.helpers import ROOT, TINY_ARGS, flip_byte, metrics, require, run_cli, truncate_shard
+from tests.helpers import (
+    ROOT,
+    TINY_ARGS,
+    flip_byte,
+    metrics,
+    require,
+    resolved_config,
+    run_cli,
+    truncate_shard,
+)
 
 pytestmark = pytest.mark.e2e
 REQUIRED = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "exec_util", "memory_gib",
@@ -68,10 +77,9 @@ def test_help_config_lists_every_key():
 
 
 def test_a_benchmark_shape_on_the_shipped_tokenizer_trains_with_a_notice(capsys):
-    from shardwise.resolve.checks import load_config
     from shardwise.trainer.preflight import check_tokenizer
 
-    cfg = load_config(None, ["--model.name=125m"], device="cpu")
+    cfg = resolved_config(None, ["--model.name=125m"], device="cpu")
     check_tokenizer(cfg, model_args(cfg.model), 2048)
     assert ("notice: model 125m has 32,000 embedding rows and the shipped tokenizer 2,048 ids: the rows "
             "beyond are never trained") in capsys.readouterr().out

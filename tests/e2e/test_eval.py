@@ -74,7 +74,7 @@ def test_lm_eval_scores_a_checkpoint_as_its_hf_backend_scores_the_export(tmp_pat
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    from shardwise.infer.generate import load
+    from shardwise.infer.generate import load_for_generation
     from shardwise.infer.harness import _adapter
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -84,7 +84,7 @@ def test_lm_eval_scores_a_checkpoint_as_its_hf_backend_scores_the_export(tmp_pat
              "--training.steps=3", "--checkpoint.final=true"])
     run_cli(["convert", "--to-hf", str(run_dir / "checkpoints" / "step-3"), "--out", str(hf_dir),
              "--dtype", "fp32"])
-    ours = _adapter(load(checkpoint=str(run_dir), device="cpu", dtype="fp32"))
+    ours = _adapter(load_for_generation(checkpoint=str(run_dir), device="cpu", dtype="fp32"))
     theirs = HFLM(pretrained=str(hf_dir), dtype="float32", device="cpu", batch_size=1)
     pairs = [Instance("loglikelihood", {}, (q, " " + c), 0) for q, cs in MC for c in cs]
     pairs.append(Instance("loglikelihood", {}, ("", "In the beginning"), 0))  # (an empty context)

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from shardwise.cli import main
-from shardwise.resolve.checks import load_config
-from tests.helpers import ROOT, metrics, run_cli
+from tests.helpers import ROOT, metrics, resolved_config, run_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -102,7 +101,7 @@ def test_plan_keeps_the_given_config(tmp_path: Path, monkeypatch: pytest.MonkeyP
 [training]\nsteps = 40\nseq_len = 512\nglobal_batch = 16\n
 [optimizer]\nlr = 1.25e-4\nstate_dtype = "bf16"\nweight_decay = 0.05\n
 [lr_scheduler]\nwarmup_steps = 4\n[checkpoint]\ninterval = 17\nkeep_latest_k = 3\n""")
-    base = load_config(str(mine), device="cuda")
+    base = resolved_config(str(mine), device="cuda")
     monkeypatch.chdir(tmp_path)
     assert main(["plan", "--config", str(mine), "--nproc", "8", "--hardware", "h100"]) == 0
     assert "data.path is not set" not in capsys.readouterr().out

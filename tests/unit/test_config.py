@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from shardwise.commands.train import field_docs, help_text
-from shardwise.config.schema import Config, ConfigError, parse_overrides
+from shardwise.config.schema import Config, ConfigError, parse_overrides, read_config
 from shardwise.resolve.checks import load_config
+from tests.helpers import ROOT, resolved_config
 
 CONFIGS = sorted(Path(__file__).parents[2].joinpath("configs").glob("*.toml"))
 
@@ -49,7 +54,7 @@ def test_every_preset_file_fits_its_world_on_h100s(path: Path):
     from shardwise.plan.hardware import load_hardware
 
     assert path.stem in WORLDS, f"give {path.name}'s world size in WORLDS"
-    cfg = load_config(path, device="cuda")  # planned for GPUs, from this machine
+    cfg = resolved_config(path, device="cuda")  # planned for GPUs, from this machine
     est = estimate(cfg, WORLDS[path.stem], load_hardware("h100"), exact=False)
     assert est.fits, f"{path.name}: peak {est.peak / GiB:.1f} GiB"
     assert est.tokens_per_s_per_device > 0
@@ -141,7 +146,7 @@ def test_auto_precision_resolves_per_device(monkeypatch: pytest.MonkeyPatch):
     import shardwise.runtime.machine as device
 
     def mp(args: list[str], device: str | None = None) -> str:
-        return load_config(None, args, device=device).training.mixed_precision
+        return resolved_config(None, args, device=device).training.mixed_precision
 
     assert mp(["--training.mixed_precision=auto"], device="cuda") == "bf16"
     for native, want in ((True, "bf16"), (False, "fp32")):
@@ -238,3 +243,61 @@ def test_ranks_beyond_the_visible_gpus_are_refused_per_machine(monkeypatch: pyte
     monkeypatch.setenv("LOCAL_RANK", "2")
     with pytest.raises(ConfigError, match="3 ranks"):
         check_gpu_count(16)
+
+
+# Flags a user writes, among them every one a run adapts (chat's document mask, a warm-up or profiler
+# window past the end, auto precision and device, a pipeline without a micro-batch).
+WRITTEN = [["--data.format=chat", "--data.format=text"],
+           ["--data.document_mask=false", "--data.document_mask=true"],
+           ["--training.steps=5", "--training.steps=40"],
+           ["--lr_scheduler.warmup_steps=0", "--lr_scheduler.warmup_steps=20"],
+           ["--profile.enabled=true", "--profile.enabled=false"], ["--profile.start=3", "--profile.every=10"],
+           ["--training.mixed_precision=auto", "--training.mixed_precision=fp32"],
+           ["--run.device=auto", "--run.device=cpu"], ["--parallel.pp=2", "--parallel.dp_shard=2"],
+           ["--optimizer.lr=0", "--optimizer.lr=1e-3"], ["--model.name=debug", "--model.name=moe-debug"],
+           ["--model.n_layers=4", "--model.dim=128"]]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_load_config_changes_nothing_the_user_wrote(seed: int):
+    """Property, over random command lines: every value load_config returns is the one written (or
+    the default), the [model] section only completed; what a run adapts is in run.cfg alone, and
+    resolving leaves the loaded config as it was."""
+    rng = random.Random(seed)
+    args = [rng.choice(pair) for pair in WRITTEN if rng.random() < 0.7]
+    written, cfg = read_config(None, args), load_config(None, args)
+    for f in dataclasses.fields(Config):
+        if f.name != "model":
+            assert getattr(cfg, f.name) == getattr(written, f.name), (args, f.name)
+    assert {k: v for k, v in dataclasses.asdict(written.model).items() if v is not None}.items() <= \
+        dataclasses.asdict(cfg.model).items()
+    before = cfg.to_toml()
+    from shardwise.resolve.run import resolve_run
+
+    run = resolve_run(cfg, cfg.parallel.pp * max(cfg.parallel.dp_shard, 1), detect_device=False)
+    assert cfg.to_toml() == before, args
+    r = run.cfg
+    assert r.training.mixed_precision != "auto" and r.lr_scheduler.warmup_steps <= r.training.steps
+    assert r.data.document_mask or r.data.format != "chat"
+    assert not r.profile.enabled or r.profile.start + r.profile.every - 1 <= r.training.steps
+
+
+def test_a_training_process_makes_the_model_args_once(tmp_path: Path, data_cache: str):
+    """Resolution in one pass: a whole `shardwise train` (a fresh run, then its resume) builds the
+    ModelArgs once per process, in resolve_run (counted by wrapping the one function that makes it)."""
+    count = ("import sys, shardwise.models as m\n"
+             "calls = []\n"
+             "orig = m.model_args\n"
+             "m.model_args = lambda cfg: calls.append(1) or orig(cfg)\n"
+             "from shardwise.cli import main\n"
+             "code = main(sys.argv[1:])\n"
+             "print('model_args calls:', len(calls))\n"
+             "sys.exit(code)\n")
+    run = ["train", "--config", "configs/debug.toml", "--run.dir", str(tmp_path / "run"),
+           f"--data.cache_dir={data_cache}", "--metrics.plot=false", "--metrics.tensorboard=false",
+           "--eval.interval=0"]
+    for extra in (["--training.steps=1"], ["--training.steps=2", "--checkpoint.resume=true"]):
+        proc = subprocess.run([sys.executable, "-c", count, *run, *extra], cwd=ROOT, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "model_args calls: 1\n" in proc.stdout, proc.stdout[-2000:]

@@ -23,10 +23,10 @@ MODEL = ModelConfig(name="debug", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, v
 
 def saved_model(tmp_path: Path, cfg: ModelConfig = MODEL, seed: int = 1) -> tuple[Path, torch.nn.Module]:
     from shardwise.config.schema import Config
-    from shardwise.resolve.checks import resolve_model
+    from shardwise.resolve.checks import complete_model
 
     full = Config(model=dataclasses.replace(cfg))
-    resolve_model(full)
+    complete_model(full)
     model = build_model(model_args(full.model), device="cpu")
     init_weights(model, seed)
     path = tmp_path / "step-0"
@@ -117,10 +117,10 @@ def test_import_of_a_transformers_model_needs_no_model_config(tmp_path: Path, fa
 
 def _resolved(cfg: ModelConfig) -> ModelConfig:
     from shardwise.config.schema import Config
-    from shardwise.resolve.checks import resolve_model
+    from shardwise.resolve.checks import complete_model
 
     full = Config(model=dataclasses.replace(cfg))
-    resolve_model(full)
+    complete_model(full)
     return full.model
 
 

@@ -135,9 +135,11 @@ def test_precomputed_scales_are_16_byte_aligned(one_rank_group: None):
 def test_the_log_says_what_float8_converts_and_converting_nothing_is_an_error(capsys, tmp_path):
     from shardwise.config.schema import ConfigError
     from shardwise.resolve.checks import load_config
-    from shardwise.trainer.preflight import (
-        preflight as check_layout,  # (the trainer's checks, no process group)
-    )
+    from shardwise.resolve.run import resolve_run
+    from shardwise.trainer.preflight import preflight
+
+    def check_layout(cfg, world: int) -> None:  # noqa: ANN001 - the trainer's checks, no process group
+        preflight(resolve_run(cfg, world))
 
     cfg = load_config(ROOT / "configs" / "moe-debug.toml",
                       ["--float8.enabled=true", f"--run.dir={tmp_path}", "--compile.enabled=false"])

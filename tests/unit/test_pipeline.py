@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from shardwise.models.transformer import build_model, init_weights
-from shardwise.parallel.pipeline import split_stage, stage_layers
+from shardwise.parallel.pipeline import split_stage
+from shardwise.parallel.stages import stage_layers
 from tests.helpers import TINY_MODEL
 
 

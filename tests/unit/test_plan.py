@@ -19,7 +19,7 @@ from shardwise.observe.flops import attention_pairs, executed_flops
 from shardwise.observe.memory import SavedActivations
 from shardwise.optim.adamw import build_optimizer
 from shardwise.parallel import fsdp
-from shardwise.parallel.pipeline import PipelineShape
+from shardwise.parallel.stages import PipelineShape
 from shardwise.plan import states
 from shardwise.plan.activations import activations
 from shardwise.plan.comm import group_members
@@ -28,13 +28,13 @@ from shardwise.plan.hardware import available, load_hardware
 from shardwise.plan.layout import Layout
 from shardwise.plan.memory import Timeline, memory_floor, one_pass, repeat, step_memory, then
 from shardwise.plan.schedule import in_flight, schedule_actions
-from shardwise.plan.search import check_layout, enumerate_layouts, parse_tokens, plan, plan_config
+from shardwise.plan.search import enumerate_layouts, layout_refusal, parse_tokens, plan, plan_config
 from shardwise.plan.states import build_rank, built_states, fake_world, shape_states
 from shardwise.resolve.checks import load_config
 from shardwise.resolve.run import resolve_run
 from shardwise.trainer.build import build_rank_model
 from shardwise.trainer.loss import TokenLoss
-from tests.helpers import ROOT, one_rank_pg, planned
+from tests.helpers import ROOT, one_rank_pg, planned, resolved_config
 
 DEBUG, MOE = str(ROOT / "configs" / "debug.toml"), str(ROOT / "configs" / "moe-debug.toml")
 DEEPSEEK = str(ROOT / "configs" / "deepseek-debug.toml")
@@ -386,7 +386,7 @@ def test_plan_returns_layouts_the_trainer_accepts():
     the top ones are estimated exactly."""
     from shardwise.resolve.run import resolve_run
 
-    cfg = plan_config(load_config(None, ["--model.name=8b"], device="cuda"), 8192, parse_tokens("128K"))
+    cfg = plan_config(resolved_config(None, ["--model.name=8b"], device="cuda"), 8192, parse_tokens("128K"))
     assert cfg.training.global_batch == 16
     hw = load_hardware("h100")
     result = plan(cfg, 8, hw, top=2, schedules=("1f1b",))
@@ -408,7 +408,7 @@ def test_plan_skips_only_dominated_checkpointing_modes():
     from shardwise.plan.memory import step_memory
     from shardwise.plan.search import param_shapes
 
-    cfg = plan_config(load_config(None, ["--model.name=8b"], device="cuda"), 8192, parse_tokens("128K"))
+    cfg = plan_config(resolved_config(None, ["--model.name=8b"], device="cuda"), 8192, parse_tokens("128K"))
     hw = load_hardware("h100")
     result = plan(cfg, 8, hw, top=0, schedules=("1f1b",), workers=1)
     assert result.dropped["slower than a checkpointing mode that fits"] > 0
@@ -418,7 +418,7 @@ def test_plan_skips_only_dominated_checkpointing_modes():
                                                                   result.refusals, result.least)
     shapes, every = param_shapes(model_args(cfg.model)), {}
     for layout in enumerate_layouts(model_args(cfg.model), 8, hw, schedules=("1f1b",)):
-        if check_layout(cfg, layout):
+        if layout_refusal(cfg, layout):
             continue
         run = layout.resolve(cfg)
         states = shape_states(run, shapes)
@@ -440,7 +440,7 @@ def test_layout_checks_do_not_depend_on_the_checkpointing_mode(path: str):
     layouts = enumerate_layouts(model_args(cfg.model), 8, load_hardware("h100"), ac_modes=modes)
     verdicts: dict = {}
     for layout in layouts:
-        verdicts.setdefault(dataclasses.replace(layout, ac="none"), set()).add(check_layout(cfg, layout))
+        verdicts.setdefault(dataclasses.replace(layout, ac="none"), set()).add(layout_refusal(cfg, layout))
     assert all(len(v) == 1 for v in verdicts.values())
     assert any(v != {""} for v in verdicts.values()) and any(v == {""} for v in verdicts.values())
 
@@ -482,8 +482,8 @@ def test_plan_with_float8_checks_layouts_without_building_the_model(monkeypatch:
 
     calls = []
     monkeypatch.setattr(preflight, "float8_summary", lambda *a: calls.append(a) or "")
-    cfg = plan_config(load_config(None, ["--model.name=8b", "--float8.enabled=true"], device="cuda"), 8192,
-                      parse_tokens("128K"))
+    base = resolved_config(None, ["--model.name=8b", "--float8.enabled=true"], device="cuda")
+    cfg = plan_config(base, 8192, parse_tokens("128K"))
     result = plan(cfg, 8, load_hardware("h100"), top=1, schedules=("1f1b",))
     assert result.ranked and result.considered > 50 and not calls
     assert "float8" not in capsys.readouterr().out
@@ -502,7 +502,7 @@ def test_memory_floor_never_exceeds_the_peak(path: str, world: int, overrides: l
     cfg = load_config(path, overrides)
     ratios = []
     for layout in enumerate_layouts(model_args(cfg.model), world, load_hardware("h100"), max_micro_batch=2):
-        if check_layout(cfg, layout):
+        if layout_refusal(cfg, layout):
             continue
         run = layout.resolve(cfg)
         for st in shape_states(run):
@@ -594,7 +594,7 @@ def test_the_gpu_profiles_predict_our_own_gpu_rows(hardware: str, preset: str, b
     from shardwise.plan.estimate import estimate
     from shardwise.resolve.run import compile_run
 
-    cfg = load_config(None, [f"--model.name={preset}", f"--training.global_batch={batch}",
+    cfg = resolved_config(None, [f"--model.name={preset}", f"--training.global_batch={batch}",
                              f"--training.seq_len={seq}", f"--model.max_seq_len={max(seq, 2048)}",
                              "--training.steps=100000", "--run.device=cuda", "--parallel.one_rank=fsdp"],
                       device="cuda")
@@ -620,7 +620,7 @@ def test_search_ranks_bound_every_pipeline_rank(overrides: list[str]):
     first stage lighter than the ones after it, so the first and last alone would miss the peak."""
     from shardwise.plan.cost import step_time
 
-    cfg = load_config(str(ROOT / "configs" / "deepseek-v3-671b.toml"), overrides, device="cuda")
+    cfg = resolved_config(str(ROOT / "configs" / "deepseek-v3-671b.toml"), overrides, device="cuda")
     run, hw = planned(cfg, 512), load_hardware("h100")
     every = shape_states(run)
     bounding = states.bounding_pp_ranks(run)

@@ -28,7 +28,7 @@ from shardwise.plan.layout import Layout
 from shardwise.plan.overlap import collective_time, fsdp_exposed_seconds
 from shardwise.plan.states import shape_states
 from shardwise.resolve.checks import load_config
-from tests.helpers import ROOT, one_rank_pg, planned
+from tests.helpers import ROOT, one_rank_pg, planned, resolved_config
 
 TFLOPS, SMS = 132.0, 132  # 1 TFLOP/s per multiprocessor
 FIXTURES = ROOT / "tests" / "fixtures" / "planner"
@@ -184,7 +184,7 @@ def test_linear_layer_rates_by_shape_on_gpus():
 
 
 def _8b(world: int, *overrides: str):
-    cfg = load_config(None, ["--model.name=8b", "--training.seq_len=8192", "--training.micro_batch=2",
+    cfg = resolved_config(None, ["--model.name=8b", "--training.seq_len=8192", "--training.micro_batch=2",
                              f"--training.global_batch={2 * world}", "--parallel.dp_shard=1", *overrides],
                       device="cuda")
     run = planned(cfg, world)
@@ -300,7 +300,7 @@ def test_gpu_host_time_shows_only_where_kernels_are_shorter():
     """A 125m step of one 512-token sequence waits on its host (9 us per op against blocks of well
     under a millisecond); the published 8B rows do not."""
     hw = load_hardware("h100")
-    cfg = load_config(None, ["--model.name=125m", "--training.global_batch=1", "--training.seq_len=512",
+    cfg = resolved_config(None, ["--model.name=125m", "--training.global_batch=1", "--training.seq_len=512",
                              "--compile.enabled=false"], device="cuda")
     run = planned(cfg, 1)
     st = shape_states(run)[0]
@@ -339,17 +339,17 @@ def test_planning_a_gpu_on_a_cpu_builds_the_gpus_layout():
     once put the 8B blocks' peak 21% low."""
     from shardwise.plan.states import built_states
 
-    cfg = load_config(None, ["--model.name=debug", "--run.device=cuda"], device="cuda")
+    cfg = resolved_config(None, ["--model.name=debug", "--run.device=cuda"], device="cuda")
     built, shaped = built_states(planned(cfg, 1)), shape_states(planned(cfg, 1))
     assert built == shaped and built[0].units == ()
     assert [i for i, _ in built[0].plain] == [*range(model_args(cfg.model).n_layers), None]
-    fsdp = load_config(None, ["--model.name=debug", "--run.device=cuda", "--parallel.one_rank=fsdp"],
+    fsdp = resolved_config(None, ["--model.name=debug", "--run.device=cuda", "--parallel.one_rank=fsdp"],
                        device="cuda")
     built, shaped = built_states(planned(fsdp, 1)), shape_states(planned(fsdp, 1))
     (root,) = built[0].units
     assert root.layer is None and len(root.blocks) == model_args(cfg.model).n_layers
     assert sorted(built[0].units, key=str) == sorted(shaped[0].units, key=str)
-    cpu = load_config(None, ["--model.name=debug", "--run.device=cpu"], device="cpu")
+    cpu = resolved_config(None, ["--model.name=debug", "--run.device=cpu"], device="cpu")
     assert len(built_states(planned(cpu, 1))[0].units) == model_args(cpu.model).n_layers + 1  # per block
 
 
@@ -390,7 +390,7 @@ def test_peak_memory_and_step_of_measured_h100_steps(one_rank: str, shape: str, 
                  f"--parallel.one_rank={one_rank}"]
     overrides += [f"--model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in spec["overrides"]]
     overrides += [f"--model.n_layers={spec['n_layers']}"] if spec["n_layers"] else []
-    cfg = load_config(None, overrides, device="cuda")
+    cfg = resolved_config(None, overrides, device="cuda")
     est = estimate(cfg, 1, load_hardware("h100"))
     predicted = est.memory[0].peak / 2**30
     assert abs(predicted / measured - 1) < peak_bound, (predicted, measured)

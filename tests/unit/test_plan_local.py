@@ -13,7 +13,7 @@ from shardwise.plan.hardware import load_hardware
 from shardwise.plan.layout import Layout
 from shardwise.plan.states import shape_states
 from shardwise.resolve.checks import load_config
-from tests.helpers import ROOT, planned
+from tests.helpers import ROOT, planned, resolved_config
 
 DEBUG, MOE = str(ROOT / "configs" / "debug.toml"), str(ROOT / "configs" / "moe-debug.toml")
 
@@ -199,7 +199,7 @@ def test_memory_efficiency_makes_the_probe_step_its_own_measurement():
     from shardwise.plan.probes import PROBE, memory_efficiency
 
     hw = _local_profile(2)
-    cfg = load_config(None, list(PROBE), device="cpu")
+    cfg = resolved_config(None, list(PROBE), device="cpu")
     est = estimate(cfg, 1, hw)
     parts = est.time.ranks[0].compute
     copies = ComputeTally(hw, 1)
@@ -244,7 +244,7 @@ def test_cpu_expert_groups_cost_their_padding():
 
     shapes = {}
     for device in ("cpu", "cuda"):
-        cfg = load_config(MOE, ["--parallel.dp_shard=4"], device=device)
+        cfg = resolved_config(MOE, ["--parallel.dp_shard=4"], device=device)
         shapes[device] = (cfg, shape_of(planned(cfg, 4)))
     assert expert_rows(shapes["cpu"][1]) == 2048 + 8 * 31.5 and expert_rows(shapes["cuda"][1]) == 2048
     cpu, gpu = (block_gemms(shape, cfg, 2) for cfg, shape in shapes.values())

@@ -282,3 +282,18 @@ def test_one_table_of_commands():
         assert callable(m.add_arguments) and callable(m.run), name
     cli = (ROOT / "shardwise" / "cli.py").read_text()
     assert "args.command ==" not in cli and not any(f'"{name}"' in cli for name in COMMANDS)
+
+
+COMMAND_INTERFACE = {"run", "add_arguments"}
+"""What every command module defines (shardwise/commands/__init__.py); __main__.run is the console entry."""
+
+
+def test_one_name_per_function():
+    """No two public functions or classes share a name across the package (a reader who greps a name
+    finds one thing), except the interface every command module implements."""
+    where: dict[str, list[str]] = {}
+    for name, path in MODULES.items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+                where.setdefault(node.name, []).append(name)
+    assert {n: m for n, m in where.items() if len(m) > 1 and n not in COMMAND_INTERFACE} == {}
