@@ -270,7 +270,7 @@ HOW: dict[str, Check] = {
 }
 
 
-_TRAINED = (r"step 2/2 \| loss \d", r"run directory: (?P<file>\S+) ")
+_TRAINED = (r"step (\d+)/\1 \| loss \d", r"run directory: (?P<file>\S+) ")  # (its last step)
 SHOWS: list[tuple[str, tuple[str, ...]]] = [
     # (a command's start, what its output must hold): the first start that matches decides
     (r"shardwise train .*--print-config", (r"(?m)^\[training\]$", r"(?m)^steps = \d+$")),
