@@ -217,7 +217,7 @@ def step_kernels(profile: dict, hw: Hardware) -> dict[str, dict[str, float]]:
     and the GPU's idle time (the step's time from the measured tokens/s, less its kernels) beside
     the planner's host term."""
     from shardwise.plan.estimate import estimate
-    from shardwise.resolve.checks import load_config
+    from shardwise.resolve.checks import load_config, resolve_config
 
     measured = dict.fromkeys([*KERNEL_KINDS, "memory-bound"], 0.0)
     for k in profile["kernels"]:
@@ -229,10 +229,10 @@ def step_kernels(profile: dict, hw: Hardware) -> dict[str, dict[str, float]]:
     measured["host"] = step - sum(measured.values())  # (the GPU idle: waiting on the host)
     # (profiles without the key predate parallel.one_rank: FSDP on one rank ran them)
     one_rank = profile.get("one_rank", "fsdp")
-    cfg = load_config(None, [f"--model.name={profile['preset']}", f"--training.global_batch={batch}",
-                             f"--training.seq_len={seq}", f"--model.max_seq_len={max(seq, 2048)}",
-                             "--training.steps=100000", "--run.device=cuda",
-                             f"--parallel.one_rank={one_rank}"], device="cuda")
+    cfg = resolve_config(load_config(None, [
+        f"--model.name={profile['preset']}", f"--training.global_batch={batch}", f"--training.seq_len={seq}",
+        f"--model.max_seq_len={max(seq, 2048)}", "--training.steps=100000", "--run.device=cuda",
+        f"--parallel.one_rank={one_rank}"]), "cuda")
     est = estimate(cfg, 1, hw, exact=False)
     predicted = dict(est.time.ranks[0].compute)
     return {"measured": {**measured, "step": step}, "predicted": {**predicted, "step": est.time.step}}

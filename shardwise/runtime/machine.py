@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import importlib.util
 import os
 import shutil
@@ -120,16 +121,18 @@ def cpu_kind() -> str:
     return platform.machine()
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags, read once per process (the planner asks for each candidate)."""
     try:
         text = open("/proc/cpuinfo").read()
     except OSError:
-        return set()
+        return frozenset()
     flags: set[str] = set()
     for line in text.splitlines():
         if line.startswith(("flags", "Features")):
             flags.update(line.split(":", 1)[1].split())
-    return flags
+    return frozenset(flags)
 
 
 def device_type(requested: str) -> str:

@@ -67,7 +67,7 @@ def test_print_config_round_trips(tmp_path: Path):
     proc = run_cli(["train", "--config", "configs/debug.toml", "--print-config", "--training.steps=12"])
     f = tmp_path / "c.toml"
     f.write_text(proc.stdout)
-    assert load_config(f) == load_config(ROOT / "configs/debug.toml", ["--training.steps=12"])
+    assert load_config(f) == resolved_config(ROOT / "configs/debug.toml", ["--training.steps=12"])
 
 
 def test_help_config_lists_every_key():

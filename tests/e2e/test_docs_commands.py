@@ -280,7 +280,7 @@ SHOWS: list[tuple[str, tuple[str, ...]]] = [
     (r"shardwise estimate ", (r"step [\d.]+ s -> [\d,]+ tokens/s, [\d,]+ per device, MFU [\d.]+%",)),
     (r"shardwise plan ", (r"best layout written to (?P<file>\S+): ",)),
     (r"shardwise calibrate", (r"saved (?P<file>\S+): use --hardware local",)),
-    (r"shardwise prepare ", (r"prepared \S+: [\d,]+ \+ [\d,]+ held-out documents, [\d,]+ tokens",)),
+    (r"shardwise prepare ", (r"(?m)^\S+: \d+ shard\(s\), [\d,]+ documents and [\d,]+ tokens to train on",)),
     (r"shardwise convert --to-hf ", (r"exported \S+ -> (?P<file>\S+) \(\d+ safetensors file",)),
     (r"shardwise convert --from-hf ", (r"imported \S+ -> (?P<file>\S+) \(model \w+\)",)),
     (r"shardwise compare ", (r"bitwise equal: \d+ steps",)),

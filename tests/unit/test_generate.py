@@ -48,7 +48,7 @@ def _hf_folder(tmp_path: Path, family: str) -> Path:
 def test_greedy_matches_transformers_generate(tmp_path: Path, family: str):
     transformers = require("transformers")
     folder = _hf_folder(tmp_path, family)
-    loaded = gen.load(hf=str(folder), device="cpu", dtype="fp32")
+    loaded = gen.load_for_generation(hf=str(folder), device="cpu", dtype="fp32")
     prompt = gen.prompt_ids(loaded.tokenizer, "In the beginning God created")
     hf_tok = transformers.AutoTokenizer.from_pretrained(folder)
     assert prompt == hf_tok("In the beginning God created")["input_ids"]  # the same special tokens
@@ -123,7 +123,7 @@ def test_sampling_top_k_top_p_and_seed():
 def test_chat_prompt_is_rendered_as_transformers_renders_it(tmp_path: Path):
     transformers = require("transformers")
     folder = _hf_folder(tmp_path, "qwen3")
-    loaded = gen.load(hf=str(folder), device="cpu", dtype="fp32")
+    loaded = gen.load_for_generation(hf=str(folder), device="cpu", dtype="fp32")
     messages = [{"role": "system", "content": "Answer in the words of the King James Bible."},
                 {"role": "user", "content": "Who created the heaven and the earth?"}]
     ours = gen.prompt_ids(loaded.tokenizer, messages=messages)
