@@ -131,8 +131,8 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
         from shardwise.data.prepare import prepare
 
         data = run.cfg.data
-        prepare(data, run.tokenizer)  # once, here; the ranks memory-map it
-        pack_prepared(data, run.tokenizer, run.cfg.training.seq_len)  # (the ranks read it and report it)
+        prepare(data, run.tokenizer, plan=run.data_plan)  # once, here; the ranks memory-map it
+        pack_prepared(data, run.tokenizer, run.cfg.training.seq_len, run.data_plan)  # (the ranks report it)
         from shardwise.launch.agent import launch, strip_launcher_flags
 
         return launch(strip_launcher_flags(argv), nproc, args.max_restarts, cfg.run.dir, args.entry)

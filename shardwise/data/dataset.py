@@ -32,8 +32,8 @@ import torch
 from shardwise.config.schema import ConfigError, DataConfig
 from shardwise.data.indexed import Shard, ShardError
 from shardwise.data.packing import Packing, cached_packing
+from shardwise.data.prepare import DataPlan, prepare_plan, read_prepared, shard_done
 from shardwise.data.prepare import prepare as run_prepare
-from shardwise.data.prepare import prepare_plan, read_prepared, shard_done
 from shardwise.data.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100
@@ -202,12 +202,13 @@ def epochs_to_steps(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, global_
     return max(1, math.ceil(epochs * windows / global_batch)), windows
 
 
-def pack_prepared(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int) -> list[str]:
+def pack_prepared(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, plan: DataPlan | None = None
+                  ) -> list[str]:
     """Chat data: compute and keep each prepared split's packing at ``seq_len`` (once, before any
     rank reads it) and return :func:`packing_notices`; nothing for text data."""
     if cfg.format != "chat":
         return []
-    corpus = open_corpus(cfg, tokenizer, prepare=False)
+    corpus = open_corpus(cfg, tokenizer, prepare=False, plan=plan)
     for stream in [*corpus.train, *corpus.val]:
         stream.num_windows(seq_len)
     return packing_notices(corpus, seq_len)
@@ -231,12 +232,15 @@ class Corpus:
     max_token: int
 
 
-def open_corpus(cfg: DataConfig, tokenizer: Tokenizer, prepare: bool = True) -> Corpus:
-    """Prepare what is not yet (one process per folder does it; the others wait) and memory-map it."""
+def open_corpus(cfg: DataConfig, tokenizer: Tokenizer, prepare: bool = True, plan: DataPlan | None = None
+                ) -> Corpus:
+    """Prepare what is not yet (one process per folder does it; the others wait) and memory-map it
+    (``plan``: the run's :func:`prepare_plan`, when it has one)."""
+    plan = plan if plan is not None else prepare_plan(cfg, tokenizer)
     if prepare:
-        run_prepare(cfg, tokenizer)
+        run_prepare(cfg, tokenizer, plan=plan)
     entries, top = [], -1
-    for source, where, _ in prepare_plan(cfg, tokenizer):
+    for source, where, _ in plan:
         manifest = read_prepared(where)
         if not manifest or not manifest.get("complete"):
             raise ConfigError(f"'{where}' is not fully prepared: run `shardwise prepare` with this config")

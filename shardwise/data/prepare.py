@@ -67,8 +67,14 @@ def settings(source: Source, cfg: DataConfig, tokenizer: Tokenizer, val_fraction
                        "mtime_ns": f.stat().st_mtime_ns} for f in source.files]}
 
 
-def prepare_plan(cfg: DataConfig, tokenizer: Tokenizer) -> list[tuple[Source, Path, dict[str, Any]]]:
-    """(source, its prepared folder, its settings) for each training source, then data.val_path."""
+DataPlan = list[tuple[Source, Path, dict[str, Any]]]
+"""(source, its prepared folder, its settings) for each training source, then data.val_path."""
+
+
+def prepare_plan(cfg: DataConfig, tokenizer: Tokenizer) -> DataPlan:
+    """The run's data plan: each source resolved to its files, its prepared folder and the settings
+    its shards depend on. Worked out once per process (preflight; the run carries it) and passed to
+    the functions below, which otherwise work it out themselves."""
     sources = resolve_sources(cfg)
     fraction = 0.0 if cfg.val_path else cfg.val_fraction
     out = [(s, settings(s, cfg, tokenizer, fraction)) for s in sources]
@@ -110,9 +116,9 @@ def check_settings(where: Path, recorded: dict[str, Any], wanted: dict[str, Any]
                           "longer names: prepare into a new data.prepared_dir")
 
 
-def check_prepared(cfg: DataConfig, tokenizer: Tokenizer) -> None:
+def check_prepared(cfg: DataConfig, tokenizer: Tokenizer, plan: DataPlan | None = None) -> None:
     """The sources resolve, and each folder already prepared was prepared from them as they are."""
-    for _, where, sets in prepare_plan(cfg, tokenizer):
+    for _, where, sets in plan if plan is not None else prepare_plan(cfg, tokenizer):
         manifest = read_prepared(where)
         if manifest is not None:
             check_settings(where, manifest, sets)
@@ -166,10 +172,11 @@ def shard_done(where: Path, index: int, fingerprint: str) -> dict[str, Any] | No
     return rec if rec.get("tokenizer") == fingerprint else None
 
 
-def prepare(cfg: DataConfig, tokenizer: Tokenizer, workers: int = 0, quiet: bool = False) -> list[Path]:
+def prepare(cfg: DataConfig, tokenizer: Tokenizer, workers: int = 0, quiet: bool = False,
+            plan: DataPlan | None = None) -> list[Path]:
     """Prepare every source that is not yet (resuming one that was interrupted); the folders."""
     out = []
-    for source, where, sets in prepare_plan(cfg, tokenizer):
+    for source, where, sets in plan if plan is not None else prepare_plan(cfg, tokenizer):
         with _locked(where):
             manifest = read_prepared(where)
             if manifest is not None:

@@ -42,6 +42,9 @@ class ResolvedRun:
     """Why ``auto`` chose as it did (said once, by preflight)."""
     tokenizer: Any = dataclasses.field(default=None, compare=False, repr=False)
     """The run's tokenizer, loaded once by preflight (None where no data is read: the planner)."""
+    data_plan: Any = dataclasses.field(default=None, compare=False, repr=False)
+    """The run's data plan (:func:`shardwise.data.prepare.prepare_plan`: each source's files, prepared
+    folder and settings), worked out once by preflight (None in the planner)."""
 
     @property
     def tokens_per_step(self) -> int:

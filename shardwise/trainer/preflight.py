@@ -12,7 +12,7 @@ from shardwise import checkpoint
 from shardwise.config.extras import require_extra
 from shardwise.config.notice import notice
 from shardwise.config.schema import Config, ConfigError, model_label
-from shardwise.data.prepare import check_prepared
+from shardwise.data.prepare import check_prepared, prepare_plan
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.launch import rundir
 from shardwise.launch.resilience import restart_count
@@ -45,7 +45,8 @@ def preflight(run: ResolvedRun) -> ResolvedRun:
         require_extra("wandb", "metrics.wandb=true")
     tok = load_tokenizer(cfg.data.tokenizer)  # (once: the run carries it to the data and the launcher)
     check_tokenizer(cfg, args, tok.vocab_size)
-    check_prepared(cfg.data, tok)
+    plan = prepare_plan(cfg.data, tok)  # (once: the run carries it to the data pipeline and the launcher)
+    check_prepared(cfg.data, tok, plan)
     run_dir = Path(cfg.run.dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run.dir '{run_dir}' exists and is not a directory")
@@ -67,7 +68,7 @@ def preflight(run: ResolvedRun) -> ResolvedRun:
         for path in (rank_path(Path(cfg.debug.trace), r) for r in range(world_size)):
             if path.exists():
                 raise taken(path)
-    return dataclasses.replace(run, tokenizer=tok)
+    return dataclasses.replace(run, tokenizer=tok, data_plan=plan)
 
 
 def check_tokenizer(cfg: Config, args: ModelArgs, tokens: int) -> None:

@@ -262,7 +262,7 @@ def build_data(run: ResolvedRun, device: torch.device) -> tuple[PackedLoader, Co
     """Memory-map the prepared corpus (preparing what is not yet: under torchrun the first rank to
     reach a source's folder does it, the others wait on its lock) and build this rank's loader."""
     cfg, t, dims = run.cfg, run.cfg.training, run.dims
-    corpus = open_corpus(cfg.data, run.tokenizer or load_tokenizer(cfg.data.tokenizer))
+    corpus = open_corpus(cfg.data, run.tokenizer or load_tokenizer(cfg.data.tokenizer), plan=run.data_plan)
     check_vocab(corpus.max_token, run.model.vocab_size)
     loader = PackedLoader(corpus.train, t.seq_len, t.global_batch, run.micro_batch,
                           dims.submesh(Mesh.DP).get_local_rank(), dims.dp, t.seed,

@@ -282,16 +282,20 @@ def test_load_config_changes_nothing_the_user_wrote(seed: int):
     assert not r.profile.enabled or r.profile.start + r.profile.every - 1 <= r.training.steps
 
 
-def test_a_training_process_makes_the_model_args_once(tmp_path: Path, data_cache: str):
-    """Resolution in one pass: a whole `shardwise train` (a fresh run, then its resume) builds the
-    ModelArgs once per process, in resolve_run (counted by wrapping the one function that makes it)."""
-    count = ("import sys, shardwise.models as m\n"
-             "calls = []\n"
-             "orig = m.model_args\n"
-             "m.model_args = lambda cfg: calls.append(1) or orig(cfg)\n"
+def test_a_training_process_resolves_the_model_tokenizer_and_data_once(tmp_path: Path, data_cache: str):
+    """Resolution in one pass: a whole `shardwise train` (a fresh run, then its resume) makes the
+    ModelArgs, loads the tokenizer and works out the data plan once each per process (counted by
+    wrapping the one function that does each), and the run carries them to the trainer."""
+    count = ("import sys, shardwise.models as m, shardwise.data.prepare as d, shardwise.data.tokenizer as t\n"
+             "calls = {}\n"
+             "def counted(mod, name):\n"
+             "    orig = getattr(mod, name)\n"
+             "    setattr(mod, name, lambda *a, **k: calls.__setitem__(name, calls.get(name, 0) + 1)\n"
+             "            or orig(*a, **k))\n"
+             "counted(m, 'model_args'); counted(d, 'prepare_plan'); counted(t, 'load_tokenizer')\n"
              "from shardwise.cli import main\n"
              "code = main(sys.argv[1:])\n"
-             "print('model_args calls:', len(calls))\n"
+             "print('calls:', sorted(calls.items()))\n"
              "sys.exit(code)\n")
     run = ["train", "--config", "configs/debug.toml", "--run.dir", str(tmp_path / "run"),
            f"--data.cache_dir={data_cache}", "--metrics.plot=false", "--metrics.tensorboard=false",
@@ -300,4 +304,5 @@ def test_a_training_process_makes_the_model_args_once(tmp_path: Path, data_cache
         proc = subprocess.run([sys.executable, "-c", count, *run, *extra], cwd=ROOT, capture_output=True,
                               text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-2000:]
-        assert "model_args calls: 1\n" in proc.stdout, proc.stdout[-2000:]
+        want = "calls: [('load_tokenizer', 1), ('model_args', 1), ('prepare_plan', 1)]\n"
+        assert want in proc.stdout, proc.stdout[-2000:]
