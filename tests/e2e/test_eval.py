@@ -8,6 +8,8 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 from shardwise.cli import main
 from tests.helpers import TINY_ARGS, metrics, require, run_cli
 
@@ -64,6 +66,7 @@ def _tasks(folder: Path) -> None:
         "doc_to_text: ''\ndoc_to_target: '{{text}}'\nmetric_list:\n  - metric: word_perplexity\n")
 
 
+@pytest.mark.slow  # (make test-all: make test keeps within its time on 2 cores)
 def test_lm_eval_scores_a_checkpoint_as_its_hf_backend_scores_the_export(tmp_path: Path, data_cache: str,
                                                                         monkeypatch, capsys):
     """The adapter's log-likelihoods (continuations, whole texts) equal lm-eval's own Hugging Face

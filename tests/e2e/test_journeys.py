@@ -19,6 +19,7 @@ import json
 import tomllib
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.helpers import QWEN3, chat_folder, metrics, require, run_cli
@@ -93,6 +94,7 @@ def test_chat_fine_tuning_from_an_hf_folder_to_a_model_transformers_chats_with(t
     assert ours["prompt_tokens"] == prompt and ours["tokens"] == theirs
 
 
+@pytest.mark.slow  # (make test-all: make test keeps within its time on 2 cores)
 def test_deepseek_train_generate_export_to_transformers(tmp_path: Path, data_cache: str):
     transformers = require("transformers")
     run_dir = tmp_path / "run"

@@ -22,6 +22,7 @@ def _one_line_error(capsys: pytest.CaptureFixture, rc: int, code: int = 2) -> st
     return err
 
 
+@pytest.mark.slow  # (make test-all: make test keeps within its time on 2 cores)
 def test_calibrate_quick_then_plan_trains_on_four_ranks(tmp_path: Path, data_cache: str):
     """The whole local flow of docs/planning.md, as written there (plus the shared token cache, an
     output path and a run directory): a quick calibration, a plan for 4 local ranks of the debug

@@ -108,6 +108,7 @@ def test_moe_verify_replays_routing_so_near_ties_cannot_decide(tmp_path: Path, d
     assert differing > 0  # the ties were met, and did not decide the verdict
 
 
+@pytest.mark.slow  # (make test-all: make test keeps within its time on 2 cores)
 def test_moe_verify_with_replay_still_fails_a_real_bug(tmp_path: Path, data_cache: str):
     """Negative control: the gradient reduction dropped (each rank keeps its own shard) under expert
     parallel -- FAIL, and the routing report shows choices far from ties."""
