@@ -59,12 +59,6 @@ def resolve_config(cfg: Config, device: str | None = None) -> Config:
     also fills ``run.device=auto``), chat data's document mask on, and a warm-up or profiler window
     past the run's end clamped to it -- each said once in a notice. ``cfg`` itself is not changed;
     it is returned as it is when nothing needs resolving (so resolving twice says nothing twice)."""
-    p, steps = cfg.profile, cfg.training.steps
-    chat_unmasked = cfg.data.format == "chat" and not cfg.data.document_mask
-    past_end = cfg.lr_scheduler.warmup_steps > steps or (p.enabled and p.start + p.every - 1 > steps)
-    if not (chat_unmasked or past_end or cfg.training.mixed_precision == "auto"
-            or (device is not None and cfg.run.device == "auto")):
-        return cfg  # (the planner resolves thousands of candidates of one resolved base)
     out = copy.copy(cfg)  # (the sections resolved here are copied; the others are shared with cfg)
     for section in ("data", "lr_scheduler", "profile", "training", "run"):
         setattr(out, section, copy.copy(getattr(cfg, section)))
@@ -76,7 +70,7 @@ def resolve_config(cfg: Config, device: str | None = None) -> Config:
     resolve_precision(out, device)
     if device is not None and out.run.device == "auto":
         out.run.device = device
-    return out
+    return cfg if out == cfg else out  # (the planner resolves each candidate of one resolved base)
 
 
 def _get(cfg: Config, key: str) -> Any:
