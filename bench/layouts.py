@@ -20,7 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from shardwise.launch.verify import parse_layout, run_dirname
+from shardwise.resolve.layouts import parse_layout
+from shardwise.verify.parity import run_dirname
 
 DEFAULT = ["dp_shard=4", "dp_replicate=2,dp_shard=2", "tp=2,dp_shard=2", "tp=4", "tp=2,dp_replicate=2"]
 

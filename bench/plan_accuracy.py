@@ -49,7 +49,7 @@ COMMON = ["--training.mixed_precision=fp32", "--lr_scheduler.warmup_steps=1", "-
 
 
 def measure(preset: str, layout: str, steps: int, trace: int, run_dir: Path) -> tuple[list[str], int, dict]:
-    from shardwise.launch.verify import parse_layout
+    from shardwise.resolve.layouts import parse_layout
 
     overrides, world = parse_layout(layout)
     args = [*PRESET_ARGS[preset], *overrides, *COMMON, f"--training.steps={steps}",

@@ -58,7 +58,7 @@ COMMON = ["--lr_scheduler.warmup_steps=1", "--eval.interval=0", "--checkpoint.in
 
 def measure(base: list[str], layout: str, steps: int, warmup: int, run_dir: Path) -> float:
     """Median step time of a real run of ``layout``, after ``warmup`` steps."""
-    from shardwise.launch.verify import parse_layout
+    from shardwise.resolve.layouts import parse_layout
 
     overrides, world = parse_layout(layout)
     cmd = [sys.executable, "-m", "shardwise", "train", *base, *overrides, *COMMON,
@@ -73,10 +73,10 @@ def measure(base: list[str], layout: str, steps: int, warmup: int, run_dir: Path
 def predict(base: list[str], layout: str, hardware: str, profile: dict | None = None) -> tuple[str, float]:
     """(the layout as the planner writes it, its predicted step time), on ``hardware`` or on a
     stored ``profile`` (a round's own calibration)."""
-    from shardwise.launch.verify import parse_layout
     from shardwise.plan.estimate import estimate
     from shardwise.plan.hardware import Hardware, load_hardware
     from shardwise.resolve.checks import load_config, resolve_config
+    from shardwise.resolve.layouts import parse_layout
 
     overrides, world = parse_layout(layout)
     cfg = resolve_config(load_config(base[1], base[2:] + overrides + COMMON), "cpu")

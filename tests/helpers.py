@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from shardwise.data.tokenizer import ASSETS
-from shardwise.launch.verify import checkpoint_params, update_error
 from shardwise.models import ModelArgs, model_args
 from shardwise.models.transformer import (
     build_model,
@@ -29,6 +28,7 @@ from shardwise.parallel.dims import DEGREES
 from shardwise.resolve.checks import load_config, resolve_config
 from shardwise.resolve.layouts import fill_layouts
 from shardwise.resolve.run import ResolvedRun, resolve_run
+from shardwise.verify.parity import checkpoint_params, update_error
 
 ROOT = Path(__file__).resolve().parents[1]
 

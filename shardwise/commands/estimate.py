@@ -41,15 +41,16 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
     cfg = load_resolved(args.config, overrides, profile_device(args.hardware))
     from shardwise.resolve.run import resolve_run
 
-    # The trainer's own refusals, one line each (for the planned machine, not this one's device).
-    resolve_run(cfg, world, detect_device=False)
+    # The trainer's own refusals, one line each (for the planned machine, not this one's device);
+    # the run they resolve is the one estimated.
+    run = resolve_run(cfg, world, detect_device=False)
     if said := extras.plan_without_float8(cfg):
         notice(said)
     hw = load_hardware(args.hardware, cfg.data.cache_dir)
-    from shardwise.plan.estimate import estimate, estimate_json, format_estimate
+    from shardwise.plan.estimate import estimate_json, estimate_run, format_estimate
 
     where = target(args.json, "--json", args.overwrite, folder=False) if args.json else None
-    est = estimate(cfg, world, hw)
+    est = estimate_run(run, hw)
     print(format_estimate(est))
     if where is not None:
         where.write(estimate_json(est))

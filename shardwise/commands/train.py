@@ -110,7 +110,7 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
 
     run = resolve_run(cfg, nproc)  # the layout's refusals, before torch is loaded
     from shardwise.launch.rundir import LOCK_ENV, take
-    from shardwise.trainer.preflight import preflight
+    from shardwise.resolve.preflight import preflight
 
     run = preflight(run)  # the files' and the data's refusals, before any process group exists
     if world is not None or nproc == 1:

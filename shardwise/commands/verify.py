@@ -60,7 +60,7 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
         layout_overrides, world = parse_layout(text)
         resolve_run(load_config(args.config, [*overrides, *layout_overrides]), world, detect_device=False)
     check_folder(args.out, "--out")
-    from shardwise.launch.verify import verify_layouts
+    from shardwise.verify.parity import verify_layouts
 
     return 0 if verify_layouts(base, args.config, overrides, layouts, args.steps, Path(args.out),
                        args.moe_routing, args.localize) else 1

@@ -1,6 +1,6 @@
 """``shardwise eval``: a checkpoint's loss and perplexity over every whole global batch of a data set,
 prepared as training prepares it, on one rank or in any layout (:func:`evaluate_checkpoint`); or,
-with ``--tasks``, lm-evaluation-harness tasks through shardwise/harness.py."""
+with ``--tasks``, lm-evaluation-harness tasks through infer/harness.py."""
 
 from __future__ import annotations
 
@@ -18,15 +18,15 @@ import torch.distributed as dist
 
 from shardwise.checkpoint import checkpoint_or_latest, load_weights, read_manifest, run_config
 from shardwise.checkpoint.manifest import manifest_model_config
-from shardwise.config.schema import Config, ConfigError
+from shardwise.config.schema import ConfigError
 from shardwise.data.dataset import check_vocab, open_corpus
-from shardwise.data.prepare import prepare
+from shardwise.data.prepare import prepare, prepare_plan
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.infer.generate import load_for_generation
 from shardwise.infer.harness import run_tasks, task_manager
 from shardwise.launch.agent import launch, strip_launcher_flags
 from shardwise.resolve.checks import load_config
-from shardwise.resolve.run import resolve_run
+from shardwise.resolve.run import ResolvedRun, resolve_run
 from shardwise.runtime.distributed import init_distributed, launched_world_size
 from shardwise.trainer.build import batch_sharder, build_pipe, build_rank_model
 from shardwise.trainer.evaluate import score
@@ -47,14 +47,17 @@ class Score:
         return math.exp(min(self.loss, 700.0))
 
 
-def evaluate_checkpoint(cfg: Config, checkpoint: Path, split: str) -> list[Score]:
-    """``checkpoint``'s weights in ``cfg``'s layout on this process group (started here if there is
-    none), scored on each source of ``cfg.data`` -- its held-out part (``split`` val) or all of it
-    (all) -- in whole global batches; the last entry is the whole set, token-weighted."""
+def evaluate_checkpoint(run: ResolvedRun, checkpoint: Path, split: str) -> list[Score]:
+    """``checkpoint``'s weights in ``run``'s layout on this process group (started here if there is
+    none), scored on each source of its data -- the held-out part (``split`` val) or all of it (all)
+    -- in whole global batches; the last entry is the whole set, token-weighted. ``run`` carries its
+    tokenizer and data plan."""
+    cfg = run.cfg
     env = init_distributed(cfg.run.device, cfg.parallel.backend, cfg.run.cpu_memory_cache)
-    run = resolve_run(cfg, env.world_size)
+    if env.world_size != run.world:
+        raise ConfigError(f"eval was resolved for {run.world} ranks but runs on {env.world_size}")
     run.dims.build_mesh(env.device.type, cfg.parallel.backend_override)
-    corpus = open_corpus(cfg.data, load_tokenizer(cfg.data.tokenizer))
+    corpus = open_corpus(cfg.data, run.tokenizer, plan=run.data_plan)
     check_vocab(corpus.max_token, run.model.vocab_size)
     t = cfg.training
     parts = [(name, [v] if split == "val" else [tr, v])
@@ -108,14 +111,16 @@ def eval_command(args: argparse.Namespace, overrides: list[str], argv: list[str]
     if world is not None and args.nproc is not None:
         raise ConfigError("--nproc cannot be used under torchrun: the launcher sets the ranks")
     nproc = args.nproc if args.nproc is not None else world or 1
-    resolve_run(cfg, nproc, detect_device=True)  # layout errors here, before any process starts
+    run = resolve_run(cfg, nproc)  # layout errors here, before any process starts
+    tok = load_tokenizer(run.cfg.data.tokenizer)  # (once per process: the run carries it and its data)
+    run = dataclasses.replace(run, tokenizer=tok, data_plan=prepare_plan(run.cfg.data, tok))
     if world is None and nproc > 1:
-        prepare(cfg.data, load_tokenizer(cfg.data.tokenizer))  # once, here; the ranks memory-map it
+        prepare(run.cfg.data, tok, plan=run.data_plan)  # once, here; the ranks memory-map it
         with tempfile.TemporaryDirectory(prefix="shardwise-eval-") as tmp:
             return launch(strip_launcher_flags(argv), nproc, 0, tmp, rank_main)
-    scores = evaluate_checkpoint(cfg, ckpt, split)
+    scores = evaluate_checkpoint(run, ckpt, split)
     if dist.get_rank() == 0:
-        t = cfg.training
+        t = run.cfg.training
         if args.json:
             print(json.dumps({"checkpoint": str(ckpt), "split": split, "seq_len": t.seq_len,
                               "scores": [{**dataclasses.asdict(s), "perplexity": s.perplexity}

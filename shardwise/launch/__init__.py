@@ -1,2 +1,2 @@
 """Launching and holding a run: the local launcher and rank server, the run directory (lock, record,
-overwrite), failure recovery, and ``verify``."""
+overwrite) and failure recovery."""

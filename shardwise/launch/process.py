@@ -40,7 +40,7 @@ _BUFFERED = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
 # torch._disable_dynamo), the tokenizer library and the chat template's engine (loaded by the config
 # checks); a module that is not installed is left out.
 RANK_MODULES = ["shardwise.launch.rank_server", "shardwise.cli", "shardwise.resolve.checks",
-                "shardwise.trainer.preflight", "shardwise.launch.rundir", "shardwise.launch.agent",
+                "shardwise.resolve.preflight", "shardwise.launch.rundir", "shardwise.launch.agent",
                 "shardwise.trainer.train", "torch._dynamo", "tokenizers", "jinja2"]
 
 

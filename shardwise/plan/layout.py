@@ -14,6 +14,7 @@ import copy
 import dataclasses
 from dataclasses import dataclass
 
+from shardwise.config.model_args import ModelArgs
 from shardwise.config.schema import Config
 from shardwise.parallel.dims import DEGREES, Degrees
 from shardwise.resolve.run import ResolvedRun, resolve_run
@@ -72,7 +73,8 @@ class Layout:
                                                         every=self.ac_every)
         return cfg
 
-    def resolve(self, base: Config) -> ResolvedRun:
+    def resolve(self, base: Config, model: ModelArgs | None = None) -> ResolvedRun:
         """The run of ``base`` with this layout, resolved as ``shardwise train`` resolves it (raises
-        its ConfigError when the trainer would refuse it)."""
-        return resolve_run(self.apply(base), self.world, detect_device=False)
+        its ConfigError when the trainer would refuse it). ``model``: ``base``'s model, made once by a
+        caller resolving many layouts (a layout never changes the model)."""
+        return resolve_run(self.apply(base), self.world, detect_device=False, model=model)

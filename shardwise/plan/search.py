@@ -99,14 +99,15 @@ def enumerate_layouts(args: ModelArgs, gpus: int, hw: Hardware, ac_modes: tuple[
 
 def layout_refusal(cfg: Config, layout: Layout) -> str:
     """'' if the trainer accepts ``layout`` for ``cfg``, else its one-line refusal."""
-    run = _resolved(cfg, layout)
+    run = _resolved(cfg, layout, resolve_model(cfg))
     return run if isinstance(run, str) else ""
 
 
-def _resolved(cfg: Config, layout: Layout) -> ResolvedRun | str:
-    """The run of ``layout`` for ``cfg``, or the trainer's one-line refusal of it."""
+def _resolved(cfg: Config, layout: Layout, args: ModelArgs) -> ResolvedRun | str:
+    """The run of ``layout`` for ``cfg`` (whose model is ``args``), or the trainer's one-line refusal
+    of it."""
     try:
-        return layout.resolve(cfg)
+        return layout.resolve(cfg, args)
     except ConfigError as e:
         return str(e)
 
@@ -145,7 +146,7 @@ class _Found:
             self.over(*later.least)
 
 
-def _search(cfg: Config, gpus: int, hw: Hardware, capacity: float, shapes: ParamShapes,
+def _search(cfg: Config, args: ModelArgs, gpus: int, hw: Hardware, capacity: float, shapes: ParamShapes,
             groups: list[list[Layout]]) -> _Found:
     """Check, bound and cost ``groups`` of layouts that differ only in their checkpointing mode.
     Within a group, less memory costs more recompute: the modes are tried from the least memory up
@@ -155,7 +156,7 @@ def _search(cfg: Config, gpus: int, hw: Hardware, capacity: float, shapes: Param
     found, states_cache = _Found(), {}
     for group in groups:
         # the trainer's checks (resolve_run) never read the checkpointing mode: one verdict per group
-        if isinstance(first := _resolved(cfg, group[0]), str):
+        if isinstance(first := _resolved(cfg, group[0], args), str):
             found.dropped[_reason(first)] += len(group)
             found.refusals.setdefault(_reason(first), first)
             continue
@@ -173,7 +174,7 @@ def _search(cfg: Config, gpus: int, hw: Hardware, capacity: float, shapes: Param
         below = []  # under capacity at the floor, least memory first
         for i, layout in enumerate(sorted(group, key=lambda x: MEMORY_ORDER.index(x.ac))):
             if layout not in runs:
-                runs[layout] = layout.resolve(cfg)
+                runs[layout] = layout.resolve(cfg, args)
             run = runs[layout]
             # capacity holds what the allocator reserves for the live bytes (hw.reserved)
             if (need := int(hw.reserved(max(memory_floor(run, st) for st in states)))) > capacity:
@@ -208,7 +209,7 @@ def plan(cfg: Config, gpus: int, hw: Hardware, top: int = 5, memory_fraction: fl
     layouts = enumerate_layouts(args, gpus, hw, ac_modes, schedules)
     groups = [list(g) for _, g in itertools.groupby(layouts, key=lambda x: dataclasses.replace(x, ac="none"))]
     workers = workers or (min(8, usable_cores()) if len(groups) >= PARALLEL_GROUPS else 1)
-    search = functools.partial(_search, cfg, gpus, hw, capacity, shapes)
+    search = functools.partial(_search, cfg, args, gpus, hw, capacity, shapes)
     if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
         # contiguous chunks (neighbouring groups share their states), several per worker for balance
         n = min(len(groups), 4 * workers)
@@ -223,7 +224,7 @@ def plan(cfg: Config, gpus: int, hw: Hardware, top: int = 5, memory_fraction: fl
     ranked = sorted(found.ranked, key=lambda x: -x.tokens_per_s_per_device)
     # The first is the one written out: its states come from the real model (tests hold the shape
     # rules equal to it, so the others are costed from shapes -- a 405B build takes 1-3 s on 2 cores).
-    exact = [estimate_run(x.layout.resolve(cfg), hw, exact=exact_top and i == 0, shapes=shapes)
+    exact = [estimate_run(x.layout.resolve(cfg, args), hw, exact=exact_top and i == 0, shapes=shapes)
              for i, x in enumerate(ranked[:top])]
     return PlanResult(args, ranked, found.dropped, len(layouts), exact, found.refusals, found.least)
 

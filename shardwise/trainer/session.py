@@ -42,12 +42,12 @@ from shardwise.parallel.context import shard_sequences
 from shardwise.parallel.dims import DEGREES, Mesh
 from shardwise.parallel.float8 import gathers_float8
 from shardwise.parallel.pipeline import Pipe
+from shardwise.resolve.preflight import load_candidates, no_good_checkpoint
 from shardwise.resolve.run import ResolvedRun
 from shardwise.runtime.distributed import DistEnv
 from shardwise.trainer.build import batch_sharder, build_pipe, build_rank_model
 from shardwise.trainer.evaluate import Evaluator
 from shardwise.trainer.loss import TokenLoss
-from shardwise.trainer.preflight import load_candidates, no_good_checkpoint
 
 
 @dataclasses.dataclass

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from shardwise.data.tokenizer import SHIPPED_CORPUS
-from shardwise.launch.verify import checkpoint_params
+from shardwise.verify.parity import checkpoint_params
 from tests.helpers import (
     DEEPSEEK_ARGS,
     DEEPSEEK_LAYOUTS,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from shardwise import checkpoint
-from shardwise.launch.verify import checkpoint_params, update_error
+from shardwise.verify.parity import checkpoint_params, update_error
 from tests.helpers import TINY_ARGS, max_rel, metrics, run_cli
 
 LOSS_RTOL = 1e-5  # the layouts' own parity tolerances (tests/distributed/test_parity.py)

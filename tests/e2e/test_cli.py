@@ -77,7 +77,7 @@ def test_help_config_lists_every_key():
 
 
 def test_a_benchmark_shape_on_the_shipped_tokenizer_trains_with_a_notice(capsys):
-    from shardwise.trainer.preflight import check_tokenizer
+    from shardwise.resolve.preflight import check_tokenizer
 
     cfg = resolved_config(None, ["--model.name=125m"], device="cpu")
     check_tokenizer(cfg, model_args(cfg.model), 2048)

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from shardwise import checkpoint
-from shardwise.launch.verify import checkpoint_params
 from shardwise.models import model_args
 from shardwise.models.transformer import build_model
 from shardwise.resolve.checks import load_config
+from shardwise.verify.parity import checkpoint_params
 from tests.helpers import ROOT, TINY_ARGS, metrics, need, run_cli
 
 

@@ -62,7 +62,7 @@ def test_every_checkpoint_reader_checks_the_files(command: str, damage: str, sav
     before = files_under(tmp_path)
     want = "does not match its SHA-256" if damage == "flip" else "is truncated or altered"
     if command == "verify_reader":
-        from shardwise.launch.verify import checkpoint_params
+        from shardwise.verify.parity import checkpoint_params
 
         with pytest.raises(checkpoint.CheckpointError, match=want):
             checkpoint_params(ckpt)

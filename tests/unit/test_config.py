@@ -282,10 +282,11 @@ def test_load_config_changes_nothing_the_user_wrote(seed: int):
     assert not r.profile.enabled or r.profile.start + r.profile.every - 1 <= r.training.steps
 
 
-def test_a_training_process_resolves_the_model_tokenizer_and_data_once(tmp_path: Path, data_cache: str):
-    """Resolution in one pass: a whole `shardwise train` (a fresh run, then its resume) makes the
-    ModelArgs, loads the tokenizer and works out the data plan once each per process (counted by
-    wrapping the one function that does each), and the run carries them to the trainer."""
+def test_a_process_resolves_the_model_tokenizer_and_data_once(tmp_path: Path, data_cache: str):
+    """Resolution in one pass: a whole `shardwise train` (a fresh run, then its resume) and `eval` of
+    its checkpoint make the ModelArgs, load the tokenizer and work out the data plan once each per
+    process (counted by wrapping the one function that does each), and the run carries them on;
+    `estimate` and `plan` (which resolves every candidate layout) make the ModelArgs once."""
     count = ("import sys, shardwise.models as m, shardwise.data.prepare as d, shardwise.data.tokenizer as t\n"
              "calls = {}\n"
              "def counted(mod, name):\n"
@@ -306,3 +307,13 @@ def test_a_training_process_resolves_the_model_tokenizer_and_data_once(tmp_path:
         assert proc.returncode == 0, proc.stderr[-2000:]
         want = "calls: [('load_tokenizer', 1), ('model_args', 1), ('prepare_plan', 1)]\n"
         assert want in proc.stdout, proc.stdout[-2000:]
+    once = "calls: [('model_args', 1)]\n"
+    for command, want in ((["eval", "--checkpoint", str(tmp_path / "run"), f"--data.cache_dir={data_cache}"],
+                           "calls: [('load_tokenizer', 1), ('model_args', 1), ('prepare_plan', 1)]\n"),
+                          (["estimate", "--config", "configs/debug.toml", "--nproc", "4"], once),
+                          (["plan", "--config", "configs/debug.toml", "--nproc", "8", "--out",
+                            str(tmp_path / "plan.toml")], once)):
+        proc = subprocess.run([sys.executable, "-c", count, *command], cwd=ROOT, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert want in proc.stdout, (command, proc.stdout[-2000:])

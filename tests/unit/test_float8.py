@@ -135,8 +135,8 @@ def test_precomputed_scales_are_16_byte_aligned(one_rank_group: None):
 def test_the_log_says_what_float8_converts_and_converting_nothing_is_an_error(capsys, tmp_path):
     from shardwise.config.schema import ConfigError
     from shardwise.resolve.checks import load_config
+    from shardwise.resolve.preflight import preflight
     from shardwise.resolve.run import resolve_run
-    from shardwise.trainer.preflight import preflight
 
     def check_layout(cfg, world: int) -> None:  # noqa: ANN001 - the trainer's checks, no process group
         preflight(resolve_run(cfg, world))

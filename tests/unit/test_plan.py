@@ -478,7 +478,7 @@ def test_folded_passes_replay_as_their_events_do():
 def test_plan_with_float8_checks_layouts_without_building_the_model(monkeypatch: pytest.MonkeyPatch, capsys):
     """The trainer's per-run float8 summary (which builds the model on meta) stays out of the layout
     checks the planner runs on every candidate: a 405B search would otherwise take tens of minutes."""
-    import shardwise.trainer.preflight as preflight
+    import shardwise.resolve.preflight as preflight
 
     calls = []
     monkeypatch.setattr(preflight, "float8_summary", lambda *a: calls.append(a) or "")

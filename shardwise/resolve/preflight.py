@@ -1,5 +1,6 @@
-"""Checks that need no process group -- the resolved layout (shardwise/resolve.py), data, tokenizer,
-run directory, the checkpoint to load -- so a bad run fails in one line before any work starts."""
+"""The last step of resolving a run: the checks that need files but no process group -- data,
+tokenizer, run directory, the checkpoint to load -- so a bad run fails in one line before any work
+starts, and the tokenizer and data plan the run then carries."""
 
 from __future__ import annotations
 
