@@ -16,12 +16,16 @@ DESCRIPTION = (
 )
 EXAMPLES = (
     "shardwise prepare --config configs/debug.toml --data.path corpus/",
+    "shardwise prepare --config configs/debug.toml --show-window kjv:1332",
 )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML preset, e.g. configs/debug.toml")
     add_model(p)
+    p.add_argument("--show-window", metavar="SOURCE:INDEX",
+                   help="print one training window's text (a loss spike's notice names its windows) at "
+                        "training.seq_len, instead of the summary")
 
 
 def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
@@ -35,6 +39,12 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
     from shardwise.data.dataset import pack_prepared  # (after the config's checks: it imports torch)
 
     tokenizer = load_tokenizer(cfg.data.tokenizer)
+    if args.show_window:
+        from shardwise.data.dataset import open_corpus, show_window
+
+        corpus = open_corpus(cfg.data, tokenizer)
+        print(show_window(corpus, tokenizer, cfg.training.seq_len, args.show_window))
+        return 0
     for where in prepare(cfg.data, tokenizer):
         m = json.loads((where / "manifest.json").read_text())
         bad = f", {m['bad_rows']:,} bad rows skipped" if m["bad_rows"] else ""

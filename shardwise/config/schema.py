@@ -134,6 +134,15 @@ class TrainingConfig:
     nonfinite: Literal["stop", "skip"] = "stop"
     """NaN/inf gradient norm: stop (exit 2 before the update, the last checkpoint stays the last good
     state) or skip (drop the update; metrics count skipped_steps)."""
+    spike: Literal["warn", "skip"] = "warn"
+    """A loss spike -- a step's loss above training.spike_factor x the mean of the
+    training.spike_window steps before it, once warm-up is over: warn (a notice naming the step and
+    its data windows; the step is logged and marked as a spike) or skip (the same, and its update is
+    dropped before it is applied; metrics count spikes_skipped)."""
+    spike_factor: float = 1.3
+    """How far above the recent mean a step's loss must be to be a spike (> 1); 0 = no detection."""
+    spike_window: int = 10
+    """Steps whose mean loss a step is compared with (spikes excluded; refilled after a resume)."""
 
 
 @dataclass
@@ -338,6 +347,9 @@ class DebugConfig:
     """The step debug.comm and debug.memory record (2 or later: the steady state)."""
     nan_step: int = 0
     """Fault injection: make step N's loss NaN on every rank (tests training.nonfinite); 0 = off."""
+    spike_step: int = 0
+    """Fault injection: step N's batch becomes uniformly random tokens, as a corrupt shard's would
+    (tests training.spike); 0 = off."""
     fail_step: int = 0
     """Fault injection: SIGKILL rank debug.fail_rank at step N of the first attempt; 0 = off."""
     fail_rank: int = 0

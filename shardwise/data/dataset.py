@@ -305,6 +305,7 @@ class PackedLoader:
                               "sequences")
         self.consumed = [0] * len(self.streams)  # sequences taken from each source so far
         self._perms: dict[tuple[int, int], np.ndarray] = {}
+        self.last_rows: list[tuple[int, int]] = []  # (source, window) of the last step's global batch
 
     def _permutation(self, j: int, epoch: int) -> np.ndarray:
         if (j, epoch) not in self._perms:
@@ -330,7 +331,7 @@ class PackedLoader:
 
     def next_step(self) -> list[Batch]:
         """This rank's micro-batches for the next optimizer step (epochs roll over per source)."""
-        step = self._schedule()
+        step = self.last_rows = self._schedule()
         per_rank = self.global_batch // self.dp_size
         first = self.dp_rank * per_rank
         mine = step[first: first + per_rank]
@@ -344,6 +345,11 @@ class PackedLoader:
         return Batch(torch.from_numpy(inputs).to(**to), torch.from_numpy(labels).to(**to),
                      torch.from_numpy(docs).to(**to) if self.document_mask else None,
                      int((labels != IGNORE_INDEX).sum()), first_row)
+
+    def last_windows(self) -> list[str]:
+        """The last step's global batch as ``source:window`` (every rank's rows, in order): what
+        ``shardwise prepare --show-window`` shows."""
+        return [f"{self.names[j]}:{i}" for j, i in self.last_rows]
 
     def mix_metrics(self) -> dict[str, float]:
         """Each source's share of the training tokens so far and its epoch (a mix only)."""
@@ -369,3 +375,22 @@ class PackedLoader:
                               f"run has {self.n}: resume with the same data.path and training.seq_len")
         self.consumed = [int(c) for c in state["consumed"]]
         self._perms = {}
+
+
+def show_window(corpus: Corpus, tokenizer: Tokenizer, seq_len: int, spec: str) -> str:
+    """The text of training window ``spec`` (``SOURCE:INDEX``, as a spike's notice names it) at
+    ``seq_len`` tokens: a header line, then its tokens decoded (labels left out of the loss count)."""
+    name, _, index = spec.rpartition(":")
+    if name not in corpus.names or not index.isdigit():
+        raise ConfigError(f"--show-window '{spec}': give SOURCE:INDEX with SOURCE one of {corpus.names} "
+                          "(the spike notice's names)")
+    stream = corpus.train[corpus.names.index(name)]
+    i, n = int(index), stream.num_windows(seq_len)
+    if i >= n:
+        raise ConfigError(f"--show-window '{spec}': source '{name}' has {n} training windows of {seq_len} "
+                          f"tokens (0..{n - 1}); pass the run's --training.seq_len")
+    inputs, labels, docs = stream.window(i, seq_len)
+    ignored = int((labels == IGNORE_INDEX).sum())
+    head = (f"{name}:{i}: {seq_len} tokens from {int(docs.max()) + 1} document(s), {ignored} of its labels "
+            "out of the loss")
+    return head + "\n" + tokenizer.decode([int(t) for t in inputs])

@@ -7,11 +7,13 @@
 - :func:`restart_count`: under torch's elastic agent (``torchrun --max-restarts`` or ``shardwise
   train --max-restarts``) a restarted attempt resumes from the latest checkpoint.
 - :class:`NonFiniteError`: a NaN/inf gradient norm with ``training.nonfinite = stop``.
+- :func:`maybe_fail`, :func:`plant_spike`: the fault injections their tests use.
 - :func:`exit_with_launcher`: a rank dies within a second of its launcher.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.config.schema import ConfigError, DebugConfig
+from shardwise.data.dataset import IGNORE_INDEX, Batch
 
 
 class NonFiniteError(ConfigError):
@@ -92,6 +95,20 @@ def maybe_fail(debug: DebugConfig, step: int, rank: int) -> None:
     attempt only, so the restarted job runs through)."""
     if debug.fail_step == step and debug.fail_rank == rank and restart_count() == 0:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def plant_spike(debug: DebugConfig, step: int, batches: list[Batch], vocab_size: int) -> list[Batch]:
+    """Fault injection for the spike tests: at ``debug.spike_step`` every token of the step's batch
+    (the labels the loss counts too) is drawn uniformly from the vocabulary, the same on every rank."""
+    if debug.spike_step != step:
+        return batches
+    g = torch.Generator().manual_seed(step)
+    out = []
+    for b in batches:
+        tokens = torch.randint(0, vocab_size, (b.inputs.shape[0], b.inputs.shape[1] + 1), generator=g)
+        labels = torch.where(b.labels == IGNORE_INDEX, b.labels, tokens[:, 1:].to(b.labels.device))
+        out.append(dataclasses.replace(b, inputs=tokens[:, :-1].to(b.inputs.device), labels=labels))
+    return out
 
 
 def nonfinite_message(step: int, grad_norm: float, loss: float, last_checkpoint: str | None) -> str:

@@ -85,14 +85,16 @@ def console_record(step: int, total: int, metrics: dict[str, Any], now: float) -
            "loss": metrics["loss"], "lr": metrics["lr"], "grad_norm": metrics["grad_norm"],
            "tokens_per_s_per_device": metrics["tokens_per_s_per_device"], "mfu": metrics["mfu"],
            "memory_gib": metrics["memory_gib"], "eta_s": (total - step) * metrics["step_time_s"]}
-    if "val_loss" in metrics:
-        out["val_loss"] = metrics["val_loss"]
+    for key in ("val_loss", "spike"):
+        if key in metrics:
+            out[key] = metrics[key]
     return out
 
 
 def format_line(r: dict[str, Any]) -> str:
     """One log line of :func:`console_record`, for a file a person reads (``grep``, ``tail -f``)."""
     val = f" | val {r['val_loss']:.4f}" if "val_loss" in r else ""
+    val += f" | SPIKE {r['spike']:.2f}x" if "spike" in r else ""
     return (f"{r['time']} step {r['step']}/{r['total']} | loss {r['loss']:.4f}{val} | lr {r['lr']:.2e} | "
             f"grad {r['grad_norm']:.3f} | tok/s/dev {r['tokens_per_s_per_device']:,.0f} | "
             f"mfu {100 * r['mfu']:.1f}% | mem {r['memory_gib']:.2f} GiB | eta {_duration(r['eta_s'])}")

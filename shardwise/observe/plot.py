@@ -20,6 +20,10 @@ def plot_loss(metrics_path: Path, out: Path, title: str = "") -> None:
     if val:
         ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", ms=4, lw=1.2,
                 label="validation loss")
+    spikes = [r for r in records if "spike" in r]
+    if spikes:
+        ax.plot([r["step"] for r in spikes], [r["loss"] for r in spikes], "x", ms=9, mew=2, color="red",
+                label="loss spike")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title(title or metrics_path.parent.name)

@@ -1,8 +1,9 @@
 """``shardwise report RUN_DIR [RUN_DIR ...]``: a self-contained HTML page plus PNGs of one or more
 runs, overlaid for comparison.
 
-Panels: loss (train, and validation as markers), learning rate, gradient norm, tokens/s, MFU and
-executed-FLOPs utilization, peak memory per rank, step time per rank (with the straggler ratio).
+Panels: loss (train, validation as markers, loss spikes as red crosses), learning rate, gradient
+norm, tokens/s, MFU and executed-FLOPs utilization, peak memory per rank, step time per rank (with the
+straggler ratio).
 The PNGs are written next to the page and embedded in it (base64), so the HTML file alone can be
 mailed or attached to an issue.
 """
@@ -70,6 +71,12 @@ def plot_panel(runs: list[dict], stem: str, title: str, ylabel: str, keys: list[
                 ax.plot(steps, values, style, ms=4, lw=1.3, label=label,
                         color=colors[(i * 3 + j + k) % len(colors)])
                 lines[label] = len(steps)
+        spikes = [r for r in run["records"] if "spike" in r] if stem == "loss" else []
+        if spikes:  # training.spike's marks: the steps a user should look at
+            label = " ".join(x for x in (run["name"] if len(runs) > 1 else "", "loss spike") if x)
+            ax.plot([r["step"] for r in spikes], [r["loss"] for r in spikes], "x", ms=9, mew=2,
+                    color="red", label=label)
+            lines[label] = len(spikes)
     if lines:
         ax.set_title(title)
         ax.set_xlabel("step")
@@ -95,6 +102,9 @@ def summary_rows(run: dict) -> list[tuple[str, str]]:
     rows = [("steps logged", f"{len(recs)} (last step {last['step']})"),
             ("final train loss", f"{last['loss']:.4f}"),
             ("final validation loss", f"{vals[-1]:.4f}" if vals else "-")]
+    spikes = [r for r in recs if "spike" in r]
+    marks = ", ".join(f"step {r['step']} ({r['spike']:.2f}x)" for r in spikes)
+    rows.append(("loss spikes (training.spike)", marks or "none"))
     for key, label, fmt in (("tokens_per_s", "tokens/s (second half, mean)", "{:,.0f}"),
                             ("mfu", "MFU, PaLM convention (second half)", "{:.2%}"),
                             ("exec_util", "executed-FLOPs utilization (second half)", "{:.2%}"),

@@ -29,13 +29,13 @@ _POSITIVE = ("training.steps", "training.seq_len", "training.global_batch", "met
              "eval.steps", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
              "model.vocab_size", "model.multiple_of", "model.max_seq_len", "profile.start",
              "profile.every", "profile.active", "activation_checkpoint.every", "float8.min_dim",
-             "debug.trace_step", "data.shard_mb")
+             "debug.trace_step", "data.shard_mb", "training.spike_window")
 _NON_NEGATIVE = ("training.epochs", "training.loss_chunk", "training.micro_batch", "training.max_grad_norm",
                  "optimizer.lr",
                  "optimizer.weight_decay", "lr_scheduler.warmup_steps", "checkpoint.interval",
                  "eval.interval", "metrics.peak_tflops", "optimizer.eps",
-                 "checkpoint.keep_latest_k", "debug.nan_step", "debug.fail_step", "debug.fail_rank",
-                 "data.workers")
+                 "checkpoint.keep_latest_k", "debug.nan_step", "debug.spike_step", "debug.fail_step",
+                 "debug.fail_rank", "data.workers")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -92,6 +92,9 @@ def validate(cfg: Config) -> None:
     for key in ("data.val_fraction", "lr_scheduler.min_lr_ratio", "lr_scheduler.decay_fraction"):
         if not 0.0 <= _get(cfg, key) <= 1.0:
             raise ConfigError(f"{key} must be in [0, 1], got {_get(cfg, key)}")
+    if cfg.training.spike_factor != 0 and not cfg.training.spike_factor > 1:
+        raise ConfigError(f"training.spike_factor must be > 1 (or 0: no spike detection), got "
+                          f"{cfg.training.spike_factor}")
     for key in ("data.prepared_dir", "data.cache_dir"):
         if _get(cfg, key):
             check_folder(_get(cfg, key), key)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import shutil
 import sys
 import time
@@ -35,6 +36,7 @@ from shardwise.observe.peak import cpu_name, peak_tflops
 from shardwise.observe.plot import plot_loss
 from shardwise.observe.profile import StepProfiler
 from shardwise.observe.routing import RoutingTrace, routing_trace
+from shardwise.observe.spikes import SpikeWatch
 from shardwise.observe.trace import RunTrace
 from shardwise.optim.adamw import build_optimizer
 from shardwise.optim.lr import build_lr_scheduler
@@ -48,6 +50,9 @@ from shardwise.runtime.distributed import DistEnv
 from shardwise.trainer.build import batch_sharder, build_pipe, build_rank_model
 from shardwise.trainer.evaluate import Evaluator
 from shardwise.trainer.loss import TokenLoss
+
+SPIKE_WINDOWS_NAMED = 16
+"""A spike's notice names at most this many of its data windows (a large batch's rest are counted)."""
 
 
 @dataclasses.dataclass
@@ -79,8 +84,12 @@ class Session:
     """The step resumed after (0: a fresh run)."""
     started: float
     """perf_counter() when train() began (time to first step: start-up, and compile if on)."""
+    spikes: SpikeWatch
+    """The recent losses a step's loss is judged against (training.spike)."""
     skipped: int = 0
     """Steps whose update was dropped for a non-finite gradient norm."""
+    spikes_skipped: int = 0
+    """Steps whose update was dropped as a loss spike (training.spike=skip)."""
 
     def observe(self, step: int, batches: list[Batch]) -> contextlib.ExitStack:
         """Around one step: debug.memory / debug.comm at debug.trace_step, MoE routing traces,
@@ -127,6 +136,25 @@ class Session:
         self.skipped += 1
         self.logger.message(f"step {step}: non-finite gradient norm, update skipped ({self.skipped} so far)")
 
+    def loss_limit(self, step: int) -> float:
+        """The loss above which ``step``'s update is dropped (inf unless training.spike=skip)."""
+        return self.spikes.limit(step) if self.run.cfg.training.spike == "skip" else math.inf
+
+    def check_spike(self, step: int, result: Any) -> dict[str, float]:
+        """Judge the step's loss against the recent ones: a spike is said in a notice naming its data
+        windows and marked in the step's metrics ({"spike": its ratio}); {} otherwise. Every rank
+        holds the same global loss, so every rank agrees (the spike step is logged on all)."""
+        spike = self.spikes.add(step, float(result.loss))
+        if spike is None:
+            return {}
+        skipped = bool(result.finite) and not bool(result.applied)
+        self.spikes_skipped += skipped
+        windows = self.loader.last_windows()
+        named = windows[:SPIKE_WINDOWS_NAMED] + ([f"... ({len(windows) - SPIKE_WINDOWS_NAMED} more)"]
+                                                 if len(windows) > SPIKE_WINDOWS_NAMED else [])
+        self.logger.message("notice: " + spike.describe(self.run.cfg.training.spike_window, named, skipped))
+        return {"spike": spike.ratio}
+
     def metrics(self, result: Any) -> dict[str, Any]:
         """The step's metrics for the log (float() of a tensor syncs; per_rank gathers every rank's)."""
         device = self.env.device
@@ -135,6 +163,8 @@ class Session:
         metrics.update(per_rank({k: metrics[k] for k in ("step_time_s", "memory_gib")}, device))
         if self.run.cfg.training.nonfinite == "skip":
             metrics["skipped_steps"] = self.skipped
+        if self.run.cfg.training.spike == "skip":
+            metrics["spikes_skipped"] = self.spikes_skipped
         return {**metrics, **self.loader.mix_metrics()}
 
     def save(self, step: int, stopping: bool) -> None:
@@ -226,7 +256,9 @@ def open_session(run: ResolvedRun, env: DistEnv, run_dir: Path, ckpt_group: dist
     return Session(run, env, run_dir, model, pipe, loss, optimizer, scheduler, loader, shard, ckpt,
                    Evaluator(run, corpus, loss, env.device, pipe, shard), logger, throughput, stop,
                    StepProfiler(cfg.profile, run_dir, env.rank, env.device, start + 1), routing, trace,
-                   capture, gathers_float8(model, cfg.float8), start, started)
+                   capture, gathers_float8(model, cfg.float8), start, started,
+                   SpikeWatch(cfg.training.spike_factor, cfg.training.spike_window,
+                              cfg.lr_scheduler.warmup_steps))
 
 
 def export_hf_folder(checkpoint_dir: Path, run_dir: Path, retired: list[int]) -> str:

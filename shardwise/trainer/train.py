@@ -9,6 +9,7 @@ the global batch, whatever the layout or accumulation split.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from torch import nn
 from shardwise.config.schema import ConfigError
 from shardwise.data.dataset import Batch
 from shardwise.launch import rundir
-from shardwise.launch.resilience import exit_with_launcher, maybe_fail
+from shardwise.launch.resilience import exit_with_launcher, maybe_fail, plant_spike
 from shardwise.models.moe import update_expert_bias
 from shardwise.observe.memory import SavedActivations, state_bytes
 from shardwise.optim.clip import clip_grad_norm_, folds_grad_scale
@@ -62,19 +63,21 @@ def loop(s: Session) -> None:
     cfg = s.run.cfg
     for step in range(s.start + 1, cfg.training.steps + 1):
         maybe_fail(cfg.debug, step, s.env.rank)
-        batches = s.loader.next_step()
+        batches = plant_spike(cfg.debug, step, s.loader.next_step(), s.run.model.vocab_size)
         with s.observe(step, batches):
             result = train_step(s.model, s.optimizer, s.scheduler, s.shard(batches), s.run, s.loss,
                                 s.pipe, measure_memory=step == s.start + 1,
-                                inject_nan=step == cfg.debug.nan_step, float8_scales=s.float8_scales)
+                                inject_nan=step == cfg.debug.nan_step, float8_scales=s.float8_scales,
+                                loss_limit=s.loss_limit(step))
         s.check_finite(step, result)
+        spike = s.check_spike(step, result)  # (a spike's step is always logged)
         if result.memory is not None:
             s.report_first_step(result.memory)
         s.throughput.add(s.run.tokens_per_step, *s.step_flops(batches))
         last, stopping = step == cfg.training.steps, s.stop.agreed()  # every rank stops alike
         evaluating, saving = s.evaluator.due(step, last), s.ckpt.due(step, last, stopping)
-        if evaluating or s.logger.due(step, last or stopping):
-            s.logger.log(step, {**s.metrics(result), **(s.evaluator(s.model) if evaluating else {})})
+        if evaluating or spike or s.logger.due(step, last or stopping):
+            s.logger.log(step, {**s.metrics(result), **spike, **(s.evaluator(s.model) if evaluating else {})})
         if saving:
             s.save(step, stopping)
         if evaluating or saving:
@@ -98,6 +101,8 @@ class StepResult:
     """The learning rate the step used."""
     finite: torch.Tensor
     """False: the gradient norm was NaN/inf and the update was not applied (a bool tensor)."""
+    applied: torch.Tensor
+    """Whether the update was applied: finite, and the loss within the step's loss_limit (bool)."""
     expert_load: torch.Tensor | None = None
     """MoE: the busiest expert's load over the mean, worst layer."""
     memory: dict[str, int] | None = None
@@ -113,10 +118,12 @@ class StepResult:
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                scheduler: torch.optim.lr_scheduler.LRScheduler, batches: list[Batch], run: ResolvedRun,
                loss: TokenLoss, pipe: Pipe | None = None, measure_memory: bool = False,
-               inject_nan: bool = False, float8_scales: bool = False) -> StepResult:
+               inject_nan: bool = False, float8_scales: bool = False, loss_limit: float = math.inf
+               ) -> StepResult:
     """One optimizer step over this rank's micro-batches (through the pipeline schedule under PP).
     ``inject_nan`` (fault injection) makes this step's loss NaN; ``float8_scales``: precompute the
-    float8 weight scales FSDP gathers with, after the update (one all-reduce)."""
+    float8 weight scales FSDP gathers with, after the update (one all-reduce); ``loss_limit``: a
+    global loss above it drops the update (training.spike=skip)."""
     dims = run.dims
     dp_cp = dims.submesh(Mesh.DP_CP).get_group()
     device = batches[0].inputs.device
@@ -141,12 +148,14 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     # (the clip's division is folded into a fused optimizer's kernel: one pass over the gradients)
     grad_norm = clip_grad_norm_(model.parameters(), run.cfg.training.max_grad_norm, stages, optimizer)
     lr = optimizer.param_groups[0]["lr"]
-    # The norm is already reduced over every rank, so all agree on skipping a non-finite update.
+    dist.all_reduce(loss_sum, group=dp_cp)  # (every stage holds it under PP: every rank agrees)
+    # The norm and the loss are reduced over every rank, so all agree on skipping an update.
     finite = torch.isfinite(grad_norm)
+    applied = finite & (loss_sum / n_valid <= loss_limit) if loss_limit < math.inf else finite
     if folds_grad_scale(optimizer):  # its kernel skips the update itself: no host sync mid-step
-        optimizer.found_inf = (~finite).float()
+        optimizer.found_inf = (~applied).float()
         optimizer.step()
-    elif finite:  # (a host sync)
+    elif applied:  # (a host sync)
         optimizer.step()
     for key in ("grad_scale", "found_inf"):  # this step's only
         optimizer.__dict__.pop(key, None)
@@ -155,10 +164,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
         precompute_scales(model)
     memory = state_bytes(model, optimizer) if measure_memory else None  # before grads are freed
     optimizer.zero_grad(set_to_none=True)
-    dist.all_reduce(loss_sum, group=dp_cp)
     if memory is not None:
         memory = {**memory, "activations": max(t.bytes for t in saved)}
-    return StepResult(loss_sum / n_valid, grad_norm, lr, finite, expert_load(model, run, device), memory)
+    return StepResult(loss_sum / n_valid, grad_norm, lr, finite, applied, expert_load(model, run, device),
+                      memory)
 
 
 def expert_load(model: nn.Module, run: ResolvedRun, device: torch.device) -> torch.Tensor | None:

@@ -242,6 +242,7 @@ HOW: dict[str, Check] = {
         reason=f"needs Qwen3-0.6B from the hub; {_SFT} fine-tunes a tiny Qwen3 and checks the notice naming "
                "this preset; tests/unit/test_config.py loads the preset and fits it on a GPU"),
     "shardwise prepare --config configs/chat-debug.toml": Check(),
+    "shardwise prepare --config configs/debug.toml --show-window kjv:1332": Check(),
     "shardwise train --config configs/chat-debug.toml --training.epochs 2 --run.dir runs/chat-epochs":
         covered("tests/e2e/test_cli.py::test_epochs_set_the_steps_from_the_prepared_data"),
     "shardwise train --config configs/chat-debug.toml --nproc 2 --parallel.cp 2 --training.seq_len 2048 "
@@ -280,6 +281,7 @@ SHOWS: list[tuple[str, tuple[str, ...]]] = [
     (r"shardwise estimate ", (r"step [\d.]+ s -> [\d,]+ tokens/s, [\d,]+ per device, MFU [\d.]+%",)),
     (r"shardwise plan ", (r"best layout written to (?P<file>\S+): ",)),
     (r"shardwise calibrate", (r"saved (?P<file>\S+): use --hardware local",)),
+    (r"shardwise prepare .*--show-window", (r"(?m)^kjv:\d+: \d+ tokens from \d+ document\(s\)",)),
     (r"shardwise prepare ", (r"(?m)^\S+: \d+ shard\(s\), [\d,]+ documents and [\d,]+ tokens to train on",)),
     (r"shardwise convert --to-hf ", (r"exported \S+ -> (?P<file>\S+) \(\d+ safetensors file",)),
     (r"shardwise convert --from-hf ", (r"imported \S+ -> (?P<file>\S+) \(model \w+\)",)),

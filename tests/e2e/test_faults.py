@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -318,3 +319,40 @@ def test_a_full_disk_during_an_export_is_one_line_and_keeps_the_checkpoint(tmp_p
     assert "is saved and intact" in lines[0]
     loadable(run_dir / "checkpoints" / "step-2")
     assert list((run_dir / "hf").iterdir()) == []  # nothing half-written (no staging folder either)
+
+
+# The debug preset's own shape (it learns enough in six steps for random tokens to stand out).
+SPIKE = ["--model.dim=256", "--model.n_layers=6", "--model.n_heads=16", "--model.n_kv_heads=16",
+         "--model.multiple_of=256", "--training.steps=8", "--training.spike_window=3",
+         "--training.spike_factor=1.2", "--debug.spike_step=7", "--checkpoint.interval=1"]
+
+
+@pytest.mark.parametrize("mode", ["warn", "skip"])
+def test_a_planted_spike_is_named_marked_and_skipped_on_request(tmp_path: Path, data_cache: str, mode: str):
+    """Step 7's batch is random tokens (a corrupt shard's): its loss stands above the three steps
+    before it; the notice names the step and its eight data windows, the line log and metrics mark
+    it, and training.spike=skip drops its update (the weights after step 7 are those after step 6)
+    while warn applies it. No other step is called a spike."""
+    run_dir = tmp_path / mode
+    proc = run_cli(["train", *TINY_ARGS, f"--data.cache_dir={data_cache}", f"--run.dir={run_dir}", *SPIKE,
+                    f"--training.spike={mode}"])
+    notices = [ln for ln in proc.stdout.splitlines() if "loss spike" in ln]
+    assert len(notices) == 1 and notices[0].startswith("notice: step 7: loss spike"), proc.stdout[-3000:]
+    assert f"its update was {'skipped' if mode == 'skip' else 'applied'}" in notices[0]
+    assert len(re.findall(r"kjv:\d+", notices[0])) == 8, notices[0]
+    assert re.search(r"step 7/8 \| loss [\d.]+ \| SPIKE [\d.]+x", proc.stdout), proc.stdout[-3000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows if "spike" in r] == [7]
+    spike = next(r for r in rows if r["step"] == 7)
+    mean = sum(r["loss"] for r in rows if r["step"] in (4, 5, 6)) / 3
+    assert spike["spike"] == pytest.approx(spike["loss"] / mean) and spike["spike"] > 1.2
+    p6, p7 = (checkpoint_params(run_dir / "checkpoints" / f"step-{s}") for s in (6, 7))
+    unchanged = all(torch.equal(p6[k], p7[k]) for k in p6)
+    assert unchanged == (mode == "skip")
+    if mode == "skip":
+        assert [r["spikes_skipped"] for r in rows] == [0] * 6 + [1, 1]
+    # the window the notice names is the step's own data (here replaced by the planted tokens)
+    shown = run_cli(["prepare", "--config", "configs/debug.toml", f"--data.cache_dir={data_cache}",
+                     "--training.seq_len=64", "--show-window", re.search(r"kjv:\d+", notices[0]).group()])
+    assert re.search(r"^kjv:\d+: 64 tokens from \d+ document\(s\), \d+ of its labels out of the loss\n.+",
+                     shown.stdout, re.M), shown.stdout

@@ -315,3 +315,29 @@ def test_auto_log_format_gives_lines_to_a_pipe(out_tty: bool, err_tty: bool, wan
     monkeypatch.setattr(sys.stdout, "isatty", lambda: out_tty, raising=False)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: err_tty, raising=False)
     assert console_format(MetricsConfig()) == want
+
+
+def test_spike_watch_judges_against_the_healthy_recent_mean():
+    """A spike is a loss above factor x the mean of the window's non-spike steps before it, judged
+    only after warm-up with a full window; spikes stay out of the reference; `window` spikes in a
+    row become the new level; a NaN is the non-finite check's, not a spike."""
+    from shardwise.observe.spikes import SpikeWatch
+
+    w = SpikeWatch(factor=1.5, window=3, after_step=2)
+    verdicts = {step: w.add(step, loss) for step, loss in enumerate([9.0, 30.0, 4.0, 4.0, 4.0], start=1)}
+    assert all(v is None for v in verdicts.values())  # steps 1-2: warm-up; 3-5 fill the window
+    assert w.limit(6) == pytest.approx(6.0)
+    assert w.add(6, 6.0) is None  # at the limit: not a spike
+    spike = w.add(7, 9.0)  # mean of 4, 4, 6
+    assert spike is not None and spike.step == 7 and spike.ratio == pytest.approx(9 / (14 / 3))
+    assert w.limit(8) == pytest.approx(1.5 * 14 / 3)  # the spike stayed out of the reference
+    assert w.add(8, float("nan")) is None and w.limit(9) == pytest.approx(7.0)
+    assert w.add(9, 5.0) is None and w.limit(10) == pytest.approx(7.5)  # 4, 6, 5
+    assert not w.add(10, 20.0).rebased and not w.add(11, 20.0).rebased
+    third = w.add(12, 20.0)
+    assert third.rebased and "3 spikes in a row" in third.describe(3, ["kjv:1"], skipped=True)
+    assert w.limit(13) == pytest.approx(30.0) and w.add(13, 21.0) is None  # the new level
+    assert SpikeWatch(0.0, 3, 0).limit(100) == float("inf")  # spike_factor=0: no detection
+    line = spike.describe(3, ["kjv:5", "kjv:9"], skipped=False)
+    assert line.startswith("step 7: loss spike, 9.0000 is 1.93x the mean of the 3 steps before it (4.6667)")
+    assert "its update was applied" in line and "kjv:5, kjv:9" in line
