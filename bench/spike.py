@@ -2,6 +2,7 @@
 
     python bench/spike.py --run runs/spike --train --steps 19 -- --lr_scheduler.decay constant
     python bench/spike.py --run runs/spike --at 18
+    python bench/spike.py --run runs/spike --at 11-30       # one line per step
 
 ``--train`` runs ``shardwise train`` on the debug preset in fp32 with a checkpoint every step (extra
 flags after ``--`` go to it). The analysis loads the checkpoint of step ``at - 1``, rebuilds the loader
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -27,16 +27,17 @@ import torch.nn.functional as F
 from shardwise.data.dataset import PackedLoader, open_corpus
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.infer.generate import load_for_generation
-from shardwise.models.layers import apply_rope
 from shardwise.models.transformer import build_model, init_weights
+from shardwise.observe.attention import attention_stats
 from shardwise.resolve.checks import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def train(run: Path, steps: int, extra: list[str]) -> None:
-    cmd = [sys.executable, "-m", "shardwise", "train", "--config", "configs/debug.toml", "--run.dir", str(run),
-           "--run.overwrite=true", f"--training.steps={steps}", "--training.mixed_precision=fp32",
+    cmd = [sys.executable, "-m", "shardwise", "train", "--config", "configs/debug.toml",
+           "--run.dir", str(run), "--run.overwrite=true", f"--training.steps={steps}",
+           "--training.mixed_precision=fp32",
            "--checkpoint.interval=1", "--eval.interval=0", "--metrics.plot=false",
            "--metrics.tensorboard=false", "--metrics.log_format=line", *extra]
     subprocess.run(cmd, cwd=ROOT, check=True)
@@ -54,34 +55,6 @@ def batches(run: Path, upto: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         (b,) = loader.next_step()
         out.append((b.inputs, b.labels))
     return out
-
-
-def attention_stats(model: torch.nn.Module, tokens: torch.Tensor) -> list[tuple[float, float]]:
-    """Per layer (largest pre-softmax logit, lowest per-head mean entropy in nats) over one window."""
-    stats: list[tuple[float, float]] = []
-
-    def hook(attn: torch.nn.Module, inputs: tuple, _out: torch.Tensor) -> None:
-        x, rope = inputs[0], inputs[1]
-        b, s, _ = x.shape
-        q = attn.wq(x).view(b, s, -1, attn.head_dim)
-        k = attn.wk(x).view(b, s, -1, attn.head_dim)
-        if attn.q_norm is not None:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        rope = rope[:s] if rope.dim() == 3 else rope
-        q, k = (apply_rope(t, rope).transpose(1, 2) for t in (q, k))  # (B, H, S, D)
-        logits = q @ k.transpose(-1, -2) / math.sqrt(attn.head_dim)  # (B, H, S, S)
-        causal = torch.ones(s, s, dtype=torch.bool).tril()
-        logits = logits.masked_fill(~causal, float("-inf"))
-        p = logits.softmax(-1)
-        ent = -(p * p.clamp_min(1e-30).log()).sum(-1).mean(-1)  # (B, H)
-        stats.append((float(logits[..., causal].max()), float(ent.min())))
-
-    handles = [layer.attention.register_forward_hook(hook) for layer in model.layers.values()]
-    with torch.no_grad():
-        model(tokens)
-    for h in handles:
-        h.remove()
-    return stats
 
 
 def hidden(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -113,7 +86,7 @@ def analyse(run: Path, at: int) -> dict:
             "output row at init (mean L2)": float(w0.norm(dim=1).mean()),
             "unseen moves' mean cosine with their mean": float((unseen_dirs @ direction).mean()),
             "embedding row move, seen inputs (mean L2)": float(
-                (model.tok_embeddings.weight - init.tok_embeddings.weight)[seen].norm(dim=1).mean())}
+                (model.tok_embeddings.weight - init.tok_embeddings.weight).detach()[seen].norm(dim=1).mean())}
     windows = []
     with torch.no_grad():
         logits = model(inputs)  # (B, S, V)
@@ -123,7 +96,7 @@ def analyse(run: Path, at: int) -> dict:
         cos = (F.normalize(h, dim=-1) @ direction).mean(1)
         lse = logits.logsumexp(-1).mean(1)
     for i in range(inputs.shape[0]):
-        st = attention_stats(model, inputs[i:i + 1])
+        st = [(a.max_logit, a.min_entropy) for a in attention_stats(model, inputs[i:i + 1])]
         windows.append({"window": i, "loss": round(float(losses[i]), 3),
                         "p(unseen)": round(float(p_unseen[i]), 3),
                         "cos(h, unseen move)": round(float(cos[i]), 3),
@@ -134,18 +107,34 @@ def analyse(run: Path, at: int) -> dict:
             "batch loss": round(float(F.cross_entropy(logits.flatten(0, 1), labels.flatten())), 4)}
 
 
+def summary(report: dict) -> dict:
+    """One line of :func:`analyse`: the step's worst window by each measure."""
+    w, rows = report["windows"], report["rows"]
+    return {"at": report["at"], "batch loss": report["batch loss"],
+            "worst window loss": max(x["loss"] for x in w),
+            "max p(unseen)": max(x["p(unseen)"] for x in w),
+            "max cos(h, unseen move)": max(x["cos(h, unseen move)"] for x in w),
+            "unseen move": round(rows["output row move, unseen (mean L2)"], 3),
+            "max attention logit": max(x["max attention logit"] for x in w)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--run", required=True)
     p.add_argument("--train", action="store_true")
     p.add_argument("--steps", type=int, default=19)
-    p.add_argument("--at", type=int, default=18)
+    p.add_argument("--at", default="18", help="a step, or FIRST-LAST for one summary line per step")
     p.add_argument("extra", nargs="*")
     a = p.parse_args()
     run = Path(a.run)
     if a.train:
         train(run, a.steps, a.extra)
-    print(json.dumps(analyse(run, a.at), indent=1))
+    if "-" in a.at:
+        first, last = map(int, a.at.split("-"))
+        for at in range(first, last + 1):
+            print(json.dumps(summary(analyse(run, at))), flush=True)
+    else:
+        print(json.dumps(analyse(run, int(a.at)), indent=1))
 
 
 if __name__ == "__main__":

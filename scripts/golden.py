@@ -31,7 +31,7 @@ from shardwise.runtime.machine import cpu_kind  # noqa: E402
 
 GOLDEN = ROOT / "tests" / "golden"
 FAMILIES = {
-    "llama-debug": ["--config", "configs/debug.toml"],
+    "llama-debug": ["--config", "configs/debug.toml", "--model.qk_norm=false"],  # (Llama: no QK-norm)
     "moe-debug": ["--config", "configs/moe-debug.toml"],
     # Qwen3's differences from Llama: QK-norm, a head width of its own, tied embeddings, RoPE base 1e6
     "qwen3-tiny": ["--config", "configs/debug.toml", "--model.qk_norm=true", "--model.head_size=32",
