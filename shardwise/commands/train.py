@@ -13,6 +13,7 @@ import textwrap
 from shardwise.commands.common import add_model, add_nproc, load_resolved
 from shardwise.config import schema as config
 from shardwise.config.schema import ConfigError
+from shardwise.config.types import toml_value
 from shardwise.launch import process
 
 NAME = "train"
@@ -62,7 +63,7 @@ def help_text() -> str:
         docs = field_docs(cls)
         for name, tp in config.section_fields(cls).items():
             default = getattr(getattr(defaults, section), name)
-            shown = "(preset)" if default is None else config.toml_value(default)
+            shown = "(preset)" if default is None else toml_value(default)
             lines.append(f"  --{section}.{name}  ({config.type_name(tp)}, default {shown})")
             lines.append("      " + " ".join(docs.get(name, "").split()))
     return "\n".join(lines)

@@ -135,14 +135,12 @@ class TrainingConfig:
     """NaN/inf gradient norm: stop (exit 2 before the update, the last checkpoint stays the last good
     state) or skip (drop the update; metrics count skipped_steps)."""
     spike: Literal["warn", "skip"] = "warn"
-    """A loss spike -- a step's loss above training.spike_factor x the mean of the
-    training.spike_window steps before it, once warm-up is over: warn (a notice naming the step and
-    its data windows; the step is logged and marked as a spike) or skip (the same, and its update is
-    dropped before it is applied; metrics count spikes_skipped)."""
+    """A loss above spike_factor x the mean of the spike_window healthy steps before (after warm-up):
+    warn (a notice naming its data windows, marked in the logs) or skip (also drop its update)."""
     spike_factor: float = 1.3
-    """How far above the recent mean a step's loss must be to be a spike (> 1); 0 = no detection."""
+    """The margin of training.spike (> 1); 0 = no detection."""
     spike_window: int = 10
-    """Steps whose mean loss a step is compared with (spikes excluded; refilled after a resume)."""
+    """Steps training.spike averages over (refilled after a resume)."""
 
 
 @dataclass
@@ -348,8 +346,7 @@ class DebugConfig:
     nan_step: int = 0
     """Fault injection: make step N's loss NaN on every rank (tests training.nonfinite); 0 = off."""
     spike_step: int = 0
-    """Fault injection: step N's batch becomes uniformly random tokens, as a corrupt shard's would
-    (tests training.spike); 0 = off."""
+    """Fault injection: step N's batch becomes random tokens (tests training.spike); 0 = off."""
     fail_step: int = 0
     """Fault injection: SIGKILL rank debug.fail_rank at step N of the first attempt; 0 = off."""
     fail_rank: int = 0
@@ -463,11 +460,6 @@ def _is_bool(key: str) -> bool:
     cls = sections().get(section)
     tp = section_fields(cls).get(name) if cls is not None else None
     return tp is bool or True in typing.get_args(tp)
-
-
-def toml_value(value: Any) -> str:
-    """``value`` as a TOML file writes it (``false``, ``"auto"``, ``[]``)."""
-    return tomli_w.dumps({"v": value}).partition("=")[2].strip()
 
 
 def choices(key: str) -> tuple[str, ...]:

@@ -10,6 +10,8 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
+import tomli_w
+
 
 class ConfigError(ValueError):
     """A bad configuration value; the message is one line naming the key and the fix."""
@@ -101,3 +103,8 @@ def read_toml(path: Path, what: str) -> dict[str, Any]:
         raise ConfigError(f"{what} '{path}' cannot be read ({e}): check the path") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{what} '{path}' is not valid TOML: {e}") from None
+
+
+def toml_value(value: Any) -> str:
+    """``value`` as a TOML file writes it (``false``, ``"auto"``, ``[]``)."""
+    return tomli_w.dumps({"v": value}).partition("=")[2].strip()
