@@ -78,6 +78,7 @@ def step_trainer(data_cache: str, loss: str = "auto", device: str = "cpu", preci
     """The trainer's own pieces on one rank: model, optimizer, schedule, data (inside one_rank_pg,
     or a one-rank NCCL group on a GPU). ``one_rank``: parallel.one_rank; ``model``: more overrides."""
     cfg = load_config(ROOT / "configs" / "debug.toml", [
+        "--model.qk_norm=false",  # (a Llama: the reference is HF Llama)
         "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
         "--model.multiple_of=16", "--training.seq_len=64", "--training.global_batch=8",
         "--training.micro_batch=2",  # 4 accumulated micro-batches: the normalization spans them

@@ -140,10 +140,12 @@ class Session:
         """The loss above which ``step``'s update is dropped (inf unless training.spike=skip)."""
         return self.spikes.limit(step) if self.run.cfg.training.spike == "skip" else math.inf
 
-    def check_spike(self, step: int, result: Any) -> dict[str, float]:
-        """Judge the step's loss against the recent ones: a spike is said in a notice naming its data
-        windows and marked in the step's metrics ({"spike": its ratio}); {} otherwise. Every rank
-        holds the same global loss, so every rank agrees (the spike step is logged on all)."""
+    def check_loss(self, step: int, result: Any) -> dict[str, float]:
+        """The step's checks: a non-finite gradient norm (:meth:`check_finite`), then its loss against
+        the recent ones -- a spike is said in a notice naming its data windows and marked in the
+        step's metrics ({"spike": its ratio}); {} otherwise. Every rank holds the same global loss,
+        so every rank agrees (the spike step is logged on all)."""
+        self.check_finite(step, result)
         spike = self.spikes.add(step, float(result.loss))
         if spike is None:
             return {}

@@ -65,12 +65,10 @@ def loop(s: Session) -> None:
         maybe_fail(cfg.debug, step, s.env.rank)
         batches = plant_spike(cfg.debug, step, s.loader.next_step(), s.run.model.vocab_size)
         with s.observe(step, batches):
-            result = train_step(s.model, s.optimizer, s.scheduler, s.shard(batches), s.run, s.loss,
-                                s.pipe, measure_memory=step == s.start + 1,
-                                inject_nan=step == cfg.debug.nan_step, float8_scales=s.float8_scales,
-                                loss_limit=s.loss_limit(step))
-        s.check_finite(step, result)
-        spike = s.check_spike(step, result)  # (a spike's step is always logged)
+            result = train_step(s.model, s.optimizer, s.scheduler, s.shard(batches), s.run, s.loss, s.pipe,
+                                measure_memory=step == s.start + 1, inject_nan=step == cfg.debug.nan_step,
+                                float8_scales=s.float8_scales, loss_limit=s.loss_limit(step))
+        spike = s.check_loss(step, result)  # NaN: stop or skip; a spike: said, and always logged
         if result.memory is not None:
             s.report_first_step(result.memory)
         s.throughput.add(s.run.tokens_per_step, *s.step_flops(batches))
