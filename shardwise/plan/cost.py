@@ -369,11 +369,12 @@ def host_seconds(run: ResolvedRun, rank_states: RankStates, hw: Hardware, micro_
 
 
 HOST_OPS_PER_BLOCK = {"dense": (102, 301), "moe_block": (163, 505),
+                      "qk_dense": (124, 375), "qk_moe_block": (185, 579),
                       "latent_dense": (139, 412), "latent_moe_block": (212, 579)}
 """ATen ops one eager block dispatches (forward, forward + backward), counted with a dispatch
-mode on the debug presets, the latent ones on DeepSeek-V3's (tests/unit/test_plan_gpu.py recounts
-them): about half launch a kernel, the rest are views and bookkeeping, which cost host time all the
-same."""
+mode on the debug presets (qk_: with QK-norm, as Qwen3's), the latent ones on DeepSeek-V3's
+(tests/unit/test_plan_gpu.py recounts them): about half launch a kernel, the rest are views and
+bookkeeping, which cost host time all the same."""
 
 
 def host_ops(args: ModelArgs, layer: int, recomputed: bool) -> int:
@@ -382,7 +383,8 @@ def host_ops(args: ModelArgs, layer: int, recomputed: bool) -> int:
     and autograd wrappers cost about what the eager ops they replace do (measured by
     bench/gpu_model.py; the figures are in bench/results/history.md)."""
     kind = "moe_block" if args.is_moe_layer(layer) else "dense"
-    forward, both = HOST_OPS_PER_BLOCK[f"latent_{kind}" if args.mla else kind]
+    attention = "latent_" if args.mla else "qk_" if args.qk_norm else ""
+    forward, both = HOST_OPS_PER_BLOCK[attention + kind]
     return both + (forward if recomputed else 0)
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.cli import main
-from shardwise.models import PRESETS, model_args
+from shardwise.models import model_args
 from shardwise.observe.flops import attention_pairs, executed_flops, flops_per_token
 from shardwise.resolve.checks import load_config
 from tests.helpers import (
@@ -49,7 +49,7 @@ def test_main_job_short_schedule(tmp_path: Path, data_cache: str):
     assert len(val) == 2 and val[1] < val[0]
     assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["memory_gib"] > 0 for r in rows)
     # Executed FLOPs (causal attention, flash backward 2.5x) over PaLM's, for the debug shape at 512.
-    args, s = PRESETS["debug"], 512
+    args, s = model_args(load_config(ROOT / "configs/debug.toml").model), 512  # (the recipe: QK-norm)
     ratio = executed_flops(args, s, attention_pairs(s)).total / (flops_per_token(args, s) * s)
     assert all(r["exec_util"] / r["mfu"] == pytest.approx(ratio, rel=1e-6) for r in rows)
     saved = tomllib.loads((run_dir / "config.toml").read_text())

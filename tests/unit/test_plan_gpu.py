@@ -255,8 +255,8 @@ def test_pipeline_fill_and_drain_wait_for_each_boundary(schedule: str, stages: i
 
 def test_host_ops_per_block_are_what_a_block_dispatches():
     """HOST_OPS_PER_BLOCK recounted: the ATen ops one eager block dispatches, forward and forward
-    + backward, dense and MoE, with grouped-query or latent attention (the difference between 4- and
-    2-block models of the debug presets)."""
+    + backward, dense and MoE, with grouped-query attention (with and without QK-norm) or latent
+    attention (the difference between 4- and 2-block models of the debug presets)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from shardwise.data.dataset import Batch
@@ -273,7 +273,10 @@ def test_host_ops_per_block_are_what_a_block_dispatches():
 
     counted = {}
     with one_rank_pg():
-        for kind, path, extra in (("dense", "debug.toml", []), ("moe_block", "moe-debug.toml", []),
+        for kind, path, extra in (("dense", "debug.toml", ["--model.qk_norm=false"]),
+                                  ("qk_dense", "debug.toml", ["--model.qk_norm=true"]),
+                                  ("moe_block", "moe-debug.toml", []),
+                                  ("qk_moe_block", "moe-debug.toml", ["--model.qk_norm=true"]),
                                   ("latent_dense", "deepseek-debug.toml", ["--model.n_experts=0"]),
                                   ("latent_moe_block", "deepseek-debug.toml", [])):
             ops = {}
