@@ -57,8 +57,8 @@ def test_the_debug_recipe_keeps_attention_logits_bounded_at_its_peak_learning_ra
     QK-norm, attention logits grew from 4 to 30 between steps 11 and 30 at the preset's peak
     learning rate, and one update flipped a few windows' hidden states onto the direction the
     never-seen tokens' output rows had drifted along. configs/debug.toml as written, held at its peak
-    learning rate after warm-up (the harsher schedule; fp32), trains 20 steps with no spike and its
-    largest attention logit stays under 8 (without QK-norm: 19.8 at step 20)."""
+    learning rate after warm-up (the harsher schedule; fp32), trains 16 steps with no spike and its
+    largest attention logit stays under 8 (without QK-norm: 14.0 at step 16, 19.8 at step 20)."""
     from shardwise.data.dataset import open_corpus
     from shardwise.data.tokenizer import load_tokenizer
     from shardwise.infer.generate import load_for_generation
@@ -66,13 +66,13 @@ def test_the_debug_recipe_keeps_attention_logits_bounded_at_its_peak_learning_ra
     from shardwise.resolve.checks import load_config
 
     run_dir = tmp_path / "run"
-    proc = run_cli(["train", "--config", "configs/debug.toml", "--training.steps=20",
+    proc = run_cli(["train", "--config", "configs/debug.toml", "--training.steps=16",
                     "--lr_scheduler.decay=constant", "--training.mixed_precision=fp32", "--eval.interval=0",
                     "--checkpoint.interval=0", "--metrics.plot=false", "--metrics.tensorboard=false",
                     "--metrics.log_format=line", f"--run.dir={run_dir}", f"--data.cache_dir={data_cache}"])
     assert "loss spike" not in proc.stdout
     loss = [r["loss"] for r in metrics(run_dir)]
-    ratios = [loss[i] / (sum(loss[i - 10:i]) / 10) for i in range(10, len(loss))]  # steps 11-20
+    ratios = [loss[i] / (sum(loss[i - 10:i]) / 10) for i in range(10, len(loss))]  # steps 11-16
     assert max(ratios) < 1.3, ratios
     cfg = load_config("configs/debug.toml", [f"--data.cache_dir={data_cache}"])
     stream = open_corpus(cfg.data, load_tokenizer("")).train[0]
