@@ -20,12 +20,12 @@ from shardwise.checkpoint import checkpoint_or_latest, load_weights, read_manife
 from shardwise.checkpoint.manifest import manifest_model_config
 from shardwise.config.schema import ConfigError
 from shardwise.data.dataset import check_vocab, open_corpus
-from shardwise.data.prepare import prepare, prepare_plan
-from shardwise.data.tokenizer import load_tokenizer
+from shardwise.data.prepare import prepare
 from shardwise.infer.generate import load_for_generation
 from shardwise.infer.harness import run_tasks, task_manager
 from shardwise.launch.agent import launch, strip_launcher_flags
 from shardwise.resolve.checks import load_config
+from shardwise.resolve.preflight import with_data
 from shardwise.resolve.run import ResolvedRun, resolve_run
 from shardwise.runtime.distributed import init_distributed, launched_world_size
 from shardwise.trainer.build import batch_sharder, build_pipe, build_rank_model
@@ -112,10 +112,9 @@ def eval_command(args: argparse.Namespace, overrides: list[str], argv: list[str]
         raise ConfigError("--nproc cannot be used under torchrun: the launcher sets the ranks")
     nproc = args.nproc if args.nproc is not None else world or 1
     run = resolve_run(cfg, nproc)  # layout errors here, before any process starts
-    tok = load_tokenizer(run.cfg.data.tokenizer)  # (once per process: the run carries it and its data)
-    run = dataclasses.replace(run, tokenizer=tok, data_plan=prepare_plan(run.cfg.data, tok))
+    run = with_data(run)  # (the tokenizer and data plan, once per process)
     if world is None and nproc > 1:
-        prepare(run.cfg.data, tok, plan=run.data_plan)  # once, here; the ranks memory-map it
+        prepare(run.cfg.data, run.tokenizer, plan=run.data_plan)  # once, here; the ranks memory-map it
         with tempfile.TemporaryDirectory(prefix="shardwise-eval-") as tmp:
             return launch(strip_launcher_flags(argv), nproc, 0, tmp, rank_main)
     scores = evaluate_checkpoint(run, ckpt, split)

@@ -44,9 +44,9 @@ def preflight(run: ResolvedRun) -> ResolvedRun:
         notice(float8_summary(build_model(args), cfg.float8, run.dims.tp))
     if cfg.metrics.wandb:
         require_extra("wandb", "metrics.wandb=true")
-    tok = load_tokenizer(cfg.data.tokenizer)  # (once: the run carries it to the data and the launcher)
+    run = with_data(run)
+    tok, plan = run.tokenizer, run.data_plan
     check_tokenizer(cfg, args, tok.vocab_size)
-    plan = prepare_plan(cfg.data, tok)  # (once: the run carries it to the data pipeline and the launcher)
     check_prepared(cfg.data, tok, plan)
     run_dir = Path(cfg.run.dir)
     if run_dir.exists() and not run_dir.is_dir():
@@ -69,7 +69,14 @@ def preflight(run: ResolvedRun) -> ResolvedRun:
         for path in (rank_path(Path(cfg.debug.trace), r) for r in range(world_size)):
             if path.exists():
                 raise taken(path)
-    return dataclasses.replace(run, tokenizer=tok, data_plan=plan)
+    return run
+
+
+def with_data(run: ResolvedRun) -> ResolvedRun:
+    """``run`` with its tokenizer loaded and its data plan worked out, once per process: the data
+    pipeline, the evaluator and the launcher take them from the run."""
+    tok = load_tokenizer(run.cfg.data.tokenizer)
+    return dataclasses.replace(run, tokenizer=tok, data_plan=prepare_plan(run.cfg.data, tok))
 
 
 def check_tokenizer(cfg: Config, args: ModelArgs, tokens: int) -> None:
