@@ -30,25 +30,58 @@ def hf_params(model: torch.nn.Module, args) -> dict[str, torch.Tensor]:  # noqa:
     return to_hf_state({k: full_value(v).detach().clone() for k, v in model.state_dict().items()}, args)
 
 
-class Reference:
-    """Hugging Face's Llama with the trainer's initial weights, and a training step written out."""
+HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+              "deepseek_v3": "DeepseekV3ForCausalLM"}
 
-    def __init__(self, model: torch.nn.Module, args, min_lr_ratio: float) -> None:  # noqa: ANN001
+
+def fused_experts(state: dict[str, torch.Tensor], hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (per-expert keys, as a saved folder holds them) in the in-memory layout of transformers
+    5's MoE models where ``hf_state`` has it: ``mlp.experts.gate_up_proj`` (E, 2h, d) and
+    ``mlp.experts.down_proj`` (E, d, h)."""
+    out = dict(state)
+    for key in (k for k in hf_state if k.endswith("mlp.experts.gate_up_proj")):
+        prefix = key[: -len(".gate_up_proj")]
+        n = hf_state[key].shape[0]
+        take = [{w: out.pop(f"{prefix}.{e}.{w}_proj.weight") for w in ("gate", "up", "down")} for e in range(n)]
+        out[key] = torch.stack([torch.cat([t["gate"], t["up"]]) for t in take])  # (E, 2h, d)
+        out[f"{prefix}.down_proj"] = torch.stack([t["down"] for t in take])  # (E, d, h)
+    return out
+
+
+class Reference:
+    """Hugging Face's model of the same family (Llama, Qwen3, Qwen3-MoE, DeepSeek-V3) with the
+    trainer's initial weights, and a training step written out. An MoE model's routing is recorded:
+    ``loads[step - 1]`` is each MoE block's busiest expert's slots over the mean, in block order."""
+
+    def __init__(self, model: torch.nn.Module, args, min_lr_ratio: float,  # noqa: ANN001
+                 steps: int = STEPS) -> None:
         transformers = require("transformers")
         params = hf_params(model, args)
-        self.hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config(args, "fp32")))
+        config = hf_config(args, "fp32")
+        hf_class = getattr(transformers, HF_CLASSES[config["model_type"]])
+        self.hf = hf_class(transformers.AutoConfig.for_model(**config))
         self.hf.to(next(iter(params.values())).device)
-        self.hf.load_state_dict(params)
+        missing, unexpected = self.hf.load_state_dict(fused_experts(params, self.hf.state_dict()), strict=False)
+        assert not unexpected and all(k.endswith("e_score_correction_bias") for k in missing), (missing,
+                                                                                                 unexpected)
         self.start = {k: v.detach().clone() for k, v in self.hf.named_parameters()}
         self.moments = {k: (torch.zeros_like(v), torch.zeros_like(v)) for k, v in self.hf.named_parameters()}
-        self.min_lr_ratio = min_lr_ratio
+        self.min_lr_ratio, self.steps = min_lr_ratio, steps
+        self.n_experts, self.counts, self.loads = args.n_experts, [], []
+        for name, m in self.hf.named_modules():
+            if name.endswith("mlp.gate"):  # (router logits, weights, expert ids (T, k))
+                m.register_forward_hook(lambda _m, _i, out: self.counts.append(
+                    torch.bincount(out[2].flatten(), minlength=self.n_experts).double()))
 
     def step(self, batches: list, step: int) -> tuple[float, float, float, float]:
         """(loss, grad norm, lr, clip coefficient) of optimizer step ``step`` on ``batches``."""
         # Loss: the mean over every valid label of the whole global batch, in one forward.
         inputs = torch.cat([b.inputs for b in batches])  # (8, 64)
         labels = torch.cat([b.labels for b in batches])
+        self.counts.clear()
         logits = self.hf(inputs).logits.float()  # (8, 64, V)
+        if self.counts:
+            self.loads.append([float(c.max() / c.mean()) for c in self.counts])
         n_valid = (labels != IGNORE_INDEX).sum()
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
                                reduction="sum") / n_valid
@@ -59,7 +92,7 @@ class Reference:
             coef = min(1.0, MAX_NORM / (norm + 1e-6))
             lr = PEAK_LR * step / WARMUP  # linear warmup, then cosine down to min_lr_ratio
             if step > WARMUP:
-                shape = 0.5 * (1 + math.cos(math.pi * (step - WARMUP) / (STEPS - WARMUP)))
+                shape = 0.5 * (1 + math.cos(math.pi * (step - WARMUP) / (self.steps - WARMUP)))
                 lr = PEAK_LR * (self.min_lr_ratio + (1 - self.min_lr_ratio) * shape)
             for name, p in self.hf.named_parameters():  # AdamW, decoupled decay on matrices only
                 g = p.grad * coef
@@ -74,7 +107,7 @@ class Reference:
 
 
 def step_trainer(data_cache: str, loss: str = "auto", device: str = "cpu", precision: str = "fp32",  # noqa: ANN201
-                 one_rank: str = "auto", model: tuple[str, ...] = ()):
+                 one_rank: str = "auto", model: tuple[str, ...] = (), steps: int = STEPS):
     """The trainer's own pieces on one rank: model, optimizer, schedule, data (inside one_rank_pg,
     or a one-rank NCCL group on a GPU). ``one_rank``: parallel.one_rank; ``model``: more overrides."""
     cfg = load_config(ROOT / "configs" / "debug.toml", [
@@ -82,7 +115,7 @@ def step_trainer(data_cache: str, loss: str = "auto", device: str = "cpu", preci
         "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
         "--model.multiple_of=16", "--training.seq_len=64", "--training.global_batch=8",
         "--training.micro_batch=2",  # 4 accumulated micro-batches: the normalization spans them
-        f"--training.mixed_precision={precision}", f"--training.steps={STEPS}",
+        f"--training.mixed_precision={precision}", f"--training.steps={steps}",
         f"--training.max_grad_norm={MAX_NORM}", f"--optimizer.lr={PEAK_LR}", f"--optimizer.weight_decay={WD}",
         f"--lr_scheduler.warmup_steps={WARMUP}", f"--data.cache_dir={data_cache}",
         "--debug.deterministic=true", f"--training.loss={loss}", f"--run.device={device}",
@@ -91,7 +124,7 @@ def step_trainer(data_cache: str, loss: str = "auto", device: str = "cpu", preci
     run.dims.build_mesh(device)
     model = build_rank_model(run, device)
     optimizer = build_optimizer(model, cfg.optimizer, device)
-    scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, STEPS)
+    scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, steps)
     loader, _ = build_data(run, torch.device(device))
     return cfg, run.model, run, model, optimizer, scheduler, loader
 

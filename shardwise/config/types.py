@@ -44,7 +44,10 @@ def coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
     args = typing.get_args(tp)
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
         inner = [a for a in args if a is not type(None)]
-        if value is None or (from_cli and str(value).lower() in ("none", "null")):
+        # "none" on the command line unsets an optional field -- unless "none" is one of its choices
+        # (model.moe_balance=none), which it then means
+        chosen = from_cli and value == "none" and "none" in typing.get_args(inner[0])
+        if value is None or (from_cli and str(value).lower() in ("none", "null") and not chosen):
             return None
         return coerce(key, inner[0], value, from_cli)
     if typing.get_origin(tp) is Literal:  # the field's choices are its type

@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from shardwise.config.model_args import ModelArgs
 from shardwise.models.layers import FeedForward
-from shardwise.ops.autocast import compute_dtype
+from shardwise.ops.autocast import autocast_dtype, compute_dtype
 
 
 class AuxLossGrad(torch.autograd.Function):
@@ -171,7 +171,12 @@ class Router(nn.Module):
                 = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (T, dim) -> (weights (T, k), expert ids (T, k), scores (T, E)); fp32 scores.
         ``choose(biased scores, own top-k) -> ids`` may route elsewhere (a routing trace's replay)."""
-        logits = self.gate(x).float()  # (T, E)
+        # fp32 scores whatever the precision (as Megatron's and DeepSeek-V3's routers): in bf16 the
+        # logits round to 2^-8 of their size, so near-ties -- and the balance the choice steers by --
+        # would be decided by rounding. (The weight may arrive bf16-rounded from FSDP; the product
+        # and its output stay fp32.)
+        with torch.autocast(x.device.type, enabled=False) if autocast_dtype(x) else contextlib.nullcontext():
+            logits = F.linear(x.float(), self.gate.weight.float())  # (T, E)
         scores = torch.sigmoid(logits) if self.score == "sigmoid" else torch.softmax(logits, dim=-1)
         biased = scores + self.expert_bias
         # The choice carries no gradient: made on detached scores, its ops save nothing for backward.
@@ -201,8 +206,9 @@ class MoE(nn.Module):
     """Routed experts (+ an optional shared expert) in place of the dense feed-forward."""
 
     def __init__(self, args: ModelArgs, sequences_per_step: int = 1,
-                 sequence_group: dist.ProcessGroup | None = None) -> None:
+                 sequence_group: dist.ProcessGroup | None = None, layer_id: int = 0) -> None:
         super().__init__()
+        self.layer_id = layer_id  # (the model's block index: loads are reported per block)
         self.n_experts, self.top_k = args.n_experts, args.moe_top_k
         self.balance, self.aux_coef, self.bias_rate = args.moe_balance, args.moe_aux_coef, args.moe_bias_rate
         self.router = Router(args.dim, args.n_experts, args.moe_top_k, args.moe_score,
@@ -291,16 +297,17 @@ def routing_not_counted(model: nn.Module) -> Iterator[None]:
 
 
 @torch.no_grad()
-def update_expert_bias(model: nn.Module, group: dist.ProcessGroup | None) -> torch.Tensor | None:
+def update_expert_bias(model: nn.Module, group: dist.ProcessGroup | None) -> dict[int, torch.Tensor]:
     """After an optimizer step: move each router's bias towards balance (``moe_balance=bias``),
-    reset the token counts, and return the step's expert load -- the busiest expert's tokens over
-    the mean, worst MoE layer (1.0 = perfectly balanced) -- or None for a dense model (or stage).
+    reset the token counts, and return the step's expert load of each MoE block this model (or
+    pipeline stage) holds, by block index: its busiest expert's routed slots over the mean (1.0 =
+    perfectly balanced; top-k of E experts: at most E/k). Empty for a dense model or stage.
 
     ``group``: every rank that routes different tokens (dp x cp x tp); the counts are summed over it
     so every rank applies the same update, whatever the layout."""
     layers = moe_layers(model)
     if not layers:
-        return None
+        return {}
     counts = torch.stack([m.tokens_per_expert for m in layers])  # (L_moe, E)
     if group is not None:
         dist.all_reduce(counts, group=group)
@@ -308,4 +315,5 @@ def update_expert_bias(model: nn.Module, group: dist.ProcessGroup | None) -> tor
         if m.balance == "bias":
             m.router.expert_bias += m.bias_rate * torch.sign(c.mean() - c)
         m.tokens_per_expert.zero_()
-    return (counts.max(-1).values / counts.mean(-1).clamp(min=1e-9)).max()
+    loads = counts.max(-1).values / counts.mean(-1).clamp(min=1e-9)  # (L_moe,)
+    return {m.layer_id: load for m, load in zip(layers, loads, strict=True)}

@@ -132,7 +132,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention: nn.Module = LatentAttention(args) if args.mla else Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward: nn.Module = (MoE(args, **moe) if args.is_moe_layer(layer_id)
+        self.feed_forward: nn.Module = (MoE(args, layer_id=layer_id, **moe) if args.is_moe_layer(layer_id)
                                         else FeedForward(args.dim, args.ffn_hidden_dim))
 
     @property

@@ -85,7 +85,7 @@ def console_record(step: int, total: int, metrics: dict[str, Any], now: float) -
            "loss": metrics["loss"], "lr": metrics["lr"], "grad_norm": metrics["grad_norm"],
            "tokens_per_s_per_device": metrics["tokens_per_s_per_device"], "mfu": metrics["mfu"],
            "memory_gib": metrics["memory_gib"], "eta_s": (total - step) * metrics["step_time_s"]}
-    for key in ("val_loss", "spike"):
+    for key in ("val_loss", "spike", "expert_load"):
         if key in metrics:
             out[key] = metrics[key]
     return out
@@ -95,6 +95,7 @@ def format_line(r: dict[str, Any]) -> str:
     """One log line of :func:`console_record`, for a file a person reads (``grep``, ``tail -f``)."""
     val = f" | val {r['val_loss']:.4f}" if "val_loss" in r else ""
     val += f" | SPIKE {r['spike']:.2f}x" if "spike" in r else ""
+    val += f" | experts {r['expert_load']:.2f}x" if "expert_load" in r else ""  # (worst MoE block's load)
     return (f"{r['time']} step {r['step']}/{r['total']} | loss {r['loss']:.4f}{val} | lr {r['lr']:.2e} | "
             f"grad {r['grad_norm']:.3f} | tok/s/dev {r['tokens_per_s_per_device']:,.0f} | "
             f"mfu {100 * r['mfu']:.1f}% | mem {r['memory_gib']:.2f} GiB | eta {_duration(r['eta_s'])}")
@@ -146,7 +147,10 @@ class MetricsLogger:
         record = {"step": step, **metrics}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        # a dict of figures (expert_load_layers) is one scalar per entry: "expert_load_layers/3"
+        flat = {f"{k}/{sub}" if isinstance(v, dict) else k: x for k, v in metrics.items()
+                for sub, x in (v.items() if isinstance(v, dict) else [(None, v)])}
+        scalars = {k: v for k, v in flat.items() if isinstance(v, (int, float)) and math.isfinite(v)}
         if self._tb is not None:
             for k, v in scalars.items():
                 self._tb.add_scalar(k.replace("val_", "val/"), v, step)

@@ -3,7 +3,7 @@ runs, overlaid for comparison.
 
 Panels: loss (train, validation as markers, loss spikes as red crosses), learning rate, gradient
 norm, tokens/s, MFU and executed-FLOPs utilization, peak memory per rank, step time per rank (with the
-straggler ratio).
+straggler ratio); for an MoE run, its expert load as a heatmap of MoE blocks x steps.
 The PNGs are written next to the page and embedded in it (base64), so the HTML file alone can be
 mailed or attached to an issue.
 """
@@ -89,6 +89,42 @@ def plot_panel(runs: list[dict], stem: str, title: str, ylabel: str, keys: list[
     return lines
 
 
+def plot_expert_load(runs: list[dict], out: Path) -> dict[str, list[int]]:
+    """MoE: each run's per-block expert load (``expert_load_layers``) as a blocks x steps heatmap,
+    one row of panels per run, into ``out``; returns {run label: [blocks, steps]} (empty: no MoE run,
+    no file). The colour scale runs from 1 (balanced) to the worst load any run logged."""
+    maps = []
+    for run in runs:
+        rows = [r for r in run["records"] if isinstance(r.get("expert_load_layers"), dict)]
+        if rows:
+            blocks = sorted(rows[0]["expert_load_layers"], key=int)
+            grid = [[r["expert_load_layers"].get(b, float("nan")) for r in rows] for b in blocks]
+            maps.append((run["name"], blocks, [r["step"] for r in rows], grid))
+    if not maps:
+        return {}
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    top = max(max(max(row) for row in grid) for *_, grid in maps)
+    height = sum(1.4 + 0.25 * len(blocks) for _, blocks, _, _ in maps)
+    fig, axes = plt.subplots(len(maps), 1, figsize=(7.5, height), dpi=110, squeeze=False)
+    for ax, (name, blocks, steps, grid) in zip(axes[:, 0], maps, strict=True):
+        span = (steps[0] - 0.5, steps[-1] + 0.5, len(blocks) - 0.5, -0.5)  # (x: steps, y: blocks)
+        image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="magma_r", vmin=1.0,
+                          vmax=max(top, 1.5), extent=span)
+        ax.set_yticks(range(len(blocks)), [f"block {b}" for b in blocks], fontsize=7)
+        ax.set_xlabel("step")
+        suffix = f" - {name}" if len(maps) > 1 else ""
+        ax.set_title(f"Expert load (busiest expert / mean){suffix}", fontsize=10)
+        fig.colorbar(image, ax=ax, label="load")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return {name: [len(blocks), len(steps)] for name, blocks, steps, _ in maps}
+
+
 def summary_rows(run: dict) -> list[tuple[str, str]]:
     recs = run["records"]
     last = recs[-1]
@@ -105,6 +141,10 @@ def summary_rows(run: dict) -> list[tuple[str, str]]:
     spikes = [r for r in recs if "spike" in r]
     marks = ", ".join(f"step {r['step']} ({r['spike']:.2f}x)" for r in spikes)
     rows.append(("loss spikes (training.spike)", marks or "none"))
+    loads = [r["expert_load"] for r in tail if "expert_load" in r]
+    if loads:  # MoE
+        rows.append(("expert load, worst block (second half: mean, max)", f"{sum(loads) / len(loads):.2f}, "
+                     f"{max(loads):.2f}"))
     for key, label, fmt in (("tokens_per_s", "tokens/s (second half, mean)", "{:,.0f}"),
                             ("mfu", "MFU, PaLM convention (second half)", "{:.2%}"),
                             ("exec_util", "executed-FLOPs utilization (second half)", "{:.2%}"),
@@ -130,6 +170,9 @@ def write_report(run_dirs: list[Path], out: Path) -> Path:
         if lines := plot_panel(runs, stem, title, ylabel, keys, png):
             figures.append((title, png))
             manifest[stem] = lines
+    if maps := plot_expert_load(runs, out / "expert_load.png"):
+        figures.append(("Expert load per MoE block", out / "expert_load.png"))
+        manifest["expert_load"] = maps
     parts = ["<!doctype html><html><head><meta charset='utf-8'><title>shardwise report</title>",
              "<style>body{font-family:sans-serif;margin:2em;max-width:1600px}"
              "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:4px 8px}"

@@ -29,6 +29,7 @@ from shardwise.launch import rundir
 from shardwise.launch.resilience import NonFiniteError, StopRequest, nonfinite_message
 from shardwise.observe.capture import StepCapture
 from shardwise.observe.comm import trace_step
+from shardwise.observe.experts import CollapseWatch
 from shardwise.observe.flops import batch_pairs, executed_flops, flops_per_token, num_params, palm_flops
 from shardwise.observe.memory import GiB, current_memory_gib, peak_memory_gib, peak_reserved_gib, track_peak
 from shardwise.observe.metrics import MetricsLogger, Throughput, per_rank
@@ -86,6 +87,8 @@ class Session:
     """perf_counter() when train() began (time to first step: start-up, and compile if on)."""
     spikes: SpikeWatch
     """The recent losses a step's loss is judged against (training.spike)."""
+    collapse: CollapseWatch | None
+    """MoE: each block's recent expert loads (a notice when its routing collapses)."""
     skipped: int = 0
     """Steps whose update was dropped for a non-finite gradient norm."""
     spikes_skipped: int = 0
@@ -146,6 +149,9 @@ class Session:
         step's metrics ({"spike": its ratio}); {} otherwise. Every rank holds the same global loss,
         so every rank agrees (the spike step is logged on all)."""
         self.check_finite(step, result)
+        if self.collapse is not None:  # (a host sync, as the loss's below)
+            if said := self.collapse.add(step, result.expert_loads()["expert_load_layers"]):
+                self.logger.message("notice: " + said)
         spike = self.spikes.add(step, float(result.loss))
         if spike is None:
             return {}
@@ -160,8 +166,9 @@ class Session:
     def metrics(self, result: Any) -> dict[str, Any]:
         """The step's metrics for the log (float() of a tensor syncs; per_rank gathers every rank's)."""
         device = self.env.device
-        metrics = {**result.scalars(), **self.throughput.window(), "memory_gib": peak_memory_gib(device),
-                   "memory_current_gib": current_memory_gib(device), **peak_reserved_gib(device)}
+        metrics = {**result.scalars(), **result.expert_loads(), **self.throughput.window(),
+                   "memory_gib": peak_memory_gib(device), "memory_current_gib": current_memory_gib(device),
+                   **peak_reserved_gib(device)}
         metrics.update(per_rank({k: metrics[k] for k in ("step_time_s", "memory_gib")}, device))
         if self.run.cfg.training.nonfinite == "skip":
             metrics["skipped_steps"] = self.skipped
@@ -260,7 +267,8 @@ def open_session(run: ResolvedRun, env: DistEnv, run_dir: Path, ckpt_group: dist
                    StepProfiler(cfg.profile, run_dir, env.rank, env.device, start + 1), routing, trace,
                    capture, gathers_float8(model, cfg.float8), start, started,
                    SpikeWatch(cfg.training.spike_factor, cfg.training.spike_window,
-                              cfg.lr_scheduler.warmup_steps))
+                              cfg.lr_scheduler.warmup_steps),
+                   CollapseWatch(run.model.n_experts, run.model.moe_top_k) if run.model.n_experts else None)
 
 
 def export_hf_folder(checkpoint_dir: Path, run_dir: Path, retired: list[int]) -> str:

@@ -13,6 +13,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -102,15 +103,25 @@ class StepResult:
     applied: torch.Tensor
     """Whether the update was applied: finite, and the loss within the step's loss_limit (bool)."""
     expert_load: torch.Tensor | None = None
-    """MoE: the busiest expert's load over the mean, worst layer."""
+    """MoE: each MoE block's load (its busiest expert's routed slots over the mean), (L_moe,) in
+    the order of ``expert_layers``."""
+    expert_layers: tuple[int, ...] = ()
+    """MoE: the block index of each entry of ``expert_load``."""
     memory: dict[str, int] | None = None
     """With measure_memory: this rank's bytes of params, grads, optimizer states, activations."""
 
     def scalars(self) -> dict[str, float]:
         out = {"loss": float(self.loss), "grad_norm": float(self.grad_norm), "lr": float(self.lr)}
-        if self.expert_load is not None:
-            out["expert_load"] = float(self.expert_load)
         return out
+
+    def expert_loads(self) -> dict[str, Any]:
+        """MoE: ``expert_load`` (the worst block's) and ``expert_load_layers`` ({block: load});
+        {} for a dense model."""
+        if self.expert_load is None:
+            return {}
+        loads = self.expert_load.tolist()
+        return {"expert_load": max(loads),
+                "expert_load_layers": {str(i): v for i, v in zip(self.expert_layers, loads, strict=True)}}
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -165,20 +176,30 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     if memory is not None:
         memory = {**memory, "activations": max(t.bytes for t in saved)}
     return StepResult(loss_sum / n_valid, grad_norm, lr, finite, applied, expert_load(model, run, device),
-                      memory)
+                      moe_blocks(run), memory)
+
+
+def moe_blocks(run: ResolvedRun) -> tuple[int, ...]:
+    """The block indices of the model's MoE blocks (all pipeline stages)."""
+    return tuple(i for i in range(run.model.n_layers) if run.model.n_experts and run.model.is_moe_layer(i))
 
 
 def expert_load(model: nn.Module, run: ResolvedRun, device: torch.device) -> torch.Tensor | None:
     """MoE: update the routing biases from the step's token counts (all-reduced over every rank
-    that routes different tokens); the worst layer's load over all pipeline stages."""
-    if not run.model.n_experts:
+    that routes different tokens); every MoE block's load, (L_moe,) in :func:`moe_blocks` order,
+    gathered over the pipeline stages (each fills its own blocks)."""
+    blocks = moe_blocks(run)
+    if not blocks:
         return None
     dims = run.dims
-    load = update_expert_bias(model, dims.submesh(Mesh.DP_CP_TP).get_group())
-    if dims.pp > 1:  # a stage may hold no MoE block
-        load = load if load is not None else torch.zeros((), device=device)
-        dist.all_reduce(load, op=dist.ReduceOp.MAX, group=dims.submesh(Mesh.PP).get_group())
-    return load
+    here = update_expert_bias(model, dims.submesh(Mesh.DP_CP_TP).get_group())
+    if dims.pp == 1:
+        return torch.stack([here[i] for i in blocks])
+    loads = torch.zeros(len(blocks), device=device)
+    for i, load in here.items():
+        loads[blocks.index(i)] = load
+    dist.all_reduce(loads, op=dist.ReduceOp.MAX, group=dims.submesh(Mesh.PP).get_group())
+    return loads
 
 
 def set_determinism(deterministic: bool, seed: int) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import TINY_ARGS, metrics, need, run_cli
+from tests.helpers import MOE_ARGS, TINY_ARGS, metrics, need, run_cli
 
 pytestmark = pytest.mark.dist
 
@@ -20,7 +20,8 @@ def two_runs(tmp_path_factory: pytest.TempPathFactory, data_cache: str) -> Path:
     common = ["train", *TINY_ARGS, f"--data.cache_dir={data_cache}", "--training.steps=8",
               "--eval.interval=4", "--eval.steps=1", "--data.val_fraction=0.2"]
     run_cli([*common, f"--run.dir={tmp / 'one'}"])
-    run_cli([*common, f"--run.dir={tmp / 'two'}", "--nproc=2"])
+    # the second is an MoE model over two ranks (expert parallel): its expert loads make a heatmap
+    run_cli([*common, f"--run.dir={tmp / 'two'}", "--nproc=2", *MOE_ARGS, "--parallel.ep=2"])
     return tmp
 
 
@@ -43,7 +44,16 @@ def test_report_of_two_real_runs(two_runs: Path, tmp_path: Path):
     for stem in ("loss", "lr", "grad_norm", "tokens_per_s", "utilization", "memory", "step_time"):
         png = (out / f"{stem}.png").read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000, stem
-    assert page.count("data:image/png;base64,") == 7  # embedded: the page stands alone
+    # MoE: every block's load at every logged step, as a heatmap of blocks x steps (two's only)
+    loads = [r["expert_load_layers"] for r in metrics(two_runs / "two")]
+    assert len(loads) == steps and all(r.keys() == {"1"} for r in loads)  # block 0 is dense
+    assert all(r["expert_load"] == max(r["expert_load_layers"].values()) >= 1.0
+               for r in metrics(two_runs / "two"))
+    assert panels["expert_load"] == {"two": [1, steps]}
+    heat = (out / "expert_load.png").read_bytes()
+    assert heat[:8] == b"\x89PNG\r\n\x1a\n" and len(heat) > 10_000
+    assert "expert load, worst block" in page and "expert load, worst block" not in page.split("<h2>two")[0]
+    assert page.count("data:image/png;base64,") == 8  # embedded: the page stands alone
 
 
 def test_report_screenshot_in_headless_chromium(two_runs: Path, tmp_path: Path):

@@ -33,6 +33,7 @@ def test_verify_passes_real_layouts_and_catches_a_wrong_one(tmp_path: Path, data
     assert (out / "reference" / "checkpoints" / "step-0" / ".metadata").is_file()  # the seed
 
 
+@pytest.mark.slow  # (make test-all: chat data's layouts run in test_parity's chat resume in make test)
 def test_verify_passes_on_chat_data_under_fsdp_tp_cp_and_pp(tmp_path: Path, data_cache: str):
     """configs/chat-debug.toml (whole conversations per window, document masks, bf16): FSDP, tensor,
     context (head-tail chunks) and pipeline parallel each train the one-rank run."""
@@ -120,6 +121,7 @@ def test_moe_verify_with_replay_still_fails_a_real_bug(tmp_path: Path, data_cach
     assert verdict == "FAIL" and float(gap) > 1e-3
 
 
+@pytest.mark.slow  # (make test-all: test_bf16_parity's ds_ep2_fsdp2_tp2 holds the bf16 layout in make test)
 def test_deepseek_verify_passes_its_standard_layouts(tmp_path: Path, data_cache: str):
     """``shardwise verify --nproc 4`` on the DeepSeek-V3 debug preset (shrunk): FSDP, FSDP x TP and
     EP x FSDP x TP in bf16, routing replayed, every layout PASS."""

@@ -72,6 +72,14 @@ def test_overrides_are_typed():
     assert cfg.model.n_layers == 2 and cfg.model.dim == 256  # the rest from the debug preset
 
 
+def test_none_on_the_command_line_is_a_choice_where_the_field_has_it():
+    """model.moe_balance=none turns balancing off (it was read as "unset" and the file's choice kept,
+    silently); for a field without a "none" choice, none still unsets it (the preset's value)."""
+    cfg = load_config(ROOT / "configs" / "moe-debug.toml", ["--model.moe_balance=none", "--model.dim=none"])
+    assert cfg.model.moe_balance == "none" and cfg.model.dim == 256
+    assert load_config(ROOT / "configs" / "moe-debug.toml", []).model.moe_balance == "aux_loss"
+
+
 def test_cli_overrides_beat_the_file(tmp_path: Path):
     f = tmp_path / "c.toml"
     f.write_text("[training]\nsteps = 50\nseq_len = 128\n")
@@ -303,7 +311,8 @@ def test_a_process_resolves_the_model_tokenizer_and_data_once(tmp_path: Path, da
              "sys.exit(code)\n")
     run = ["train", "--config", "configs/debug.toml", "--run.dir", str(tmp_path / "run"),
            f"--data.cache_dir={data_cache}", "--metrics.plot=false", "--metrics.tensorboard=false",
-           "--eval.interval=0"]
+           "--eval.interval=0", "--eval.steps=1", "--model.dim=64", "--model.n_layers=2",
+           "--training.seq_len=128"]  # (a small shape: what is counted does not depend on it)
     for extra in (["--training.steps=1"], ["--training.steps=2", "--checkpoint.resume=true"]):
         proc = subprocess.run([sys.executable, "-c", count, *run, *extra], cwd=ROOT, capture_output=True,
                               text=True, timeout=600)

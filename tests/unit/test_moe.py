@@ -69,6 +69,22 @@ def test_matches_huggingface_qwen3_moe_block():
     torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-5, atol=1e-5)
 
 
+def test_router_scores_are_fp32_under_bf16_autocast():
+    """Under autocast the gate's product would run in bf16 and round the logits to 2^-8 of their
+    size; the router computes them in fp32 from the same inputs, so the choice does not depend on
+    bf16 rounding."""
+    router = moe_block(tiny()).router
+    x = torch.randn(64, 64)  # (T, dim)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        weights, ids, scores = router(x)
+        bf16 = torch.softmax(router.gate(x).float(), dim=-1)  # what autocast alone computes
+    exact = torch.softmax(x @ router.gate.weight.T, dim=-1)
+    assert scores.dtype == weights.dtype == torch.float32
+    torch.testing.assert_close(scores, exact, rtol=1e-6, atol=1e-7)
+    assert (bf16 - exact).abs().max() > 1e-4  # (the bf16 product is measurably not it)
+    assert torch.equal(ids, torch.topk(exact, 2, dim=-1).indices)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_mm_matches_a_loop(dtype: torch.dtype):
     counts = torch.tensor([3, 0, 5, 8])  # an expert with no tokens too
@@ -191,7 +207,7 @@ def test_bias_update_moves_towards_balance_and_counts_reset():
     moe = model.layers["0"].feed_forward
     moe.tokens_per_expert.copy_(torch.tensor([10.0, 0, 0, 0, 0, 0, 0, 6]))  # mean 2
     load = update_expert_bias(model, None)
-    assert load.item() == pytest.approx(5.0)  # busiest over mean
+    assert load.keys() == {0} and load[0].item() == pytest.approx(5.0)  # busiest over mean, by block
     assert moe.router.expert_bias.tolist() == pytest.approx([-0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, -0.1])
     assert moe.tokens_per_expert.sum() == 0
 

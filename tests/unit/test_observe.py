@@ -317,6 +317,42 @@ def test_auto_log_format_gives_lines_to_a_pipe(out_tty: bool, err_tty: bool, wan
     assert console_format(MetricsConfig()) == want
 
 
+def test_collapse_watch_says_a_block_stuck_above_3x_for_10_steps_once():
+    from shardwise.observe.experts import CollapseWatch
+
+    watch = CollapseWatch(n_experts=8, top_k=2)
+    said = [watch.add(step, {"1": 3.5 if step != 6 else 2.0, "2": 1.2}) for step in range(1, 17)]
+    # block 1 dips at step 6, so its 10 steps running end at step 16; block 2 is healthy
+    assert [i + 1 for i, s in enumerate(said) if s] == [16]
+    assert said[15].startswith("step 16: MoE routing collapsed in block 1: ")
+    assert "(now 3.50x; 4x = " in said[15]
+    assert all(watch.add(step, {"1": 3.9, "2": 1.2}) is None for step in range(17, 40))  # said once
+    watch.add(40, {"1": 1.0, "2": 1.0})  # recovered: a new collapse is said again
+    said = [watch.add(step, {"1": 4.0, "2": 4.0}) for step in range(41, 51)]
+    assert said[-1].startswith("step 50: MoE routing collapsed in blocks 1, 2: ") and not any(said[:-1])
+
+
+def test_metrics_log_puts_each_blocks_load_in_tensorboard_and_the_worst_in_the_line(tmp_path, capsys):
+    from shardwise.config.schema import MetricsConfig
+    from shardwise.observe.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path, MetricsConfig(log_format="line", tensorboard=True), 10, 0, True)
+    record = {"loss": 4.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s_per_device": 100.0,
+              "tokens_per_s": 100.0, "mfu": 0.1, "memory_gib": 1.0, "step_time_s": 1.0, "expert_load": 2.5,
+              "expert_load_layers": {"1": 1.5, "3": 2.5}}
+    logger.log(1, record)
+    logger.close()
+    assert "| experts 2.50x |" in capsys.readouterr().out
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["expert_load_layers"] == {"1": 1.5, "3": 2.5}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert {"expert_load", "expert_load_layers/1", "expert_load_layers/3"} <= set(tags)
+    assert events.Scalars("expert_load_layers/3")[0].value == pytest.approx(2.5)
+
+
 def test_spike_watch_judges_against_the_healthy_recent_mean():
     """A spike is a loss above factor x the mean of the window's non-spike steps before it, judged
     only after warm-up with a full window; spikes stay out of the reference; `window` spikes in a
