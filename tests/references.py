@@ -34,7 +34,8 @@ HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_m
               "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
-def fused_experts(state: dict[str, torch.Tensor], hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def fused_experts(state: dict[str, torch.Tensor],
+                  hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` (per-expert keys, as a saved folder holds them) in the in-memory layout of transformers
     5's MoE models where ``hf_state`` has it: ``mlp.experts.gate_up_proj`` (E, 2h, d) and
     ``mlp.experts.down_proj`` (E, d, h)."""
@@ -42,7 +43,8 @@ def fused_experts(state: dict[str, torch.Tensor], hf_state: dict[str, torch.Tens
     for key in (k for k in hf_state if k.endswith("mlp.experts.gate_up_proj")):
         prefix = key[: -len(".gate_up_proj")]
         n = hf_state[key].shape[0]
-        take = [{w: out.pop(f"{prefix}.{e}.{w}_proj.weight") for w in ("gate", "up", "down")} for e in range(n)]
+        take = [{w: out.pop(f"{prefix}.{e}.{w}_proj.weight") for w in ("gate", "up", "down")}
+                for e in range(n)]
         out[key] = torch.stack([torch.cat([t["gate"], t["up"]]) for t in take])  # (E, 2h, d)
         out[f"{prefix}.down_proj"] = torch.stack([t["down"] for t in take])  # (E, d, h)
     return out
@@ -61,9 +63,9 @@ class Reference:
         hf_class = getattr(transformers, HF_CLASSES[config["model_type"]])
         self.hf = hf_class(transformers.AutoConfig.for_model(**config))
         self.hf.to(next(iter(params.values())).device)
-        missing, unexpected = self.hf.load_state_dict(fused_experts(params, self.hf.state_dict()), strict=False)
-        assert not unexpected and all(k.endswith("e_score_correction_bias") for k in missing), (missing,
-                                                                                                 unexpected)
+        state = fused_experts(params, self.hf.state_dict())
+        missing, unexpected = self.hf.load_state_dict(state, strict=False)
+        assert not unexpected and all(k.endswith("e_score_correction_bias") for k in missing), missing
         self.start = {k: v.detach().clone() for k, v in self.hf.named_parameters()}
         self.moments = {k: (torch.zeros_like(v), torch.zeros_like(v)) for k, v in self.hf.named_parameters()}
         self.min_lr_ratio, self.steps = min_lr_ratio, steps
