@@ -32,7 +32,7 @@ from shardwise.runtime.machine import cpu_kind  # noqa: E402
 GOLDEN = ROOT / "tests" / "golden"
 FAMILIES = {
     "llama-debug": ["--config", "configs/debug.toml", "--model.qk_norm=false"],  # (Llama: no QK-norm)
-    "moe-debug": ["--config", "configs/moe-debug.toml"],
+    "moe-debug": ["--config", "configs/moe-debug.toml", "--model.qk_norm=false"],  # (as recorded)
     # Qwen3's differences from Llama: QK-norm, a head width of its own, tied embeddings, RoPE base 1e6
     "qwen3-tiny": ["--config", "configs/debug.toml", "--model.qk_norm=true", "--model.head_size=32",
                    "--model.tie_embeddings=true", "--model.rope_theta=1000000"],

@@ -192,6 +192,8 @@ def moe_ffn(s: Shape, cfg: Config) -> int:
     t, k, E, h = s.norm_tokens, a.moe_top_k, a.n_experts, a.moe_hidden_dim
     slots = t * k  # expert-parallel ranks receive about as many slots as they send
     n = s.e * t * a.dim + 4 * t * E + 8 * slots + 8 * slots  # router input, scores, choices, order
+    if s.e < 4:  # the router's fp32 product (models/moe.py): fp32 copies of its input and weight
+        n += 4 * t * a.dim + 4 * E * a.dim
     if a.moe_route_norm:
         n += 4 * slots + 4 * t  # the chosen weights and their sum
     if a.moe_balance == "aux_loss" and a.moe_aux_coef > 0:

@@ -275,7 +275,7 @@ def test_host_ops_per_block_are_what_a_block_dispatches():
     with one_rank_pg():
         for kind, path, extra in (("dense", "debug.toml", ["--model.qk_norm=false"]),
                                   ("qk_dense", "debug.toml", ["--model.qk_norm=true"]),
-                                  ("moe_block", "moe-debug.toml", []),
+                                  ("moe_block", "moe-debug.toml", ["--model.qk_norm=false"]),
                                   ("qk_moe_block", "moe-debug.toml", ["--model.qk_norm=true"]),
                                   ("latent_dense", "deepseek-debug.toml", ["--model.n_experts=0"]),
                                   ("latent_moe_block", "deepseek-debug.toml", [])):
