@@ -94,6 +94,9 @@ class ModelArgs:
     """Weight of the balance loss (moe_balance=aux_loss)."""
     moe_bias_rate: float = 1e-3
     """Routing-bias step per optimizer step (moe_balance=bias)."""
+    moe_z_coef: float = 0.0
+    """Weight of the router z-loss (ST-MoE): the mean over tokens of logsumexp(router logits)^2,
+    which keeps the logits small; 0 = off. Independent of moe_balance."""
     n_dense_layers: int = 0
     """Leading blocks that keep the dense MLP in an MoE model."""
     moe_n_groups: int = 1

@@ -44,6 +44,9 @@ def check_args(args: Any) -> None:
             raise ConfigError(f"model.moe_top_k={args.moe_top_k} must be between 1 and "
                               f"model.n_experts={args.n_experts}")
         _check_groups(args)
+        for name in ("moe_aux_coef", "moe_bias_rate", "moe_z_coef"):  # (a negative one pushes the wrong way)
+            if getattr(args, name) < 0:
+                raise ConfigError(f"model.{name}={getattr(args, name)} must be >= 0 (0: off)")
         if args.n_dense_layers >= args.n_layers:
             raise ConfigError(f"model.n_dense_layers={args.n_dense_layers} leaves no MoE block of "
                               f"model.n_layers={args.n_layers}: lower it or set n_experts=0")

@@ -23,6 +23,9 @@ Load balancing, ``moe_balance``:
   if more) -- :func:`update_expert_bias`.
 - ``none``.
 
+Independently, ``moe_z_coef`` adds ST-MoE's router z-loss, the mean over the step's tokens of
+``logsumexp(logits)^2``, through the routing weights' backward.
+
 Tensors are (T, dim) for the flattened tokens of the micro-batch, T = B*S local.
 """
 
@@ -168,9 +171,12 @@ class Router(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor, choose: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
-                = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                = None, z_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (T, dim) -> (weights (T, k), expert ids (T, k), scores (T, E)); fp32 scores.
-        ``choose(biased scores, own top-k) -> ids`` may route elsewhere (a routing trace's replay)."""
+        ``choose(biased scores, own top-k) -> ids`` may route elsewhere (a routing trace's replay).
+        ``z_weight`` > 0: the z-loss ``z_weight * sum over the tokens of logsumexp(logits)^2`` joins
+        the backward through the weights (every chosen weight scales an expert output, so its
+        gradient always runs)."""
         # fp32 scores whatever the precision (as Megatron's and DeepSeek-V3's routers): in bf16 the
         # logits round to 2^-8 of their size, so near-ties -- and the balance the choice steers by --
         # would be decided by rounding. (The weight may arrive bf16-rounded from FSDP; the product
@@ -186,6 +192,8 @@ class Router(nn.Module):
         weights = scores.gather(-1, ids)
         if self.route_norm:
             weights = weights / weights.sum(-1, keepdim=True)
+        if z_weight > 0:
+            weights = AuxLossGrad.apply(weights, z_weight * torch.logsumexp(logits, dim=-1).square().sum())
         return weights * self.route_scale, ids, scores
 
     def group_limited(self, biased: torch.Tensor) -> torch.Tensor:
@@ -211,6 +219,7 @@ class MoE(nn.Module):
         self.layer_id = layer_id  # (the model's block index: loads are reported per block)
         self.n_experts, self.top_k = args.n_experts, args.moe_top_k
         self.balance, self.aux_coef, self.bias_rate = args.moe_balance, args.moe_aux_coef, args.moe_bias_rate
+        self.z_coef = args.moe_z_coef
         self.router = Router(args.dim, args.n_experts, args.moe_top_k, args.moe_score,
                              args.moe_route_norm, args.moe_route_scale, args.moe_n_groups,
                              args.moe_topk_groups)
@@ -231,11 +240,15 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, dim)  # (T, dim)
         trace = self.routing if self.count_tokens and self.training and torch.is_grad_enabled() else None
         choose = functools.partial(trace.choose, self) if trace is not None else None
-        weights, ids, scores = self.router(tokens, choose)  # (T, k), (T, k), (T, E)
+        training = self.training and torch.is_grad_enabled()  # not evaluation
+        z_weight = 0.0
+        if training and self.z_coef > 0:  # a mean over the step's tokens: this rank's share of them
+            split = dist.get_world_size(self.sequence_group) if self.sequence_group is not None else 1
+            z_weight = self.z_coef / (self.sequences_per_step * s * split)
+        weights, ids, scores = self.router(tokens, choose, z_weight)  # (T, k), (T, k), (T, E)
         flat_ids = ids.flatten()  # (T*k,)
         # (E,) slots per expert; scatter_add rather than bincount, which has no meta kernel
         counts = flat_ids.new_zeros(self.n_experts).scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
-        training = self.training and torch.is_grad_enabled()  # not evaluation
         if training and self.count_tokens:  # (not in a checkpointed block's recompute: count_routed)
             with torch.no_grad():
                 count_routed(self.tokens_per_expert, counts)

@@ -196,6 +196,8 @@ def moe_ffn(s: Shape, cfg: Config) -> int:
         n += 4 * t * a.dim + 4 * E * a.dim
     if a.moe_route_norm:
         n += 4 * slots + 4 * t  # the chosen weights and their sum
+    if a.moe_z_coef > 0:  # logsumexp keeps the fp32 logits and its output
+        n += 4 * t * E + 4 * t
     if a.moe_balance == "aux_loss" and a.moe_aux_coef > 0:
         n += 4 * t + 4 * s.mb * E + 4 * s.mb * (E + 1)  # score sums, f, per-sequence counts
     n += 3 * 4 * (E // s.ep)  # grouped GEMM offsets

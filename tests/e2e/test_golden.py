@@ -21,8 +21,9 @@ _spec.loader.exec_module(golden)
 RECORD = 'python scripts/golden.py --record --reason "why the curves move"'
 
 
-@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f == "qwen3-tiny" else f
-                                    for f in golden.FAMILIES])  # (qwen3-tiny: make test-all)
+# (qwen3-tiny and moe-debug: make test-all; the MoE step is held to HF's in test_train_step.py)
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f != "llama-debug" else f
+                                    for f in golden.FAMILIES])
 def test_family_matches_its_golden_curve(family: str, tmp_path: Path):
     passed, line = golden.check(family, golden.run_family(family, tmp_path), golden.cpu_kind())
     assert passed, f"{line}\nif the change is meant, re-record: {RECORD}"

@@ -121,7 +121,6 @@ def test_moe_verify_with_replay_still_fails_a_real_bug(tmp_path: Path, data_cach
     assert verdict == "FAIL" and float(gap) > 1e-3
 
 
-@pytest.mark.slow  # (make test-all: test_bf16_parity's ds_ep2_fsdp2_tp2 holds the bf16 layout in make test)
 def test_deepseek_verify_passes_its_standard_layouts(tmp_path: Path, data_cache: str):
     """``shardwise verify --nproc 4`` on the DeepSeek-V3 debug preset (shrunk): FSDP, FSDP x TP and
     EP x FSDP x TP in bf16, routing replayed, every layout PASS."""

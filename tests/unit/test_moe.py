@@ -69,6 +69,33 @@ def test_matches_huggingface_qwen3_moe_block():
     torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-5, atol=1e-5)
 
 
+def test_router_z_loss_is_the_mean_squared_logsumexp_over_the_steps_tokens():
+    """moe_z_coef: ST-MoE's z-loss, coef * mean over every token of the step of logsumexp(logits)^2,
+    joins the backward: the router's gradient with it is the one without plus the z-loss's own,
+    computed by hand from the gate's logits."""
+    x, g = torch.randn(2, 10, 64), torch.randn(2, 10, 64)
+    grads = []
+    for coef in (0.0, 0.1):
+        m = moe_block(tiny(moe_balance="none", moe_z_coef=coef))
+        m.sequences_per_step = 4  # this micro-batch is half of the step's sequences
+        (m(x) * g).sum().backward()
+        grads.append(m.router.gate.weight.grad)
+    w = moe_block(tiny()).router.gate.weight.detach().requires_grad_()
+    z = 0.1 * torch.logsumexp(x.reshape(-1, 64) @ w.T, dim=-1).square().sum() / (4 * 10)
+    z.backward()
+    # (the difference of two large gradients: fp32's rounding of them, 1e-6 of their size, is the bound)
+    torch.testing.assert_close(grads[1] - grads[0], w.grad, rtol=0, atol=1e-6 * grads[0].abs().max())
+    assert w.grad.abs().max() > 1e3 * 1e-6 * grads[0].abs().max()  # (a term the comparison can see)
+
+
+def test_negative_balance_weights_are_refused():
+    from shardwise.config.schema import ConfigError
+    from shardwise.models import check_args
+
+    with pytest.raises(ConfigError, match=r"model.moe_z_coef=-0.1 must be >= 0"):
+        check_args(tiny(moe_z_coef=-0.1))
+
+
 def test_router_scores_are_fp32_under_bf16_autocast():
     """Under autocast the gate's product would run in bf16 and round the logits to 2^-8 of their
     size; the router computes them in fp32 from the same inputs, so the choice does not depend on

@@ -205,6 +205,7 @@ SMALL = ["--training.global_batch=2", "--training.seq_len=256", "--compile.enabl
     (MOE, []),
     (MOE, ["--model.moe_hidden_dim=128", "--model.n_shared_experts=2", "--model.moe_score=sigmoid"]),
     (MOE, ["--model.moe_balance=bias", "--model.moe_route_norm=false"]),
+    (MOE, ["--model.moe_z_coef=1e-3", "--training.mixed_precision=fp32"]),
     (DEEPSEEK, ["--training.mixed_precision=bf16"]),
     (DEEPSEEK, ["--training.mixed_precision=fp32"]),
     (DEEPSEEK, ["--model.q_lora_rank=0", "--model.v_head_dim=48", "--training.mixed_precision=fp32"]),
