@@ -234,9 +234,11 @@ def manifest_model_config(manifest: dict[str, Any], path: Path) -> ModelConfig:
                               "written by shardwise train or convert; export it from the run that made it")
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     if unknown := sorted(set(saved) - known):
-        raise CheckpointError(f"checkpoint '{path}' records model field(s) {', '.join(unknown)} that this "
-                              "shardwise does not know (saved by a newer version?): upgrade shardwise to "
-                              "read it")
+        # (a flipped byte in a key looks the same: both causes are named)
+        raise CheckpointError(f"checkpoint '{path}' records model field(s) {', '.join(unknown)} in its "
+                              f"{MANIFEST} that this shardwise does not know: saved by a newer version "
+                              "(upgrade shardwise to read it), or the file was damaged or edited (load an "
+                              "earlier step-<N>)")
     try:
         return ModelConfig(**saved)
     except (TypeError, ValueError) as e:

@@ -33,7 +33,6 @@ def test_verify_passes_real_layouts_and_catches_a_wrong_one(tmp_path: Path, data
     assert (out / "reference" / "checkpoints" / "step-0" / ".metadata").is_file()  # the seed
 
 
-@pytest.mark.slow  # (make test-all: chat data's layouts run in test_parity's chat resume in make test)
 def test_verify_passes_on_chat_data_under_fsdp_tp_cp_and_pp(tmp_path: Path, data_cache: str):
     """configs/chat-debug.toml (whole conversations per window, document masks, bf16): FSDP, tensor,
     context (head-tail chunks) and pipeline parallel each train the one-rank run."""
