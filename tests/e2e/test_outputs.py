@@ -84,8 +84,8 @@ def test_a_manifest_from_a_newer_version_is_one_line(saved: Path, tmp_path: Path
     for args in (["generate", "--checkpoint", str(ckpt), "--prompt", "a"],
                  ["convert", "--to-hf", str(ckpt), "--out", str(tmp_path / "hf")]):
         line = one_line(main(args), capsys.readouterr().err)
-        assert "model field(s) attention_sinks in its manifest.json that this shardwise does not know" in line, \
-            line
+        said = "model field(s) attention_sinks in its manifest.json that this shardwise does not know"
+        assert said in line, line
 
 
 def test_convert_to_hf_never_mixes_two_models(saved: Path, tmp_path: Path, capsys):
