@@ -75,21 +75,102 @@ def require(module: str):  # noqa: ANN201 - the module
 
 
 def run_cli(args: list[str], timeout: float = 300, launcher: list[str] | None = None,
-            check: bool = True, fault: str = "") -> subprocess.CompletedProcess:
-    """``python -m shardwise <args>`` (or under ``launcher``, e.g. torchrun), from the repo root.
-    ``fault``: break one thing on purpose in every process of the run (tests/faults/sitecustomize.py)."""
+            check: bool = True, fault: str = "", cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """``python -m shardwise <args>`` (or under ``launcher``, e.g. torchrun), from ``cwd``.
+    ``fault``: break one thing on purpose in every process of the run (tests/faults/sitecustomize.py).
+    A plain command is forked from the tests' CLI server (tests/cli_server.py), which has imported
+    torch and the trainer once; a launcher, a fault or a changed environment get a fresh interpreter."""
     cmd = [sys.executable, *(launcher or ["-m", "shardwise"]), *args]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("WORLD_SIZE", None)
+    env = _cli_env()
     if fault:
         env["SHARDWISE_TEST_FAULT"] = fault
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tests" / "faults"),
                                                           env.get("PYTHONPATH")]))
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    if launcher is None and not fault:
+        proc = _forked(cmd, env, cwd, timeout)
+    else:
+        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}: {' '.join(cmd)}\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-5000:]}")
     return proc
+
+
+def _cli_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a test's command runs in: the test's own (or ``base``), unbuffered, not a
+    launched rank, with this interpreter's scripts (``shardwise``, ``torchrun``) on the PATH."""
+    env = {**(os.environ if base is None else base), "PYTHONUNBUFFERED": "1"}
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+class _CliServer:
+    """The running tests/cli_server.py: one command at a time (the suite runs serially)."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "cli_server.py")], cwd=ROOT,
+                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.pending = b""
+        self.answer(None)  # ready
+
+    def answer(self, deadline: float | None) -> dict | None:
+        """The server's next line, or None at ``deadline`` (time.monotonic)."""
+        import select
+        import time
+
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.pending:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([fd], [], [], wait)[0]:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise RuntimeError(f"the tests' CLI server died (exit {self.proc.wait()})")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(self, cmd: list[str], env: dict[str, str], cwd: Path,
+            timeout: float) -> subprocess.CompletedProcess:
+        import signal
+        import time
+
+        with tempfile.TemporaryDirectory() as d:
+            out, err = os.path.join(d, "stdout"), os.path.join(d, "stderr")
+            request = {"argv": cmd[3:], "env": env, "cwd": str(cwd), "stdout": out, "stderr": err}
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+            pid = self.answer(None)["pid"]
+            done = self.answer(time.monotonic() + timeout)
+            if done is None:  # as subprocess.run does: kill it, then say so
+                os.kill(pid, signal.SIGKILL)
+                self.answer(None)
+                raise subprocess.TimeoutExpired(cmd, timeout, Path(out).read_text(), Path(err).read_text())
+            return subprocess.CompletedProcess(cmd, done["status"], Path(out).read_text(errors="replace"),
+                                               Path(err).read_text(errors="replace"))
+
+
+def _but_path(env: dict[str, str]) -> dict[str, str]:
+    """``env`` less what no library reads when it loads: PATH, and the test's name (pytest sets it)."""
+    return {k: v for k, v in env.items() if k not in ("PATH", "PYTEST_CURRENT_TEST")}
+
+
+_server: _CliServer | None = None
+_SESSION_ENV = dict(os.environ)  # the session's environment, before any test changes it
+
+
+def _forked(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """``cmd`` (``python -m shardwise ...``) forked from the CLI server, when the server's environment
+    is the command's (:func:`_but_path`); a fresh interpreter otherwise."""
+    global _server
+    base = _cli_env(_SESSION_ENV)
+    if _but_path(env) != _but_path(base):
+        return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    if _server is None or _server.proc.poll() is not None:
+        _server = _CliServer(base)
+    return _server.run(cmd, env, cwd, timeout)
 
 
 def metrics(run_dir: Path) -> list[dict]:

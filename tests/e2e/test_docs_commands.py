@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, need
+from tests.helpers import ROOT, need, run_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -343,14 +344,18 @@ def _params(slow: bool) -> list:
 
 
 def _run(command: str, cwd: Path, data_cache: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
-    env.pop("WORLD_SIZE", None)
     if command.startswith(("shardwise train", "shardwise verify", "shardwise calibrate", "shardwise prepare",
                            "torchrun")):
         command += f" --data.cache_dir {data_cache}"
-    proc = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=1200)
+    if command.startswith("shardwise ") and not re.search(r"[|&;<>$`()*?~\\]", command):
+        # A plain command line needs no shell: forked from the tests' CLI server, as run_cli does.
+        proc = run_cli(shlex.split(command)[1:], cwd=cwd, check=False, timeout=1200)
+    else:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1",
+               "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+        env.pop("WORLD_SIZE", None)
+        proc = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=1200)
     assert proc.returncode == 0, (f"exit {proc.returncode}: {command}\n{proc.stdout[-3000:]}\n"
                                   f"{proc.stderr[-3000:]}")
     return proc
