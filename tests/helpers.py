@@ -75,13 +75,15 @@ def require(module: str):  # noqa: ANN201 - the module
 
 
 def run_cli(args: list[str], timeout: float = 300, launcher: list[str] | None = None,
-            check: bool = True, fault: str = "", cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """``python -m shardwise <args>`` (or under ``launcher``, e.g. torchrun), from ``cwd``.
+            check: bool = True, fault: str = "", cwd: Path = ROOT,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m shardwise <args>`` (or under ``launcher``, e.g. torchrun), from ``cwd``, with ``env``
+    added to the test's environment.
     ``fault``: break one thing on purpose in every process of the run (tests/faults/sitecustomize.py).
     A plain command is forked from the tests' CLI server (tests/cli_server.py), which has imported
     torch and the trainer once; a launcher, a fault or a changed environment get a fresh interpreter."""
     cmd = [sys.executable, *(launcher or ["-m", "shardwise"]), *args]
-    env = _cli_env()
+    env = {**_cli_env(), **(env or {})}
     if fault:
         env["SHARDWISE_TEST_FAULT"] = fault
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tests" / "faults"),
@@ -315,6 +317,117 @@ def chat_folder(tmp_path: Path, template: str) -> Path:
     config.update(chat_template=template, tokenizer_class="PreTrainedTokenizerFast")
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
+
+
+def tiny_qwen3(tmp_path: Path) -> Path:
+    """A tiny Qwen3 folder as the Hub holds one: transformers' weights and config (seed 0) and a chat
+    tokenizer (:func:`chat_folder` with Qwen3's template)."""
+    transformers = require("transformers")
+    tok_dir = chat_folder(tmp_path, QWEN3)
+    hf_cfg = transformers.Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      vocab_size=2112, max_position_embeddings=256, tie_word_embeddings=True)
+    base = tmp_path / "base"
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(hf_cfg).save_pretrained(base)
+    for f in tok_dir.iterdir():
+        (base / f.name).write_bytes(f.read_bytes())
+    return base
+
+
+def hub_cache(hf_home: Path, repo: str, folder: Path, kind: str = "model") -> Path:
+    """``folder``'s files laid out as the Hugging Face cache under ``hf_home`` holds repository
+    ``repo`` at revision main: content-addressed blobs, a snapshot of links to them, refs/main. Returns
+    the snapshot folder."""
+    import hashlib
+
+    root = hf_home / "hub" / f"{kind}s--{repo.replace('/', '--')}"
+    commit = hashlib.sha1(repo.encode()).hexdigest()
+    snapshot = root / "snapshots" / commit
+    for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+        data = f.read_bytes()
+        blob = root / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        link = snapshot / f.relative_to(folder)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (root / "refs").mkdir(parents=True, exist_ok=True)
+    (root / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+@contextlib.contextmanager
+def fake_hub(repos: dict[str, Path], gated: frozenset[str] = frozenset()) -> Iterator[tuple[str, list[str]]]:
+    """A local HTTP server answering ``huggingface_hub``'s download requests (repository info, file
+    tree, file metadata and bytes) for ``repos`` ({"ORG/NAME" or "datasets/ORG/NAME": folder}), with
+    the Hub's error codes for an unknown or a ``gated`` one. Yields (its URL, for HF_ENDPOINT; the
+    paths of the files served)."""
+    import hashlib
+    import http.server
+    import re
+    import threading
+
+    served: list[str] = []
+    files = {name: {str(f.relative_to(d)): f for f in sorted(d.rglob("*")) if f.is_file()}
+             for name, d in repos.items()}
+
+    def commit(name: str) -> str:
+        return hashlib.sha1(name.encode()).hexdigest()
+
+    class Hub(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *_: object) -> None:
+            pass
+
+        def answer(self, code: int, body: bytes = b"", headers: dict[str, str] | None = None) -> None:
+            self.send_response(code)
+            for k, v in {"Content-Length": str(len(body)), **(headers or {})}.items():
+                self.send_header(k, v)
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        def route(self) -> None:
+            path = self.path.split("?")[0]
+            api = re.match(r"^/api/(models|datasets)/([^/]+/[^/]+)/(revision|tree)/([^/]+)(/.*)?$", path)
+            raw = re.match(r"^/(datasets/)?([^/]+/[^/]+)/resolve/([^/]+)/(.+)$", path)
+            if api:
+                name = ("datasets/" if api[1] == "datasets" else "") + api[2]
+            elif raw:
+                name = (raw[1] or "") + raw[2]
+            else:
+                return self.answer(404, b"{}")
+            if name not in repos:
+                return self.answer(404, b'{"error": "Repository not found"}',
+                                   {"X-Error-Code": "RepoNotFound", "X-Error-Message": "no such repository"})
+            if name in gated:
+                return self.answer(401, b'{"error": "gated"}', {"X-Error-Code": "GatedRepo",
+                                   "X-Error-Message": f"Access to {name} is restricted"})
+            sha, have = commit(name), files[name]
+            if api and api[3] == "revision":
+                info = {"id": api[2], "sha": sha, "private": False,
+                        "siblings": [{"rfilename": f} for f in have]}
+                return self.answer(200, json.dumps(info).encode(), {"Content-Type": "application/json"})
+            if api:
+                tree = [{"type": "file", "path": f, "size": p.stat().st_size,
+                         "oid": hashlib.sha1(p.read_bytes()).hexdigest()} for f, p in have.items()]
+                return self.answer(200, json.dumps(tree).encode(), {"Content-Type": "application/json"})
+            if raw[4] not in have:
+                return self.answer(404, b"{}", {"X-Error-Code": "EntryNotFound"})
+            body = have[raw[4]].read_bytes()
+            served.append(raw[4])
+            self.answer(200, body, {"X-Repo-Commit": sha, "ETag": f'"{hashlib.sha1(body).hexdigest()}"'})
+
+        do_GET = do_HEAD = route
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", served
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from shardwise.models.hf_config import (  # (hf_family: re-exported for the test
     to_rotate_half,
 )
 from shardwise.models.transformer import build_model
+from shardwise.runtime.hub import local_model
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _SHARD_BYTES = 5 << 30  # split safetensors files at this size, as HF's save_pretrained does
@@ -94,7 +95,7 @@ def write_tokenizer(spec: str, out: Path) -> tuple[int, int] | None:
     if spec == "byte":
         return None
     tok = load_tokenizer(spec)  # (checks it, and finds its bos/eos as training did)
-    path = Path(spec).expanduser() if spec else SHIPPED_TOKENIZER
+    path = local_model(spec, "data.tokenizer") if spec else SHIPPED_TOKENIZER  # (a Hub id: its snapshot)
     path = path / "tokenizer.json" if path.is_dir() else path
     shutil.copyfile(path, out / "tokenizer.json")
     config_path = path.parent / "tokenizer_config.json"

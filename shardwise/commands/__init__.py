@@ -13,8 +13,10 @@ from types import ModuleType
 
 from shardwise.commands import (
     calibrate,
+    chat,
     compare,
     convert,
+    download,
     estimate,
     evaluate,
     generate,
@@ -27,7 +29,8 @@ from shardwise.commands import (
 from shardwise.commands.common import HelpFormat, Parser, version
 
 COMMANDS: dict[str, ModuleType] = {m.NAME: m for m in (train, prepare, plan, estimate, calibrate, verify,
-                                                       compare, generate, evaluate, convert, report)}
+                                                       compare, generate, chat, evaluate, convert, download,
+                                                       report)}
 """Every command by name, in the order a user meets them (``shardwise --help`` lists them so)."""
 
 

@@ -20,6 +20,7 @@ from shardwise.config.notice import notice
 from shardwise.config.schema import Config, preset_toml, section_fields, sections
 from shardwise.config.types import ConfigError
 from shardwise.models import PRESETS
+from shardwise.runtime.hub import is_hub_id, local_model
 
 NPROC_ALIASES = ("--gpus", "--world")
 """Older spellings of ``--nproc`` (plan, estimate), accepted with a notice."""
@@ -75,13 +76,21 @@ def apply_model(args: argparse.Namespace, overrides: list[str]) -> tuple[list[st
 
 PATH_FLAGS = ("checkpoint", "hf", "messages", "to_hf", "from_hf", "tasks_path")
 """Flags that name an existing file or folder (--config: read_config says more of a missing one)."""
+HUB_FLAGS = ("hf", "from_hf")
+"""Path flags that take a Hugging Face model folder, or a Hub id in its stead (runtime/hub.py)."""
 
 
 def check_paths(args: argparse.Namespace) -> None:
-    """Each path flag given names something that exists: one line, before any work (and torch)."""
+    """Each path flag given names something that exists: one line, before any work (and torch). A Hub
+    id in an HF folder's flag becomes its snapshot in the cache (fetched there first when missing)."""
     for name in PATH_FLAGS:
-        if (path := getattr(args, name, None)) and not Path(path).exists():
-            raise ConfigError(f"--{name.replace('_', '-')} '{path}' does not exist")
+        flag = f"--{name.replace('_', '-')}"
+        if not (path := getattr(args, name, None)):
+            continue
+        if name in HUB_FLAGS and is_hub_id(path):
+            setattr(args, name, str(local_model(path, flag)))
+        elif not Path(path).exists():
+            raise ConfigError(f"{flag} '{path}' does not exist")
 
 
 def nproc_notice(argv: list[str]) -> None:

@@ -302,8 +302,8 @@ class MetricsConfig:
     """Also log to Weights & Biases (needs `pip install wandb`), into run.dir/wandb."""
     wandb_project: str = "shardwise"
     """W&B project name."""
-    wandb_mode: Literal["offline", "online"] = "offline"
-    """offline (no network; sync later with `wandb sync run.dir/wandb/offline-run-*`) or online."""
+    wandb_mode: Literal["auto", "offline", "online"] = "auto"
+    """auto = online when logged in (`wandb login`, WANDB_API_KEY), else offline (a notice says so)."""
 
 
 @dataclass

@@ -43,6 +43,7 @@ from shardwise.data.sources import (
     resolve_sources,
 )
 from shardwise.data.tokenizer import Tokenizer, load_tokenizer
+from shardwise.runtime.hub import is_hub_id, local_model
 from shardwise.runtime.machine import usable_cores
 
 FORMAT = 1
@@ -259,7 +260,9 @@ def _run_units(units: Iterator[tuple[int, tuple[Unit, bytes | None, int]]], wher
     this bounds the memory too. Returns the number of units."""
     pending: deque[tuple[Any, int]] = deque()
     n = 0
-    # spawn: no fork of a process that may hold torch or tokenizer threads
+    # spawn: no fork of a process that may hold torch or tokenizer threads; a Hub id goes to the
+    # workers as the snapshot this process resolved (no worker asks the Hub again)
+    spec = str(local_model(spec, "data.tokenizer")) if is_hub_id(spec) else spec
     pool = mp.get_context("spawn").Pool(workers, _init_worker, (spec,)) if workers > 1 else None
     with pool or contextlib.nullcontext():
         for i, (unit, payload, nbytes) in units:

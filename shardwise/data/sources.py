@@ -27,6 +27,7 @@ from shardwise.config.extras import require_extra
 from shardwise.config.schema import ConfigError, DataConfig
 from shardwise.data.chat import check_messages
 from shardwise.data.tokenizer import SHIPPED_CHAT, SHIPPED_CORPUS
+from shardwise.runtime.hub import is_hub_dataset, local_dataset
 
 _KINDS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _COMPRESSED = (".gz", ".zst")
@@ -66,8 +67,8 @@ class Unit:
 
 def files_of(path: str, key: str, default: Path = SHIPPED_CORPUS) -> tuple[str, tuple[Path, ...]]:
     """(kind, files) that ``path`` names (empty: ``default``); a one-line error naming ``key`` when
-    unusable."""
-    p = Path(path).expanduser() if path else default
+    unusable. ``hf://datasets/...``: the Hub dataset's corpus files in the cache (runtime/hub.py)."""
+    p = local_dataset(path, key) if is_hub_dataset(path) else Path(path).expanduser() if path else default
     if not p.exists():
         raise ConfigError(f"{key} '{path}' does not exist: give a .txt/.jsonl/.json/.parquet file (or "
                           ".gz/.zst of one) or a folder of them")

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from shardwise.config.schema import ConfigError
 from shardwise.data.chat import ChatTemplate, Message, TemplateRaised, template, token_mask
+from shardwise.runtime.hub import local_model
 
 Rendered = tuple[str, list[tuple[int, int]]]
 """A conversation as its chat template renders it, and each assistant turn's [start, end) characters."""
@@ -177,10 +178,11 @@ class HFTokenizer:
 
 def load_tokenizer(spec: str) -> Tokenizer:
     """'' -> the shipped BPE (vocab 2048, trained on the shipped corpus, with a chat template);
-    'byte' -> bytes; else a tokenizer.json or a Hugging Face tokenizer folder holding one."""
+    'byte' -> bytes; else a tokenizer.json, a Hugging Face tokenizer folder holding one, or a Hub model
+    id whose repository does (runtime/hub.py)."""
     if spec == "byte":
         return ByteTokenizer()
-    path = Path(spec).expanduser() if spec else SHIPPED_TOKENIZER
+    path = local_model(spec, "data.tokenizer") if spec else SHIPPED_TOKENIZER
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():

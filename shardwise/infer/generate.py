@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,21 +89,41 @@ def _decode(model: torch.nn.Module, prompt: list[int], s: Sampling, stop: set[in
         raise ConfigError(f"the prompt ({len(prompt)} tokens) plus --max-new-tokens {s.max_new_tokens} "
                           f"exceeds the model's context of {limit} tokens: shorten the prompt or lower "
                           "--max-new-tokens")
-    generator = None
-    if s.temperature > 0:
-        generator = torch.Generator(device=device).manual_seed(s.seed)
+    generator = sampler(s, device)
+    if use_cache:
+        cache = KVCache(len(prompt) + s.max_new_tokens)
+        return list(continue_tokens(model, cache, prompt, s, stop, generator))
     tokens = torch.tensor([prompt], dtype=torch.long, device=device)  # (1, S)
-    cache = KVCache(len(prompt) + s.max_new_tokens) if use_cache else None
-    step_input, out = tokens, []
+    out: list[int] = []
     for _ in range(s.max_new_tokens):
-        logits = model(step_input, cache=cache) if cache is not None else model(tokens)  # (1, S, V)
-        nxt = next_token(logits[:, -1], s, generator)  # (1,)
+        nxt = next_token(model(tokens)[:, -1], s, generator)  # (1,)
         out.append(int(nxt))
         if out[-1] in stop:
             break
-        step_input = nxt[:, None]  # (1, 1)
-        tokens = torch.cat([tokens, step_input], dim=1)
+        tokens = torch.cat([tokens, nxt[:, None]], dim=1)
     return out
+
+
+def sampler(s: Sampling, device: torch.device) -> torch.Generator | None:
+    """The seeded generator sampling draws from (None: greedy)."""
+    return torch.Generator(device=device).manual_seed(s.seed) if s.temperature > 0 else None
+
+
+@torch.no_grad()
+def continue_tokens(model: torch.nn.Module, cache: KVCache, new: list[int], s: Sampling, stop: set[int],
+                    generator: torch.Generator | None) -> Iterator[int]:
+    """Run ``new`` after the tokens ``cache`` holds, then yield up to ``s.max_new_tokens`` chosen
+    tokens as they come, ending with the first id in ``stop``. Each token but the last is run
+    through the model (into the cache) before the next is chosen."""
+    device = next(model.parameters()).device
+    step_input = torch.tensor([new], dtype=torch.long, device=device)  # (1, S)
+    for i in range(s.max_new_tokens):
+        logits = model(step_input, cache=cache)  # (1, S, V)
+        nxt = next_token(logits[:, -1], s, generator)  # (1,)
+        yield int(nxt)
+        if int(nxt) in stop or i == s.max_new_tokens - 1:
+            return
+        step_input = nxt[:, None]  # (1, 1)
 
 
 # ---------------------------------------------------------------------------------------------

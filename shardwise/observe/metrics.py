@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
+import string
 import sys
 import time
 from pathlib import Path
@@ -110,6 +112,27 @@ def console_format(cfg: MetricsConfig) -> str:
     return "bar" if sys.stderr.isatty() and sys.stdout.isatty() else "line"
 
 
+WANDB_ID = "wandb/shardwise-run-id"
+"""The W&B run id, kept in run.dir so that a resumed run logs on into the same W&B run."""
+
+
+def wandb_run(run_dir: Path, cfg: MetricsConfig, start_step: int, run_config: dict[str, Any]):  # noqa: ANN201
+    """The W&B run of ``run_dir``: the one it logged to before when resuming (its id kept in
+    :data:`WANDB_ID`), a new one otherwise."""
+    import wandb
+
+    kept = run_dir / WANDB_ID
+    resuming = start_step > 0 and kept.is_file()
+    # (a new id as W&B makes them: 8 lowercase letters and digits)
+    run_id = kept.read_text().strip() if resuming else "".join(
+        secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    kept.write_text(run_id + "\n")
+    mode = None if cfg.wandb_mode == "auto" else cfg.wandb_mode  # (auto left: W&B's own WANDB_MODE decides)
+    return wandb.init(project=cfg.wandb_project, dir=str(run_dir), mode=mode, name=run_dir.name,
+                      config=run_config, id=run_id, resume="allow" if resuming else None)
+
+
 class MetricsLogger:
     def __init__(self, run_dir: Path, cfg: MetricsConfig, total_steps: int, start_step: int,
                  enabled: bool, run_config: dict[str, Any] | None = None) -> None:
@@ -126,10 +149,7 @@ class MetricsLogger:
 
             self._tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1)
         if cfg.wandb:
-            import wandb
-
-            self._wandb = wandb.init(project=cfg.wandb_project, dir=str(run_dir), mode=cfg.wandb_mode,
-                                     name=run_dir.name, config=run_config or {})
+            self._wandb = wandb_run(run_dir, cfg, start_step, run_config or {})
         if self.format == "bar":
             from tqdm import tqdm
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +20,12 @@ import shardwise.runtime.machine
 from shardwise.config.model_args import ModelArgs
 from shardwise.config.notice import notice
 from shardwise.config.outputs import check_folder
-from shardwise.config.schema import Config, ConfigError, ModelConfig, read_config
+from shardwise.config.schema import Config, ConfigError, MetricsConfig, ModelConfig, read_config
 from shardwise.models import check_args, model_args
 from shardwise.models.hf_config import args_from_hf, hf_tokenizer, model_config_of, read_hf_config
 from shardwise.models.presets import PRESETS
 from shardwise.parallel.dims import parse_backend_spec
+from shardwise.runtime.hub import is_hub_id, local_model
 
 _POSITIVE = ("training.steps", "training.seq_len", "training.global_batch", "metrics.log_interval",
              "eval.steps", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
@@ -60,7 +62,7 @@ def resolve_config(cfg: Config, device: str | None = None) -> Config:
     past the run's end clamped to it -- each said once in a notice. ``cfg`` itself is not changed;
     it is returned as it is when nothing needs resolving (so resolving twice says nothing twice)."""
     out = copy.copy(cfg)  # (the sections resolved here are copied; the others are shared with cfg)
-    for section in ("data", "lr_scheduler", "profile", "training", "run"):
+    for section in ("data", "lr_scheduler", "profile", "training", "run", "metrics"):
         setattr(out, section, copy.copy(getattr(cfg, section)))
     if out.data.format == "chat" and not out.data.document_mask:
         notice("data.format=chat: data.document_mask is on (each conversation attends to itself only)")
@@ -68,6 +70,7 @@ def resolve_config(cfg: Config, device: str | None = None) -> Config:
     clamp_warmup(out)
     clamp_profile(out)
     resolve_precision(out, device)
+    resolve_wandb_mode(out.metrics)
     if device is not None and out.run.device == "auto":
         out.run.device = device
     return cfg if out == cfg else out  # (the planner resolves each candidate of one resolved base)
@@ -153,22 +156,53 @@ def resolve_precision(cfg: Config, device: str | None = None) -> None:
     cfg.training.mixed_precision = "bf16" if fast else "fp32"
 
 
+def wandb_logged_in() -> bool:
+    """Whether W&B has this user's key without asking the network: WANDB_API_KEY, or the netrc entry
+    ``wandb login`` writes (``NETRC`` or ~/.netrc) for the W&B host (WANDB_BASE_URL)."""
+    import netrc
+    from urllib.parse import urlparse
+
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or ""
+    try:
+        return netrc.netrc(os.environ.get("NETRC") or None).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def resolve_wandb_mode(m: MetricsConfig) -> None:
+    """metrics.wandb_mode=auto: online when logged in, else offline with a notice; left ``auto`` when
+    W&B's own WANDB_MODE is set (W&B then reads it)."""
+    if not m.wandb or m.wandb_mode != "auto" or os.environ.get("WANDB_MODE"):
+        return
+    if wandb_logged_in():
+        m.wandb_mode = "online"
+        return
+    notice("metrics.wandb: not logged in to W&B (`wandb login` or WANDB_API_KEY), so the run logs offline "
+           "into run.dir/wandb; upload it later with `wandb sync RUN_DIR/wandb/offline-run-*`")
+    m.wandb_mode = "offline"
+
+
 def model_from_hf(cfg: Config) -> None:
     """checkpoint.initial_hf: the [model] section from the folder's config.json (the shape its weights
     have), and its tokenizer.json unless data.tokenizer names one."""
-    folder = cfg.checkpoint.initial_hf
-    if not folder:
+    ref = cfg.checkpoint.initial_hf
+    if not ref:
         return
     if cfg.checkpoint.path:
         raise ConfigError("checkpoint.initial_hf and checkpoint.path both name starting weights: keep one")
-    hf = read_hf_config(Path(folder))
+    folder = local_model(ref, "checkpoint.initial_hf")  # a Hub id: its snapshot, fetched once
+    hf = read_hf_config(folder)
     args = args_from_hf(hf)
     if cfg.model.name in PRESETS and model_args(cfg.model) != args:
-        notice(f"checkpoint.initial_hf: the model is {folder}'s (its config.json), not the [model] "
+        notice(f"checkpoint.initial_hf: the model is {ref}'s (its config.json), not the [model] "
                f"section's ({cfg.model.name})")
     model = model_config_of(args)
     cfg.model = model
-    cfg.data.tokenizer = cfg.data.tokenizer or hf_tokenizer(Path(folder))
+    # The model's own tokenizer, named as the user named the model (an id resolves again where read).
+    own = hf_tokenizer(folder)
+    cfg.data.tokenizer = cfg.data.tokenizer or (ref if own and is_hub_id(ref) else own)
     if cfg.optimizer.lr >= PRETRAINING_LR:
         preset = SFT_PRESETS.get(str(hf.get("model_type")), "sft-llama3")
         notice(f"checkpoint.initial_hf starts from trained weights, but optimizer.lr={cfg.optimizer.lr:g} is "

@@ -48,6 +48,7 @@ from shardwise.parallel.pipeline import Pipe
 from shardwise.resolve.preflight import load_candidates, no_good_checkpoint
 from shardwise.resolve.run import ResolvedRun
 from shardwise.runtime.distributed import DistEnv
+from shardwise.runtime.hub import local_model
 from shardwise.trainer.build import batch_sharder, build_pipe, build_rank_model
 from shardwise.trainer.evaluate import Evaluator
 from shardwise.trainer.loss import TokenLoss
@@ -245,7 +246,8 @@ def open_session(run: ResolvedRun, env: DistEnv, run_dir: Path, ckpt_group: dist
     stop = StopRequest(stop_group)  # SIGTERM/SIGINT: finish the step, save, exit 0
     start = resume(cfg, run_dir, model, optimizer, scheduler, loader)
     if start == 0 and cfg.checkpoint.initial_hf:  # a fresh start from a Hugging Face folder
-        convert.load_hf_weights(model, Path(cfg.checkpoint.initial_hf), run.model)
+        convert.load_hf_weights(model, local_model(cfg.checkpoint.initial_hf, "checkpoint.initial_hf"),
+                                run.model)
         if env.rank == 0:
             print(f"loaded the weights of {cfg.checkpoint.initial_hf}", flush=True)
     if env.rank == 0:  # the run starts: its resolved config joins run.dir

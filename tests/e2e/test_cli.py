@@ -263,16 +263,24 @@ def test_bad_files_exit_2_with_one_line(case: str, saved_run: Path, tmp_path: Pa
         assert not (run_dir / "metrics.jsonl").exists() or not metrics(run_dir)  # no step ran
 
 
-def test_wandb_offline_run_is_written(tmp_path: Path, data_cache: str):
-    """metrics.wandb logs the same scalars to an offline W&B run inside run.dir (no network)."""
+def test_wandb_offline_run_is_written_and_a_resume_logs_on_into_it(tmp_path: Path, data_cache: str):
+    """metrics.wandb logs the same scalars to an offline W&B run inside run.dir (no network); the
+    resumed run logs under the same W&B run id."""
     require("wandb")  # a dev dependency
-    run_cli(["train", *TINY_ARGS, f"--data.cache_dir={data_cache}", f"--run.dir={tmp_path}",
-             "--training.steps=3", "--lr_scheduler.warmup_steps=1", "--metrics.wandb=true"])
+    common = ["train", *TINY_ARGS, f"--data.cache_dir={data_cache}", f"--run.dir={tmp_path}",
+              "--lr_scheduler.warmup_steps=1", "--metrics.wandb=true", "--metrics.wandb_mode=offline",
+              "--checkpoint.final=true"]
+    run_cli([*common, "--training.steps=3"])
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     (record,) = runs[0].glob("run-*.wandb")
     data = record.read_bytes()  # W&B's binary log of the run: our metric names are in it
     assert len(data) > 1000 and b"grad_norm" in data and b"exec_util" in data and b"loss" in data
+    run_id = (tmp_path / "wandb" / "shardwise-run-id").read_text().strip()
+    assert runs[0].name.endswith(f"-{run_id}")
+    run_cli([*common, "--training.steps=5", "--checkpoint.resume=true"])
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs)  # `wandb sync` joins them
 
 
 def test_hf_folder_to_training_and_back_with_no_model_flags(tmp_path: Path, data_cache: str):

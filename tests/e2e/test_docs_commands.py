@@ -95,7 +95,9 @@ _HF = "tests/e2e/test_cli.py::test_hf_folder_to_training_and_back_with_no_model_
 _PRETRAIN = "tests/e2e/test_journeys.py::test_pretraining_plan_train_lose_a_rank_resume"
 _PLAN_DEBUG = "shardwise plan --model debug --nproc 2 --hardware h100 --out plan-debug.toml"
 _SFT = ("tests/e2e/test_journeys.py::"
-        "test_chat_fine_tuning_from_an_hf_folder_to_a_model_transformers_chats_with")
+        "test_chat_fine_tuning_from_a_hub_id_to_a_model_transformers_chats_with")
+_LOGIN = ("tests/e2e/test_journeys.py::"
+          "test_a_login_node_downloads_and_a_compute_node_trains_and_generates_offline")
 _EVAL = "tests/e2e/test_eval.py::test_eval_scores_a_checkpoint_as_training_does"
 _TRACE = "tests/e2e/test_trace.py::test_two_runs_are_bitwise_equal_and_compare_finds_a_planted_change"
 _SMOKE = ("shardwise train --config configs/debug.toml --training.steps 2 --run.dir runs/smoke "
@@ -232,16 +234,34 @@ HOW: dict[str, Check] = {
     "--checkpoint.resume true": covered(_PRETRAIN, Check(TRAIN, setup=(
         _PLAN_DEBUG, "shardwise train --config plan-debug.toml --run.device cpu --nproc 2 "
                      "--run.dir runs/pretrain --training.steps 1"))),
-    # docs/fine-tuning.md: a Hugging Face folder from the hub, which this machine cannot reach
-    "shardwise train --checkpoint.initial_hf Qwen3-0.6B/ --data.format chat --data.path chats.jsonl "
-    "--run.dir runs/sft": Check(reason=f"needs Qwen3-0.6B from the hub; {_SFT} runs the same commands on a "
-                                       "tiny Qwen3 that transformers makes"),
+    # docs/fine-tuning.md, docs/hub.md: Hub ids, which this machine cannot reach (the tests serve them)
+    "shardwise train --checkpoint.initial_hf Qwen/Qwen3-0.6B --data.format chat --data.path chats.jsonl "
+    "--run.dir runs/sft": Check(reason=f"reads Qwen/Qwen3-0.6B from the Hub; {_SFT} runs it as written on "
+                                       "a tiny Qwen3 that transformers makes, from a cache filled under that "
+                                       "id, offline"),
+    "shardwise train --checkpoint.initial_hf Qwen/Qwen3-0.6B --data.format chat "
+    "--data.path chats.jsonl": Check(reason=f"the command above without --run.dir; {_SFT}"),
     "shardwise convert --to-hf runs/sft/checkpoints/step-100 --out sft-hf/": Check(
         reason=f"exports the run above; {_SFT} exports its own"),
-    "shardwise train --config configs/sft-qwen3.toml --checkpoint.initial_hf Qwen3-0.6B/ "
+    "shardwise train --config configs/sft-qwen3.toml --checkpoint.initial_hf Qwen/Qwen3-0.6B "
     "--data.path chats.jsonl": Check(
-        reason=f"needs Qwen3-0.6B from the hub; {_SFT} fine-tunes a tiny Qwen3 and checks the notice naming "
-               "this preset; tests/unit/test_config.py loads the preset and fits it on a GPU"),
+        reason=f"reads Qwen/Qwen3-0.6B from the Hub; {_SFT} fine-tunes a tiny Qwen3 and checks the notice "
+               "naming this preset; tests/unit/test_config.py loads the preset and fits it on a GPU"),
+    "shardwise train --config configs/sft-qwen3.toml --checkpoint.initial_hf Qwen/Qwen3-0.6B "
+    "--data.path hf://datasets/ORG/NAME": Check(
+        reason=f"a placeholder dataset id; {_LOGIN} trains from a Hub chat dataset's parquet files"),
+    "shardwise generate --hf Qwen/Qwen3-0.6B --prompt \"In the beginning\"": Check(
+        reason=f"reads the Hub; {_LOGIN} generates from a downloaded id offline"),
+    "shardwise convert --from-hf Qwen/Qwen3-0.6B --out ckpt/qwen3": Check(
+        reason=f"reads the Hub; {_LOGIN} converts a downloaded id offline"),
+    "shardwise chat --hf Qwen/Qwen3-0.6B": Check(
+        reason="interactive, and reads the Hub; tests/e2e/test_chat.py talks with a tiny Qwen3 in a pty"),
+    "shardwise chat --checkpoint runs/sft --system \"Answer briefly.\" --temperature 0.7 --top-p 0.9 "
+    "--stats": Check(reason="interactive; tests/e2e/test_chat.py runs chat with --stats through a pty"),
+    "shardwise download Qwen/Qwen3-0.6B": Check(
+        reason=f"reads the Hub; {_LOGIN} downloads a model from a local server that answers as the Hub does"),
+    "shardwise download hf://datasets/HuggingFaceFW/fineweb-edu/sample/10BT": Check(
+        reason=f"reads the Hub; {_LOGIN} downloads a dataset folder from the local server"),
     "shardwise prepare --config configs/chat-debug.toml": Check(),
     "shardwise prepare --config configs/debug.toml --show-window kjv:1332": Check(),
     "shardwise train --config configs/chat-debug.toml --training.epochs 2 --run.dir runs/chat-epochs":

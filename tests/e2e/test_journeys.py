@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import QWEN3, chat_folder, metrics, require, run_cli
+from tests.helpers import QWEN3, fake_hub, hub_cache, metrics, require, run_cli, tiny_qwen3
 
 
 def test_pretraining_plan_train_lose_a_rank_resume(tmp_path: Path, data_cache: str):
@@ -45,31 +45,31 @@ def test_pretraining_plan_train_lose_a_rank_resume(tmp_path: Path, data_cache: s
     assert ran["training"]["global_batch"] == 8 and ran["training"]["mixed_precision"] == "bf16"
 
 
-def test_chat_fine_tuning_from_an_hf_folder_to_a_model_transformers_chats_with(tmp_path: Path,
-                                                                            data_cache: str):
+def _conversations(n: int) -> list[dict]:
+    return [{"messages": [
+        {"role": "user", "content": f"Who made day {i}?"},
+        {"role": "assistant", "content": f"<think>\nGenesis.\n</think>\n\nGod made day {i}."},
+        {"role": "user", "content": "And the night?"},
+        {"role": "assistant", "content": "<think>\nThe same.\n</think>\n\nHe divided it."}]}
+        for i in range(n)]
+
+
+SFT = ["--data.format=chat", "--training.seq_len=128", "--training.global_batch=4", "--eval.interval=0",
+       "--compile.enabled=false", "--metrics.log_format=line", "--training.mixed_precision=fp32",
+       "--lr_scheduler.warmup_steps=1"]
+
+
+def test_chat_fine_tuning_from_a_hub_id_to_a_model_transformers_chats_with(tmp_path: Path, data_cache: str):
     transformers = require("transformers")
-    tok_dir = chat_folder(tmp_path, QWEN3)  # the shipped BPE with ChatML/think special tokens
-    hf_cfg = transformers.Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                      vocab_size=2112, max_position_embeddings=256, tie_word_embeddings=True)
-    base = tmp_path / "base"
-    transformers.Qwen3ForCausalLM(hf_cfg).save_pretrained(base)
-    for f in tok_dir.iterdir():
-        (base / f.name).write_bytes(f.read_bytes())
+    # README's fine-tuning command: the Hub id, read from a cache filled beforehand, offline
+    home = tmp_path / "hf-home"
+    hub_cache(home, "Qwen/Qwen3-0.6B", tiny_qwen3(tmp_path))
     chats = tmp_path / "chats.jsonl"
-    with chats.open("w") as f:
-        for i in range(64):
-            f.write(json.dumps({"messages": [
-                {"role": "user", "content": f"Who made day {i}?"},
-                {"role": "assistant", "content": f"<think>\nGenesis.\n</think>\n\nGod made day {i}."},
-                {"role": "user", "content": "And the night?"},
-                {"role": "assistant", "content": "<think>\nThe same.\n</think>\n\nHe divided it."}]}) + "\n")
+    chats.write_text("".join(json.dumps(c) + "\n" for c in _conversations(64)))
     run_dir = tmp_path / "sft"
-    out = run_cli(["train", f"--checkpoint.initial_hf={base}", "--data.format=chat", f"--data.path={chats}",
-                   f"--run.dir={run_dir}", f"--data.cache_dir={data_cache}", "--training.steps=6",
-                   "--training.seq_len=128", "--training.global_batch=4", "--eval.interval=0",
-                   "--compile.enabled=false", "--metrics.log_format=line", "--training.mixed_precision=fp32",
-                   "--lr_scheduler.warmup_steps=1"]).stdout
+    out = run_cli(["train", "--checkpoint.initial_hf", "Qwen/Qwen3-0.6B", "--data.path", str(chats),
+                   f"--run.dir={run_dir}", f"--data.cache_dir={data_cache}", "--training.steps=6", *SFT],
+                  env={"HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}).stdout
     # The pretraining learning rate is named, with the family's fine-tuning preset; whole
     # conversations are packed and the packing's efficiency is in the run's log.
     assert "notice: checkpoint.initial_hf starts from trained weights, but optimizer.lr=0.001" in out
@@ -79,7 +79,7 @@ def test_chat_fine_tuning_from_an_hf_folder_to_a_model_transformers_chats_with(t
     assert len(rows) == 6 and rows[-1]["loss"] < rows[0]["loss"]
     hf_out = tmp_path / "exported"
     run_cli(["convert", "--to-hf", str(run_dir / "checkpoints" / "step-6"), "--out", str(hf_out),
-             "--dtype", "fp32"])
+             "--dtype", "fp32"], env={"HF_HOME": str(home), "HF_HUB_OFFLINE": "1"})  # (its tokenizer)
     tok = transformers.AutoTokenizer.from_pretrained(hf_out)
     assert tok.chat_template == QWEN3  # the run's template travels with the model
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_out)
@@ -92,6 +92,38 @@ def test_chat_fine_tuning_from_an_hf_folder_to_a_model_transformers_chats_with(t
     ours = json.loads(run_cli(["generate", "--hf", str(hf_out), "--messages", str(tmp_path / "ask.json"),
                                "--max-new-tokens", "10", "--dtype", "fp32", "--json"]).stdout)
     assert ours["prompt_tokens"] == prompt and ours["tokens"] == theirs
+
+
+def test_a_login_node_downloads_and_a_compute_node_trains_and_generates_offline(tmp_path: Path,
+                                                                              data_cache: str):
+    pq = require("pyarrow.parquet")
+    import pyarrow as pa
+
+    data = tmp_path / "chats-repo" / "data"
+    data.mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(_conversations(32)), data / "train-00000-of-00001.parquet")
+    (data.parent / "README.md").write_text("# a dataset card, not a corpus file")
+    home = {"HF_HOME": str(tmp_path / "hf-home")}
+    with fake_hub({"org/tiny-qwen3": tiny_qwen3(tmp_path), "datasets/org/chats": data.parent}) as (url, _):
+        for ref in ("org/tiny-qwen3", "hf://datasets/org/chats/data"):
+            said = run_cli(["download", ref], env={**home, "HF_ENDPOINT": url}).stdout
+            assert said.startswith(f"downloaded {ref} (") and str(tmp_path / "hf-home") in said
+    offline = {**home, "HF_HUB_OFFLINE": "1"}
+    run_dir = tmp_path / "sft"
+    run_cli(["train", "--checkpoint.initial_hf=org/tiny-qwen3", "--data.path=hf://datasets/org/chats/data",
+             f"--run.dir={run_dir}", f"--data.cache_dir={data_cache}", "--training.steps=2", *SFT],
+            env=offline)
+    assert len(metrics(run_dir)) == 2
+    ran = tomllib.loads((run_dir / "config.toml").read_text())
+    assert ran["checkpoint"]["initial_hf"] == ran["data"]["tokenizer"] == "org/tiny-qwen3"
+    out = json.loads(run_cli(["generate", "--hf", "org/tiny-qwen3", "--prompt", "In the beginning",
+                              "--max-new-tokens", "3", "--json"], env=offline).stdout)
+    assert len(out["tokens"]) == 3
+    said = run_cli(["convert", "--from-hf", "org/tiny-qwen3", "--out", str(tmp_path / "ckpt")],
+                   env=offline).stdout
+    assert "imported" in said and (tmp_path / "ckpt.toml").is_file()
+    missing = run_cli(["generate", "--hf", "org/other", "--prompt", "x"], env=offline, check=False)
+    assert missing.returncode == 2 and "shardwise download org/other" in missing.stderr
 
 
 @pytest.mark.slow  # (make test-all: make test keeps within its time on 2 cores)

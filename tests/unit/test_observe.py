@@ -377,3 +377,31 @@ def test_spike_watch_judges_against_the_healthy_recent_mean():
     line = spike.describe(3, ["kjv:5", "kjv:9"], skipped=False)
     assert line.startswith("step 7: loss spike, 9.0000 is 1.93x the mean of the 3 steps before it (4.6667)")
     assert "its update was applied" in line and "kjv:5, kjv:9" in line
+
+
+def test_wandb_runs_online_only_when_logged_in_and_says_when_it_is_not(tmp_path: Path, capsys,
+                                                                       monkeypatch: pytest.MonkeyPatch):
+    from shardwise.config.schema import MetricsConfig
+    from shardwise.resolve.checks import resolve_wandb_mode
+
+    def mode(wanted: str = "auto") -> str:
+        m = MetricsConfig(wandb=True, wandb_mode=wanted)
+        resolve_wandb_mode(m)
+        return m.wandb_mode
+
+    for k in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(k, raising=False)
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine example.com login a password b\n")
+    monkeypatch.setenv("NETRC", str(netrc))
+    assert mode() == "offline"
+    said = capsys.readouterr().out
+    assert said.count("notice: metrics.wandb: not logged in to W&B") == 1 and "wandb sync" in said
+    netrc.write_text("machine api.wandb.ai login user password 0123456789abcdef\n")  # `wandb login` writes it
+    assert mode() == "online" and capsys.readouterr().out == ""
+    netrc.write_text("")
+    monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef")
+    assert mode() == "online"
+    monkeypatch.setenv("WANDB_MODE", "disabled")  # W&B's own switch: left to W&B to read
+    assert mode() == "auto"
+    assert mode("offline") == "offline"  # the user's choice
