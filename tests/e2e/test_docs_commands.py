@@ -255,9 +255,10 @@ HOW: dict[str, Check] = {
     "shardwise convert --from-hf Qwen/Qwen3-0.6B --out ckpt/qwen3": Check(
         reason=f"reads the Hub; {_LOGIN} converts a downloaded id offline"),
     "shardwise chat --hf Qwen/Qwen3-0.6B": Check(
-        reason="interactive, and reads the Hub; tests/e2e/test_chat_command.py talks with a tiny Qwen3 in a pty"),
+        reason="interactive, and reads the Hub; tests/e2e/test_chat_command.py talks with a tiny Qwen3 "
+               "in a pty"),
     "shardwise chat --checkpoint runs/sft --system \"Answer briefly.\" --temperature 0.7 --top-p 0.9 "
-    "--stats": Check(reason="interactive; tests/e2e/test_chat_command.py runs chat with --stats through a pty"),
+    "--stats": Check(reason="interactive; tests/e2e/test_chat_command.py runs chat with --stats in a pty"),
     "shardwise download Qwen/Qwen3-0.6B": Check(
         reason=f"reads the Hub; {_LOGIN} downloads a model from a local server that answers as the Hub does"),
     "shardwise download hf://datasets/HuggingFaceFW/fineweb-edu/sample/10BT": Check(
