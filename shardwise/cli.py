@@ -22,8 +22,8 @@ def rank_main(env: dict[str, str | None], *argv: str) -> None:
     """A rank of ``shardwise train --nproc N``, forked from the rank server (shardwise/launch/process.py):
     the command the launcher ran, with the launcher's environment as it is now (``env``: what changed
     since the server started), exactly as under torchrun. Returns on success (the elastic agent then
-    collects every rank's return, and the rank exits a second later); otherwise exits with the
-    command's code."""
+    collects every rank's return and lets the ranks go; after a stop signal the rank leaves a second
+    later, launch/process.exit_after_return); otherwise exits with the command's code."""
     process.enter_rank(env)
     try:
         code = main(list(argv))

@@ -35,6 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks-path", default="", help="a folder of task YAML files for --tasks (local data)")
     p.add_argument("--limit", type=int, default=None, help="--tasks: at most this many examples per task")
     p.add_argument("--num-fewshot", type=int, default=None, help="--tasks: few-shot examples per prompt")
+    p.add_argument("--batch-size", type=int, default=16, help="--tasks: log-likelihood requests per forward "
+                   "pass (longest first)")
     add_skip_checksums(p)
 
 

@@ -98,7 +98,7 @@ def eval_command(args: argparse.Namespace, overrides: list[str], argv: list[str]
     if not path.exists():
         raise ConfigError(f"--checkpoint '{path}' does not exist")
     if args.tasks:
-        return lm_eval_tasks(args, overrides)
+        return lm_eval_tasks(args, overrides, argv, rank_main)
     ckpt = checkpoint_or_latest(path)
     cfg = load_config(args.config or run_config(ckpt), overrides)
     cfg.checkpoint.verify_checksums = cfg.checkpoint.verify_checksums and not args.skip_checksums
@@ -132,15 +132,31 @@ def eval_command(args: argparse.Namespace, overrides: list[str], argv: list[str]
     return 0
 
 
-def lm_eval_tasks(args: argparse.Namespace, overrides: list[str]) -> int:
-    """``eval --tasks``: lm-evaluation-harness tasks on the checkpoint, on one device."""
-    if overrides or args.nproc or launched_world_size() is not None:
-        raise ConfigError("eval --tasks runs on one device from the checkpoint alone: drop --nproc and "
-                          "config overrides (--tokenizer-like choices come from the run)")
+def lm_eval_tasks(args: argparse.Namespace, overrides: list[str], argv: list[str],
+                  rank_main: Callable[..., None]) -> int:
+    """``eval --tasks``: lm-evaluation-harness tasks on the checkpoint, on one device or data parallel
+    on ``--nproc`` local ranks (or under torchrun): each rank loads the model and answers its share
+    of the requests; rank 0 prints the metrics."""
+    if overrides:
+        raise ConfigError("eval --tasks scores the checkpoint as it is: drop the config overrides "
+                          f"({overrides[0]}); the tokenizer is the run's")
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
+    world = launched_world_size()
+    if world is not None and args.nproc is not None:
+        raise ConfigError("--nproc cannot be used under torchrun: the launcher sets the ranks")
     tasks = [t for t in args.tasks.split(",") if t]
     manager = task_manager(tasks, args.tasks_path)  # (before the model: a typo answers at once)
+    nproc = args.nproc if args.nproc is not None else world or 1
+    if world is None and nproc > 1:
+        with tempfile.TemporaryDirectory(prefix="shardwise-eval-") as tmp:
+            return launch(strip_launcher_flags(argv), nproc, 0, tmp, rank_main)
+    if world is not None:  # a rank: the group the harness splits the requests over
+        init_distributed("auto")
     loaded = load_for_generation(checkpoint=args.checkpoint, checksums=not args.skip_checksums)
-    results = run_tasks(loaded, tasks, manager, args.limit, args.num_fewshot)
+    results = run_tasks(loaded, tasks, manager, args.limit, args.num_fewshot, args.batch_size)
+    if results is None:  # (not rank 0)
+        return 0
     if args.json:
         print(json.dumps({"checkpoint": loaded.source, "tasks": results}))
     else:

@@ -1,7 +1,7 @@
 """lm-evaluation-harness on a shardwise model: ``shardwise eval --tasks NAMES [--tasks-path DIR]``.
 
 The adapter answers the harness's three kinds of request with the model :func:`generate.load_for_generation`
-gives (a checkpoint, a run's latest, or an HF folder, on one device):
+gives (a checkpoint, a run's latest, or an HF folder), on one device or data parallel over ranks:
 
 - ``loglikelihood``: the log-probability of a continuation after a context, and whether greedy
   decoding would have produced it -- tokenized as the harness's own Hugging Face backend does: the
@@ -9,6 +9,9 @@ gives (a checkpoint, a run's latest, or an HF folder, on one device):
   tokens, the continuation the tokens after the context's, an empty context the begin-of-text token.
 - ``loglikelihood_rolling``: a whole text's log-probability after the begin-of-text token, in
   windows of the model's context.
+
+Both run ``--batch-size`` sequences per forward, longest first (right-padded, which causal
+attention keeps out of every real position).
 - ``generate_until``: greedy continuation up to a stop string or the request's token limit.
 
 ``--tasks-path`` adds a folder of task YAML files (the harness's own format), so a task can be local
@@ -28,9 +31,12 @@ from shardwise.config.schema import ConfigError
 from shardwise.infer.generate import Loaded, Sampling, generate
 
 
-def _adapter(loaded: Loaded) -> Any:
+def _adapter(loaded: Loaded, batch_size: int = 16) -> Any:
     """An ``lm_eval.api.model.LM`` answering with ``loaded``'s model (lm-eval imported here: it is
-    an optional dependency)."""
+    an optional dependency). Log-likelihood requests run ``batch_size`` at a time, longest first;
+    under a process group of several ranks each rank answers its share of the requests (the
+    harness splits them, and gathers the metrics through :meth:`gather_object`)."""
+    import torch.distributed as dist
     from lm_eval.api.model import LM
 
     model, tok = loaded.model, loaded.tokenizer
@@ -40,15 +46,57 @@ def _adapter(loaded: Loaded) -> Any:
     def encode(text: str) -> list[int]:
         return tok.encode_batch([text])[0]  # (no special tokens)
 
-    def logprobs(ids: list[int]) -> torch.Tensor:
-        """(len(ids) - 1, vocab) log-probabilities of each next token."""
-        with torch.no_grad():
-            logits = model(torch.tensor([ids], device=device))[0, :-1].float()
-        return logits.log_softmax(-1)
+    def score(items: list[tuple[list[int], int]]) -> list[tuple[float, bool]]:
+        """Each (ids, n): the log-probability of the last ``n`` tokens of ``ids`` after the ones
+        before, and whether greedy decoding picks every one of them. Sequences of similar length
+        share a forward: right-padded, which causal attention keeps out of every real position."""
+        out: list[tuple[float, bool]] = [(0.0, False)] * len(items)
+        order = sorted(range(len(items)), key=lambda i: -len(items[i][0]))
+        for start in range(0, len(order), batch_size):
+            rows = order[start:start + batch_size]
+            width = len(items[rows[0]][0]) - 1  # (the last token is a target only)
+            x = torch.zeros(len(rows), width, dtype=torch.long)  # (B, W)
+            for r, i in enumerate(rows):
+                ids = items[i][0]
+                x[r, :len(ids) - 1] = torch.tensor(ids[:-1])
+            with torch.no_grad():
+                logits = model(x.to(device))  # (B, W, V)
+            totals, greedy = [], []
+            for r, i in enumerate(rows):
+                ids, n = items[i]
+                lp = logits[r, len(ids) - 1 - n:len(ids) - 1].float().log_softmax(-1)  # (n, V)
+                target = torch.tensor(ids[-n:], device=lp.device)
+                totals.append(lp.gather(1, target[:, None]).sum())
+                greedy.append((lp.argmax(-1) == target).all())
+            for i, t, g in zip(rows, torch.stack(totals).tolist(), torch.stack(greedy).tolist(), strict=True):
+                out[i] = (t, bool(g))  # (one host sync per batch)
+        return out
 
     class ShardwiseLM(LM):
+        def __init__(self) -> None:
+            super().__init__()
+            if dist.is_initialized():
+                self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+
+        @property
+        def device(self) -> torch.device:
+            return device
+
+        def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+            parts = [torch.zeros_like(tensor) for _ in range(self.world_size)]
+            dist.all_gather(parts, tensor)  # all-gather over the ranks
+            return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
+
+        def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+            parts = [None] * self.world_size if self.rank == dst else None
+            dist.gather_object(obj, parts, dst=dst)
+            return parts
+
+        def barrier(self) -> None:
+            dist.barrier()
+
         def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-            out = []
+            items = []
             for req in requests:
                 context, continuation = req.args
                 spaces = len(context) - len(context.rstrip())
@@ -60,26 +108,22 @@ def _adapter(loaded: Loaded) -> Any:
                 n = len(whole) - len(ctx)
                 if n < 1:
                     raise ConfigError(f"lm-eval: the continuation {continuation!r} adds no token")
-                ids = whole[-(limit + 1):]
-                lp = logprobs(ids)[-n:]  # (n, vocab): the continuation's positions
-                target = torch.tensor(ids[-n:], device=lp.device)
-                total = lp.gather(1, target[:, None]).sum().item()
-                out.append((total, bool((lp.argmax(-1) == target).all())))
-            return out
+                items.append((whole[-(limit + 1):], n))
+            return score(items)
 
         def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
-            out = []
-            for req in requests:
+            items, owner = [], []
+            for k, req in enumerate(requests):
                 ids = [tok.bos_id, *encode(req.args[0])]
-                total, start = 0.0, 1
+                start = 1
                 while start < len(ids):  # windows of the context, each predicting new tokens only
                     end = min(len(ids), start + limit)
-                    window = ids[max(0, end - limit - 1):end]
-                    lp = logprobs(window)[-(end - start):]
-                    target = torch.tensor(ids[start:end], device=lp.device)
-                    total += lp.gather(1, target[:, None]).sum().item()
+                    items.append((ids[max(0, end - limit - 1):end], end - start))
+                    owner.append(k)
                     start = end
-                out.append(total)
+            out = [0.0] * len(requests)
+            for k, (total, _) in zip(owner, score(items), strict=True):
+                out[k] += total
             return out
 
         def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
@@ -122,13 +166,15 @@ def task_manager(tasks: list[str], tasks_path: str = "") -> Any:
 
 
 def run_tasks(loaded: Loaded, tasks: list[str], manager: Any, limit: int | None = None,
-              num_fewshot: int | None = None) -> dict[str, dict[str, Any]]:
+              num_fewshot: int | None = None, batch_size: int = 16) -> dict[str, dict[str, Any]] | None:
     """The harness's metrics of each task (name -> {metric: value}) for ``loaded``'s model
-    (``manager``: :func:`task_manager`'s)."""
+    (``manager``: :func:`task_manager`'s); under a process group, on rank 0 (None elsewhere)."""
     from lm_eval import simple_evaluate
 
-    result = simple_evaluate(model=_adapter(loaded), tasks=tasks, task_manager=manager, limit=limit,
-                             num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0,
+    result = simple_evaluate(model=_adapter(loaded, batch_size), tasks=tasks, task_manager=manager,
+                             limit=limit, num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0,
                              verbosity="ERROR")
+    if result is None:  # (a rank other than 0: its share went to rank 0)
+        return None
     return {name: {k: v for k, v in metrics.items() if k != "alias" and not k.endswith("_stderr,none")}
             for name, metrics in result["results"].items()}

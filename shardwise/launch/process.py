@@ -80,14 +80,29 @@ def quick_exit(code: int) -> None:
         os._exit(int(code or 0))
 
 
+_stopping = False  # a stop signal reached this rank, or its peers agreed to stop on one
+
+
+def note_stop() -> None:
+    """This rank is stopping on a signal (resilience.StopRequest): see :func:`exit_after_return`."""
+    global _stopping
+    _stopping = True
+
+
 def exit_after_return(grace_s: float = 1.0) -> None:
-    """In a rank that is about to return its result to the elastic agent: exit ``grace_s`` after.
+    """In a rank that is about to return its result to the elastic agent, after a stop signal
+    (:func:`note_stop`): exit ``grace_s`` after. Without one it does nothing.
 
     The agent's worker puts the return value in a pipe (a synchronous write), then waits for the
-    agent to say it read every rank's. An agent that is shutting down (it forwarded a stop signal,
-    which this rank obeyed by saving and returning) never says so: it waits for the rank to exit,
-    up to its shutdown timeout, then kills it. The value stays readable in the pipe after the exit,
-    so leaving once it is written is right in both cases."""
+    agent to say it read every rank's, on a multiprocessing Event. An agent that is shutting down
+    (it forwarded a stop signal, which this rank obeyed by saving and returning) never says so: it
+    waits for the rank to exit, up to its shutdown timeout, then kills it; the value stays readable
+    in the pipe after the exit, so leaving is right there. Otherwise the rank must wait for the
+    Event: a rank that left while waiting on it would never acknowledge its wake-up, and the
+    agent's ``Event.set()`` -- reached once the last rank returns, which may be many seconds later
+    (rank 0 gathering lm-eval's metrics) -- would wait for it forever."""
+    if not _stopping:
+        return
 
     def leave() -> None:
         time.sleep(grace_s)

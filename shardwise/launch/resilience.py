@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from shardwise.config.schema import ConfigError, DebugConfig
 from shardwise.data.dataset import IGNORE_INDEX, Batch
+from shardwise.launch import process
 
 
 class NonFiniteError(ConfigError):
@@ -49,6 +50,7 @@ class StopRequest:
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         self.received = signal.Signals(signum).name
+        process.note_stop()
 
     def agreed(self) -> bool:
         """True on every rank once any rank has been signalled (collective)."""
@@ -56,6 +58,7 @@ class StopRequest:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         if flag.item() and self.received is None:
             self.received = "a signal on another rank"
+            process.note_stop()
         return bool(flag.item())
 
     def restore(self) -> None:

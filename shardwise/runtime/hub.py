@@ -147,20 +147,26 @@ def _fetch(repo: str, revision: str | None, kind: str, patterns: list[str], fiel
         raise ConfigError(f"{field}: the {what} {repo} has no revision '{revision}'") from None
     except errors.RepositoryNotFoundError:
         example = "HuggingFaceFW/fineweb-edu" if kind == "dataset" else "Qwen/Qwen3-0.6B"
-        raise ConfigError(f"{field}: the Hub has no {what} '{repo}' (or it is private: `hf auth login`); "
-                          f"check the exact id, e.g. {example}") from None
+        raise ConfigError(f"{field}: {_no_folder(ref, kind, field)}the Hub has no {what} '{repo}' (or it "
+                          f"is private: `hf auth login`); check the path or the exact id, e.g. {example}"
+                          ) from None
     except (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled,
             getattr(errors, "IncompleteSnapshotError", errors.LocalEntryNotFoundError)):
         why = ("this rank reads the cache only" if local and not constants.HF_HUB_OFFLINE else
                "HF_HUB_OFFLINE is set" if offline else "the Hub cannot be reached")
-        raise ConfigError(f"{field}: '{ref}' is not (wholly) in the Hugging Face cache "
-                          f"({constants.HF_HUB_CACHE}) and {why}: run `shardwise download "
+        raise ConfigError(f"{field}: {_no_folder(ref, kind, field)}'{ref}' is not (wholly) in the Hugging "
+                          f"Face cache ({constants.HF_HUB_CACHE}) and {why}: run `shardwise download "
                           f"{_spelled(repo, kind)}` on a machine with network and the same HF_HOME, or "
                           "pass a local folder") from None
     except errors.HfHubHTTPError as e:
         status = e.response.status_code if e.response is not None else "?"
         said = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"{field}: the Hub answered {status} for '{ref}': {said}") from None
+
+
+def _no_folder(ref: str, kind: str, field: str) -> str:
+    """A model id is also a path that is not there (a mistyped folder reads as an id): say both."""
+    return "" if kind == "dataset" or field == "download" else f"there is no folder '{ref}' here, and "
 
 
 def _page(repo: str, kind: str) -> str:

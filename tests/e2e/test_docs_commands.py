@@ -290,6 +290,10 @@ HOW: dict[str, Check] = {
         reason="tasks/ is your own folder of task files; tests/e2e/test_eval.py::"
                "test_lm_eval_scores_a_checkpoint_as_its_hf_backend_scores_the_export runs eval --tasks on "
                "two"),
+    "shardwise eval --checkpoint runs/debug --tasks my_task --tasks-path tasks/ --nproc 2 "
+    "--batch-size 32": Check(
+        reason="tasks/ is your own folder of task files; tests/e2e/test_eval.py::"
+               "test_lm_eval_tasks_on_two_ranks_score_as_on_one runs two local tasks on 2 ranks, batched"),
 }
 
 

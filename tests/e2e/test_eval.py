@@ -110,3 +110,22 @@ def test_lm_eval_scores_a_checkpoint_as_its_hf_backend_scores_the_export(tmp_pat
     code = main(["eval", "--checkpoint", str(run_dir), "--tasks", "no_such_task", "--tasks-path", str(tasks)])
     err = capsys.readouterr().err
     assert code == 2 and "lm-eval has no task no_such_task" in err.splitlines()[-1]
+
+
+def test_lm_eval_tasks_on_two_ranks_score_as_on_one(tmp_path: Path, data_cache: str):
+    """`eval --tasks --nproc 2`: each rank answers its share of the requests (batched), rank 0
+    reports the same metrics as one process does."""
+    require("lm_eval")
+    run_dir, tasks = tmp_path / "run", tmp_path / "tasks"
+    run_cli(["train", *TINY_ARGS, f"--run.dir={run_dir}", f"--data.cache_dir={data_cache}",
+             "--training.steps=2", "--checkpoint.final=true"])
+    _tasks(tasks)
+    offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    ask = ["eval", "--checkpoint", str(run_dir), "--tasks", "kjv_mc,kjv_text", "--tasks-path", str(tasks),
+           "--json", "--batch-size", "4"]
+    one = json.loads(run_cli(ask, env=offline).stdout.strip().splitlines()[-1])["tasks"]
+    two = run_cli([*ask, "--nproc", "2"], env=offline).stdout.strip().splitlines()
+    assert len([line for line in two if line.startswith("{")]) == 1  # (rank 0 alone reports)
+    two = json.loads(two[-1])["tasks"]
+    assert one["kjv_mc"]["acc,none"] == two["kjv_mc"]["acc,none"]
+    assert abs(one["kjv_text"]["word_perplexity,none"] / two["kjv_text"]["word_perplexity,none"] - 1) < 1e-6
