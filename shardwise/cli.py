@@ -13,7 +13,7 @@ import sys
 import traceback
 
 from shardwise.commands import COMMANDS, build_parser, common
-from shardwise.config.notice import notice
+from shardwise.config.notice import notice, say
 from shardwise.config.schema import ConfigError
 from shardwise.launch import process
 
@@ -38,7 +38,9 @@ def rank_main(env: dict[str, str | None], *argv: str) -> None:
     process.exit_after_return()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, raise_errors: bool = False) -> int:
+    """The command line ``argv`` (default: this process's), run; returns the exit code. A config
+    error is one line on stderr and code 2, or with ``raise_errors`` (shardwise/api.py) raised."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, commands = build_parser()
     try:
@@ -55,10 +57,12 @@ def main(argv: list[str] | None = None) -> int:
         args.entry = rank_main  # what a rank this command launches runs (train and eval --nproc)
         return command.run(args, rest, argv)
     except ConfigError as e:
+        if raise_errors:
+            raise
         rank = os.environ.get("RANK")
         prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
         if not process.rank_error(f"{prefix}{e}", "config"):
-            print(f"shardwise: error: {prefix}{e}", file=sys.stderr)
+            say(f"shardwise: error: {prefix}{e}", err=True)
         return 2
     except BrokenPipeError:  # `shardwise plan ... | head`: the reader left; nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -7,11 +7,11 @@ import dataclasses
 import hashlib
 import json
 import re
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from shardwise.config.notice import say
 from shardwise.config.schema import ConfigError, ModelConfig
 from shardwise.models import ModelArgs, model_args
 
@@ -63,7 +63,7 @@ def list_checkpoints(folder: Path, warn: bool = False) -> list[tuple[int, Path]]
                    if _ASIDE.search(p.name) else
                    "not a complete checkpoint (an interrupted save or deletion; it is removed at the "
                    "next save)")
-            print(f"warning: skipping '{p}': {why}", file=sys.stderr, flush=True)
+            say(f"warning: skipping '{p}': {why}", err=True)
     return sorted(found)
 
 

@@ -13,7 +13,6 @@ import os
 import random
 import re
 import shutil
-import sys
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,6 +37,7 @@ from shardwise.checkpoint.manifest import (
     set_aside,
     sha256,
 )
+from shardwise.config.notice import say
 from shardwise.config.outputs import RunRecord
 from shardwise.config.schema import CheckpointConfig
 from shardwise.data.dataset import PackedLoader
@@ -271,7 +271,7 @@ class Checkpointer:
                 _remove(old)
                 self.retired_steps.append(int(old.name.removeprefix("step-")))
             except OSError as e:  # the new checkpoint is committed; an old one lingering is harmless
-                print(f"warning: could not delete old checkpoint '{old}': {e}", file=sys.stderr)
+                say(f"warning: could not delete old checkpoint '{old}': {e}", err=True)
 
 
 def retired(found: list[tuple[int, Path]], committed: int, keep: int) -> list[Path]:
@@ -318,6 +318,6 @@ def _commit(staging: Path, final: Path, fields: dict[str, Any]) -> None:
     if final.exists():  # never replaced: the run directory's guard should have kept this from
         # happening (a damaged checkpoint a resume skipped is set aside then); keep it regardless
         kept = set_aside(final, "superseded")
-        print(f"warning: a checkpoint '{final}' already existed: kept as '{kept}'", file=sys.stderr)
+        say(f"warning: a checkpoint '{final}' already existed: kept as '{kept}'", err=True)
     staging.rename(final)
     _fsync_dir(final.parent)

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardwise.config.notice import say
 from shardwise.config.types import ConfigError
 
 RECORD_NAME = ".shardwise-record"
@@ -111,7 +112,7 @@ class Target:
             yield tmp
             os.chmod(tmp, 0o755 & ~umask())
             if said := self._commit(tmp):
-                print(f"notice: {said}", flush=True)
+                say(f"notice: {said}")
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from shardwise.config.notice import say
 from shardwise.config.schema import ConfigError, DataConfig
 from shardwise.data.indexed import ShardWriter, token_dtype
 from shardwise.data.sources import (
@@ -237,10 +238,10 @@ def _prepare_source(source: Source, where: Path, sets: dict[str, Any], cfg: Data
     if not quiet:
         took = time.perf_counter() - start
         tokens = counts["tokens"] + counts["val_tokens"]
-        print(f"prepared {source.name}: {counts['docs']:,} + {counts['val_docs']:,} held-out documents, "
-              f"{tokens:,} tokens in {n} shard(s), {took:.1f} s ({tokens / max(took, 1e-9):,.0f} tok/s)"
-              f"{', skipped ' + str(counts['bad_rows']) + ' bad rows' if counts['bad_rows'] else ''}"
-              f" -> {where}", flush=True)
+        say(f"prepared {source.name}: {counts['docs']:,} + {counts['val_docs']:,} held-out documents, "
+            f"{tokens:,} tokens in {n} shard(s), {took:.1f} s ({tokens / max(took, 1e-9):,.0f} tok/s)"
+            f"{', skipped ' + str(counts['bad_rows']) + ' bad rows' if counts['bad_rows'] else ''}"
+            f" -> {where}")
 
 
 class _Done:

@@ -28,6 +28,7 @@ from shardwise.data.chat import check_messages
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.models.hf_config import args_from_hf, read_hf_config
 from shardwise.models.transformer import KVCache, build_model, rope_table
+from shardwise.runtime.hub import local_model
 from shardwise.runtime.machine import device_type
 
 
@@ -156,7 +157,7 @@ def load_for_generation(checkpoint: str = "", hf: str = "", tokenizer: str = "",
           "fp32": torch.float32}[dtype]
     stop: set[int] = set()
     if hf:
-        folder = Path(hf)
+        folder = local_model(hf, "--hf")  # (a Hub id: its snapshot in the cache)
         if not (folder / "config.json").is_file():
             raise ConfigError(f"--hf '{hf}' is not a Hugging Face model folder (no config.json)")
         if not tokenizer and not (folder / "tokenizer.json").is_file():  # (before reading any weights)

@@ -31,6 +31,45 @@ from shardwise.config.schema import ConfigError
 from shardwise.infer.generate import Loaded, Sampling, generate
 
 
+def _score(model: torch.nn.Module, items: list[tuple[list[int], int]], batch_size: int
+           ) -> list[tuple[float, bool]]:
+    """Each (ids, n): the log-probability of the last ``n`` tokens of ``ids`` after the ones before,
+    and whether greedy decoding picks every one of them. Sequences of similar length share a
+    forward: right-padded, which causal attention keeps out of every real position."""
+    device = next(model.parameters()).device
+    out: list[tuple[float, bool]] = [(0.0, False)] * len(items)
+    order = sorted(range(len(items)), key=lambda i: -len(items[i][0]))
+    for start in range(0, len(order), batch_size):
+        rows = order[start:start + batch_size]
+        width = len(items[rows[0]][0]) - 1  # (the last token is a target only)
+        x = torch.zeros(len(rows), width, dtype=torch.long)  # (B, W)
+        for r, i in enumerate(rows):
+            ids = items[i][0]
+            x[r, :len(ids) - 1] = torch.tensor(ids[:-1])
+        with torch.no_grad():
+            logits = model(x.to(device))  # (B, W, V)
+        totals, greedy = [], []
+        for r, i in enumerate(rows):
+            ids, n = items[i]
+            lp = logits[r, len(ids) - 1 - n:len(ids) - 1].float().log_softmax(-1)  # (n, V)
+            target = torch.tensor(ids[-n:], device=lp.device)
+            totals.append(lp.gather(1, target[:, None]).sum())
+            greedy.append((lp.argmax(-1) == target).all())
+        for i, t, g in zip(rows, torch.stack(totals).tolist(), torch.stack(greedy).tolist(), strict=True):
+            out[i] = (t, bool(g))  # (one host sync per batch)
+    return out
+
+
+def _windows(ids: list[int], limit: int) -> list[tuple[list[int], int]]:
+    """A whole text's (ids, n) windows of at most ``limit`` inputs, each scoring only new tokens."""
+    out, start = [], 1
+    while start < len(ids):
+        end = min(len(ids), start + limit)
+        out.append((ids[max(0, end - limit - 1):end], end - start))
+        start = end
+    return out
+
+
 def _adapter(loaded: Loaded, batch_size: int = 16) -> Any:
     """An ``lm_eval.api.model.LM`` answering with ``loaded``'s model (lm-eval imported here: it is
     an optional dependency). Log-likelihood requests run ``batch_size`` at a time, longest first;
@@ -39,38 +78,10 @@ def _adapter(loaded: Loaded, batch_size: int = 16) -> Any:
     import torch.distributed as dist
     from lm_eval.api.model import LM
 
-    model, tok = loaded.model, loaded.tokenizer
-    device = next(model.parameters()).device
-    limit = model.args.max_seq_len
+    model, tok, limit = loaded.model, loaded.tokenizer, loaded.model.args.max_seq_len
 
     def encode(text: str) -> list[int]:
         return tok.encode_batch([text])[0]  # (no special tokens)
-
-    def score(items: list[tuple[list[int], int]]) -> list[tuple[float, bool]]:
-        """Each (ids, n): the log-probability of the last ``n`` tokens of ``ids`` after the ones
-        before, and whether greedy decoding picks every one of them. Sequences of similar length
-        share a forward: right-padded, which causal attention keeps out of every real position."""
-        out: list[tuple[float, bool]] = [(0.0, False)] * len(items)
-        order = sorted(range(len(items)), key=lambda i: -len(items[i][0]))
-        for start in range(0, len(order), batch_size):
-            rows = order[start:start + batch_size]
-            width = len(items[rows[0]][0]) - 1  # (the last token is a target only)
-            x = torch.zeros(len(rows), width, dtype=torch.long)  # (B, W)
-            for r, i in enumerate(rows):
-                ids = items[i][0]
-                x[r, :len(ids) - 1] = torch.tensor(ids[:-1])
-            with torch.no_grad():
-                logits = model(x.to(device))  # (B, W, V)
-            totals, greedy = [], []
-            for r, i in enumerate(rows):
-                ids, n = items[i]
-                lp = logits[r, len(ids) - 1 - n:len(ids) - 1].float().log_softmax(-1)  # (n, V)
-                target = torch.tensor(ids[-n:], device=lp.device)
-                totals.append(lp.gather(1, target[:, None]).sum())
-                greedy.append((lp.argmax(-1) == target).all())
-            for i, t, g in zip(rows, torch.stack(totals).tolist(), torch.stack(greedy).tolist(), strict=True):
-                out[i] = (t, bool(g))  # (one host sync per batch)
-        return out
 
     class ShardwiseLM(LM):
         def __init__(self) -> None:
@@ -80,7 +91,7 @@ def _adapter(loaded: Loaded, batch_size: int = 16) -> Any:
 
         @property
         def device(self) -> torch.device:
-            return device
+            return next(model.parameters()).device
 
         def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
             parts = [torch.zeros_like(tensor) for _ in range(self.world_size)]
@@ -109,20 +120,16 @@ def _adapter(loaded: Loaded, batch_size: int = 16) -> Any:
                 if n < 1:
                     raise ConfigError(f"lm-eval: the continuation {continuation!r} adds no token")
                 items.append((whole[-(limit + 1):], n))
-            return score(items)
+            return _score(model, items, batch_size)
 
         def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
             items, owner = [], []
             for k, req in enumerate(requests):
-                ids = [tok.bos_id, *encode(req.args[0])]
-                start = 1
-                while start < len(ids):  # windows of the context, each predicting new tokens only
-                    end = min(len(ids), start + limit)
-                    items.append((ids[max(0, end - limit - 1):end], end - start))
-                    owner.append(k)
-                    start = end
+                windows = _windows([tok.bos_id, *encode(req.args[0])], limit)
+                items += windows
+                owner += [k] * len(windows)
             out = [0.0] * len(requests)
-            for k, (total, _) in zip(owner, score(items), strict=True):
+            for k, (total, _) in zip(owner, _score(model, items, batch_size), strict=True):
                 out[k] += total
             return out
 

@@ -18,12 +18,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from shardwise.checkpoint import list_checkpoints
+from shardwise.config.notice import say
 from shardwise.launch.process import ERROR_DIR_ENV, env_since_server_start, set_rank_env, start_rank_server
 
 
@@ -141,20 +141,18 @@ def launch(argv: list[str], nproc: int, max_restarts: int, run_dir: str,
                 elastic_launch(launch_config, entry)(env_since_server_start(), *argv)
         except SignalException as e:
             if stopped_cleanly(run_dir):
-                print(f"shardwise: stopped by {e.sigval.name} with a checkpoint of the last step",
-                      file=sys.stderr)
+                say(f"shardwise: stopped by {e.sigval.name} with a checkpoint of the last step", err=True)
                 return 0
-            print(f"shardwise: stopped by {e.sigval.name} before the ranks could save (see above)",
-                  file=sys.stderr)
+            say(f"shardwise: stopped by {e.sigval.name} before the ranks could save (see above)", err=True)
             return 1
         except ChildFailedError as e:
             first = first_failure(errors)
             if first is not None and first["kind"] == "config":
-                print(f"shardwise: error: {first['message']}", file=sys.stderr)
+                say(f"shardwise: error: {first['message']}", err=True)
                 return 2
             rank = first["rank"] if first is not None else min(e.failures)
-            print(f"shardwise: error: {len(e.failures)} of {nproc} ranks failed (first: rank {rank}); "
-                  "see its traceback above", file=sys.stderr)
+            say(f"shardwise: error: {len(e.failures)} of {nproc} ranks failed (first: rank {rank}); "
+                "see its traceback above", err=True)
             return 1
         finally:
             os.environ.pop(ERROR_DIR_ENV, None)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import sys
 import threading
 import time
 from types import FrameType
@@ -24,6 +23,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
+from shardwise.config.notice import say
 from shardwise.config.schema import ConfigError, DebugConfig
 from shardwise.data.dataset import IGNORE_INDEX, Batch
 from shardwise.launch import process
@@ -83,8 +83,8 @@ def exit_with_launcher(poll_s: float = 0.5) -> bool:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(poll_s)
-        print(f"shardwise: [rank {os.environ.get('RANK', '?')}] the launcher (pid {parent}) is gone: "
-              "stopping this rank", file=sys.stderr, flush=True)
+        say(f"shardwise: [rank {os.environ.get('RANK', '?')}] the launcher (pid {parent}) is gone: "
+            "stopping this rank", err=True)
         if os.getpgrp() == os.getpid():  # our own group (the agent's new session): children too
             os.killpg(os.getpid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)

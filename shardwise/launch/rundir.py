@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import socket
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +34,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from shardwise.checkpoint import list_checkpoints
+from shardwise.config.notice import say
 from shardwise.config.outputs import RECORD_NAME, RunRecord, aside_name, link_on_the_way
 from shardwise.config.schema import Config, ConfigError
 from shardwise.launch.resilience import restart_count
@@ -67,8 +67,8 @@ class RunLock:
             except OSError as e:
                 os.close(fd)
                 if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):  # e.g. some NFS mounts
-                    print(f"warning: run.dir '{self.path.parent}' is on a filesystem without file locks: "
-                          "a second run there cannot be detected", file=sys.stderr, flush=True)
+                    say(f"warning: run.dir '{self.path.parent}' is on a filesystem without file locks: "
+                        "a second run there cannot be detected", err=True)
                     return self
                 if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
                     raise
@@ -143,8 +143,8 @@ def take(run_dir: Path) -> RunLock:
     taken over is said."""
     lock = RunLock(run_dir).acquire()
     if lock.took_over:
-        print(f"notice: took over run.dir from a run that is no longer running "
-              f"({describe_holder(lock.took_over)})", flush=True)
+        say(f"notice: took over run.dir from a run that is no longer running "
+            f"({describe_holder(lock.took_over)})")
     return lock
 
 
@@ -277,7 +277,7 @@ def hold(cfg: Config, rank: int) -> Iterator[Path]:
                 keep = Path(cfg.checkpoint.path) if cfg.checkpoint.path else None
                 if removed := clear_outputs(run_dir, keep):
                     kept = f"; kept {keep}, which this run loads" if keep and keep.exists() else ""
-                    print(f"run.overwrite: removed {', '.join(removed)} from {run_dir}{kept}", flush=True)
+                    say(f"run.overwrite: removed {', '.join(removed)} from {run_dir}{kept}")
             run_dir.mkdir(parents=True, exist_ok=True)
             note_outputs(run_dir, cfg)
         dist.barrier()

@@ -25,6 +25,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from shardwise.config.notice import say
+
 # c10d op names -> the collective they are (FSDP2 uses the c10d base ops directly).
 _CANONICAL = {
     "_allgather_base_": "all_gather", "allgather_": "all_gather", "all_gather_into_tensor": "all_gather",
@@ -171,5 +173,5 @@ def trace_step(enabled: bool, mesh: DeviceMesh, flat: dict[str, DeviceMesh], out
     if rank == 0:
         rows, totals = tracker.summary(), tracker.totals()
         out.write_text(json.dumps({"rows": rows, "totals": totals}, indent=1))
-        print(f"collectives of one step on rank 0 (--debug.comm; also in {out}):\n"
-              + format_comm(rows, totals), flush=True)
+        say(f"collectives of one step on rank 0 (--debug.comm; also in {out}):\n"
+            + format_comm(rows, totals))

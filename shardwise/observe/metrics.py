@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardwise.config.notice import say
 from shardwise.config.schema import ConfigError, MetricsConfig
 
 
@@ -184,7 +185,7 @@ class MetricsLogger:
             self._bar.set_postfix(short, refresh=False)
             return
         r = console_record(step, self.total, metrics, time.time())
-        print(json.dumps(r) if self.format == "json" else format_line(r), flush=True)
+        say(json.dumps(r) if self.format == "json" else format_line(r))
 
     def advance(self) -> None:
         if self._bar is not None:
@@ -196,9 +197,9 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.write(text)
         elif self.format == "json":  # every stdout line stays one JSON object
-            print(json.dumps({"time": time.strftime("%Y-%m-%d %H:%M:%S"), "message": text}), flush=True)
+            say(json.dumps({"time": time.strftime("%Y-%m-%d %H:%M:%S"), "message": text}))
         else:
-            print(text, flush=True)
+            say(text)
 
     def close(self) -> None:
         if self._bar is not None:

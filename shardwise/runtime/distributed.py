@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from shardwise.config.notice import say
 from shardwise.config.types import ConfigError
 from shardwise.runtime.machine import (
     cap_cpu_threads,
@@ -105,8 +106,8 @@ def rank_store(world: int) -> torch.distributed.Store | None:
         return dist.TCPStore(addr, int(port), world, is_master=False, timeout=timeout)
     family, kind, proto, _, where = socket.getaddrinfo(addr, int(port), type=socket.SOCK_STREAM)[0]
     if ipaddress.ip_address(where[0]).is_loopback and world > int(os.environ.get("LOCAL_WORLD_SIZE", world)):
-        print(f"warning: MASTER_ADDR {addr} is {where[0]} (loopback) on rank 0's node: ranks on other "
-              "machines cannot reach it; set MASTER_ADDR to this node's network address", file=sys.stderr)
+        say(f"warning: MASTER_ADDR {addr} is {where[0]} (loopback) on rank 0's node: ranks on other "
+            "machines cannot reach it; set MASTER_ADDR to this node's network address", err=True)
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.config.notice import say
 from shardwise.data.dataset import Batch, Corpus, PackedLoader, Stream
 from shardwise.parallel.dims import Mesh
 from shardwise.parallel.pipeline import Pipe
@@ -30,9 +31,9 @@ class Evaluator:
         windows = sum(s.num_windows(t.seq_len) for s, _ in self.val)
         self.batches = min(run.cfg.eval.steps, windows // t.global_batch)
         if run.cfg.eval.interval and not self.batches and dist.get_rank() == 0:
-            print(f"warning: the validation split has {windows} sequences of {t.seq_len} tokens, fewer "
-                  f"than one global batch ({t.global_batch}): no validation loss (raise "
-                  "data.val_fraction)", flush=True)
+            say(f"warning: the validation split has {windows} sequences of {t.seq_len} tokens, fewer "
+                f"than one global batch ({t.global_batch}): no validation loss (raise "
+                "data.val_fraction)")
 
     def due(self, step: int, last: bool) -> bool:
         interval = self.run.cfg.eval.interval

@@ -9,7 +9,6 @@ import dataclasses
 import json
 import math
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +20,7 @@ from torch import nn
 
 from shardwise import checkpoint
 from shardwise.checkpoint import hf as convert
+from shardwise.config.notice import say
 from shardwise.config.outputs import RunRecord, target
 from shardwise.config.schema import Config, ConfigError, model_label
 from shardwise.data.dataset import Batch, Corpus, PackedLoader, check_vocab, open_corpus, packing_notices
@@ -214,7 +214,7 @@ class Session:
         if self.env.rank == 0 and cfg.metrics.plot and (self.run_dir / "metrics.jsonl").stat().st_size:
             plot_loss(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png",
                       f"{model_label(cfg.model)} — {self.run_dir}")
-            print(f"run directory: {self.run_dir} (config.toml, metrics.jsonl, tb/, loss.png, checkpoints/)")
+            say(f"run directory: {self.run_dir} (config.toml, metrics.jsonl, tb/, loss.png, checkpoints/)")
         dist.barrier()
         dist.destroy_process_group()
 
@@ -249,7 +249,7 @@ def open_session(run: ResolvedRun, env: DistEnv, run_dir: Path, ckpt_group: dist
         convert.load_hf_weights(model, local_model(cfg.checkpoint.initial_hf, "checkpoint.initial_hf"),
                                 run.model)
         if env.rank == 0:
-            print(f"loaded the weights of {cfg.checkpoint.initial_hf}", flush=True)
+            say(f"loaded the weights of {cfg.checkpoint.initial_hf}")
     if env.rank == 0:  # the run starts: its resolved config joins run.dir
         rundir.write_config(run_dir, cfg.to_toml())
     if cfg.checkpoint.save_initial and start == 0:
@@ -257,9 +257,9 @@ def open_session(run: ResolvedRun, env: DistEnv, run_dir: Path, ckpt_group: dist
     throughput = Throughput(flops_per_token(run.model, cfg.training.seq_len), shared_peak(env.device, cfg),
                             env.world_size)
     if env.rank == 0:
-        print(describe_run(run, start), flush=True)
+        say(describe_run(run, start))
         for line in packing_notices(corpus, cfg.training.seq_len):  # chat data: whole conversations
-            print(line, flush=True)
+            say(line)
     logger = MetricsLogger(run_dir, cfg.metrics, cfg.training.steps, start, enabled=env.rank == 0,
                            run_config=dataclasses.asdict(cfg))
     if logger.notice:
@@ -339,8 +339,8 @@ def resume(cfg: Config, run_dir: Path, model: nn.Module, optimizer: torch.optim.
     candidates, explicit = load_candidates(cfg, run_dir)
     if not candidates:
         if rank0 and cfg.checkpoint.resume:
-            print(f"checkpoint.resume: no checkpoint in '{run_dir / 'checkpoints'}' yet: starting at "
-                  "step 1", flush=True)
+            say(f"checkpoint.resume: no checkpoint in '{run_dir / 'checkpoints'}' yet: starting at "
+                "step 1")
         return 0
     damaged: dict[Path, str] = {}
     for path in candidates:
@@ -355,17 +355,17 @@ def resume(cfg: Config, run_dir: Path, model: nn.Module, optimizer: torch.optim.
         if rank0:
             for bad, why in damaged.items():
                 aside = checkpoint.set_aside(bad, "damaged")
-                print(f"warning: checkpoint '{bad}' {why}: set aside as '{aside.name}'; resumed from the "
-                      f"older {path.name}", file=sys.stderr, flush=True)
-            print(f"resumed from {path} at step {step}", flush=True)
+                say(f"warning: checkpoint '{bad}' {why}: set aside as '{aside.name}'; resumed from the "
+                    f"older {path.name}", err=True)
+            say(f"resumed from {path} at step {step}")
         if step >= cfg.training.steps:
             if explicit:  # a starting point past the end: nothing would train, say so
                 raise ConfigError(f"checkpoint.path '{path}' is at step {step} and training.steps="
                                   f"{cfg.training.steps}: nothing is left to train: set training.steps above "
                                   f"{step}")
             if rank0:
-                print(f"notice: the run is at step {step} of training.steps={cfg.training.steps}: nothing is "
-                      "left to train (raise training.steps to go on)", flush=True)
+                say(f"notice: the run is at step {step} of training.steps={cfg.training.steps}: nothing is "
+                    "left to train (raise training.steps to go on)")
         return step
     raise no_good_checkpoint(run_dir, damaged)
 
@@ -385,7 +385,7 @@ def shared_peak(device: torch.device, cfg: Config) -> float:
     dist.broadcast_object_list(box, src=0)
     value, source = box[0]
     if dist.get_rank() == 0:
-        print(f"MFU peak: {value:.3f} TFLOP/s per device ({source})", flush=True)
+        say(f"MFU peak: {value:.3f} TFLOP/s per device ({source})")
     return value
 
 

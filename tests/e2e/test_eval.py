@@ -112,6 +112,7 @@ def test_lm_eval_scores_a_checkpoint_as_its_hf_backend_scores_the_export(tmp_pat
     assert code == 2 and "lm-eval has no task no_such_task" in err.splitlines()[-1]
 
 
+@pytest.mark.slow  # (make test-all: three lm-eval processes; the batching is tests/unit/test_harness.py's)
 def test_lm_eval_tasks_on_two_ranks_score_as_on_one(tmp_path: Path, data_cache: str):
     """`eval --tasks --nproc 2`: each rank answers its share of the requests (batched), rank 0
     reports the same metrics as one process does."""

@@ -1,0 +1,122 @@
+"""shardwise from Python: the commands as calls that return objects, for notebooks and scripts.
+
+    import shardwise
+    run = shardwise.train("configs/debug.toml", training={"steps": 20}, run={"dir": "runs/nb"})
+    run.metrics[-1]["loss"]                      # what metrics.jsonl logged, step by step
+    model = shardwise.load(run.dir)              # a run (its latest checkpoint), an HF folder, a Hub id
+    model.generate("In the beginning")
+    model.generate([{"role": "user", "content": "Who made the light?"}])   # on its chat template
+
+Each call runs what the command runs, in this process (``nproc`` local ranks for ``train``), and
+speaks through the ``shardwise`` logger (shardwise/config/notice.py): set its level to silence it.
+A bad value raises :class:`ConfigError` with the command line's one-line message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardwise.config.schema import ConfigError, read_config
+
+__all__ = ["ConfigError", "Model", "Run", "load", "train"]
+
+
+@dataclass(frozen=True)
+class Run:
+    """A training run's directory, and what it holds."""
+
+    dir: Path
+
+    @property
+    def metrics(self) -> list[dict[str, Any]]:
+        """Each logged step's record (metrics.jsonl): loss, learning rate, grad norm, tokens/s, ..."""
+        from shardwise.observe.metrics import read_metrics
+
+        return read_metrics(self.dir / "metrics.jsonl")
+
+    @property
+    def checkpoint(self) -> Path | None:
+        """The latest checkpoint the run saved (None: none yet)."""
+        from shardwise.checkpoint import checkpoint_or_latest
+
+        try:
+            return checkpoint_or_latest(self.dir)
+        except ConfigError:
+            return None
+
+
+def _flags(sections: dict[str, Any]) -> list[str]:
+    """``training={"steps": 20}`` -> ``["--training.steps=20"]``."""
+    out: list[str] = []
+    for section, values in sections.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{section}={values!r}: give a config section as a dict of its fields, e.g. "
+                              "training={'steps': 20}")
+        for key, value in values.items():
+            text = str(value).lower() if isinstance(value, bool) else str(value)
+            out.append(f"--{section}.{key}={text}")
+    return out
+
+
+def train(config: str | Path | None = None, *, nproc: int | None = None, **sections: Any) -> Run:
+    """``shardwise train``: ``config`` (a TOML file; None: the built-in defaults) with each section's
+    fields as a dict (``training={"steps": 20}``, ``run={"dir": "runs/nb", "overwrite": True}``), or
+    ``model="NAME"`` for a preset (its ``configs/NAME.toml`` when no ``config`` is given, as
+    ``--model NAME`` does); ``nproc`` local ranks. Returns the :class:`Run` when training ends."""
+    from shardwise.cli import main
+    from shardwise.config.schema import preset_toml
+
+    preset = sections.pop("model") if isinstance(sections.get("model"), str) else None
+    overrides = _flags(sections)
+    if preset is not None:
+        overrides.insert(0, f"--model.name={preset}")
+        config = config if config is not None else preset_toml(preset)
+    path = str(config) if config is not None else None
+    argv = ["train", *(["--config", path] if path else []),
+            *(["--nproc", str(nproc)] if nproc is not None else []), *overrides]
+    code = main(argv, raise_errors=True)
+    if code:
+        raise RuntimeError(f"shardwise train ended with exit code {code} (its messages say why)")
+    return Run(Path(read_config(path, overrides).run.dir))
+
+
+@dataclass
+class Model:
+    """A loaded model with its tokenizer (:func:`load`), to generate with."""
+
+    module: Any  # the torch module
+    tokenizer: Any
+    source: str
+    _stop: set[int] = field(repr=False, default_factory=set)
+
+    def generate(self, prompt: str | list[dict[str, str]], max_new_tokens: int = 64, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> str:
+        """The text the model adds after ``prompt`` (text to continue, or a list of {role, content}
+        messages rendered by the chat template), greedy by default, as ``shardwise generate``."""
+        from shardwise.infer.generate import Sampling, generate, prompt_ids
+
+        s = Sampling(max_new_tokens, temperature, top_k, top_p, seed)
+        s.check()
+        messages = prompt if isinstance(prompt, list) else None
+        ids = prompt_ids(self.tokenizer, "" if messages is not None else prompt, messages)
+        out = generate(self.module, ids, s, self._stop)
+        return self.tokenizer.decode([t for t in out if t not in self._stop])
+
+
+def load(source: str | Path, *, tokenizer: str = "", device: str = "auto", dtype: str = "auto") -> Model:
+    """A checkpoint (a ``step-<N>`` folder, or a run directory: its latest), a Hugging Face folder or
+    a Hub id (``ORG/NAME``), loaded to generate with, as ``shardwise generate`` loads it."""
+    from shardwise.infer.generate import load_for_generation
+    from shardwise.runtime.hub import is_hub_id
+
+    path = Path(source)
+    folder = (path / "config.json").is_file() and not (path / "manifest.json").is_file()
+    hf = is_hub_id(str(source)) or (folder and not (path / "checkpoints").is_dir())
+    if not hf and not path.exists():
+        raise ConfigError(f"load: '{source}' is neither a checkpoint, a run directory, a Hugging Face folder "
+                          "nor a Hub id (ORG/NAME)")
+    loaded = load_for_generation(checkpoint="" if hf else str(path), hf=str(source) if hf else "",
+                                 tokenizer=tokenizer, device=device, dtype=dtype)
+    return Model(loaded.model, loaded.tokenizer, loaded.source, loaded.stop)

@@ -1,0 +1,82 @@
+"""shardwise from Python (shardwise/api.py), as a notebook uses it: train, read the run, load it and
+generate, silence the output through the ``shardwise`` logger, get a bad value as an exception."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT, run_cli
+
+# TINY_ARGS as the API's section dicts
+TINY = {"model": {"qk_norm": False, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+                  "multiple_of": 16},
+        "training": {"seq_len": 64, "global_batch": 8, "steps": 2, "mixed_precision": "fp32"},
+        "lr_scheduler": {"warmup_steps": 1}, "eval": {"interval": 0},
+        "checkpoint": {"interval": 0, "final": True},
+        "metrics": {"tensorboard": False, "plot": False, "log_format": "line"},
+        "compile": {"enabled": False}}
+
+
+def test_import_shardwise_and_its_api_stay_light_until_a_call():
+    code = ("import sys, shardwise; light = 'torch' not in sys.modules; f = shardwise.train; "
+            "print(light, callable(f), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True", "False"]
+
+
+def test_train_read_load_generate_and_silence_from_python(tmp_path: Path, data_cache: str, capsys):
+    import shardwise
+
+    sections = {**TINY, "data": {"cache_dir": data_cache}, "run": {"dir": str(tmp_path / "nb")}}
+    run = shardwise.train(ROOT / "configs" / "debug.toml", **sections)
+    out = capsys.readouterr().out
+    assert run.dir == tmp_path / "nb" and [r["step"] for r in run.metrics] == [1, 2]
+    assert run.checkpoint == tmp_path / "nb" / "checkpoints" / "step-2"
+    assert "step 2/2 | loss" in out  # the run's lines, printed as the command line prints them
+    model = shardwise.load(run.dir)
+    text = model.generate("In the beginning", max_new_tokens=6)
+    theirs = json.loads(run_cli(["generate", "--checkpoint", str(run.dir), "--prompt", "In the beginning",
+                                 "--max-new-tokens", "6", "--json"]).stdout)
+    assert text == theirs["text"]
+    # the shardwise logger: a handler of one's own takes the run's lines instead of shardwise's
+    # printing one, and a level above INFO silences them
+    from shardwise.config.notice import say
+
+    log = logging.getLogger("shardwise")
+    got: list[str] = []
+    mine = logging.Handler()
+    mine.emit = lambda record: got.append(record.getMessage())  # type: ignore[method-assign]
+    theirs_handlers, before = list(log.handlers), log.level
+    log.handlers[:] = [mine]
+    try:
+        shardwise.train(ROOT / "configs" / "debug.toml",
+                        **{**sections, "run": {"dir": str(tmp_path / "mine")}})
+        assert "step 2/2" not in capsys.readouterr().out
+        assert any(m.startswith("2") and "step 2/2 | loss" in m for m in got)
+        log.handlers[:] = theirs_handlers
+        log.setLevel(logging.WARNING)
+        say("step 3/3 | a progress line")
+        say("warning: a warning", err=True)
+        said = capsys.readouterr()
+        assert said.out == "" and said.err == "warning: a warning\n"
+    finally:
+        log.handlers[:] = theirs_handlers
+        log.setLevel(before)
+
+
+def test_a_bad_value_is_an_exception_with_the_command_lines_message(tmp_path: Path):
+    import shardwise
+
+    with pytest.raises(shardwise.ConfigError, match="training.steps must be > 0"):
+        shardwise.train(training={"steps": 0}, run={"dir": str(tmp_path / "r")})
+    with pytest.raises(shardwise.ConfigError, match="give a config section as a dict"):
+        shardwise.train(training=5)
+    with pytest.raises(shardwise.ConfigError, match="neither a checkpoint, a run directory"):
+        shardwise.load(tmp_path / "none")
+    assert not (tmp_path / "r").exists()
