@@ -23,7 +23,8 @@ from shardwise.runtime import hub
 out = []
 for call, ref in json.loads(sys.argv[1]):
     try:
-        out.append(["ok", str(getattr(hub, call)(ref, "--hf"))])
+        got = hub.download(ref)[1] if call == "download" else getattr(hub, call)(ref, "--hf")
+        out.append(["ok", str(got)])
     except ConfigError as e:
         out.append(["error", str(e)])
 print(json.dumps(out))
@@ -93,9 +94,11 @@ def test_a_download_fetches_what_a_run_reads_and_says_how_each_failure_is_fixed(
     assert found[2][0] == "error" and "gated" in found[2][1] and "`hf auth login`" in found[2][1]
     assert found[3][0] == "error" and "the Hub has no model 'org/none'" in found[3][1]
     # no network: the Hub cannot be reached (a closed port), and nothing is cached
-    kind, said = _resolve(tmp_path / "empty", [("local_model", "org/tiny")],
-                          HF_ENDPOINT=f"http://127.0.0.1:{free_port()}")[0]
+    (kind, said), (dl, dl_said) = _resolve(tmp_path / "empty", [("local_model", "org/tiny"),
+                                                                ("download", "org/tiny")],
+                                           HF_ENDPOINT=f"http://127.0.0.1:{free_port()}")
     assert kind == "error" and "the Hub cannot be reached" in said and "`shardwise download org/tiny`" in said
+    assert dl == "error" and "run the download on a machine with network" in dl_said  # (not itself)
 
 def test_a_launched_rank_reads_the_cache_only_and_a_torchrun_rank_waits_for_local_rank_0(tmp_path: Path):
     repo = _repo(tmp_path)
