@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_nproc(p, "local ranks to score on (not under torchrun, which sets them)")
     p.add_argument("--json", action="store_true", help="print the scores as JSON")
     p.add_argument("--tasks", default="", help="comma-separated lm-evaluation-harness tasks to score instead "
-                   "(one device; needs pip install 'shardwise[eval]')")
+                   "(on --nproc ranks, batched: --batch-size; needs pip install 'shardwise[eval]')")
     p.add_argument("--tasks-path", default="", help="a folder of task YAML files for --tasks (local data)")
     p.add_argument("--limit", type=int, default=None, help="--tasks: at most this many examples per task")
     p.add_argument("--num-fewshot", type=int, default=None, help="--tasks: few-shot examples per prompt")

@@ -21,6 +21,8 @@ LAUNCHED_RANK_ENV = "SHARDWISE_ERROR_DIR"
 error for the launcher, which also marks a process as a launched rank."""
 
 LOG = logging.getLogger("shardwise")
+if LOG.level == logging.NOTSET:  # INFO reaches a handler of the user's too, not only shardwise's
+    LOG.setLevel(logging.INFO)
 
 
 def say(text: str = "", err: bool = False) -> None:

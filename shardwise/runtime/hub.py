@@ -1,12 +1,12 @@
 """Hugging Face Hub ids wherever a model folder, a tokenizer or a dataset is accepted.
 
 ``Qwen/Qwen3-0.6B`` (``@REVISION`` optional) in ``--checkpoint.initial_hf``, ``--data.tokenizer``,
-``generate --hf``, ``eval --hf``, ``convert --from-hf``; ``hf://datasets/ORG/NAME[/PATH]`` in
-``--data.path``. An argument that names an existing file or folder is always that; otherwise an id
-resolves through ``huggingface_hub``'s cache (``HF_HOME``, ``HF_HUB_CACHE``), which it fills on first
-use with the files a run reads and nothing else: configs, tokenizer files and safetensors for a
-model (never code, never pickled weights), corpus files for a dataset. ``HF_HUB_OFFLINE=1`` reads the
-cache only.
+``generate --hf``, ``chat --hf``, ``convert --from-hf``, ``shardwise.load``;
+``hf://datasets/ORG/NAME[/PATH]`` in ``--data.path``. An argument that names an existing file or
+folder is always that; otherwise an id resolves through ``huggingface_hub``'s cache (``HF_HOME``,
+``HF_HUB_CACHE``), which it fills on first use with the files a run reads and nothing else: configs,
+tokenizer files and safetensors for a model (never code, never pickled weights), corpus files for a
+dataset. ``HF_HUB_OFFLINE=1`` reads the cache only.
 
 **Once per node.** The local launcher resolves the run before it starts its ranks, so the ranks
 (:data:`LAUNCHED_RANK_ENV`) only read the cache. Under torchrun or Slurm, local rank 0 fetches
@@ -32,8 +32,7 @@ _ID = re.compile(r"^([A-Za-z0-9][\w.-]*)/([A-Za-z0-9][\w.-]*)(?:@([\w./-]+))?$")
 _DATASET = re.compile(r"^hf://datasets/([A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@([\w.-]+))?(?:/(.*))?$")
 
 MODEL_FILES = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
-               "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-               "chat_template.json"]
+               "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"]
 """What a model id fetches: what convert, generate and training from HF read (no code, no pickles)."""
 
 DATA_SUFFIXES = [".parquet", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".txt", ".txt.gz", ".txt.zst"]
@@ -99,7 +98,11 @@ def download(ref: str, out: Path | None = None) -> tuple[str, Path]:
         raise ConfigError(f"download: '{ref}' is not a Hub id: give ORG/NAME[@REVISION] for a model, or "
                           "hf://datasets/ORG/NAME[@REVISION][/PATH] for a dataset")
     folder = _fetch(repo, revision, kind, list(patterns), "download", local=False, local_dir=out)
-    return kind, folder / inner if inner else folder
+    found = folder / inner if inner else folder
+    if not found.exists():
+        raise ConfigError(f"download: the dataset {repo} has no corpus files under '{inner}' (parquet, "
+                          "jsonl or txt): name a folder or file of the repository")
+    return kind, found
 
 
 @functools.cache

@@ -81,8 +81,10 @@ def test_a_download_fetches_what_a_run_reads_and_says_how_each_failure_is_fixed(
                   gated=frozenset({"org/gated"})) as (url, served):
         found = _resolve(tmp_path / "home", [("local_model", "org/tiny"),
                                              ("local_dataset", "hf://datasets/org/corpus"),
-                                             ("local_model", "org/gated"), ("local_model", "org/none")],
+                                             ("local_model", "org/gated"), ("local_model", "org/none"),
+                                             ("download", "hf://datasets/org/corpus/typo")],
                          HF_ENDPOINT=url)
+    assert found[4][0] == "error" and "no corpus files under 'typo'" in found[4][1]
     snapshot = Path(found[0][1])
     assert found[0][0] == "ok" and snapshot.is_relative_to(tmp_path / "home" / "hub")
     assert sorted(p.name for p in snapshot.iterdir()) == ["config.json", "model.safetensors",
