@@ -83,7 +83,7 @@ def run_cli(args: list[str], timeout: float = 300, launcher: list[str] | None = 
     A plain command is forked from the tests' CLI server (tests/cli_server.py), which has imported
     torch and the trainer once; a launcher, a fault or a changed environment get a fresh interpreter."""
     cmd = [sys.executable, *(launcher or ["-m", "shardwise"]), *args]
-    env = {**_cli_env(), **(env or {})}
+    env = {**cli_env(), **(env or {})}
     if fault:
         env["SHARDWISE_TEST_FAULT"] = fault
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tests" / "faults"),
@@ -98,7 +98,7 @@ def run_cli(args: list[str], timeout: float = 300, launcher: list[str] | None = 
     return proc
 
 
-def _cli_env(base: dict[str, str] | None = None) -> dict[str, str]:
+def cli_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment a test's command runs in: the test's own (or ``base``), unbuffered, not a
     launched rank, with this interpreter's scripts (``shardwise``, ``torchrun``) on the PATH."""
     env = {**(os.environ if base is None else base), "PYTHONUNBUFFERED": "1"}
@@ -167,7 +167,7 @@ def _forked(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float) -> s
     """``cmd`` (``python -m shardwise ...``) forked from the CLI server, when the server's environment
     is the command's (:func:`_but_path`); a fresh interpreter otherwise."""
     global _server
-    base = _cli_env(_SESSION_ENV)
+    base = cli_env(_SESSION_ENV)
     if _but_path(env) != _but_path(base):
         return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
     if _server is None or _server.proc.poll() is not None:

@@ -11,13 +11,14 @@ earlier replies' thinking) costs a recompute from the first difference, never a 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from shardwise.config.schema import ConfigError
-from shardwise.infer.generate import Loaded, Sampling, continue_tokens, load_for_generation, sampler
+from shardwise.infer.generate import Loaded, Sampling, continue_tokens, from_flags, prompt_ids, sampler
 from shardwise.models.transformer import KVCache
 
 COMMANDS = {"/reset": "start a new conversation (the system prompt stays)", "/exit": "leave (or Ctrl-D)"}
@@ -59,14 +60,15 @@ class Conversation:
         start = time.perf_counter()
         tok, stop = self.loaded.tokenizer, self.loaded.stop
         messages = [*self.messages, {"role": "user", "content": text}]
-        ids = tok.encode_batch([tok.chat.render(messages, add_generation_prompt=True)])[0]
+        ids = prompt_ids(tok, messages=messages)
         room = self.cache.max_len - len(ids)
         if room < 1:
             raise ConfigError(f"the conversation is {len(ids)} tokens, the chat's context "
                               f"{self.cache.max_len} (--context): /reset to start a new one")
         s = Sampling(min(self.s.max_new_tokens, room), self.s.temperature, self.s.top_k, self.s.top_p,
                      self.s.seed)
-        keep = _common(self.held, ids, len(ids) - 1)  # (the last prompt token always runs: its logits)
+        # (the last prompt token always runs: the next token's logits are its)
+        keep = min(len(os.path.commonprefix([self.held, ids])), len(ids) - 1)
         self.cache.length = keep  # what follows the common prefix is overwritten
         out: list[int] = []
         shown = ""
@@ -88,25 +90,10 @@ class Conversation:
         return Turn(len(ids) - keep, keep, len(out), time.perf_counter() - start)
 
 
-def _common(a: list[int], b: list[int], most: int) -> int:
-    """The length of the longest common prefix of ``a`` and ``b``, at most ``most``."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y or n == most:
-            break
-        n += 1
-    return n
-
-
 def chat_command(args: argparse.Namespace, extra: list[str]) -> int:
-    if extra:
-        raise ConfigError(f"chat takes no config overrides: {' '.join(extra)}")
-    s = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
-    s.check()
-    loaded = load_for_generation(args.checkpoint or "", args.hf or "", args.tokenizer, args.device,
-                                 args.dtype, checksums=not args.skip_checksums)
     if args.context < 2:
         raise ConfigError(f"--context must be >= 2 tokens, got {args.context}")
+    s, loaded = from_flags(args, extra)
     talk = Conversation(loaded, s, args.system, args.context)
     tty = sys.stdin.isatty()
     print(f"chatting with {loaded.source} ({', '.join(f'{c}: {w}' for c, w in COMMANDS.items())})",

@@ -215,11 +215,18 @@ def prompt_ids(tok: Any, prompt: str = "", messages: list[dict[str, str]] | None
 # ---------------------------------------------------------------------------------------------
 # The command (its flags: shardwise/commands/generate.py)
 
-def generate_command(args: argparse.Namespace, extra: list[str]) -> int:
+def from_flags(args: argparse.Namespace, extra: list[str]) -> tuple[Sampling, Loaded]:
+    """The sampling and the loaded model that generate's and chat's shared flags name
+    (commands/generate.py add_model_source, add_sampling); checked before the model loads."""
     if extra:
-        raise ConfigError(f"generate takes no config overrides: {' '.join(extra)}")
+        raise ConfigError(f"{args.command} takes no config overrides: {' '.join(extra)}")
     s = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
     s.check()
+    return s, load_for_generation(args.checkpoint or "", args.hf or "", args.tokenizer, args.device,
+                                  args.dtype, checksums=not args.skip_checksums)
+
+
+def generate_command(args: argparse.Namespace, extra: list[str]) -> int:
     messages = None
     if args.messages:
         path = Path(args.messages)
@@ -232,8 +239,7 @@ def generate_command(args: argparse.Namespace, extra: list[str]) -> int:
         bad = check_messages([*messages, turn]) if isinstance(messages, list) else "not a list of messages"
         if bad:
             raise ConfigError(f"--messages '{path}': {bad}")
-    loaded = load_for_generation(args.checkpoint or "", args.hf or "", args.tokenizer, args.device,
-                                 args.dtype, checksums=not args.skip_checksums)
+    s, loaded = from_flags(args, extra)
     ids = prompt_ids(loaded.tokenizer, args.prompt or "", messages)
     out = generate(loaded.model, ids, s, loaded.stop, use_cache=not args.no_cache)
     text = loaded.tokenizer.decode(out)

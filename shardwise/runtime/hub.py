@@ -65,7 +65,12 @@ def local_model(ref: str, field: str) -> Path:
 def local_dataset(ref: str, field: str) -> Path:
     """``hf://datasets/ORG/NAME[@REV][/PATH]`` as the local file or folder of its corpus files."""
     repo, revision, inner, patterns = _dataset_parts(ref, field)
-    folder = _snapshot(repo, revision, "dataset", patterns, field)
+    return _inside(_snapshot(repo, revision, "dataset", patterns, field), inner, repo, field)
+
+
+def _inside(folder: Path, inner: str, repo: str, field: str) -> Path:
+    """``inner`` (a path in the dataset ``repo``) in its fetched ``folder``, which holds only corpus
+    files: missing when the path holds none."""
     found = folder / inner if inner else folder
     if not found.exists():
         raise ConfigError(f"{field}: the dataset {repo} has no corpus files under '{inner or '/'}' (parquet, "
@@ -98,11 +103,7 @@ def download(ref: str, out: Path | None = None) -> tuple[str, Path]:
         raise ConfigError(f"download: '{ref}' is not a Hub id: give ORG/NAME[@REVISION] for a model, or "
                           "hf://datasets/ORG/NAME[@REVISION][/PATH] for a dataset")
     folder = _fetch(repo, revision, kind, list(patterns), "download", local=False, local_dir=out)
-    found = folder / inner if inner else folder
-    if not found.exists():
-        raise ConfigError(f"download: the dataset {repo} has no corpus files under '{inner}' (parquet, "
-                          "jsonl or txt): name a folder or file of the repository")
-    return kind, found
+    return kind, _inside(folder, inner, repo, "download") if kind == "dataset" else folder
 
 
 @functools.cache

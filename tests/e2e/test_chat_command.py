@@ -92,6 +92,13 @@ def test_two_turns_reuse_the_cache_and_answer_as_the_whole_conversation_does(tmp
     fresh = generate(loaded.model, ids, Sampling(max_new_tokens=12), loaded.stop, use_cache=False)
     assert second == loaded.tokenizer.decode([t for t in fresh if t not in loaded.stop])
     assert ran2 + reused2 == len(ids)
+    # turn 2 runs exactly the tokens its rendering adds to what the cache held after turn 1: turn 1's
+    # prompt and every reply token but the last (the last was chosen, never run)
+    first_ids = prompt_ids(loaded.tokenizer, messages=conversation[:1])
+    replied = generate(loaded.model, first_ids, Sampling(max_new_tokens=12), loaded.stop)
+    assert ran1 == len(first_ids) and gen1 == len(replied)
+    held = first_ids + replied[:-1]
+    assert reused2 == len(os.path.commonprefix([held, ids]))
     # /reset forgets the conversation: the first question gets the first answer, from nothing cached
     term.say("/reset")
     term.until(r"\(a new conversation\)\nyou> ")

@@ -16,18 +16,16 @@ runs (``covered``: the 4-rank layouts, torchrun, verify, report, the HF round tr
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import shlex
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, need, run_cli
+from tests.helpers import ROOT, cli_env, need, run_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -376,10 +374,7 @@ def _run(command: str, cwd: Path, data_cache: str) -> subprocess.CompletedProces
         # A plain command line needs no shell: forked from the tests' CLI server, as run_cli does.
         proc = run_cli(shlex.split(command)[1:], cwd=cwd, check=False, timeout=1200)
     else:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1",
-               "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
-        env.pop("WORLD_SIZE", None)
-        proc = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True,
+        proc = subprocess.run(["bash", "-c", command], cwd=cwd, env=cli_env(), capture_output=True, text=True,
                               timeout=1200)
     assert proc.returncode == 0, (f"exit {proc.returncode}: {command}\n{proc.stdout[-3000:]}\n"
                                   f"{proc.stderr[-3000:]}")
