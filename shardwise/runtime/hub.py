@@ -160,7 +160,8 @@ def _fetch(repo: str, revision: str | None, kind: str, patterns: list[str], fiel
                "HF_HUB_OFFLINE is set" if offline else "the Hub cannot be reached")
         if field == "download":
             raise ConfigError(f"download: '{_spelled(repo, kind)}' cannot be fetched here ({why}): run the "
-                              "download on a machine with network, with HF_HOME on storage this one shares") from None
+                              "download on a machine with network, with HF_HOME on storage this one "
+                              "shares") from None
         raise ConfigError(f"{field}: {_no_folder(ref, kind, field)}'{ref}' is not (wholly) in the Hugging "
                           f"Face cache ({constants.HF_HUB_CACHE}) and {why}: run `shardwise download "
                           f"{_spelled(repo, kind)}` on a machine with network and the same HF_HOME, or "
