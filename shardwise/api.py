@@ -6,6 +6,7 @@
     model = shardwise.load(run.dir)              # a run (its latest checkpoint), an HF folder, a Hub id
     model.generate("In the beginning")
     model.generate([{"role": "user", "content": "Who made the light?"}])   # on its chat template
+    best = shardwise.plan(model="8b", nproc=64, hardware="h100").best   # the planner's best layout
 
 Each call runs what the command runs, in this process (``nproc`` local ranks for ``train``), and
 speaks through the ``shardwise`` logger (shardwise/config/notice.py): set its level to silence it.
@@ -20,7 +21,7 @@ from typing import Any
 
 from shardwise.config.schema import ConfigError, read_config
 
-__all__ = ["ConfigError", "Model", "Run", "load", "train"]
+__all__ = ["ConfigError", "Model", "Plan", "Run", "load", "plan", "train"]
 
 
 @dataclass(frozen=True)
@@ -120,3 +121,62 @@ def load(source: str | Path, *, tokenizer: str = "", device: str = "auto", dtype
     loaded = load_for_generation(checkpoint="" if hf else str(path), hf=str(source) if hf else "",
                                  tokenizer=tokenizer, device=device, dtype=dtype)
     return Model(loaded.model, loaded.tokenizer, loaded.source, loaded.stop)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What ``shardwise plan`` found: the best layouts, each estimated exactly, best first."""
+
+    estimates: list[Any]
+    """shardwise.plan.estimate.Estimate per layout: ``.layout``, ``.tokens_per_s_per_device``,
+    ``.peak`` (bytes), ``.time`` (the step's parts), ``.memory`` (per pipeline rank)."""
+    considered: int
+    feasible: int
+    table: str
+    """The table ``shardwise plan`` prints."""
+    why_nothing: str
+    """When no layout fits: the one line saying why and what would fit ('' otherwise)."""
+    _planning: Any = field(repr=False, default=None)
+
+    @property
+    def best(self) -> Any | None:
+        """The best layout's estimate (None when nothing fits)."""
+        return self.estimates[0] if self.estimates else None
+
+    def write(self, path: str | Path, overwrite: bool = False) -> str:
+        """The best layout as a ready-to-run config at ``path`` (as ``plan --out``; an existing file is
+        refused unless ``overwrite``). Returns the command that launches it."""
+        from shardwise.config.notice import notice
+        from shardwise.config.outputs import target
+        from shardwise.plan.search import layout_toml, run_command
+
+        if self.best is None:
+            raise ConfigError(f"plan: nothing to write; {self.why_nothing}")
+        try:
+            where = target(str(path), "Plan.write", overwrite, folder=False, example="plan.toml")
+        except ConfigError as e:  # (the command line's words for the flag)
+            raise ConfigError(str(e).replace("pass --overwrite", "pass overwrite=True")) from None
+        if said := where.write(layout_toml(self.best, str(path), self._planning.notes)):
+            notice(said)
+        return run_command(str(path), self._planning.gpus, self._planning.hw)
+
+
+def plan(config: str | Path | None = None, *, nproc: int, model: str = "", hardware: str = "h100",
+         seq: int = 0, global_batch_tokens: str = "", top: int = 5, **sections: Any) -> Plan:
+    """``shardwise plan``: rank the layouts of ``config`` (or the ``model`` preset) on ``nproc``
+    devices of ``hardware``, with each section's fields as a dict as in :func:`train`. Returns the
+    :class:`Plan`; nothing is written unless ``Plan.write``."""
+    from shardwise.cli import parse
+    from shardwise.config.notice import notice
+
+    argv = ["plan", *(["--config", str(config)] if config is not None else []),
+            *(["--model", model] if model else []), "--nproc", str(nproc), "--hardware", hardware,
+            "--seq", str(seq), "--global-batch-tokens", global_batch_tokens, "--top", str(top),
+            "--out", "", *_flags(sections)]
+    command, args, rest = parse(argv)
+    planning = command.checked_planning(args, rest)
+    result = planning.search()
+    for n in planning.notes:
+        notice(n)
+    return Plan(list(result.top), result.considered, len(result.ranked), planning.table(result),
+                "" if result.top else planning.why_nothing(result), planning)

@@ -8,9 +8,11 @@ is also exactly what happens under an external ``torchrun`` or a Slurm ``srun to
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import traceback
+from types import ModuleType
 
 from shardwise.commands import COMMANDS, build_parser, common
 from shardwise.config.notice import notice, say
@@ -38,20 +40,26 @@ def rank_main(env: dict[str, str | None], *argv: str) -> None:
     process.exit_after_return()
 
 
+def parse(argv: list[str]) -> tuple[ModuleType, argparse.Namespace, list[str]]:
+    """``argv`` checked and parsed: (the command's module, its flags, the config overrides with
+    ``--model``'s preset applied). A bad flag or path raises ConfigError (argparse's own exits)."""
+    parser, commands = build_parser()
+    common.check_command(argv, commands)
+    args, rest = parser.parse_known_args(argv)
+    common.check_unknown_flags(commands[args.command], rest)
+    common.check_paths(args)
+    common.check_nproc(args)
+    rest, args.model_note = common.apply_model(args, rest)
+    return COMMANDS[args.command], args, rest
+
+
 def main(argv: list[str] | None = None, raise_errors: bool = False) -> int:
     """The command line ``argv`` (default: this process's), run; returns the exit code. A config
     error is one line on stderr and code 2, or with ``raise_errors`` (shardwise/api.py) raised."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser, commands = build_parser()
     try:
-        common.check_command(argv, commands)
-        args, rest = parser.parse_known_args(argv)
-        common.check_unknown_flags(commands[args.command], rest)
+        command, args, rest = parse(argv)
         common.nproc_notice(argv)
-        common.check_paths(args)
-        common.check_nproc(args)
-        command = COMMANDS[args.command]
-        rest, args.model_note = common.apply_model(args, rest)
         if args.model_note and not getattr(command, "OWN_MODEL_NOTICE", False):
             notice(args.model_note)
         args.entry = rank_main  # what a rank this command launches runs (train and eval --nproc)

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from shardwise.commands.common import add_model, add_nproc, add_overwrite, load_resolved, need_nproc
 from shardwise.config import extras
 from shardwise.config import schema as config
 from shardwise.config.outputs import target
-from shardwise.config.schema import ConfigError
+from shardwise.config.schema import Config, ConfigError
+
+if TYPE_CHECKING:
+    from shardwise.plan.hardware import Hardware
+    from shardwise.plan.search import PlanResult
 
 NAME = "plan"
 SUMMARY = "rank the layouts of a model on a cluster"
@@ -46,11 +52,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_overwrite(p, "--out")
 
 
-def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
-    import time
+@dataclass
+class Planning:
+    """A plan's question, checked and resolved: the config every candidate shares, the cluster, and
+    the search's bounds. ``search()`` answers it (the CLI prints the answer; shardwise.plan returns it)."""
 
-    from shardwise.config.notice import notice
+    cfg: Config
+    hw: Hardware
+    gpus: int
+    top: int
+    memory_fraction: float
+    ac: tuple[str, ...]
+    schedules: tuple[str, ...]
+    batch_from_gpus: bool
+    """No --global-batch-tokens: the batch followed the device count (said when nothing fits)."""
+    notes: tuple[str, ...]
+
+    def search(self) -> PlanResult:
+        from shardwise.plan.search import plan
+
+        return plan(self.cfg, self.gpus, self.hw, self.top, self.memory_fraction, self.ac, self.schedules)
+
+    def table(self, result: PlanResult) -> str:
+        from shardwise.plan.search import format_plan
+
+        return format_plan(result, self.cfg, self.gpus, self.hw)
+
+    def why_nothing(self, result: PlanResult) -> str:
+        from shardwise.plan.search import why_nothing
+
+        return why_nothing(result, self.cfg, self.gpus, self.hw, self.memory_fraction, self.batch_from_gpus)
+
+
+def checked_planning(args: argparse.Namespace, overrides: list[str]) -> Planning:
+    """The flags checked and the config resolved once, before any search (one-line errors)."""
     from shardwise.plan.hardware import load_hardware, profile_device
+    from shardwise.plan.search import data_note, parse_tokens, plan_config, shape_differs
 
     gpus = need_nproc(args, "devices to plan for")
     if args.top < 1:
@@ -67,39 +104,37 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
     cfg = load_resolved(args.config, overrides, profile_device(args.hardware))
     without_float8 = extras.plan_without_float8(cfg)
     hw = load_hardware(args.hardware, cfg.data.cache_dir)
-    from shardwise.plan.search import (
-        data_note,
-        format_plan,
-        layout_toml,
-        parse_tokens,
-        plan,
-        plan_config,
-        run_command,
-        shape_differs,
-        why_nothing,
-    )
-
-    default_out = args.out is None
-    args.out = "plan.toml" if default_out else args.out
-    where = (target(args.out, "--out", args.overwrite, default=default_out, folder=False, example="plan.toml")
-             if args.out else None)
     seq = args.seq or cfg.training.seq_len
     tokens = (parse_tokens(args.global_batch_tokens) if args.global_batch_tokens
               else max(cfg.training.global_batch, gpus) * seq)
     cfg = plan_config(cfg, seq, tokens)
-    notes = [n for n in (args.model_note, without_float8, shape_differs(cfg), data_note(cfg)) if n]
+    notes = tuple(n for n in (args.model_note, without_float8, shape_differs(cfg), data_note(cfg)) if n)
+    return Planning(cfg, hw, gpus, args.top, args.memory_fraction, ac, schedules,
+                    not args.global_batch_tokens, notes)
+
+
+def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
+    import time
+
+    from shardwise.config.notice import notice
+    from shardwise.plan.search import layout_toml, run_command
+
+    planning = checked_planning(args, overrides)
+    default_out = args.out is None
+    args.out = "plan.toml" if default_out else args.out
+    where = (target(args.out, "--out", args.overwrite, default=default_out, folder=False, example="plan.toml")
+             if args.out else None)
     start = time.perf_counter()
-    result = plan(cfg, gpus, hw, args.top, args.memory_fraction, ac, schedules)
-    print(format_plan(result, cfg, gpus, hw))
+    result = planning.search()
+    print(planning.table(result))
     print(f"({time.perf_counter() - start:.1f} s)")
     if not result.top:
-        print(why_nothing(result, cfg, gpus, hw, args.memory_fraction, not args.global_batch_tokens),
-              file=sys.stderr)
+        print(planning.why_nothing(result), file=sys.stderr)
         return 1
     if args.out:
-        if said := where.write(layout_toml(result.top[0], args.out, tuple(notes))):
+        if said := where.write(layout_toml(result.top[0], args.out, planning.notes)):
             notice(said)
-        print(f"best layout written to {args.out}: {run_command(args.out, gpus, hw)}")
-    for n in notes:
+        print(f"best layout written to {args.out}: {run_command(args.out, planning.gpus, planning.hw)}")
+    for n in planning.notes:
         notice(n)
     return 0
