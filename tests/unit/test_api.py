@@ -27,7 +27,7 @@ def test_import_shardwise_and_its_api_stay_light_until_a_call():
     code = ("import sys, shardwise; light = 'torch' not in sys.modules; f = shardwise.train; "
             "print(light, callable(f), callable(shardwise.plan), 'torch' in sys.modules); "
             # the planner's package keeps its modules and stays the call once they are imported
-            "import shardwise.plan.search; print(callable(shardwise.plan), shardwise.plan.search.plan.__name__)")
+            "import shardwise.plan.search as s; print(callable(shardwise.plan), s.plan.__name__)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "True", "True", "False", "True", "plan"]
 
@@ -88,12 +88,14 @@ def test_plan_from_python_is_the_plan_command(tmp_path: Path):
     import shardwise
 
     p = shardwise.plan(model="debug", nproc=2, top=2)
-    cli = run_cli(["plan", "--model", "debug", "--nproc", "2", "--top", "2", "--out", str(tmp_path / "cli.toml")])
+    cli = run_cli(["plan", "--model", "debug", "--nproc", "2", "--top", "2",
+                   "--out", str(tmp_path / "cli.toml")])
     table = cli.stdout.split("\n(")[0]  # (then the search's time and where the best was written)
     assert p.table == table and len(p.estimates) == 2 and p.feasible >= 2 and p.why_nothing == ""
     assert str(p.best.layout) in p.table
     launch = p.write(tmp_path / "api.toml")
-    assert (tmp_path / "api.toml").read_text() == (tmp_path / "cli.toml").read_text().replace("cli.toml", "api.toml")
+    written = (tmp_path / "cli.toml").read_text().replace("cli.toml", "api.toml")
+    assert (tmp_path / "api.toml").read_text() == written
     assert launch == f"torchrun --nproc-per-node 2 -m shardwise train --config {tmp_path / 'api.toml'}"
     assert f"{tmp_path / 'cli.toml'}: torchrun --nproc-per-node 2" in cli.stdout  # the CLI says the same
     with pytest.raises(shardwise.ConfigError, match="pass overwrite=True"):
