@@ -9,7 +9,8 @@ from typing import Any
 
 from shardwise.config.types import ConfigError
 
-EXTRAS = {"float8": "torchao", "parquet": "pyarrow", "wandb": "wandb", "eval": "lm_eval"}
+EXTRAS = {"float8": "torchao", "parquet": "pyarrow", "wandb": "wandb", "mlflow": "mlflow",
+          "eval": "lm_eval"}
 """shardwise extra -> the module it installs."""
 
 

@@ -304,6 +304,8 @@ class MetricsConfig:
     """W&B project name."""
     wandb_mode: Literal["auto", "offline", "online"] = "auto"
     """auto = online when logged in (`wandb login`, WANDB_API_KEY), else offline (a notice says so)."""
+    mlflow: str = ""
+    """Also log to MLflow at this tracking URI (sqlite:///runs/mlflow.db, http://HOST:5000, databricks)."""
 
 
 @dataclass
@@ -418,9 +420,7 @@ def _apply(cfg: Config, key: str, value: Any, from_cli: bool, where: str) -> Non
     section, _, name = key.partition(".")
     known = sections()
     all_keys = [f"{s}.{k}" for s, c in known.items() for k in section_fields(c)]
-    if section not in known or not name:
-        raise _unknown(key, all_keys, where)
-    fields = section_fields(known[section])
+    fields = section_fields(known[section]) if section in known else {}
     if name not in fields:
         raise _unknown(key, all_keys, where)
     try:

@@ -192,7 +192,7 @@ def note_outputs(run_dir: Path, cfg: Config) -> None:
     record = RunRecord(run_dir)
     m = cfg.metrics
     for name, on in (("metrics.jsonl", True), ("loss.png", m.plot), ("memory_peak.json", True),
-                     ("memory_breakdown.json", True), ("comm.json", True)):
+                     ("memory_breakdown.json", True), ("comm.json", True), ("mlflow-run-id", bool(m.mlflow))):
         if on:
             record.note(name, "file")
     for name, on in (("tb", m.tensorboard), ("wandb", m.wandb), ("traces", cfg.profile.enabled),

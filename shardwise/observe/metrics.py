@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import secrets
 import string
 import sys
@@ -134,13 +135,59 @@ def wandb_run(run_dir: Path, cfg: MetricsConfig, start_step: int, run_config: di
                       config=run_config, id=run_id, resume="allow" if resuming else None)
 
 
+MLFLOW_ID = "mlflow-run-id"
+"""The MLflow run id, kept in run.dir so that a resumed run logs on into the same MLflow run."""
+
+
+class MlflowSink:
+    """``metrics.mlflow``: the scalars TensorBoard and W&B get, into an MLflow run of the experiment
+    MLFLOW_EXPERIMENT_NAME (default "shardwise") named after run.dir, with the run's config as its
+    parameters; a resume logs on into the run it started (:data:`MLFLOW_ID`). Logged asynchronously
+    (MLflow's own queue), so a remote server's latency does not stall the step."""
+
+    def __init__(self, run_dir: Path, uri: str, start_step: int, run_config: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        if uri.startswith("sqlite:///") and ":memory:" not in uri:  # (the file's folder, as the run dir's)
+            Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        self.client = MlflowClient(tracking_uri=uri)
+        kept = run_dir / MLFLOW_ID
+        if start_step > 0 and kept.is_file():
+            self.run_id = kept.read_text().strip()
+            self.client.update_run(self.run_id, status="RUNNING")
+            return
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "shardwise")
+        experiment = self.client.get_experiment_by_name(name)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
+        self.run_id = self.client.create_run(experiment_id, run_name=run_dir.name).info.run_id
+        kept.write_text(self.run_id + "\n")
+        params = [Param(f"{section}.{k}", str(v)) for section, values in run_config.items()
+                  for k, v in values.items() if v is not None]
+        for i in range(0, len(params), 100):  # (MLflow's limit per batch)
+            self.client.log_batch(self.run_id, params=params[i:i + 100])
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, float(v), now, step) for k, v in scalars.items()]
+        self.client.log_batch(self.run_id, metrics=metrics, synchronous=False)
+
+    def close(self) -> None:
+        import mlflow
+
+        mlflow.flush_async_logging()
+        self.client.set_terminated(self.run_id)
+
+
 class MetricsLogger:
     def __init__(self, run_dir: Path, cfg: MetricsConfig, total_steps: int, start_step: int,
                  enabled: bool, run_config: dict[str, Any] | None = None) -> None:
         self.enabled, self.cfg, self.total = enabled, cfg, total_steps
         self.format = console_format(cfg)
         self.path = run_dir / "metrics.jsonl"
-        self._tb = self._bar = self._wandb = None
+        self._tb = self._bar = self._wandb = self._mlflow = None
         self.notice = ""
         if not enabled:
             return
@@ -151,6 +198,8 @@ class MetricsLogger:
             self._tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1)
         if cfg.wandb:
             self._wandb = wandb_run(run_dir, cfg, start_step, run_config or {})
+        if cfg.mlflow:
+            self._mlflow = MlflowSink(run_dir, cfg.mlflow, start_step, run_config or {})
         if self.format == "bar":
             from tqdm import tqdm
 
@@ -177,6 +226,8 @@ class MetricsLogger:
                 self._tb.add_scalar(k.replace("val_", "val/"), v, step)
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
+        if self._mlflow is not None:
+            self._mlflow.log(step, scalars)
         if self._bar is not None:
             short = {"loss": f"{metrics['loss']:.4f}", "tok/s": f"{metrics['tokens_per_s']:,.0f}",
                      "mfu": f"{100 * metrics['mfu']:.1f}%"}
@@ -208,6 +259,8 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+        if self._mlflow is not None:
+            self._mlflow.close()
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -5,8 +5,11 @@ starts, and the tokenizer and data plan the run then carries."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import tempfile
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 from shardwise import checkpoint
@@ -28,6 +31,30 @@ from shardwise.runtime.distributed import launched_world_size
 from shardwise.runtime.machine import rank_threads
 
 
+def check_mlflow(uri: str) -> None:
+    """``metrics.mlflow``: a tracking URI MLflow can log to, checked before any work (an unreachable
+    server would otherwise cost MLflow's minutes of retries, inside rank 0)."""
+    flag = f"metrics.mlflow={uri}"
+    require_extra("mlflow", flag)
+    scheme = urllib.parse.urlparse(uri).scheme
+    if scheme == "sqlite" and not all(importlib.util.find_spec(m) for m in ("sqlalchemy", "alembic")):
+        raise ConfigError(f"{flag}: a sqlite store needs the sqlalchemy and alembic packages: "
+                          "pip install 'shardwise[mlflow]'")
+    if scheme == "file" and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() != "true":
+        raise ConfigError(f"{flag}: MLflow refuses a folder store unless MLFLOW_ALLOW_FILE_STORE=true; "
+                          "use a file instead: --metrics.mlflow=sqlite:///runs/mlflow.db")
+    if scheme in ("http", "https") and os.environ.get("RANK", "0") == "0":
+        try:
+            urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=5).close()
+        except OSError as e:
+            why = getattr(e, "reason", e)
+            raise ConfigError(f"{flag}: no MLflow server answers there ({why}): start one (`mlflow server "
+                              "--port 5000`) or choose another --metrics.mlflow") from None
+    if scheme not in ("sqlite", "file", "http", "https", "databricks"):
+        raise ConfigError(f"{flag}: give a tracking URI: sqlite:///runs/mlflow.db (a file), "
+                          "http://HOST:5000 (a server) or databricks")
+
+
 def preflight(run: ResolvedRun) -> ResolvedRun:
     """Every check of ``run`` (what :func:`~shardwise.resolve.run.resolve_run` made of the config, its
     layout checked) that needs no process group -- data, tokenizer, run dir, the checkpoint to load,
@@ -44,6 +71,8 @@ def preflight(run: ResolvedRun) -> ResolvedRun:
         notice(float8_summary(build_model(args), cfg.float8, run.dims.tp))
     if cfg.metrics.wandb:
         require_extra("wandb", "metrics.wandb=true")
+    if cfg.metrics.mlflow:
+        check_mlflow(cfg.metrics.mlflow)
     run = with_data(run)
     tok, plan = run.tokenizer, run.data_plan
     check_tokenizer(cfg, args, tok.vocab_size)

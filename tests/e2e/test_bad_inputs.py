@@ -166,6 +166,10 @@ CASES: dict[str, Case] = {
              "run"),
     "train_unknown_preset": Case(nothing, train("--model", "llama-9b"), "'llama-9b' is not a preset", "run"),
     "train_zero_steps": Case(nothing, train("--training.steps=0"), "training.steps must be > 0", "run"),
+    "train_mlflow_a_bare_folder":
+        Case(nothing, train("--metrics.mlflow={t}/mlruns"), "give a tracking URI: sqlite:///", "run"),
+    "train_mlflow_no_server": Case(nothing, train("--metrics.mlflow=http://127.0.0.1:9"),
+                                   "no MLflow server answers there", "run"),
     "train_nproc_not_a_number": Case(nothing, train("--nproc", "two"), "--nproc", "run"),
     "train_checkpoint_is_a_file": Case(NOTES, train("--checkpoint.path={t}/notes.txt"), "is a file", "run"),
     "train_ckpt_manifest_future_field":

@@ -283,6 +283,29 @@ def test_wandb_offline_run_is_written_and_a_resume_logs_on_into_it(tmp_path: Pat
     assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs)  # `wandb sync` joins them
 
 
+def test_mlflow_run_gets_the_logged_scalars_and_a_resume_logs_on_into_it(tmp_path: Path, data_cache: str):
+    """metrics.mlflow logs every step's scalars (as metrics.jsonl has them) and the run's config to
+    one MLflow run (a sqlite store, no server); the resumed run logs on into it."""
+    require("mlflow")  # a dev dependency
+    from mlflow.tracking import MlflowClient
+
+    uri, run_dir = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}", tmp_path / "r"
+    common = ["train", *TINY_ARGS, f"--data.cache_dir={data_cache}", f"--run.dir={run_dir}",
+              "--lr_scheduler.warmup_steps=1", f"--metrics.mlflow={uri}", "--checkpoint.final=true"]
+    run_cli([*common, "--training.steps=3"])
+    run_cli([*common, "--training.steps=5", "--checkpoint.resume=true"])
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("shardwise").experiment_id])
+    assert run.info.run_name == "r" and run.info.status == "FINISHED"
+    assert (run_dir / "mlflow-run-id").read_text().strip() == run.info.run_id
+    assert run.data.params["training.steps"] == "3" and run.data.params["model.dim"] == "64"
+    logged = {r["step"]: r for r in metrics(run_dir)}
+    for key in ("loss", "grad_norm", "lr", "tokens_per_s"):
+        history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
+        assert history == pytest.approx({s: r[key] for s, r in logged.items()}), key
+    assert sorted(logged) == [1, 2, 3, 4, 5]
+
+
 def test_hf_folder_to_training_and_back_with_no_model_flags(tmp_path: Path, data_cache: str):
     """A Qwen3 folder that transformers made: `convert --from-hf` reads its shape from config.json and
     writes a config that trains as is; the trained checkpoint exports back to a folder transformers

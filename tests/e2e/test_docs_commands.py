@@ -108,7 +108,7 @@ HOW: dict[str, Check] = {
     "pip install -e .": Check(reason="installs into the environment it runs in; make run installs the same "
                                      "runtime set into .venv, and tests/unit/test_packaging.py imports "
                                      "every module with that set alone"),
-    "pip install -e \".[float8,parquet,wandb,eval]\"": Check(
+    "pip install -e \".[float8,parquet,wandb,mlflow,eval]\"": Check(
         reason="installs into the environment it runs in; make test installs these extras with [dev] "
                "(test_packaging.py checks [dev] holds each)"),
     "shardwise verify --config configs/debug.toml --nproc 4": covered(
