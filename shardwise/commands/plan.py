@@ -87,7 +87,6 @@ class Planning:
 def checked_planning(args: argparse.Namespace, overrides: list[str]) -> Planning:
     """The flags checked and the config resolved once, before any search (one-line errors)."""
     from shardwise.plan.hardware import load_hardware, profile_device
-    from shardwise.plan.search import data_note, parse_tokens, plan_config, shape_differs
 
     gpus = need_nproc(args, "devices to plan for")
     if args.top < 1:
@@ -104,6 +103,13 @@ def checked_planning(args: argparse.Namespace, overrides: list[str]) -> Planning
     cfg = load_resolved(args.config, overrides, profile_device(args.hardware))
     without_float8 = extras.plan_without_float8(cfg)
     hw = load_hardware(args.hardware, cfg.data.cache_dir)
+    from shardwise.plan.search import (  # (torch: checks first)
+        data_note,
+        parse_tokens,
+        plan_config,
+        shape_differs,
+    )
+
     seq = args.seq or cfg.training.seq_len
     tokens = (parse_tokens(args.global_batch_tokens) if args.global_batch_tokens
               else max(cfg.training.global_batch, gpus) * seq)
@@ -117,7 +123,6 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
     import time
 
     from shardwise.config.notice import notice
-    from shardwise.plan.search import layout_toml, run_command
 
     planning = checked_planning(args, overrides)
     default_out = args.out is None
@@ -131,6 +136,8 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
     if not result.top:
         print(planning.why_nothing(result), file=sys.stderr)
         return 1
+    from shardwise.plan.search import layout_toml, run_command
+
     if args.out:
         if said := where.write(layout_toml(result.top[0], args.out, planning.notes)):
             notice(said)

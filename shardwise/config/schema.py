@@ -211,11 +211,11 @@ class ParallelConfig:
     fsdp_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     """Gradient reduce-scatter dtype under bf16 mixed precision: fp32 or bf16."""
     one_rank: Literal["auto", "fsdp", "plain"] = "auto"
-    """A run on one rank (world size 1): ``plain`` trains without FSDP -- fp32 parameters, the forward
-    under bf16 autocast (bf16 mixed precision) with the residual stream in bf16 as FSDP's bf16
-    parameters give it, fp32 gradients accumulated in place; ``fsdp`` wraps the model in FSDP2 on a
-    one-rank mesh (bf16 parameter copies, gradients cast back to fp32); ``auto``: plain on a GPU, fsdp
-    on a CPU (parallel/fsdp.py ``plain_rank`` says why)."""
+    """One rank: ``plain`` trains without FSDP (fp32 parameters and gradients, bf16 autocast); ``fsdp``
+    wraps it in FSDP2 on a one-rank mesh; auto: plain on a GPU, fsdp on a CPU (fsdp.py plain_rank)."""
+    expert_load: float = 1.0
+    """estimate and plan: the busiest expert's routed tokens over the mean (metrics.jsonl's expert_load)
+    that expert parallel's busiest rank is costed with; 1.0 = balanced routing. Training ignores it."""
 
 
 @dataclass

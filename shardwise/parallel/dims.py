@@ -120,6 +120,9 @@ class ParallelDims:
             raise ConfigError(
                 f"parallel degrees pp*dp_replicate*dp_shard*cp*tp = {product} != world size "
                 f"{world_size}: make the product equal the number of ranks or set dp_shard=-1")
+        if not cfg.expert_load >= 1:
+            raise ConfigError(f"parallel.expert_load must be >= 1 (the busiest expert's tokens over the "
+                              f"mean; 1.0 = balanced), got {cfg.expert_load}")
         borrow = degrees[Mesh.DP_SHARD] * degrees[Mesh.CP] * degrees[Mesh.TP]
         if borrow % degrees[Mesh.EP]:
             raise ConfigError(f"parallel.ep={degrees[Mesh.EP]} must divide dp_shard*cp*tp={borrow} (expert "

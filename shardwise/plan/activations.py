@@ -54,6 +54,8 @@ class Shape:
     cpu: bool = False
     """Whether the ranks are CPU processes: their MoE expert groups are zero-padded
     (:func:`expert_rows`)."""
+    ep_load: float = 1.0
+    """The busiest expert-parallel rank's routed slots over a balanced rank's (:func:`ep_rank_load`)."""
 
     @property
     def fused_grads(self) -> bool:
@@ -79,7 +81,20 @@ def shape_of(run: ResolvedRun) -> Shape:
     """The per-rank sizes of ``run``'s micro-batch."""
     d = run.dims
     return Shape(run.model, run.micro_batch, run.local_seq, d.tp, d.cp, d.ep, BYTES[run.precision],
-                 run.loss_chunk, d.pp, _on_cpu(run.device_type))
+                 run.loss_chunk, d.pp, _on_cpu(run.device_type),
+                 ep_rank_load(run.cfg.parallel.expert_load, run.model.n_experts, d.ep))
+
+
+def ep_rank_load(load: float, n_experts: int, ep: int) -> float:
+    """The busiest expert-parallel rank's routed slots over the mean, when the busiest expert takes
+    ``load`` times the mean and the others share the rest evenly: that expert's rank holds it and
+    ``E/ep - 1`` average others. 1 without expert parallel (every rank routes its own tokens to all
+    experts), ``load`` itself with one expert per rank."""
+    if ep == 1 or load == 1:
+        return 1.0
+    local = n_experts // ep
+    rest = (n_experts - load) / (n_experts - 1)  # each other expert's load
+    return (load + (local - 1) * rest) / local
 
 
 @functools.lru_cache(maxsize=8)
@@ -95,11 +110,11 @@ def _on_cpu(run_device: str) -> bool:
 
 def expert_rows(s: Shape) -> int:
     """Rows the routed experts' grouped GEMMs run per micro-batch on this rank: its routed slots
-    (balanced routing -- under expert parallel a rank receives as many slots as it sends) and, on
+    (under expert parallel, the busiest rank's: ``parallel.expert_load``, balanced by default) and, on
     CPU ranks, each local expert's zero rows up to a multiple of
     :func:`~shardwise.models.moe.group_alignment`: half of one on average."""
     a = s.args
-    slots = s.norm_tokens * a.moe_top_k
+    slots = round(s.norm_tokens * a.moe_top_k * s.ep_load)  # (the busiest rank's, under expert parallel)
     if not s.cpu:
         return slots
     local = max(1, a.n_experts // s.ep)

@@ -259,14 +259,15 @@ def context_collectives(run: ResolvedRun, rank_states: RankStates,
 def expert_collectives(run: ResolvedRun, rank_states: RankStates,
                        shape: Shape) -> list[Collective]:
     """MoE blocks: the balance loss's expert counts over cp x tp, and expert parallel's all-to-alls
-    of the routing counts and the routed tokens (balanced routing assumed)."""
+    of the routing counts and the routed tokens (the busiest rank's: ``parallel.expert_load``)."""
     issued, args = _Issued(run.dims.degrees), shape.args
     moe_blocks = run.micro_batches * _moe_layers(shape, rank_states)
     if run.dims.cp * run.dims.tp > 1 and args.moe_balance == "aux_loss" and args.moe_aux_coef > 0:
         issued.add(Mesh.CP_TP, "all_reduce", 4 * run.micro_batch * (args.n_experts + 1), moe_blocks,
                    "forward", "MoE balance-loss counts")
     if run.dims.ep > 1:
-        sent_bytes = shape.e * shape.norm_tokens * args.moe_top_k * args.dim  # balanced routing
+        # what the busiest rank receives (its experts' share; as many as it sends when balanced)
+        sent_bytes = round(shape.e * shape.norm_tokens * args.moe_top_k * args.dim * shape.ep_load)
         issued.add(Mesh.EP, "all_to_all", 8 * args.n_experts, moe_blocks, "forward", "expert-parallel counts")
         issued.add(Mesh.EP, "all_to_all", sent_bytes, 2 * moe_blocks, "forward", "expert-parallel tokens")
         issued.add(Mesh.EP, "all_to_all", sent_bytes, 2 * moe_blocks, "backward", "expert-parallel tokens")

@@ -98,6 +98,9 @@ def resolve_run(cfg: Config, world_size: int, detect_device: bool = True, model:
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     args = model or resolve_model(cfg)
     dims.check_model(args, cfg.training.seq_len)
+    if args.n_experts and cfg.parallel.expert_load > args.n_experts / args.moe_top_k:
+        raise ConfigError(f"parallel.expert_load={cfg.parallel.expert_load} exceeds n_experts/top_k="
+                          f"{args.n_experts / args.moe_top_k:g} (an expert taking every token): lower it")
     chosen = pipeline_micro_batch(cfg, dims)
     # (the layout's refusals come first: resolving the precision may detect the device, loading torch)
     cfg = resolve_config(cfg)

@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 
+from shardwise.config.schema import ConfigError
 from shardwise.models import model_args
 from shardwise.plan.hardware import load_hardware
 from shardwise.plan.layout import Layout
@@ -286,3 +287,34 @@ def test_ranking_report_counts_the_orders_any_prediction_could_reach(tmp_path):
         name, step = plan_ranking.predict(base, layout, r["hardware"], r["profile"])
         assert (name, step) == plan_ranking.predict(base, layout, str(toml))
     assert name == r["layouts"][-1]
+
+
+def test_expert_parallel_is_costed_at_its_busiest_rank():
+    """parallel.expert_load (the busiest expert's tokens over the mean, as training logs it): an
+    expert-parallel rank holding that expert computes and receives its share -- the expert's load and
+    the average of the others (moe-debug, 8 experts: 2 per rank at ep=4) -- while without expert
+    parallel every rank still routes its own tokens, whatever the imbalance."""
+    from shardwise.plan.activations import ep_rank_load, expert_rows, shape_of
+    from shardwise.plan.estimate import estimate
+
+    assert ep_rank_load(2.0, 8, 4) == pytest.approx((2 + 6 / 7) / 2)  # the others share 6 of 8
+    assert ep_rank_load(2.0, 8, 8) == 2.0 and ep_rank_load(3.0, 8, 1) == ep_rank_load(1.0, 8, 4) == 1.0
+    h100 = load_hardware("h100")
+    est, rows = {}, {}
+    for ep in (1, 4):
+        for load in (1.0, 2.0):
+            cfg = resolved_config(MOE, ["--parallel.dp_shard=4", f"--parallel.ep={ep}",
+                                        f"--parallel.expert_load={load}"], device="cuda")
+            rows[ep, load] = expert_rows(shape_of(planned(cfg, 4)))
+            est[ep, load] = estimate(cfg, 4, h100)
+    factor = ep_rank_load(2.0, 8, 4)
+    assert rows[1, 2.0] == rows[1, 1.0] and rows[4, 2.0] == round(rows[4, 1.0] * factor)
+    assert est[1, 2.0].time == est[1, 1.0].time
+    tokens = {load: [c.nbytes for c in est[4, load].collectives[0] if c.what == "expert-parallel tokens"]
+              for load in (1.0, 2.0)}
+    assert tokens[1.0] and tokens[2.0] == [round(b * factor) for b in tokens[1.0]]
+    assert est[4, 2.0].time.step > est[4, 1.0].time.step and est[4, 2.0].peak > est[4, 1.0].peak
+    with pytest.raises(ConfigError, match="parallel.expert_load must be >= 1"):
+        planned(resolved_config(MOE, ["--parallel.expert_load=0.5"]), 1)
+    with pytest.raises(ConfigError, match="exceeds n_experts/top_k=4"):
+        planned(resolved_config(MOE, ["--parallel.expert_load=5"]), 1)
