@@ -88,12 +88,13 @@ class ModelArgs:
     """Renormalize the chosen experts' scores to sum to 1."""
     moe_route_scale: float = 1.0
     """Multiplier on the routing weights."""
-    moe_balance: Literal["aux_loss", "bias", "none"] = "aux_loss"
-    """Load balancing: aux_loss (sequence-wise), bias (auxiliary-loss-free routing bias), or none."""
+    moe_balance: Literal["aux_loss", "bias", "bias+aux_loss", "none"] = "aux_loss"
+    """Load balancing: aux_loss (sequence-wise), bias (auxiliary-loss-free routing bias), both
+    (DeepSeek-V3: the bias, and a small sequence-wise loss), or none."""
     moe_aux_coef: float = 0.01
-    """Weight of the balance loss (moe_balance=aux_loss)."""
+    """Weight of the balance loss (moe_balance=aux_loss or bias+aux_loss)."""
     moe_bias_rate: float = 1e-3
-    """Routing-bias step per optimizer step (moe_balance=bias)."""
+    """Routing-bias step per optimizer step (moe_balance=bias or bias+aux_loss)."""
     moe_z_coef: float = 0.0
     """Weight of the router z-loss (ST-MoE): the mean over tokens of logsumexp(router logits)^2,
     which keeps the logits small; 0 = off. Independent of moe_balance."""
@@ -104,6 +105,16 @@ class ModelArgs:
     moe_topk_groups: int = 1
     """... and each token's experts come from the groups with the highest sums of their two best
     (biased) scores, this many of them."""
+
+    @property
+    def balance_loss(self) -> bool:
+        """The sequence-wise balance loss is on (moe_balance aux_loss or bias+aux_loss, a weight > 0)."""
+        return self.moe_balance in ("aux_loss", "bias+aux_loss") and self.moe_aux_coef > 0
+
+    @property
+    def balance_bias(self) -> bool:
+        """The routing bias is updated after each step (moe_balance bias or bias+aux_loss)."""
+        return self.moe_balance in ("bias", "bias+aux_loss")
 
     @property
     def mla(self) -> bool:

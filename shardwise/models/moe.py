@@ -21,6 +21,8 @@ Load balancing, ``moe_balance``:
 - ``bias``: after each optimizer step every expert's bias moves by ``moe_bias_rate`` towards
   balance (``+rate`` if the expert got fewer tokens than the mean over the global batch, ``-rate``
   if more) -- :func:`update_expert_bias`.
+- ``bias+aux_loss``: both (DeepSeek-V3: the bias balances, a small sequence-wise loss -- its
+  alpha 1e-4 -- keeps any one sequence from piling onto a few experts).
 - ``none``.
 
 Independently, ``moe_z_coef`` adds ST-MoE's router z-loss, the mean over the step's tokens of
@@ -218,7 +220,8 @@ class MoE(nn.Module):
         super().__init__()
         self.layer_id = layer_id  # (the model's block index: loads are reported per block)
         self.n_experts, self.top_k = args.n_experts, args.moe_top_k
-        self.balance, self.aux_coef, self.bias_rate = args.moe_balance, args.moe_aux_coef, args.moe_bias_rate
+        self.balance_loss, self.balance_bias = args.balance_loss, args.balance_bias
+        self.aux_coef, self.bias_rate = args.moe_aux_coef, args.moe_bias_rate
         self.z_coef = args.moe_z_coef
         self.router = Router(args.dim, args.n_experts, args.moe_top_k, args.moe_score,
                              args.moe_route_norm, args.moe_route_scale, args.moe_n_groups,
@@ -253,7 +256,7 @@ class MoE(nn.Module):
             with torch.no_grad():
                 count_routed(self.tokens_per_expert, counts)
         aux = None
-        if training and self.balance == "aux_loss" and self.aux_coef > 0:
+        if training and self.balance_loss:
             # Computed before the experts so the block's last ops are the experts' (activation
             # checkpointing then need not recompute past the shared expert's down projection).
             aux = self.aux_loss(ids.view(b, s, -1), scores.view(b, s, -1))
@@ -325,7 +328,7 @@ def update_expert_bias(model: nn.Module, group: dist.ProcessGroup | None) -> dic
     if group is not None:
         dist.all_reduce(counts, group=group)
     for m, c in zip(layers, counts, strict=True):
-        if m.balance == "bias":
+        if m.balance_bias:
             m.router.expert_bias += m.bias_rate * torch.sign(c.mean() - c)
         m.tokens_per_expert.zero_()
     loads = counts.max(-1).values / counts.mean(-1).clamp(min=1e-9)  # (L_moe,)

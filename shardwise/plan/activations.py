@@ -213,7 +213,7 @@ def moe_ffn(s: Shape, cfg: Config) -> int:
         n += 4 * slots + 4 * t  # the chosen weights and their sum
     if a.moe_z_coef > 0:  # logsumexp keeps the fp32 logits and its output
         n += 4 * t * E + 4 * t
-    if a.moe_balance == "aux_loss" and a.moe_aux_coef > 0:
+    if a.balance_loss:
         n += 4 * t + 4 * s.mb * E + 4 * s.mb * (E + 1)  # score sums, f, per-sequence counts
     n += 3 * 4 * (E // s.ep)  # grouped GEMM offsets
     # the experts: their (padded) input and SwiGLU tensors, the output and the weights that scale it;

@@ -262,7 +262,7 @@ def expert_collectives(run: ResolvedRun, rank_states: RankStates,
     of the routing counts and the routed tokens (the busiest rank's: ``parallel.expert_load``)."""
     issued, args = _Issued(run.dims.degrees), shape.args
     moe_blocks = run.micro_batches * _moe_layers(shape, rank_states)
-    if run.dims.cp * run.dims.tp > 1 and args.moe_balance == "aux_loss" and args.moe_aux_coef > 0:
+    if run.dims.cp * run.dims.tp > 1 and args.balance_loss:
         issued.add(Mesh.CP_TP, "all_reduce", 4 * run.micro_batch * (args.n_experts + 1), moe_blocks,
                    "forward", "MoE balance-loss counts")
     if run.dims.ep > 1:

@@ -51,7 +51,7 @@ def test_matches_huggingface_qwen3_moe_block():
 
     args = tiny()
     ours = moe_block(args)
-    ours.balance = "none"
+    ours.balance_loss = False
     hf = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=8,
                                                num_experts_per_tok=2, norm_topk_prob=True))
     with torch.no_grad():
@@ -204,7 +204,7 @@ def test_aux_loss_gradient_joins_the_backward():
     m(x).square().mean().backward()
     attached = m.router.gate.weight.grad.clone()
     m.zero_grad()
-    m.balance = "none"
+    m.balance_loss = False
     y = m(x)
     _, ids, scores = m.router(x.reshape(-1, 64))
     (y.square().mean() + m.aux_loss(ids.view(2, 12, -1), scores.view(2, 12, -1))).backward()
@@ -227,16 +227,46 @@ def test_balance_loss_does_not_depend_on_the_batch_split():
     torch.testing.assert_close(loss(x), loss(x[:1]) + loss(x[1:]))
 
 
-def test_bias_update_moves_towards_balance_and_counts_reset():
-    args = tiny(moe_balance="bias", moe_bias_rate=0.1, n_layers=1)
+@pytest.mark.parametrize("balance", ["bias", "bias+aux_loss", "aux_loss"])
+def test_bias_update_moves_towards_balance_and_counts_reset(balance: str):
+    """The bias (alone or with DeepSeek-V3's sequence-wise loss) moves by the rate towards balance;
+    the loss alone leaves it at zero. The loss is on with bias+aux_loss as with aux_loss."""
+    args = tiny(moe_balance=balance, moe_bias_rate=0.1, n_layers=1)
     model = build_model(args, device="cpu")
     init_weights(model, 0)
     moe = model.layers["0"].feed_forward
+    assert moe.balance_loss == (balance != "bias")
     moe.tokens_per_expert.copy_(torch.tensor([10.0, 0, 0, 0, 0, 0, 0, 6]))  # mean 2
     load = update_expert_bias(model, None)
     assert load.keys() == {0} and load[0].item() == pytest.approx(5.0)  # busiest over mean, by block
-    assert moe.router.expert_bias.tolist() == pytest.approx([-0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, -0.1])
+    step = [-0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, -0.1] if "bias" in balance else [0.0] * 8
+    assert moe.router.expert_bias.tolist() == pytest.approx(step)
     assert moe.tokens_per_expert.sum() == 0
+
+
+def test_bias_and_aux_loss_together_route_by_the_bias_and_add_the_loss():
+    """bias+aux_loss: the experts are chosen on score + bias as with bias alone, and the router's
+    gradient is the language loss's plus the sequence-wise loss's, as with aux_loss alone."""
+    x = torch.randn(2, 12, 64)
+    grads, outs = {}, {}
+    for balance in ("bias", "bias+aux_loss"):
+        m = moe_block(tiny(moe_balance=balance, moe_aux_coef=0.5))
+        m.router.expert_bias.copy_(torch.linspace(-0.3, 0.3, 8))
+        m.sequences_per_step = 2
+        outs[balance] = m(x)
+        aux = 0.0
+        if balance == "bias+aux_loss":  # the loss, added by hand on the module's own routing
+            _, ids, scores = m.router(x.reshape(-1, 64))
+            aux = m.aux_loss(ids.view(2, 12, -1), scores.view(2, 12, -1))
+        (outs[balance].square().mean() + (aux if balance == "bias" else 0.0)).backward()
+        grads[balance] = m.router.gate.weight.grad.clone()
+        if balance == "bias+aux_loss":
+            m.zero_grad()
+            m.balance_loss = False
+            (m(x).square().mean() + aux).backward()
+            torch.testing.assert_close(grads[balance], m.router.gate.weight.grad)
+    torch.testing.assert_close(outs["bias"], outs["bias+aux_loss"])  # same routing, same output
+    assert not torch.allclose(grads["bias"], grads["bias+aux_loss"])  # the loss's gradient is there
 
 
 def test_counts_only_training_forwards():
