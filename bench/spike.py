@@ -3,6 +3,9 @@
     python bench/spike.py --run runs/spike --train --steps 19 -- --lr_scheduler.decay constant
     python bench/spike.py --run runs/spike --at 18
     python bench/spike.py --run runs/spike --at 11-30       # one line per step
+    python bench/spike.py --run runs/ds --train --steps 13 -- --model.name=deepseek-debug \
+        --model.qk_norm=false --lr_scheduler.decay=constant
+    python bench/spike.py --run runs/ds --at 13 --localize  # which parameters' update spiked it
 
 ``--train`` runs ``shardwise train`` on the debug preset in fp32 with a checkpoint every step (extra
 flags after ``--`` go to it). The analysis loads the checkpoint of step ``at - 1``, rebuilds the loader
@@ -107,6 +110,77 @@ def analyse(run: Path, at: int) -> dict:
             "batch loss": round(float(F.cross_entropy(logits.flatten(0, 1), labels.flatten())), 4)}
 
 
+def localize(run: Path, at: int) -> dict:
+    """Which part of step ``at - 1``'s update makes step ``at``'s batch spike: the batch loss of the
+    step ``at - 1`` model with one part of its parameters set back to their step ``at - 2`` values --
+    each block's attention, feed-forward (experts, router, shared expert) and norms, the embedding
+    and the output head -- and with all attention but one block's set back; the blocks' attention
+    output norms (mean over positions) before and after; and, for an MoE model, the loss with the
+    step ``at - 2`` model's routing replayed (whether the re-route is the cause)."""
+    from shardwise.models.moe import moe_layers
+
+    inputs, labels = batches(run, at)[at - 1]
+    before, after = (load_for_generation(checkpoint=str(run / "checkpoints" / f"step-{s}")).model.float()
+                     for s in (at - 2, at - 1))
+    old, new = before.state_dict(), {k: v.clone() for k, v in after.state_dict().items()}
+
+    def loss(back: object = None) -> float:  # ``back(name)``: set that parameter back
+        after.load_state_dict({k: old[k] if back and back(k) else v for k, v in new.items()})
+        with torch.no_grad():
+            return round(float(F.cross_entropy(after(inputs).flatten(0, 1), labels.flatten())), 3)
+
+    blocks = sorted({int(k.split(".")[1]) for k in new if k.startswith("layers.")})
+    parts = {"embedding": lambda k: k.startswith("tok_embeddings"),
+             "output": lambda k: k.startswith("output")}
+    for i in blocks:
+        for part in ("attention", "feed_forward"):
+            parts[f"block {i} {part}"] = lambda k, i=i, p=part: k.startswith(f"layers.{i}.{p}.")
+        parts[f"block {i} norms"] = lambda k, i=i: k.startswith(f"layers.{i}.") and k.split(".")[2].endswith(
+            "_norm")
+        parts[f"all attention but block {i}"] = lambda k, i=i: ".attention." in k and not k.startswith(
+            f"layers.{i}.")
+    out = {"loss before": loss(lambda k: True), "loss after": loss(),
+           "set back": dict(sorted(((n, loss(f)) for n, f in parts.items()), key=lambda x: x[1]))}
+    after.load_state_dict(new)
+    norms = {}
+    for name, model in (("before", before), ("after", after)):
+        got: dict[int, float] = {}
+        hooks = [model.layers[str(i)].attention.register_forward_hook(
+            lambda _m, _i, o, i=i, got=got: got.__setitem__(i, round(float(o.norm(dim=-1).mean()), 2)))
+            for i in blocks]
+        with torch.no_grad():
+            model(inputs)
+        for h in hooks:
+            h.remove()
+        norms[name] = got
+    out["attention output norm"] = norms
+    if moe_layers(after):  # replay the earlier model's routing (a training forward: routing hooks run)
+        class Trace:
+            def __init__(self, ids: dict | None = None) -> None:
+                self.ids, self.replay = ids or {}, ids is not None
+
+            def choose(self, moe: torch.nn.Module, _biased: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+                if self.replay:
+                    return self.ids[moe.layer_id]
+                self.ids[moe.layer_id] = ids
+                return ids
+
+        def routed(model: torch.nn.Module, trace: Trace) -> float:
+            for m in moe_layers(model):
+                m.routing, m.count_tokens = trace, True
+            model.train()
+            with torch.enable_grad():
+                value = float(F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten()).detach())
+            for m in moe_layers(model):
+                m.routing = None
+            return round(value, 3)
+
+        first = Trace()
+        routed(before, first)
+        out["loss after, routed as before"] = routed(after, Trace(first.ids))
+    return out
+
+
 def summary(report: dict) -> dict:
     """One line of :func:`analyse`: the step's worst window by each measure."""
     w, rows = report["windows"], report["rows"]
@@ -124,11 +198,15 @@ def main() -> None:
     p.add_argument("--train", action="store_true")
     p.add_argument("--steps", type=int, default=19)
     p.add_argument("--at", default="18", help="a step, or FIRST-LAST for one summary line per step")
+    p.add_argument("--localize", action="store_true", help="which part of the update made step --at spike")
     p.add_argument("extra", nargs="*")
     a = p.parse_args()
     run = Path(a.run)
     if a.train:
         train(run, a.steps, a.extra)
+    if a.localize:
+        print(json.dumps(localize(run, int(a.at)), indent=1))
+        return
     if "-" in a.at:
         first, last = map(int, a.at.split("-"))
         for at in range(first, last + 1):
