@@ -152,6 +152,7 @@ class MlflowSink:
         if uri.startswith("sqlite:///") and ":memory:" not in uri:  # (the file's folder, as the run dir's)
             Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
         self.client = MlflowClient(tracking_uri=uri)
+        self._pending: list[Any] = []  # the asynchronous batches not yet known to be written
         kept = run_dir / MLFLOW_ID
         if start_step > 0 and kept.is_file():
             self.run_id = kept.read_text().strip()
@@ -172,12 +173,19 @@ class MlflowSink:
 
         now = int(time.time() * 1000)
         metrics = [Metric(k, float(v), now, step) for k, v in scalars.items()]
-        self.client.log_batch(self.run_id, metrics=metrics, synchronous=False)
+        self._pending.append(self.client.log_batch(self.run_id, metrics=metrics, synchronous=False))
+        if len(self._pending) >= 100:  # (bounded: the queue is normally drained long before)
+            self._wait()
+
+    def _wait(self) -> None:
+        # (each batch's own handle: MLflow's module-level flush would open its default store, a
+        # mlflow.db in the working directory)
+        for op in self._pending:
+            op.wait()
+        self._pending.clear()
 
     def close(self) -> None:
-        import mlflow
-
-        mlflow.flush_async_logging()
+        self._wait()
         self.client.set_terminated(self.run_id)
 
 

@@ -292,8 +292,10 @@ def test_mlflow_run_gets_the_logged_scalars_and_a_resume_logs_on_into_it(tmp_pat
     uri, run_dir = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}", tmp_path / "r"
     common = ["train", *TINY_ARGS, f"--data.cache_dir={data_cache}", f"--run.dir={run_dir}",
               "--lr_scheduler.warmup_steps=1", f"--metrics.mlflow={uri}", "--checkpoint.final=true"]
-    run_cli([*common, "--training.steps=3"])
-    run_cli([*common, "--training.steps=5", "--checkpoint.resume=true"])
+    (tmp_path / "cwd").mkdir()
+    run_cli([*common, "--training.steps=3"], cwd=tmp_path / "cwd")
+    run_cli([*common, "--training.steps=5", "--checkpoint.resume=true"], cwd=tmp_path / "cwd")
+    assert list((tmp_path / "cwd").iterdir()) == []  # (MLflow's default store is not opened there)
     client = MlflowClient(tracking_uri=uri)
     (run,) = client.search_runs([client.get_experiment_by_name("shardwise").experiment_id])
     assert run.info.run_name == "r" and run.info.status == "FINISHED"
