@@ -116,7 +116,9 @@ def localize(run: Path, at: int) -> dict:
     each block's attention, feed-forward (experts, router, shared expert) and norms, the embedding
     and the output head -- and with all attention but one block's set back; the blocks' attention
     output norms (mean over positions) before and after; and, for an MoE model, the loss with the
-    step ``at - 2`` model's routing replayed (whether the re-route is the cause)."""
+    step ``at - 2`` model's routing replayed (whether the re-route is the cause) and the share of
+    tokens the two models send to the same experts. Per block before and after: the attention
+    output norms, the largest attention logit and the lowest head entropy."""
     from shardwise.models.moe import moe_layers
 
     inputs, labels = batches(run, at)[at - 1]
@@ -154,6 +156,9 @@ def localize(run: Path, at: int) -> dict:
             h.remove()
         norms[name] = got
     out["attention output norm"] = norms
+    for name, model in (("before", before), ("after", after)):  # per block: largest logit, lowest entropy
+        out[f"attention by block, {name}"] = [(round(a.max_logit, 2), round(a.min_entropy, 2))
+                                              for a in attention_stats(model, inputs)]
     if moe_layers(after):  # replay the earlier model's routing (a training forward: routing hooks run)
         class Trace:
             def __init__(self, ids: dict | None = None) -> None:
@@ -175,8 +180,12 @@ def localize(run: Path, at: int) -> dict:
                 m.routing = None
             return round(value, 3)
 
-        first = Trace()
+        first, second = Trace(), Trace()
         routed(before, first)
+        routed(after, second)
+        out["tokens keeping both experts, by block"] = {
+            b: round(float((first.ids[b].sort(-1).values == second.ids[b].sort(-1).values).all(-1)
+                           .float().mean()), 3) for b in first.ids}
         out["loss after, routed as before"] = routed(after, Trace(first.ids))
     return out
 

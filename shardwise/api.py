@@ -125,7 +125,7 @@ def load(source: str | Path, *, tokenizer: str = "", device: str = "auto", dtype
 
 @dataclass(frozen=True)
 class Plan:
-    """What ``shardwise plan`` found: the best layouts, each estimated exactly, best first."""
+    """What ``shardwise plan`` found: the best layouts, each fully estimated, best first."""
 
     estimates: list[Any]
     """shardwise.plan.estimate.Estimate per layout: ``.layout``, ``.tokens_per_s_per_device``,
@@ -161,13 +161,18 @@ class Plan:
         return run_command(str(path), self._planning.gpus, self._planning.hw)
 
 
-def plan(config: str | Path | None = None, *, nproc: int, model: str = "", hardware: str = "h100",
-         seq: int = 0, global_batch_tokens: str = "", top: int = 5, **sections: Any) -> Plan:
+def plan(config: str | Path | None = None, *, nproc: int, model: str | dict[str, Any] = "",
+         hardware: str = "h100", seq: int = 0, global_batch_tokens: str = "", top: int = 5,
+         **sections: Any) -> Plan:
     """``shardwise plan``: rank the layouts of ``config`` (or the ``model`` preset) on ``nproc``
-    devices of ``hardware``, with each section's fields as a dict as in :func:`train`. Returns the
-    :class:`Plan`; nothing is written unless ``Plan.write``."""
+    devices of ``hardware``, with each section's fields as a dict as in :func:`train` (``model`` a
+    dict: the [model] section's fields). Returns the :class:`Plan`; nothing is written unless
+    ``Plan.write``."""
     from shardwise.cli import parse
     from shardwise.config.notice import notice
+
+    if isinstance(model, dict):
+        sections, model = {"model": model, **sections}, ""
 
     argv = ["plan", *(["--config", str(config)] if config is not None else []),
             *(["--model", model] if model else []), "--nproc", str(nproc), "--hardware", hardware,

@@ -102,6 +102,9 @@ def test_plan_from_python_is_the_plan_command(tmp_path: Path):
         p.write(tmp_path / "api.toml")
     # nothing fits: the reason, and nothing to write
     none = shardwise.plan(model="8b", nproc=1, top=1)  # 8B's fp32 states alone are 128 GB
+    # a [model] section as a dict, as train takes it: the debug preset at twice its depth
+    deeper = shardwise.plan(model={"n_layers": 12}, nproc=2, top=1)
+    assert deeper.table.split("\n")[0] != p.table.split("\n")[0] and "debug" in deeper.table
     assert none.best is None and none.why_nothing and none.estimates == []
     with pytest.raises(shardwise.ConfigError, match="nothing to write"):
         none.write(tmp_path / "none.toml")
