@@ -23,6 +23,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -109,11 +110,13 @@ def fake_world(world: int, rank: int) -> Iterator[None]:
     if dist.is_initialized():
         raise ConfigError("the estimator builds the model on its own fake process group: run it in a "
                           "process without one (shardwise estimate, not inside training)")
+    hook = sys.excepthook  # (init_process_group prefixes every later traceback with its rank)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook  # the caller's (shardwise.plan in a notebook) is not a rank of anything
 
 
 def build_rank(run: ResolvedRun, every_block: bool = False) -> tuple[nn.Module, object]:

@@ -87,7 +87,9 @@ def test_a_bad_value_is_an_exception_with_the_command_lines_message(tmp_path: Pa
 def test_plan_from_python_is_the_plan_command(tmp_path: Path):
     import shardwise
 
+    hook = sys.excepthook
     p = shardwise.plan(model="debug", nproc=2, top=2)
+    assert sys.excepthook is hook  # (the planner's process groups leave no "[rankN]:" traceback prefix)
     cli = run_cli(["plan", "--model", "debug", "--nproc", "2", "--top", "2",
                    "--out", str(tmp_path / "cli.toml")])
     table = cli.stdout.split("\n(")[0]  # (then the search's time and where the best was written)
