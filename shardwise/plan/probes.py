@@ -12,7 +12,6 @@ them, and the remainder is the median of those paired differences.
 from __future__ import annotations
 
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from shardwise.plan.estimate import estimate
 from shardwise.plan.hardware import Hardware
 from shardwise.resolve.checks import load_config, resolve_config
 from shardwise.resolve.run import resolve_run
+from shardwise.runtime.distributed import init_process_group
 from shardwise.trainer.build import build_rank_model
 from shardwise.trainer.loss import TokenLoss
 
@@ -169,16 +169,14 @@ def host_overhead_ms(seconds: float = 1.0) -> tuple[float, float, float, float, 
     attention (:func:`probe_kernels`), timed in pairs."""
     import torch.distributed as dist
 
-    hook = sys.excepthook  # (restored: init_process_group prefixes later tracebacks with its rank)
     with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("gloo", init_method=f"file://{Path(d) / 'pg'}", rank=0, world_size=1)
+        init_process_group("gloo", init_method=f"file://{Path(d) / 'pg'}", rank=0, world_size=1)
         try:
             one, five = (median_seconds(tiny_step(n), seconds, min_runs=10) for n in (1, 5))
             moe_one, moe_five = (median_seconds(tiny_step(n, MOE_TINY), seconds, min_runs=10) for n in (1, 5))
             probe, rest = _paired(_train_step(list(PROBE), 4), probe_kernels(list(PROBE)), 3 * seconds, 7)
         finally:
             dist.destroy_process_group()
-            sys.excepthook = hook
     per_block = (five - one) / 4
     # (the step's own part is a small difference of noisy timings: it came out at -0.5 ms once)
     return 1e3 * per_block, max(0.0, 1e3 * (one - per_block)), 1e3 * (moe_five - moe_one) / 4, probe, rest

@@ -23,7 +23,6 @@ import contextlib
 import copy
 import dataclasses
 import math
-import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from shardwise.parallel.fsdp import one_unit, plain_rank
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.stages import rank_stages, stage_layers
 from shardwise.resolve.run import ResolvedRun
+from shardwise.runtime.distributed import init_process_group
 from shardwise.trainer.build import build_stage
 
 BYTES = {"bf16": 2, "fp32": 4}
@@ -110,13 +110,11 @@ def fake_world(world: int, rank: int) -> Iterator[None]:
     if dist.is_initialized():
         raise ConfigError("the estimator builds the model on its own fake process group: run it in a "
                           "process without one (shardwise estimate, not inside training)")
-    hook = sys.excepthook  # (init_process_group prefixes every later traceback with its rank)
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         yield
     finally:
         dist.destroy_process_group()
-        sys.excepthook = hook  # the caller's (shardwise.plan in a notebook) is not a rank of anything
 
 
 def build_rank(run: ResolvedRun, every_block: bool = False) -> tuple[nn.Module, object]:

@@ -7,7 +7,7 @@ import ipaddress
 import os
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from shardwise.config.notice import say
 from shardwise.config.types import ConfigError
@@ -78,13 +78,27 @@ def init_distributed(requested_device: str, backend: str = "auto", cache_cpu_mem
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         if world is None:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         else:
             store = rank_store(world)  # (None: env:// as torch does it, on the launcher's store)
             where = {} if store is None else {"store": store, "rank": int(os.environ["RANK"]),
                                               "world_size": world}
-            dist.init_process_group(backend, device_id=device if dtype == "cuda" else None, **where)
+            init_process_group(backend, device_id=device if dtype == "cuda" else None, **where)
     return DistEnv(dist.get_rank(), local_rank, dist.get_world_size(), device)
+
+
+def init_process_group(*args: Any, **kwargs: Any) -> None:
+    """``torch.distributed.init_process_group``, less the rank prefix torch then puts on every later
+    traceback (it wraps ``sys.excepthook`` and never unwraps it) in a process that is not a launched
+    rank -- a notebook's ``shardwise.train`` or ``shardwise.plan`` (its fake world), a probe's
+    one-rank group -- where the next unrelated error would read "[rank32]: ...". Launched ranks keep
+    it: their tracebacks interleave."""
+    import torch.distributed as dist
+
+    hook = sys.excepthook
+    dist.init_process_group(*args, **kwargs)
+    if launched_world_size() is None:
+        sys.excepthook = hook
 
 
 def rank_store(world: int) -> torch.distributed.Store | None:

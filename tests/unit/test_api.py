@@ -36,7 +36,9 @@ def test_train_read_load_generate_and_silence_from_python(tmp_path: Path, data_c
     import shardwise
 
     sections = {**TINY, "data": {"cache_dir": data_cache}, "run": {"dir": str(tmp_path / "nb")}}
+    hook = sys.excepthook
     run = shardwise.train(ROOT / "configs" / "debug.toml", **sections)
+    assert sys.excepthook is hook  # (its process group leaves no "[rank0]:" traceback prefix behind)
     out = capsys.readouterr().out
     assert run.dir == tmp_path / "nb" and [r["step"] for r in run.metrics] == [1, 2]
     assert run.checkpoint == tmp_path / "nb" / "checkpoints" / "step-2"
