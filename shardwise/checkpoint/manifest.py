@@ -190,7 +190,8 @@ def verify(path: Path, checksums: bool = True) -> dict[str, Any]:
 # Model-config fields that a checkpoint does not fix: the preset's label, the RoPE table's length
 # (positions below both lengths rotate alike) and training-only weights of the balance terms.
 # Every other field changes what the weights compute.
-TRAINING_ONLY_FIELDS = ("name", "max_seq_len", "moe_aux_coef", "moe_bias_rate")
+TRAINING_ONLY_FIELDS = ("name", "max_seq_len", "moe_aux_coef", "moe_aux_scope", "moe_bias_rate",
+                        "moe_z_coef")
 
 
 def check_same_function(path: Path, model_cfg: Any) -> None:

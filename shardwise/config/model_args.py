@@ -93,6 +93,10 @@ class ModelArgs:
     (DeepSeek-V3: the bias, and a small sequence-wise loss), or none."""
     moe_aux_coef: float = 0.01
     """Weight of the balance loss (moe_balance=aux_loss or bias+aux_loss)."""
+    moe_aux_scope: Literal["sequence", "batch"] = "sequence"
+    """Over what the balance loss counts the experts' shares: each sequence (DeepSeek-V3's
+    sequence-wise loss, averaged over the step's sequences) or the whole batch of every rank (the
+    Switch Transformer / Mixtral loss, its token shares all-reduced over the data-parallel ranks)."""
     moe_bias_rate: float = 1e-3
     """Routing-bias step per optimizer step (moe_balance=bias or bias+aux_loss)."""
     moe_z_coef: float = 0.0

@@ -23,8 +23,10 @@ if TYPE_CHECKING:
 _CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
             "deepseek_v3": "DeepseekV3ForCausalLM"}
 # ModelArgs fields that are training choices, not the function the weights compute: the RoPE
-# table's length and how MoE routing is balanced (the weight of the aux loss, the bias updates).
-_TRAINING_ONLY = ("max_seq_len", "moe_balance", "moe_aux_coef", "moe_bias_rate")
+# table's length and how MoE routing is balanced (the aux loss's weight and scope, the bias updates,
+# the z-loss).
+_TRAINING_ONLY = ("max_seq_len", "moe_balance", "moe_aux_coef", "moe_aux_scope", "moe_bias_rate",
+                  "moe_z_coef")
 
 
 def read_hf_config(folder: Path) -> dict[str, Any]:

@@ -18,6 +18,13 @@ Load balancing, ``moe_balance``:
   partial sum, reduced like every other gradient. The loss enters the backward through
   :class:`AuxLossGrad` (its gradient is injected at the routed experts' output), so it works unchanged
   under pipeline parallel where only the last stage sees the language-model loss.
+  ``moe_aux_scope=batch``: the same loss once over the whole batch (Switch Transformer, Mixtral,
+  Megatron's global loss): ``f_e`` the share of all k*T slots of the forward on every rank (the
+  counts all-reduced over dp x cp x tp), ``P_e`` the mean score over those T tokens -- balance over
+  the batch, leaving any one sequence free to favour its experts. One forward per rank per step (no
+  accumulation, no pipeline) makes that the global batch, the same whatever the data-parallel split;
+  with M micro-batches per step it is the mean over the M forwards of their loss, each over the
+  micro-batch's tokens on every rank, so a layout with another M trains a slightly different loss.
 - ``bias``: after each optimizer step every expert's bias moves by ``moe_bias_rate`` towards
   balance (``+rate`` if the expert got fewer tokens than the mean over the global batch, ``-rate``
   if more) -- :func:`update_expert_bias`.
@@ -216,12 +223,14 @@ class MoE(nn.Module):
     """Routed experts (+ an optional shared expert) in place of the dense feed-forward."""
 
     def __init__(self, args: ModelArgs, sequences_per_step: int = 1,
-                 sequence_group: dist.ProcessGroup | None = None, layer_id: int = 0) -> None:
+                 sequence_group: dist.ProcessGroup | None = None, layer_id: int = 0,
+                 batch_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.layer_id = layer_id  # (the model's block index: loads are reported per block)
         self.n_experts, self.top_k = args.n_experts, args.moe_top_k
         self.balance_loss, self.balance_bias = args.balance_loss, args.balance_bias
         self.aux_coef, self.bias_rate = args.moe_aux_coef, args.moe_bias_rate
+        self.aux_scope = args.moe_aux_scope
         self.z_coef = args.moe_z_coef
         self.router = Router(args.dim, args.n_experts, args.moe_top_k, args.moe_score,
                              args.moe_route_norm, args.moe_route_scale, args.moe_n_groups,
@@ -235,6 +244,7 @@ class MoE(nn.Module):
         # The global number of sequences per step (the balance loss is a mean over them) and the
         # group of ranks that share a sequence (cp x tp), if any: its statistics sum over them.
         self.sequences_per_step, self.sequence_group = sequences_per_step, sequence_group
+        self.batch_group = batch_group  # every rank routing other tokens (dp x cp x tp): batch scope
         self.count_tokens = True  # off while a forward is not training (pipeline shape inference)
         self.routing = None  # a RoutingTrace (shardwise/observe/routing.py) records or replays routing
 
@@ -277,9 +287,12 @@ class MoE(nn.Module):
         return y
 
     def aux_loss(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """This rank's part of coef * mean over the step's sequences of E * sum_e f_e P_e.
+        """This rank's part of coef * mean over the step's sequences of E * sum_e f_e P_e (or of
+        coef * E * sum_e f_e P_e over the batch: ``aux_scope``).
 
         ids (B, S, k), scores (B, S, E), S local. Only P carries gradient; f is a count."""
+        if self.aux_scope == "batch":
+            return self.batch_aux_loss(ids, scores)
         e, k = self.n_experts, self.top_k
         with torch.no_grad():
             counts = F.one_hot(ids, e).sum(dim=(1, 2)).float()  # (B, E) slots per expert
@@ -293,6 +306,24 @@ class MoE(nn.Module):
         p_sum = scores.sum(dim=1)  # (B, E): this rank's part of S * P_e
         per_seq = e * (f * p_sum / seq_len).sum(-1)  # (B,) partial over the sequence group
         return self.aux_coef * per_seq.sum() / self.sequences_per_step
+
+    def batch_aux_loss(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """This rank's part of coef * E * sum_e f_e P_e over the forward's tokens on every rank,
+        weighted by their share of the step's tokens (1 without micro-batches)."""
+        e, k = self.n_experts, self.top_k
+        with torch.no_grad():
+            counts = F.one_hot(ids.flatten(), e).sum(0).float()  # (E,) this rank's slots per expert
+            stats = torch.cat([counts, counts.new_tensor([ids.shape[0] * ids.shape[1]])])  # (E + 1,)
+            if self.batch_group is not None:  # one all-reduce over every rank routing other tokens
+                dist.all_reduce(stats, group=self.batch_group)
+            f = stats[:e] / (k * stats[e])  # (E,) the forward's shares over every rank
+            split = dist.get_world_size(self.sequence_group) if self.sequence_group is not None else 1
+            step_tokens = self.sequences_per_step * ids.shape[1] * split
+        scores = scores / scores.sum(-1, keepdim=True)  # sigmoid scores normalized to sum 1
+        # sum over this rank's tokens of the scores over the step's tokens: the rank's part of P_e,
+        # times the forward's share of the step (the other ranks' parts join in the gradient's sum)
+        p_part = scores.sum(dim=(0, 1)) / step_tokens  # (E,)
+        return self.aux_coef * e * (f * p_part).sum()
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

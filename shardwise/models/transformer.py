@@ -195,11 +195,14 @@ class Transformer(nn.Module):
     """Its ends, for pipeline stages and tensor parallel (:mod:`shardwise.models.protocol`)."""
 
     def __init__(self, args: ModelArgs, sequences_per_step: int = 1,
-                 sequence_group: dist.ProcessGroup | None = None) -> None:
-        """``sequences_per_step`` (global) and ``sequence_group`` (the ranks sharing a sequence)
-        reach the MoE blocks' balance loss; a dense model ignores them."""
+                 sequence_group: dist.ProcessGroup | None = None,
+                 batch_group: dist.ProcessGroup | None = None) -> None:
+        """``sequences_per_step`` (global), ``sequence_group`` (the ranks sharing a sequence) and
+        ``batch_group`` (every rank routing other tokens) reach the MoE blocks' balance loss; a dense
+        model ignores them."""
         super().__init__()
-        moe = dict(sequences_per_step=sequences_per_step, sequence_group=sequence_group)
+        moe = dict(sequences_per_step=sequences_per_step, sequence_group=sequence_group,
+                   batch_group=batch_group)
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keyed by layer index keeps parameter names stable when layers are split
@@ -347,7 +350,7 @@ class _SkipInitOnMeta(TorchFunctionMode):
 
 def build_model(args: ModelArgs, device: torch.device | str = "meta", **moe: Any) -> Transformer:
     """Construct the model; on ``meta`` (the default) no memory is allocated (nor initializers
-    run: :class:`_SkipInitOnMeta`). ``moe``: sequences_per_step and sequence_group for the MoE
+    run: :class:`_SkipInitOnMeta`). ``moe``: sequences_per_step, sequence_group and batch_group for the MoE
     balance loss (see Transformer)."""
     skip = _SkipInitOnMeta() if torch.device(device).type == "meta" else contextlib.nullcontext()
     with torch.device(device), skip:

@@ -108,6 +108,10 @@ def resolve_run(cfg: Config, world_size: int, detect_device: bool = True, model:
         cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, micro_batch=chosen))
     micro_batches = micro_batches_per_rank(cfg.training, dims.dp)
     check_pipeline(cfg, dims, micro_batches)
+    if detect_device and args.balance_loss and args.moe_aux_scope == "batch" and micro_batches > 1:
+        notice(f"model.moe_aux_scope=batch with {micro_batches} micro-batches per rank: each forward's "
+               "balance loss is over its micro-batch on every rank, not the whole step's batch (one "
+               "forward per rank makes it the whole batch: training.micro_batch=0, no pipeline)")
     device_type = shardwise.runtime.machine.device_type(cfg.run.device) if detect_device else cfg.run.device
     if detect_device and device_type == "cuda":
         shardwise.runtime.distributed.check_gpu_count(world_size)

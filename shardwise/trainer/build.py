@@ -36,9 +36,12 @@ def build_rank_model(run: ResolvedRun, device: torch.device | str) -> nn.Module:
 def build_stage(run: ResolvedRun) -> nn.Module:
     """The model on meta, or with pipeline parallel only this rank's stages of it (one module)."""
     dims, pc = run.dims, run.cfg.parallel
-    # A sequence's tokens are split over cp x tp: the MoE balance loss counts over those ranks.
+    # A sequence's tokens are split over cp x tp: the MoE balance loss counts over those ranks
+    # (sequence-wise), or over every rank that routes other tokens, dp x cp x tp (batch-wise).
     group = dims.submesh(Mesh.CP_TP).get_group() if dims.cp * dims.tp > 1 else None
-    model = build_model(run.model, sequences_per_step=run.cfg.training.global_batch, sequence_group=group)
+    batch = dims.submesh(Mesh.DP_CP_TP).get_group() if dims.dp * dims.cp * dims.tp > 1 else None
+    model = build_model(run.model, sequences_per_step=run.cfg.training.global_batch, sequence_group=group,
+                        batch_group=batch)
     if dims.pp == 1:
         return model
     ids = rank_stages(dims.submesh(Mesh.PP).get_local_rank(), dims.pp, pc.pp_schedule, pc.pp_stages_per_rank)

@@ -94,6 +94,16 @@ def test_moe_bias_balancing_sigmoid_matches_single_rank(tmp_path: Path, data_cac
                               "--parallel.tp=2"), "bias ep2_tp2")
 
 
+def test_moe_batch_balance_loss_matches_single_rank(tmp_path: Path, data_cache: str):
+    """The balance loss over the whole batch (its expert shares all-reduced over the ranks that route
+    other tokens): the same run on 1 rank and on FSDP2 x CP2, whose ranks each hold half of half the
+    batch's sequences."""
+    extra = [*MOE_ARGS, "--model.moe_aux_scope=batch", "--model.moe_aux_coef=0.3"]
+    ref = parity_run(tmp_path, "ref", data_cache, *extra)
+    check_same_run(ref, parity_run(tmp_path, "fsdp2_cp2", data_cache, *extra, "--nproc=4", "--parallel.cp=2"),
+                   "batch balance loss fsdp2_cp2")
+
+
 @pytest.fixture(scope="module")
 def reference_deepseek(tmp_path_factory: pytest.TempPathFactory, data_cache: str) -> Path:
     return parity_run(tmp_path_factory.mktemp("ref_deepseek"), "ref", data_cache, *DEEPSEEK_ARGS)

@@ -194,6 +194,32 @@ def test_aux_loss_is_the_sequence_balance_loss():
     torch.testing.assert_close(got, 0.1 * sum(per_seq) / 2)
 
 
+def test_batch_aux_loss_is_the_switch_loss_over_the_whole_batch():
+    """moe_aux_scope=batch: Switch/Mixtral's loss (HF's load_balancing_loss_func) once over every
+    token of the batch, / k as the sequence-wise loss; not the mean of the per-sequence losses."""
+    m = moe_block(tiny(moe_aux_coef=0.1, moe_aux_scope="batch"))
+    x = torch.randn(2, 12, 64)
+    x[1] += 3 * torch.randn(64)  # the two sequences route differently
+    m.sequences_per_step = 2
+    _, ids, scores = m.router(x.reshape(-1, 64))
+    got = m.aux_loss(ids.view(2, 12, -1), scores.view(2, 12, -1))
+    torch.testing.assert_close(got, 0.1 * _hf_switch_loss(scores, ids, 8) / 2)
+    m.aux_scope = "sequence"
+    assert not torch.allclose(got, m.aux_loss(ids.view(2, 12, -1), scores.view(2, 12, -1)))
+
+
+def test_batch_aux_loss_over_micro_batches_is_their_token_weighted_mean():
+    """With M forwards per step each is the loss over its own tokens, weighted by its share of the
+    step: two micro-batches of one sequence each give the mean of the two one-sequence losses."""
+    m = moe_block(tiny(moe_aux_coef=0.1, moe_aux_scope="batch"))
+    x = torch.randn(2, 12, 64)
+    m.sequences_per_step = 2
+    for b in range(2):
+        _, ids, scores = m.router(x[b])
+        got = m.aux_loss(ids.view(1, 12, -1), scores.view(1, 12, -1))
+        torch.testing.assert_close(got, 0.1 * _hf_switch_loss(scores, ids, 8) / 2 / 2)
+
+
 def test_aux_loss_gradient_joins_the_backward():
     """The loss attached by AuxLossGrad gives the same parameter gradients as adding it explicitly."""
     args = tiny(moe_aux_coef=0.5)
