@@ -412,3 +412,14 @@ def test_matmul_cache_caps_leave_a_users_setting(monkeypatch: pytest.MonkeyPatch
     monkeypatch.delenv("LRU_CACHE_CAPACITY")
     assert bound_matmul_caches(32)
     assert all(os.environ[name] == "32" for name in MATMUL_CACHE_ENV)
+
+
+def test_balance_settings_are_training_choices_not_another_function():
+    """An HF MoE model imported, or a checkpoint resumed, with another z-loss weight or balance-loss
+    scope computes the same function: neither is refused as a different model (the z-loss was)."""
+    from shardwise.checkpoint.manifest import TRAINING_ONLY_FIELDS
+    from shardwise.models.hf_config import check_hf_config, hf_config
+
+    args = dataclasses.replace(PRESETS["moe-debug"], n_shared_experts=0, qk_norm=True)
+    check_hf_config(hf_config(args, "fp32"), dataclasses.replace(args, moe_z_coef=1e-3, moe_aux_scope="batch"))
+    assert {"moe_z_coef", "moe_aux_scope"} <= set(TRAINING_ONLY_FIELDS)
