@@ -421,5 +421,6 @@ def test_balance_settings_are_training_choices_not_another_function():
     from shardwise.models.hf_config import check_hf_config, hf_config
 
     args = dataclasses.replace(PRESETS["moe-debug"], n_shared_experts=0, qk_norm=True)
-    check_hf_config(hf_config(args, "fp32"), dataclasses.replace(args, moe_z_coef=1e-3, moe_aux_scope="batch"))
+    trained = dataclasses.replace(args, moe_z_coef=1e-3, moe_aux_scope="batch")
+    check_hf_config(hf_config(args, "fp32"), trained)
     assert {"moe_z_coef", "moe_aux_scope"} <= set(TRAINING_ONLY_FIELDS)
