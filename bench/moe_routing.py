@@ -12,7 +12,10 @@ Per step and block: ``load`` (busiest expert's slots over the mean; shardwise / 
 router logits' standard deviation over the experts, mean over tokens) and ``shift`` (how far the
 step's update moved each expert's logit on the step's own tokens, averaged over the tokens: the
 standard deviation over experts -- a shift near the spread re-orders the experts for every token at
-once).
+once) and ``alike`` (how much the router's input tokens point the same way: the mean cosine over
+all pairs of them, ``|mean of the unit vectors|^2``; 0 for unrelated tokens, 1 when every token is
+the same vector -- which a token-choice router, whatever its weights, bias or loss, sends to the
+same experts).
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ def main() -> None:
         print(f"model {cfg.model.name}: {run.model.n_experts} experts, top-{run.model.moe_top_k}, "
               f"balance {run.model.moe_balance}; lr {cfg.optimizer.lr:g}, "
               f"warmup {cfg.lr_scheduler.warmup_steps}")
-        print("step | lr | loss (shardwise / HF) | per MoE block: load shardwise/HF, spread, shift")
+        print("step | lr | loss (shardwise / HF) | per MoE block: load shardwise/HF, spread, shift, alike")
         for step in range(1, a.steps + 1):
             batches = loader.next_step()
             lr = optimizer.param_groups[0]["lr"]
@@ -85,8 +88,9 @@ def main() -> None:
                 w0, w1 = before[m.layer_id], full_value(m.router.gate.weight).detach()
                 spread = (x @ w0.T).std(-1).mean()
                 shift = (x @ (w1 - w0).T).mean(0).std()  # (E,) mean shift per expert -> its spread
+                alike = F.normalize(x, dim=-1).mean(0).square().sum()  # mean pairwise cosine
                 theirs = f"/{hf_loads[j]:.2f}" if hf_loads else ""
-                cells.append(f"{float(got.expert_load[j]):.2f}{theirs} {spread:.3f} {shift:.3f}")
+                cells.append(f"{float(got.expert_load[j]):.2f}{theirs} {spread:.3f} {shift:.3f} {alike:.2f}")
             print(f"{step:3d} | {lr:.2e} | {float(got.loss):.4f} / {hf_loss:.4f} | " + " | ".join(cells),
                   flush=True)
 

@@ -10,10 +10,14 @@ Measured, per run (the trainer's own instruments):
 - the step time: median of the logged steps after the traced one.
 
 Predicted: ``shardwise.plan.estimate`` on ``--hardware`` (``local`` after ``shardwise calibrate``),
-with states from the real model on the fake process group.
+with states from the real model on the fake process group. An expert-parallel layout is estimated
+twice: with balanced routing (``parallel.expert_load`` 1, the default) and with the run's own
+routing (its median logged ``expert_load`` over the timed steps), the step column showing both.
 
     python bench/plan_accuracy.py --calibrate           # calibrate, then the default layouts
     python bench/plan_accuracy.py --layouts debug:tp=2 125m:dp_shard=2 --steps 8
+    python bench/plan_accuracy.py --steps 20 --trace-step 12 --layouts \
+        moe-debug:dp_shard=4,ep=4,model.moe_balance=none     # routing left to collapse: load ~4
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ def measure(preset: str, layout: str, steps: int, trace: int, run_dir: Path) -> 
         "comm": json.loads((run_dir / "comm.json").read_text())["totals"],
         "peak": json.loads((run_dir / "memory_peak.json").read_text())["total_per_rank"],
         "step_s": statistics.median(r["step_time_s"] for r in rows if r["step"] > trace),
+        "load": statistics.median(r.get("expert_load", 1.0) for r in rows if r["step"] > trace),
     }
 
 
@@ -85,8 +90,14 @@ def compare(args: list[str], world: int, meas: dict, hardware: str) -> dict:
     from shardwise.plan.hardware import load_hardware
     from shardwise.resolve.checks import load_config
 
-    cfg = load_config(args[1], [a for a in args[2:] if a.startswith("--") and "run.dir" not in a])
-    est = estimate(cfg, world, load_hardware(hardware, cfg.data.cache_dir))
+    overrides = [a for a in args[2:] if a.startswith("--") and "run.dir" not in a]
+    cfg = load_config(args[1], overrides)
+    hw = load_hardware(hardware, cfg.data.cache_dir)
+    est = estimate(cfg, world, hw)
+    loaded = None  # the step under the run's own routing (expert parallel only)
+    if est.layout.ep > 1 and meas["load"] > 1.0:
+        loaded = estimate(load_config(args[1], [*overrides, f"--parallel.expert_load={meas['load']:.3f}"]),
+                          world, hw).time.step
     lay, per_stage = est.layout, world // est.layout.pp
     GiB = 2**30
     states_exact = all(
@@ -101,7 +112,8 @@ def compare(args: list[str], world: int, meas: dict, hardware: str) -> dict:
             "comm_exact": measured_comm == predicted_comm, "comm_ratio": comm_ratio,
             "comm_mib": sum(measured_comm.values()) / 2**20,
             "peak_pred": pred_peak / 2**20, "peak_meas": meas_peak / 2**20,
-            "step_pred": est.time.step, "step_meas": meas["step_s"]}
+            "step_pred": est.time.step, "step_meas": meas["step_s"], "load": meas["load"],
+            "step_pred_loaded": loaded}
 
 
 def main() -> None:
@@ -129,10 +141,12 @@ def main() -> None:
             r["preset"] = preset
             rows.append(r)
             comm = "exact" if r["comm_exact"] else f"{r['comm_ratio']:.3f}x"
+            loaded = ("" if r["step_pred_loaded"] is None else f"; at load {r['load']:.2f}: "
+                      f"{r['step_pred_loaded']:.2f} ({r['step_pred_loaded'] / r['step_meas'] - 1:+.0%})")
             print(f"| {preset} | {r['layout']} | {world} | {'exact' if r['states_exact'] else 'DIFF'} | "
                   f"{r['comm_mib']:.1f} ({comm}) | {r['peak_pred']:.1f} / {r['peak_meas']:.1f} "
                   f"({r['peak_pred'] / r['peak_meas'] - 1:+.1%}) | {r['step_pred']:.2f} / "
-                  f"{r['step_meas']:.2f} ({r['step_pred'] / r['step_meas'] - 1:+.0%}) |", flush=True)
+                  f"{r['step_meas']:.2f} ({r['step_pred'] / r['step_meas'] - 1:+.0%}){loaded} |", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 

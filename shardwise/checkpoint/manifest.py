@@ -191,7 +191,7 @@ def verify(path: Path, checksums: bool = True) -> dict[str, Any]:
 # (positions below both lengths rotate alike) and training-only weights of the balance terms.
 # Every other field changes what the weights compute.
 TRAINING_ONLY_FIELDS = ("name", "max_seq_len", "moe_aux_coef", "moe_aux_scope", "moe_bias_rate",
-                        "moe_z_coef")
+                        "moe_z_coef", "moe_router_init_std")
 
 
 def check_same_function(path: Path, model_cfg: Any) -> None:

@@ -99,6 +99,9 @@ class ModelArgs:
     Switch Transformer / Mixtral loss, its token shares all-reduced over the data-parallel ranks)."""
     moe_bias_rate: float = 1e-3
     """Routing-bias step per optimizer step (moe_balance=bias or bias+aux_loss)."""
+    moe_router_init_std: float = 0.02
+    """Standard deviation of the router's initial weights. Its logits start with a spread over the
+    experts of about this times sqrt(dim): 0.02 gives 0.3 at width 256 but 0.9 at 2048."""
     moe_z_coef: float = 0.0
     """Weight of the router z-loss (ST-MoE): the mean over tokens of logsumexp(router logits)^2,
     which keeps the logits small; 0 = off. Independent of moe_balance."""

@@ -44,6 +44,8 @@ def check_args(args: Any) -> None:
             raise ConfigError(f"model.moe_top_k={args.moe_top_k} must be between 1 and "
                               f"model.n_experts={args.n_experts}")
         _check_groups(args)
+        if args.moe_router_init_std <= 0:  # (0: every expert ties, every token goes to experts 0..k-1)
+            raise ConfigError(f"model.moe_router_init_std={args.moe_router_init_std} must be > 0")
         for name in ("moe_aux_coef", "moe_bias_rate", "moe_z_coef"):  # (a negative one pushes the wrong way)
             if getattr(args, name) < 0:
                 raise ConfigError(f"model.{name}={getattr(args, name)} must be >= 0 (0: off)")

@@ -26,7 +26,7 @@ _CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe
 # table's length and how MoE routing is balanced (the aux loss's weight and scope, the bias updates,
 # the z-loss).
 _TRAINING_ONLY = ("max_seq_len", "moe_balance", "moe_aux_coef", "moe_aux_scope", "moe_bias_rate",
-                  "moe_z_coef")
+                  "moe_z_coef", "moe_router_init_std")
 
 
 def read_hf_config(folder: Path) -> dict[str, Any]:

@@ -282,7 +282,7 @@ def param_init_spec(name: str, args: ModelArgs) -> tuple[str, float]:
 
     Residual-branch outputs (wo, w2) are scaled down with depth (std 0.02 / sqrt(2 * (layer + 1))),
     the output head uses dim**-0.5, and an untied input embedding uses std 1 (it is followed by
-    RMSNorm); a tied one uses the output head's scale.
+    RMSNorm); a tied one uses the output head's scale. An MoE router uses ``moe_router_init_std``.
     """
     if name.endswith("norm.weight"):
         return "ones", 0.0
@@ -290,6 +290,8 @@ def param_init_spec(name: str, args: ModelArgs) -> tuple[str, float]:
         return "normal", args.dim**-0.5 if args.tie_embeddings else 1.0
     if name == "output.weight":
         return "normal", args.dim**-0.5
+    if name.endswith("router.gate.weight"):
+        return "normal", args.moe_router_init_std
     if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "shared_expert.w2.weight",
                       "experts.w2")):
         layer = int(name.split(".")[1])

@@ -94,6 +94,19 @@ def test_negative_balance_weights_are_refused():
 
     with pytest.raises(ConfigError, match=r"model.moe_z_coef=-0.1 must be >= 0"):
         check_args(tiny(moe_z_coef=-0.1))
+    with pytest.raises(ConfigError, match=r"model.moe_router_init_std=0.0 must be > 0"):
+        check_args(tiny(moe_router_init_std=0.0))
+
+
+@pytest.mark.parametrize("std", [0.02, 0.1])
+def test_router_weights_start_at_their_own_std(std: float):
+    """moe_router_init_std sets the routers' initial weights only (a normal truncated at 3 std has
+    0.986 of its std); the experts keep 0.02."""
+    model = build_model(tiny(dim=256, moe_router_init_std=std), device="cpu")
+    init_weights(model, 0)
+    moe = model.layers["0"].feed_forward
+    assert moe.router.gate.weight.std().item() == pytest.approx(0.986 * std, rel=0.03)
+    assert moe.experts.w1.std().item() == pytest.approx(0.986 * 0.02, rel=0.03)
 
 
 def test_router_scores_are_fp32_under_bf16_autocast():
