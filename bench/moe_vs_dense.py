@@ -83,12 +83,20 @@ def main() -> None:
     ap.add_argument("--eval-steps", type=int, default=8)
     ap.add_argument("--runs", default="runs/moe_vs_dense", help="the runs' parent folder")
     ap.add_argument("--out", default="", help="write OUT.json and OUT.png")
+    ap.add_argument("--reuse", action="store_true", help="read a config's finished run from --runs instead "
+                    "of training it again (one that reached --steps)")
     ap.add_argument("extra", nargs="*", help="overrides for every run (after --)")
     a = ap.parse_args()
     curves = {}
     for config in a.configs:
         name = Path(config).stem
-        curves[name] = train(config, a.steps, a.eval_interval, a.eval_steps, ROOT / a.runs / name, a.extra)
+        run_dir = ROOT / a.runs / name
+        done = run_dir / "metrics.jsonl"
+        reuse = a.reuse and done.exists()
+        rows = [json.loads(line) for line in done.read_text().splitlines()] if reuse else []
+        if not any(r.get("step") == a.steps and "loss" in r for r in rows):
+            rows = train(config, a.steps, a.eval_interval, a.eval_steps, run_dir, a.extra)
+        curves[name] = rows
     print("| config | loss, last 10 steps | held-out loss | tokens/s | worst block's load from step 20: "
           "max / mean / steps > 1.5 |")
     print("|---|---|---|---|---|")

@@ -104,6 +104,15 @@ def test_moe_batch_balance_loss_matches_single_rank(tmp_path: Path, data_cache: 
                    "batch balance loss fsdp2_cp2")
 
 
+def test_moe_router_z_loss_matches_single_rank(tmp_path: Path, data_cache: str):
+    """The router z-loss (a mean over the step's tokens) when CP x TP split each sequence over four
+    ranks: the same run as on one rank."""
+    extra = [*MOE_ARGS, "--model.moe_z_coef=0.05"]
+    ref = parity_run(tmp_path, "ref", data_cache, *extra)
+    check_same_run(ref, parity_run(tmp_path, "cp2_tp2", data_cache, *extra, "--nproc=4", "--parallel.cp=2",
+                                   "--parallel.tp=2"), "z-loss cp2_tp2")
+
+
 @pytest.fixture(scope="module")
 def reference_deepseek(tmp_path_factory: pytest.TempPathFactory, data_cache: str) -> Path:
     return parity_run(tmp_path_factory.mktemp("ref_deepseek"), "ref", data_cache, *DEEPSEEK_ARGS)
