@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shardwise.config.model_args import TRAINING_CHOICES
 from shardwise.config.notice import say
 from shardwise.config.schema import ConfigError, ModelConfig
 from shardwise.models import ModelArgs, model_args
@@ -187,11 +188,9 @@ def verify(path: Path, checksums: bool = True) -> dict[str, Any]:
     return manifest
 
 
-# Model-config fields that a checkpoint does not fix: the preset's label, the RoPE table's length
-# (positions below both lengths rotate alike) and training-only weights of the balance terms.
+# Model-config fields that a checkpoint does not fix: the preset's label and the training choices.
 # Every other field changes what the weights compute.
-TRAINING_ONLY_FIELDS = ("name", "max_seq_len", "moe_aux_coef", "moe_aux_scope", "moe_bias_rate",
-                        "moe_z_coef", "moe_router_init_std")
+TRAINING_ONLY_FIELDS = ("name", *TRAINING_CHOICES)
 
 
 def check_same_function(path: Path, model_cfg: Any) -> None:

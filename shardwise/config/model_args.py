@@ -9,6 +9,12 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+# Fields that shape training, not the function the weights compute: the RoPE table's length (positions
+# below both lengths rotate alike) and the balance terms' weights and scope, the bias's rate, the
+# z-loss and the router's initial spread. An HF config or a checkpoint need not match them.
+TRAINING_CHOICES = ("max_seq_len", "moe_aux_coef", "moe_aux_scope", "moe_bias_rate", "moe_z_coef",
+                    "moe_router_init_std")
+
 
 @dataclass(frozen=True)
 class ModelArgs:

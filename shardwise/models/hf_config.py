@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shardwise.config.model_args import TRAINING_CHOICES
 from shardwise.config.schema import ConfigError, ModelConfig
 from shardwise.models import ModelArgs, check_args
 from shardwise.models.presets import PRESETS
@@ -22,11 +23,9 @@ if TYPE_CHECKING:
 
 _CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
             "deepseek_v3": "DeepseekV3ForCausalLM"}
-# ModelArgs fields that are training choices, not the function the weights compute: the RoPE
-# table's length and how MoE routing is balanced (the aux loss's weight and scope, the bias updates,
-# the z-loss).
-_TRAINING_ONLY = ("max_seq_len", "moe_balance", "moe_aux_coef", "moe_aux_scope", "moe_bias_rate",
-                  "moe_z_coef", "moe_router_init_std")
+# ModelArgs fields an HF config does not fix: the training choices, and how MoE routing is balanced
+# (HF's config has no routing bias state to compare).
+_TRAINING_ONLY = (*TRAINING_CHOICES, "moe_balance")
 
 
 def read_hf_config(folder: Path) -> dict[str, Any]:
