@@ -256,8 +256,7 @@ class MoE(nn.Module):
         training = self.training and torch.is_grad_enabled()  # not evaluation
         z_weight = 0.0
         if training and self.z_coef > 0:  # a mean over the step's tokens: this rank's share of them
-            split = dist.get_world_size(self.sequence_group) if self.sequence_group is not None else 1
-            z_weight = self.z_coef / (self.sequences_per_step * s * split)
+            z_weight = self.z_coef / self.step_tokens(s)
         weights, ids, scores = self.router(tokens, choose, z_weight)  # (T, k), (T, k), (T, E)
         flat_ids = ids.flatten()  # (T*k,)
         # (E,) slots per expert; scatter_add rather than bincount, which has no meta kernel
@@ -286,6 +285,12 @@ class MoE(nn.Module):
             y = y + self.shared_expert(tokens).view(b, s, dim)
         return y
 
+    def step_tokens(self, local_len: int) -> int:
+        """Tokens of the whole step on every rank, from this rank's sequence length ``local_len``
+        (a sequence split over cp x tp holds that many on each of them)."""
+        split = dist.get_world_size(self.sequence_group) if self.sequence_group is not None else 1
+        return self.sequences_per_step * local_len * split
+
     def aux_loss(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """This rank's part of coef * mean over the step's sequences of E * sum_e f_e P_e (or of
         coef * E * sum_e f_e P_e over the batch: ``aux_scope``).
@@ -312,13 +317,14 @@ class MoE(nn.Module):
         weighted by their share of the step's tokens (1 without micro-batches)."""
         e, k = self.n_experts, self.top_k
         with torch.no_grad():
-            counts = F.one_hot(ids.flatten(), e).sum(0).float()  # (E,) this rank's slots per expert
-            stats = torch.cat([counts, counts.new_tensor([ids.shape[0] * ids.shape[1]])])  # (E + 1,)
+            # (E + 1,): this rank's slots per expert, then its tokens; scatter_add, not a (slots, E) one-hot
+            stats = torch.zeros(e + 1, device=ids.device)
+            stats.scatter_add_(0, ids.flatten(), torch.ones(ids.numel(), device=ids.device))
+            stats[e] = ids.shape[0] * ids.shape[1]
             if self.batch_group is not None:  # one all-reduce over every rank routing other tokens
                 dist.all_reduce(stats, group=self.batch_group)
             f = stats[:e] / (k * stats[e])  # (E,) the forward's shares over every rank
-            split = dist.get_world_size(self.sequence_group) if self.sequence_group is not None else 1
-            step_tokens = self.sequences_per_step * ids.shape[1] * split
+            step_tokens = self.step_tokens(ids.shape[1])
         scores = scores / scores.sum(-1, keepdim=True)  # sigmoid scores normalized to sum 1
         # sum over this rank's tokens of the scores over the step's tokens: the rank's part of P_e,
         # times the forward's share of the step (the other ranks' parts join in the gradient's sum)
