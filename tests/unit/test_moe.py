@@ -24,7 +24,7 @@ from shardwise.models.moe import (
 )
 from shardwise.models.transformer import build_model, init_weights
 from shardwise.observe.flops import num_params
-from tests.helpers import require
+from tests.helpers import ROOT, require
 
 
 def tiny(**kw) -> ModelArgs:
@@ -437,3 +437,18 @@ def test_balance_settings_are_training_choices_not_another_function():
     trained = dataclasses.replace(args, moe_z_coef=1e-3, moe_aux_scope="batch")
     check_hf_config(hf_config(args, "fp32"), trained)
     assert {"moe_z_coef", "moe_aux_scope"} <= set(TRAINING_ONLY_FIELDS)
+
+
+@pytest.mark.parametrize("micro_batch,said", [(0, False), (4, True)])
+def test_batch_scope_under_micro_batches_is_said(micro_batch: int, said: bool, capsys: pytest.CaptureFixture):
+    """moe_aux_scope=batch is over the whole batch with one forward per rank; under accumulation it is
+    over each micro-batch, which a notice says (and only then)."""
+    from shardwise.resolve.checks import load_config
+    from shardwise.resolve.run import resolve_run
+
+    cfg = load_config(str(ROOT / "configs" / "moe-debug.toml"), [
+        "--run.device=cpu", "--model.moe_aux_scope=batch", f"--training.micro_batch={micro_batch}"])
+    run = resolve_run(cfg, 1)
+    assert run.micro_batches == (2 if said else 1)
+    out = capsys.readouterr()
+    assert ("notice: model.moe_aux_scope=batch with 2 micro-batches per rank" in out.out + out.err) == said
