@@ -102,8 +102,9 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for name, rows in curves.items():
         s = summary(rows)
-        load = (f"{s['load_max']:.2f} / {s['load_mean']:.2f} / {s['steps_above_1_5']}"
-                if "load_max" in s else "(dense)")
+        moe = any("expert_load" in r for r in rows)
+        load = (f"{s['load_max']:.2f} / {s['load_mean']:.2f} / {s['steps_above_1_5']}" if "load_max" in s
+                else "(no step from 20)" if moe else "(dense)")
         val = f"{s['val_loss']:.4f}" if s["val_loss"] is not None else "-"
         print(f"| {name} | {s['loss_last10']:.4f} | {val} | {s['tokens_per_s']:,.0f} | {load} |")
     if a.out:
