@@ -12,9 +12,9 @@ from shardwise.config.schema import ConfigError
 NAME = "verify"
 SUMMARY = "prove layouts match the 1-rank run"
 DESCRIPTION = (
-    "Train the 1-rank reference and each layout for --steps steps from one seed checkpoint; compare "
-    "losses and final parameters against documented tolerances. Extra --section.key=value overrides "
-    "apply to every run."
+    "Train the 1-rank reference and each layout for the run's first --steps steps from one seed "
+    "checkpoint; compare losses and final parameters against documented tolerances (in bf16, at least "
+    "3x the run's own noise floor). Extra --section.key=value overrides apply to every run."
 )
 EXAMPLES = (
     "shardwise verify --config configs/debug.toml --nproc 4",
@@ -30,7 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layouts", nargs="+", default=None,
                    help="layouts as degree lists, e.g. dp_shard=4 tp=2,dp_shard=2 (each one's product of "
                         "degrees is its number of ranks)")
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps of every run")
+    p.add_argument("--steps", type=int, default=20,
+                   help="the run's first N steps, which every layout trains on the run's own "
+                        "learning-rate schedule (training.steps)")
     p.add_argument("--out", default="runs/verify", help="where runs, logs and the plot go")
     p.add_argument("--localize", action="store_true",
                    help="name where each layout first departs from the reference (module output or "
@@ -51,7 +53,7 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
     layouts = fill_layouts(args.layouts, args.nproc)  # a bad one fails before any run (and torch)
     # (resolved: its precision chooses the tolerances)
-    base = load_resolved(args.config, [*overrides, f"--training.steps={args.steps}"])
+    base = load_resolved(args.config, overrides)  # (its training.steps: the schedule verify follows)
     if args.layouts is None and base.model.n_experts:  # an MoE model's standard layouts add EP
         layouts = fill_layouts(None, args.nproc, experts=True)
     from shardwise.resolve.run import resolve_run

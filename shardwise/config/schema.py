@@ -1,9 +1,8 @@
 """Typed configuration: dataclass sections, TOML presets, ``--section.key=value`` overrides.
 
-Each field's docstring (the string literal under it) is its help text: ``shardwise train
---help-config`` prints them (shardwise/cli.py). Every value is checked against its field's type
-when it is read, so a mistyped key or a wrong type fails with one line that names the key, before
-any work starts.
+Each field's docstring (the string literal under it) is its help text (``shardwise train --help-config``).
+Every value is checked against its field's type when it is read, so a mistyped key or a wrong type
+fails with one line that names the key, before any work starts.
 """
 
 from __future__ import annotations
@@ -103,11 +102,12 @@ class DataConfig:
 @dataclass
 class TrainingConfig:
     steps: int = 100
-    """Optimizer steps to run (derived from training.epochs when that is set)."""
+    """Optimizer steps of the run and its schedule (derived from training.epochs when that is set)."""
+    stop_after: int = 0
+    """End after this step as if it were the last, on training.steps' schedule; 0 = run every step."""
     epochs: float = 0.0
     """Passes over the prepared training windows; > 0 sets training.steps to ceil(epochs * windows /
-    global_batch), with a notice (windows: of all sources together; chat data counts its packed
-    windows). 0 = run training.steps."""
+    global_batch), with a notice (windows: of all sources; chat data its packed windows). 0 = off."""
     seed: int = 42
     """Seed for weight init, data order and every RNG."""
     seq_len: int = 512

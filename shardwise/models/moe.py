@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -217,6 +218,34 @@ class Router(nn.Module):
         best = rank.topk(self.topk_groups, dim=-1).indices  # (T, g)
         keep = torch.zeros_like(rank, dtype=torch.bool).scatter_(1, best, True)  # (T, G)
         return biased.masked_fill(~keep.repeat_interleave(e // self.n_groups, dim=1), float("-inf"))
+
+    def choice_gap(self, biased: torch.Tensor, own: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """How far the choice ``other`` (T, k) is from being this router's own choice ``own`` on
+        ``biased`` (T, E): 0 when it is one (a tie), inf when the rule can never make it, else the
+        score margin each stage of the rule decided by. With groups, a token's stages are the group
+        choice and then the experts within the chosen groups; the gap is the least, over the group
+        sets that hold ``other``'s experts, of the set's rank margin (the own groups' ranks minus the
+        set's) plus the experts' margin within it (its top-k scores minus ``other``'s). A group rank
+        near-tie can swap experts whose own scores are far apart, so a flat score difference would
+        call a rounding tie a gross one."""
+        other_sum = biased.gather(-1, other).sum(-1)  # (T,)
+        if self.n_groups == 1:
+            return biased.gather(-1, own).sum(-1) - other_sum
+        t, e = biased.shape
+        size = e // self.n_groups
+        rank = biased.view(t, self.n_groups, size).topk(min(2, size), dim=-1).values.sum(-1)  # (T, G)
+        best = rank.topk(self.topk_groups, dim=-1).values.sum(-1)  # (T,)
+        needed = torch.zeros_like(rank, dtype=torch.bool).scatter_(1, other // size, True)  # (T, G)
+        gap = torch.full_like(other_sum, float("inf"))
+        for groups in itertools.combinations(range(self.n_groups), self.topk_groups):  # (a debug path)
+            in_set = torch.zeros(self.n_groups, dtype=torch.bool, device=biased.device)
+            in_set[list(groups)] = True
+            within = biased.masked_fill(~in_set.repeat_interleave(size), float("-inf"))  # (T, E)
+            experts = within.topk(self.top_k, dim=-1).values.sum(-1) - other_sum  # (T,) within the set
+            margin = best - rank[:, in_set].sum(-1) + experts
+            holds = ~(needed & ~in_set).any(-1)  # (T,) the set holds other's groups
+            gap = torch.where(holds, torch.minimum(gap, margin), gap)
+        return gap
 
 
 class MoE(nn.Module):

@@ -123,7 +123,7 @@ class RoutingTrace:
         if not recompute:
             with torch.no_grad():
                 differ = (own.sort(-1).values != forced.sort(-1).values).any(-1)  # (T,)
-                gap = biased.gather(-1, own).sum(-1) - biased.gather(-1, forced).sum(-1)
+                gap = layer.router.choice_gap(biased, own, forced)  # (T,)
                 n_diff = int(differ.sum())
                 s = self.stats
                 s["tokens"] += int(differ.numel())

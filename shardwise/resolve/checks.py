@@ -33,7 +33,7 @@ _POSITIVE = ("training.steps", "training.seq_len", "training.global_batch", "met
              "profile.every", "profile.active", "activation_checkpoint.every", "float8.min_dim",
              "debug.trace_step", "data.shard_mb", "training.spike_window")
 _NON_NEGATIVE = ("training.epochs", "training.loss_chunk", "training.micro_batch", "training.max_grad_norm",
-                 "optimizer.lr",
+                 "training.stop_after", "optimizer.lr",
                  "optimizer.weight_decay", "lr_scheduler.warmup_steps", "checkpoint.interval",
                  "eval.interval", "metrics.peak_tflops", "optimizer.eps",
                  "checkpoint.keep_latest_k", "debug.nan_step", "debug.spike_step", "debug.fail_step",
@@ -108,6 +108,9 @@ def validate(cfg: Config) -> None:
     if cfg.profile.warmup < 0 or cfg.profile.warmup + cfg.profile.active > cfg.profile.every:
         raise ConfigError(f"profile.warmup={cfg.profile.warmup} + profile.active={cfg.profile.active} must "
                           f"fit in profile.every={cfg.profile.every} steps (warmup >= 0)")
+    if cfg.training.stop_after > cfg.training.steps:
+        raise ConfigError(f"training.stop_after={cfg.training.stop_after} exceeds training.steps="
+                          f"{cfg.training.steps}: stop at or before the run's last step (0 = run them all)")
     if (cfg.debug.comm or cfg.debug.memory) and cfg.debug.trace_step > cfg.training.steps:
         raise ConfigError(f"debug.trace_step={cfg.debug.trace_step} exceeds training.steps="
                           f"{cfg.training.steps}: nothing would be recorded")
@@ -116,6 +119,11 @@ def validate(cfg: Config) -> None:
                           "tensorwise-scaled weights only): set float8.fsdp_all_gather=false")
     for dim, spec in cfg.parallel.backend_override.items():
         parse_backend_spec(dim, spec)
+
+
+def last_step(cfg: Config) -> int:
+    """The step the run ends at: ``training.stop_after`` when set, else ``training.steps``."""
+    return cfg.training.stop_after or cfg.training.steps
 
 
 def clamp_profile(cfg: Config) -> None:

@@ -26,6 +26,7 @@ from shardwise.models.transformer import build_model
 from shardwise.observe.routing import read_meta
 from shardwise.observe.trace import rank_path, taken
 from shardwise.parallel.float8 import float8_summary
+from shardwise.resolve.checks import last_step
 from shardwise.resolve.run import ResolvedRun
 from shardwise.runtime.distributed import launched_world_size
 from shardwise.runtime.machine import rank_threads
@@ -148,9 +149,9 @@ def check_routing(cfg: Config, world_size: int, args: ModelArgs) -> None:
             raise ConfigError(f"debug.routing_replay '{d.routing_replay}' traced {meta['global_batch']} x "
                               f"{meta['seq_len']} tokens per step, this run has {t.global_batch} x "
                               f"{t.seq_len}: replay a trace of the same batch")
-        if meta["steps"] < t.steps:
+        if meta["steps"] < last_step(cfg):
             raise ConfigError(f"debug.routing_replay '{d.routing_replay}' traced {meta['steps']} steps, this "
-                              f"run has {t.steps}: lower training.steps or record a longer reference")
+                              f"run has {last_step(cfg)}: lower training.steps or record a longer reference")
 
 
 def check_run_dir(cfg: Config, run_dir: Path, args: ModelArgs) -> None:

@@ -16,7 +16,7 @@ from shardwise.config.schema import Config, ConfigError, TrainingConfig
 from shardwise.models import ModelArgs, model_args
 from shardwise.parallel.dims import Mesh, ParallelDims
 from shardwise.parallel.stages import PipelineShape, stages_per_rank
-from shardwise.resolve.checks import resolve_config
+from shardwise.resolve.checks import last_step, resolve_config
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ def compile_run(cfg: Config, dims: _Degrees, device_type: str, toolchain: bool =
     if want != "auto":
         return bool(want), ""
     untested = [k for k in (Mesh.PP, Mesh.CP, Mesh.EP) if getattr(dims, k) > 1]
-    steps = cfg.training.steps
+    steps = last_step(cfg)  # (the steps this run trains)
     if steps < COMPILE_MIN_STEPS:
         return False, (f"compile.enabled=auto: eager, {steps} steps do not amortize the compile "
                        f"(it compiles from {COMPILE_MIN_STEPS}); --compile.enabled true forces it")

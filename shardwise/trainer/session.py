@@ -45,6 +45,7 @@ from shardwise.parallel.context import shard_sequences
 from shardwise.parallel.dims import DEGREES, Mesh
 from shardwise.parallel.float8 import gathers_float8
 from shardwise.parallel.pipeline import Pipe
+from shardwise.resolve.checks import last_step
 from shardwise.resolve.preflight import load_candidates, no_good_checkpoint
 from shardwise.resolve.run import ResolvedRun
 from shardwise.runtime.distributed import DistEnv
@@ -260,7 +261,7 @@ def open_session(run: ResolvedRun, env: DistEnv, run_dir: Path, ckpt_group: dist
         say(describe_run(run, start))
         for line in packing_notices(corpus, cfg.training.seq_len):  # chat data: whole conversations
             say(line)
-    logger = MetricsLogger(run_dir, cfg.metrics, cfg.training.steps, start, enabled=env.rank == 0,
+    logger = MetricsLogger(run_dir, cfg.metrics, last_step(cfg), start, enabled=env.rank == 0,
                            run_config=dataclasses.asdict(cfg))
     if logger.notice:
         logger.message(logger.notice)
@@ -358,7 +359,7 @@ def resume(cfg: Config, run_dir: Path, model: nn.Module, optimizer: torch.optim.
                 say(f"warning: checkpoint '{bad}' {why}: set aside as '{aside.name}'; resumed from the "
                     f"older {path.name}", err=True)
             say(f"resumed from {path} at step {step}")
-        if step >= cfg.training.steps:
+        if step >= last_step(cfg):
             if explicit:  # a starting point past the end: nothing would train, say so
                 raise ConfigError(f"checkpoint.path '{path}' is at step {step} and training.steps="
                                   f"{cfg.training.steps}: nothing is left to train: set training.steps above "
@@ -390,7 +391,7 @@ def shared_peak(device: torch.device, cfg: Config) -> float:
 
 
 def describe_run(run: ResolvedRun, start: int) -> str:
-    args, t = run.model, run.cfg.training
+    args = run.model
     active = f", {num_params(args, active=True) / 1e6:.1f}M active" if args.n_experts else ""
     return (f"model {model_label(run.cfg.model)}: {num_params(args) / 1e6:.1f}M params{active} | {run} | "
-            f"steps {start + 1}..{t.steps}")
+            f"steps {start + 1}..{last_step(run.cfg)}")

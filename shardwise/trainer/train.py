@@ -29,6 +29,7 @@ from shardwise.optim.clip import clip_grad_norm_, folds_grad_scale
 from shardwise.parallel.dims import Mesh
 from shardwise.parallel.float8 import precompute_scales
 from shardwise.parallel.pipeline import Pipe
+from shardwise.resolve.checks import last_step
 from shardwise.resolve.run import ResolvedRun
 from shardwise.runtime.distributed import init_distributed
 from shardwise.runtime.machine import bound_matmul_caches
@@ -60,9 +61,10 @@ def train(run: ResolvedRun) -> None:
 
 
 def loop(s: Session) -> None:
-    """Steps ``s.start + 1 .. training.steps``; each component decides when it acts."""
+    """Steps ``s.start + 1 .. training.steps`` (or ``training.stop_after``); each component decides
+    when it acts."""
     cfg = s.run.cfg
-    for step in range(s.start + 1, cfg.training.steps + 1):
+    for step in range(s.start + 1, last_step(cfg) + 1):
         maybe_fail(cfg.debug, step, s.env.rank)
         batches = plant_spike(cfg.debug, step, s.loader.next_step(), s.run.model.vocab_size)
         with s.observe(step, batches):
@@ -73,7 +75,7 @@ def loop(s: Session) -> None:
         if result.memory is not None:
             s.report_first_step(result.memory)
         s.throughput.add(s.run.tokens_per_step, *s.step_flops(batches))
-        last, stopping = step == cfg.training.steps, s.stop.agreed()  # every rank stops alike
+        last, stopping = step == last_step(cfg), s.stop.agreed()  # every rank stops alike
         evaluating, saving = s.evaluator.due(step, last), s.ckpt.due(step, last, stopping)
         if evaluating or spike or s.logger.due(step, last or stopping):
             s.logger.log(step, {**s.metrics(result), **spike, **(s.evaluator(s.model) if evaluating else {})})

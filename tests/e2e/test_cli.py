@@ -474,3 +474,20 @@ def test_a_start_past_the_last_step_and_a_zero_learning_rate_are_said(tmp_path: 
         "training.steps above 2" in lines[0], past.stderr
     zero = run_cli([*common, f"--run.dir={tmp_path / 'c'}", "--training.steps=1", "--optimizer.lr=0"])
     assert "notice: optimizer.lr=0: the weights will not change" in zero.stdout
+
+
+def test_stop_after_trains_a_longer_runs_first_steps_and_saves_the_last(tmp_path: Path, data_cache: str):
+    """training.stop_after=4 of a 10-step run: steps 1-4 exactly as the whole run's (its learning-rate
+    schedule, not one compressed into 4 steps -- what verify compares layouts on), step 4 saved;
+    a stop past training.steps is one line, exit 2."""
+    common = ["train", *TINY_ARGS, f"--data.cache_dir={data_cache}", "--lr_scheduler.warmup_steps=6"]
+    run_cli([*common, f"--run.dir={tmp_path / 'whole'}"])
+    run_cli([*common, f"--run.dir={tmp_path / 'first'}", "--training.stop_after=4",
+             "--checkpoint.final=true"])
+    whole, first = metrics(tmp_path / "whole"), metrics(tmp_path / "first")
+    assert [r["step"] for r in first] == [1, 2, 3, 4]
+    assert [(r["loss"], r["lr"]) for r in first] == [(r["loss"], r["lr"]) for r in whole[:4]]
+    assert first[-1]["lr"] == pytest.approx(4 / 6 * whole[5]["lr"])  # still warming up over 6 steps
+    assert [p.name for p in (tmp_path / "first" / "checkpoints").iterdir()] == ["step-4"]
+    past = run_cli([*common, f"--run.dir={tmp_path / 'past'}", "--training.stop_after=11"], check=False)
+    assert past.returncode == 2 and "training.stop_after=11 exceeds training.steps=10" in past.stderr

@@ -17,6 +17,7 @@ from shardwise.models.moe import (
     CPU_GROUP_ROWS,
     GroupedExperts,
     MoE,
+    Router,
     group_alignment,
     grouped_mm,
     pad_groups,
@@ -123,6 +124,40 @@ def test_router_scores_are_fp32_under_bf16_autocast():
     torch.testing.assert_close(scores, exact, rtol=1e-6, atol=1e-7)
     assert (bf16 - exact).abs().max() > 1e-4  # (the bf16 product is measurably not it)
     assert torch.equal(ids, torch.topk(exact, 2, dim=-1).indices)
+
+
+def test_choice_gap_is_the_margin_each_routing_stage_decided_by():
+    """A replayed choice's distance from the router's own: one group, the score difference; with
+    DeepSeek-V3's group-limited routing, the group ranks' margin plus the experts' within the group set
+    holding the choice -- so a group near-tie swapping far-apart experts is a near-tie (verify's own-
+    routing gap would otherwise fail a layout for rounding)."""
+    flat = Router(4, 4, 2, "softmax", False, 1.0)
+    biased = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
+    gap = flat.choice_gap(biased, torch.tensor([[0, 1]]), torch.tensor([[0, 2]]))
+    assert gap.item() == pytest.approx(0.1)
+    grouped = Router(4, 8, 2, "sigmoid", False, 1.0, n_groups=4, topk_groups=2)
+    # groups of two: ranks 1.0, 1.0 + 1e-4, 1.0 - 2e-4, 0 -> own groups 1 and 0, experts 0 and 3
+    biased = torch.tensor([[0.9, 0.1, 0.5, 0.5001, 0.6, 0.3998, 0.0, 0.0]], dtype=torch.float64)
+    own = torch.topk(grouped.group_limited(biased), 2, dim=-1).indices
+    assert sorted(own[0].tolist()) == [0, 3]
+    swapped = torch.tensor([[4, 3]])  # group 2 in place of group 0: a 2e-4 tie; scores 0.3 apart
+    assert (biased.gather(-1, own).sum() - biased.gather(-1, swapped).sum()).item() == pytest.approx(0.3)
+    assert grouped.choice_gap(biased, own, swapped).item() == pytest.approx(2e-4)
+    second = torch.tensor([[4, 5]])  # group 2 in, and its second expert over expert 3 (0.1003 down)
+    assert grouped.choice_gap(biased, own, second).item() == pytest.approx(2e-4 + 0.1003)
+    assert grouped.choice_gap(biased, own, own).item() == 0.0
+    # a perturbation of 1e-3 flips near-ties; each flipped choice is within a few perturbations of the
+    # rule's, however far apart its experts' scores (the other's experts may all sit in one group that
+    # the set of the flipped choice did not rank best)
+    torch.manual_seed(0)
+    scores = torch.rand(20_000, 8, dtype=torch.float64)
+    moved = scores + 1e-3 * torch.randn_like(scores)
+    before, after = (torch.topk(grouped.group_limited(s), 2, dim=-1).indices for s in (scores, moved))
+    flipped = (before.sort(-1).values != after.sort(-1).values).any(-1)
+    assert flipped.sum() > 50
+    assert grouped.choice_gap(moved, after, before)[flipped].max() < 2e-2
+    one_group = Router(4, 8, 2, "sigmoid", False, 1.0, n_groups=4, topk_groups=1)
+    assert one_group.choice_gap(biased, torch.tensor([[2, 3]]), torch.tensor([[0, 3]])).item() == float("inf")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,0 +1,64 @@
+"""``shardwise verify``'s bf16 bounds: the fixed tolerances, raised to a multiple of the run's own noise
+floor only where the floor is above them, and the table and notice that say which."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardwise.verify.parity import (
+    FLOOR_CAP,
+    FLOOR_FACTOR,
+    TOLERANCES,
+    Result,
+    floor_bounds,
+    floor_notice,
+    format_table,
+)
+
+BF16 = TOLERANCES["bf16"]
+
+
+def floor_result(loss_rel: float, param_rel: float, gap: float | None) -> Result:
+    routing = None if gap is None else {"tokens": 100, "differ": 3, "max_gap": gap}
+    return Result("noise floor (1 rank, micro-batches of 4)", 1, loss_rel * 5, loss_rel, param_rel, True,
+                  routing=routing)
+
+
+def test_a_quiet_floor_leaves_the_fixed_bounds():
+    floor = floor_result(1e-5, 4e-3, 1e-3)
+    assert floor_bounds(BF16, floor) == BF16
+    assert floor_bounds(BF16, None) == BF16
+    assert floor_notice(BF16, BF16, floor).startswith("noise floor: within the fixed bounds")
+
+
+def test_a_loud_floor_raises_only_the_bounds_it_exceeds_and_says_so():
+    floor = floor_result(1e-5, 0.07, 4.2e-2)  # moe-debug-like routing gap
+    tol = floor_bounds(BF16, floor)
+    assert tol.loss_rel == BF16.loss_rel
+    assert tol.param_rel == pytest.approx(FLOOR_FACTOR * 0.07)
+    assert tol.route_gap == pytest.approx(FLOOR_FACTOR * 4.2e-2)
+    line = floor_notice(BF16, tol, floor)
+    assert line.startswith("notice:") and "params 0.15 -> 0.21" in line and "loss" not in line.split("(")[1]
+    assert "routing gap 0.02 -> 0.13" in line and "fp32" in line
+
+
+def test_a_floor_too_loud_to_judge_caps_the_bounds_and_says_so():
+    """A run whose reordered reference alone ends 0.57 of the update apart (deepseek-debug on a 20-step
+    schedule that peaked at its last step): bounds raised to 3x that would pass a learning rate off by a
+    third, so they stop at FLOOR_CAP x the fixed ones and the notice says the run cannot be judged."""
+    floor = floor_result(0.46, 0.57, 1.7)
+    tol = floor_bounds(BF16, floor)
+    assert tol.loss_rel == pytest.approx(FLOOR_CAP * BF16.loss_rel)
+    assert tol.param_rel == pytest.approx(FLOOR_CAP * BF16.param_rel) and tol.param_rel < 0.38
+    assert floor_notice(BF16, tol, floor).startswith("notice: this run is too noisy to judge in bf16")
+
+
+def test_the_table_shows_the_floor_row_and_the_raised_bounds():
+    floor = floor_result(1e-5, 0.1, None)
+    tol = floor_bounds(BF16, floor_result(1e-5, 0.1, None))
+    layout = Result("dp_shard=2", 2, 1e-4, 2e-5, 0.2, True)
+    table = format_table([layout], tol, "bf16", floor)
+    assert "params <= 0.3 of the update" in table
+    rows = [ln for ln in table.splitlines() if ln.startswith("| ") and "layout" not in ln]
+    assert rows[0].startswith("| noise floor") and rows[0].endswith("(the bounds' noise floor) |")
+    assert rows[1].startswith("| dp_shard=2") and rows[1].endswith("| PASS |")
