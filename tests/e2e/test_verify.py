@@ -50,7 +50,7 @@ def test_verify_passes_on_chat_data_under_fsdp_tp_cp_and_pp(tmp_path: Path, data
         assert rows[layout].rstrip().endswith("| PASS |"), proc.stdout
     assert "| FAIL" in rows["dp_shard=2,optimizer.lr=0.002"], proc.stdout
     assert "tolerances (bf16): loss rel <= 0.002, params <= 0.15" in proc.stdout  # a quiet floor
-    assert "noise floor (1 rank, micro-batches of 4)" in rows
+    assert "noise floor (1 rank, micro-batches of 4 and 2)" in rows
     assert "noise floor: within the fixed bounds" in proc.stdout
 
 
