@@ -7,8 +7,9 @@
    (``training.stop_after``): its own learning-rate schedule, not one compressed into K steps.
 3. Per-step losses are compared, and the final parameters per tensor relative to how far training
    moved them: ``||p_layout - p_ref|| / ||p_ref - p_seed||``.
-4. bf16: the reference is rerun on its rank with its batch's gradient summed in two halves -- the
-   run's own noise floor (:func:`noise_floor`); a bound below :data:`FLOOR_FACTOR` times it is raised.
+4. bf16: the reference is rerun on its rank with its batch's gradient summed in halves and in
+   quarters -- the run's own noise floor (:func:`noise_floor`); a bound below :data:`FLOOR_FACTOR`
+   times it is raised.
 5. A table with pass/fail against the tolerances below, and an overlay plot of the loss curves.
 
 Every run is a real ``shardwise train`` process (through the same launcher users use).
@@ -135,10 +136,9 @@ def verify_layouts(base: Config, config: str | None, overrides: list[str], layou
     seed = ref_dir / "checkpoints" / "step-0"
     replay = [f"--debug.routing_replay={ref_dir}"] if moe else []
     compare = _Comparison(ref_dir, steps, moe)
-    curves = {"reference (1 rank)": compare.ref_loss}
     floor = None
     if precision == "bf16":
-        floor = noise_floor(base, [*common, f"--checkpoint.path={seed}", *replay], out, compare, curves)
+        floor = noise_floor(base, [*common, f"--checkpoint.path={seed}", *replay], out, compare)
     tol = floor_bounds(TOLERANCES[precision], floor)
     results = []
     for name, layout_args, world in parsed:
@@ -153,12 +153,11 @@ def verify_layouts(base: Config, config: str | None, overrides: list[str], layou
         r.passed = r.loss_rel <= tol.loss_rel and r.param_rel <= tol.param_rel and (
             r.routing is None or r.routing["max_gap"] <= tol.route_gap)
         results.append(r)
-        curves[name] = compare.loss(run_dir)
     print()
     print(format_table(results, tol, precision, floor))
     if floor is not None:
         print(floor_notice(TOLERANCES[precision], tol, floor))
-    plot_overlay(curves, out / "loss_overlay.png")
+    plot_overlay(compare.curves, out / "loss_overlay.png")
     print(f"\noverlay plot: {out / 'loss_overlay.png'}; logs and runs under {out}")
     chosen = [(*p, not r.passed) for p, r in zip(parsed, results, strict=True)
               if localize_all or not (r.passed or r.error)]
@@ -169,11 +168,12 @@ def verify_layouts(base: Config, config: str | None, overrides: list[str], layou
 
 class _Comparison:
     """A run's distance from the reference: per-step losses, final parameters over the update,
-    and (MoE, replayed) where its own routing differs."""
+    and (MoE, replayed) where its own routing differs; ``curves`` keeps each run's losses for the plot."""
 
     def __init__(self, ref_dir: Path, steps: int, moe: bool) -> None:
         self.steps, self.moe = steps, moe
         self.ref_loss = self.loss(ref_dir)
+        self.curves = {"reference (1 rank)": self.ref_loss}
         self.p_ref = checkpoint_params(ref_dir / "checkpoints" / f"step-{steps}")
         self.p_seed = checkpoint_params(ref_dir / "checkpoints" / "step-0")
 
@@ -181,8 +181,9 @@ class _Comparison:
     def loss(run_dir: Path) -> list[float]:
         return [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")]
 
-    def __call__(self, name: str, ranks: int, run_dir: Path) -> Result:
-        diffs = [abs(a - b) for a, b in zip(self.loss(run_dir), self.ref_loss, strict=True)]
+    def __call__(self, name: str, ranks: int, run_dir: Path, curve: str = "") -> Result:
+        loss = self.curves[curve or name] = self.loss(run_dir)
+        diffs = [abs(a - b) for a, b in zip(loss, self.ref_loss, strict=True)]
         rel = max(d / abs(b) for d, b in zip(diffs, self.ref_loss, strict=True))
         prel = update_error(checkpoint_params(run_dir / "checkpoints" / f"step-{self.steps}"),
                             self.p_ref, self.p_seed)
@@ -198,12 +199,11 @@ more ranks): measured, the debug preset's tp=2 ended 3.1x as far from the refere
 MoE presets' layouts ended up to 1.9x (parameters) and 2.2x (routing gap) as far as their floors."""
 FLOOR_CAP = 2.0
 """The loss and parameter bounds rise to at most this many times the fixed ones: beyond, they would
-pass a learning rate off by a third (loss 1.3e-2, params 0.38 after 10 steps) -- the run is then too
-noisy for bf16 to judge, and says so."""
+pass a learning rate off by a third (loss 1.3e-2, params 0.38 after 10 steps); a run noisier than
+that is said to be one where a correct layout may fail."""
 
 
-def noise_floor(base: Config, args: list[str], out: Path, compare: _Comparison,
-                curves: dict[str, list[float]]) -> Result | None:
+def noise_floor(base: Config, args: list[str], out: Path, compare: _Comparison) -> Result | None:
     """The reference rerun on its one rank with each micro-batch's gradient summed in halves, and
     in quarters: the same computation, only reordered, so how far each ends from the reference is
     this run's own bf16 noise -- what any layout's reordered sums also cause, however correct. Near a
@@ -225,8 +225,7 @@ def noise_floor(base: Config, args: list[str], out: Path, compare: _Comparison,
                      1, out / f"{run_dir.name}.log")
         if err:
             raise ConfigError(f"the noise-floor run failed: {err} (log: {out / run_dir.name}.log)")
-        runs.append(compare(name, 1, run_dir))
-        curves[f"reference, micro-batches of {size}"] = compare.loss(run_dir)
+        runs.append(compare(name, 1, run_dir, curve=f"reference, micro-batches of {size}"))
     routing = None
     if runs[0].routing is not None:
         routing = {k: max(r.routing[k] for r in runs) for k in ("tokens", "differ", "max_gap")}
