@@ -67,6 +67,11 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=8, help="other batches of the run's size")
     a = ap.parse_args()
     run = Path(a.run)
+    ckpt = run / "checkpoints"
+    for n in (a.step - 2, a.step - 1):
+        if not (ckpt / f"step-{n}").is_dir():
+            raise SystemExit(f"routing_shift: {ckpt / f'step-{n}'} is missing: train the run with "
+                             "--checkpoint.interval=1 through step --step - 1")
     cfg = load_config(run / "config.toml", [])
     t = cfg.training
     corpus = open_corpus(cfg.data, load_tokenizer(cfg.data.tokenizer))
@@ -82,20 +87,16 @@ def main() -> None:
     other_loader = loader(t.seed + 1)
     others = [step_inputs(other_loader) for _ in range(a.batches)]
 
-    ckpt = run / "checkpoints"
-    for n in (a.step - 2, a.step - 1):
-        if not (ckpt / f"step-{n}").is_dir():
-            raise SystemExit(f"routing_shift: {ckpt / f'step-{n}'} is missing: train the run with "
-                             "--checkpoint.interval=1 through step --step - 1")
     model_a = load(ckpt / f"step-{a.step - 2}", dtype="fp32", device="cpu").module.eval()
     model_b = load(ckpt / f"step-{a.step - 1}", dtype="fp32", device="cpu").module.eval()
     blocks = [m.layer_id for m in moe_layers(model_b)]
     rows = [(f"B on step {a.step}'s batch", block_loads(model_b, [own]))]
     each = torch.stack([block_loads(model_b, [x]) for x in others])  # (K, L)
+    together = block_loads(model_b, others)
     rows += [(f"B on {a.batches} other batches: median", each.median(0).values),
-             ("  largest", each.max(0).values), ("  all at once", block_loads(model_b, others)),
+             ("  largest", each.max(0).values), ("  all at once", together),
              ("A, all at once", block_loads(model_a, others))]
-    worst = int(rows[3][1].argmax())
+    worst = int(together.argmax())
     state_a, state_b = model_a.state_dict(), {k: v.clone() for k, v in model_b.state_dict().items()}
     below = blocks[worst]
     groups = {"routers": r"\.router\.", **{f"block {i}": rf"^layers\.{i}\." for i in range(below)},
