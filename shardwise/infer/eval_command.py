@@ -24,6 +24,7 @@ from shardwise.data.prepare import prepare
 from shardwise.infer.generate import load_for_generation
 from shardwise.infer.harness import run_tasks, task_manager
 from shardwise.launch.agent import launch, strip_launcher_flags
+from shardwise.ops.cpu_bf16 import use_fp32_gemms_for_bf16
 from shardwise.resolve.checks import load_config
 from shardwise.resolve.preflight import with_data
 from shardwise.resolve.run import ResolvedRun, resolve_run
@@ -56,6 +57,7 @@ def evaluate_checkpoint(run: ResolvedRun, checkpoint: Path, split: str) -> list[
     env = init_distributed(cfg.run.device, cfg.parallel.backend, cfg.run.cpu_memory_cache)
     if env.world_size != run.world:
         raise ConfigError(f"eval was resolved for {run.world} ranks but runs on {env.world_size}")
+    use_fp32_gemms_for_bf16(env.device.type, run.precision)
     run.dims.build_mesh(env.device.type, cfg.parallel.backend_override)
     corpus = open_corpus(cfg.data, run.tokenizer, plan=run.data_plan)
     check_vocab(corpus.max_token, run.model.vocab_size)

@@ -28,6 +28,7 @@ from shardwise.data.chat import check_messages
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.models.hf_config import args_from_hf, read_hf_config
 from shardwise.models.transformer import KVCache, build_model, rope_table
+from shardwise.ops.cpu_bf16 import use_fp32_gemms_for_bf16
 from shardwise.runtime.hub import local_model
 from shardwise.runtime.machine import device_type
 
@@ -184,6 +185,7 @@ def load_for_generation(checkpoint: str = "", hf: str = "", tokenizer: str = "",
         spec = tokenizer or run_tokenizer(path)
         source = str(path)
     model.rope = model.rope.float()  # (the rotation runs in fp32 whatever the weights' dtype)
+    use_fp32_gemms_for_bf16(dev.type, "bf16" if dt == torch.bfloat16 else "fp32")
     tok = load_tokenizer(spec)
     if tok.vocab_size > model.args.vocab_size:
         raise ConfigError(f"the tokenizer has {tok.vocab_size} tokens but the model {model.args.vocab_size}: "

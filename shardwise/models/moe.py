@@ -54,6 +54,7 @@ from torch.distributed.tensor import DTensor
 from shardwise.config.model_args import ModelArgs
 from shardwise.models.layers import FeedForward
 from shardwise.ops.autocast import autocast_dtype, compute_dtype
+from shardwise.ops.cpu_bf16 import fp32_gemms_for_bf16
 
 
 class AuxLossGrad(torch.autograd.Function):
@@ -99,6 +100,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
     aligned = all(n * x.element_size() % 16 == 0 for n in (w.shape[1], w.shape[2]))
     # fp32 on a CPU, eagerly: its meta kernel, which torch.compile traces, takes bf16 only (as CUDA)
     fp32 = x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling()
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and fp32_gemms_for_bf16() and \
+            not torch.compiler.is_compiling():  # (as the bf16 mm of shardwise.ops.cpu_bf16)
+        return grouped_mm(x.float(), w.float(), counts).to(torch.bfloat16)
     if hasattr(torch, "_grouped_mm") and aligned and (x.dtype == torch.bfloat16 or fp32):
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         return torch._grouped_mm(x, w, offs=offs)

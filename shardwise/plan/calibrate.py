@@ -4,7 +4,8 @@ What the step-time model needs, each measured the way training uses it:
 
 - **GEMM throughput** per dtype (bf16, fp32) and thread count: a linear layer's forward and
   backward for in/out widths 128 to 2048 (small widths run far below the large-GEMM
-  peak on CPUs; CPUs without native bf16 run bf16 GEMMs far slower than fp32);
+  peak on CPUs), bf16 as a bf16 run computes them (on CPUs without bf16 arithmetic, as fp32 GEMMs:
+  :mod:`shardwise.ops.cpu_bf16`);
 - **attention throughput** (causal SDPA, forward + backward, FLOPs as ``executed_flops`` counts
   them) per dtype, thread count, head width and sequence length; and the same for the unmasked
   calls a context-parallel ring makes off its diagonal;
@@ -37,6 +38,7 @@ from pathlib import Path
 import torch
 
 from shardwise.launch.process import enter_rank, start_rank_server
+from shardwise.ops.cpu_bf16 import bf16_gemms_as_runs_make_them
 from shardwise.plan.hardware import GRID_ROWS, Hardware, local_path, save_hardware
 from shardwise.plan.probes import (
     DTYPES,
@@ -63,9 +65,8 @@ WORLDS = (2, 4, 8)
 def gemm_tflops(dtype: torch.dtype, k: int, n: int, seconds: float = 0.2, rows: int = 0) -> float:
     """A linear layer's forward and backward (:func:`~shardwise.plan.probes.linear_step`) with ``k``
     inputs and ``n`` outputs, 6 * T * k * n FLOPs, on ``rows`` rows T -- or (0) on T sized from a
-    first small call so that one call takes about 0.1 s, at most ``GRID_ROWS`` (CPUs without native
-    bf16 run bf16 GEMMs tens of times slower than fp32). (A grouped expert GEMM runs at the rate of
-    one of these on its rows.)"""
+    first small call so that one call takes about 0.1 s, at most ``GRID_ROWS``. (A grouped expert
+    GEMM runs at the rate of one of these on its rows.)"""
     def rate(tokens: int, secs: float) -> float:
         return 6 * tokens * k * n / median_seconds(linear_step(dtype, k, n, tokens), secs) / 1e12
     if rows:
@@ -301,14 +302,15 @@ def _thread_rates(threads: list[int], gemm_sizes: tuple[int, ...], seqs: tuple[i
     for th in threads:
         torch.set_num_threads(th)
         for name, dtype in DTYPES.items():
-            # fp32: every (in, out) pair of widths; bf16 (slow without native support) square only
+            # fp32: every (in, out) pair of widths; bf16 square only (and with ``slim``, one width)
             slim = slim_bf16 and name == "bf16"
             pairs = itertools.product(gemm_sizes, repeat=2) if name == "fp32" else \
                 ((w, w) for w in (gemm_sizes[-2:-1] if slim else gemm_sizes))
-            for k, n in pairs:
-                rates[f"{name}@{th}:{k}x{n}"] = gemm_tflops(dtype, k, n, 0.2 * secs)
-            for w, r in itertools.product(row_widths, row_counts):
-                rates[f"rows_{name}@{th}:{w}:{r}"] = gemm_tflops(dtype, w, w, 0.1 * secs, rows=r)
+            with bf16_gemms_as_runs_make_them(name):
+                for k, n in pairs:
+                    rates[f"{name}@{th}:{k}x{n}"] = gemm_tflops(dtype, k, n, 0.2 * secs)
+                for w, r in itertools.product(row_widths, row_counts):
+                    rates[f"rows_{name}@{th}:{w}:{r}"] = gemm_tflops(dtype, w, w, 0.1 * secs, rows=r)
             for hd, seq in itertools.product(HEAD_DIMS, seqs[-1:] if slim else seqs):
                 rates[f"attention_{name}@{th}:{hd}:{seq}"] = attention_tflops(dtype, hd, 0.2 * secs, seq)
                 rates[f"ring_attention_{name}@{th}:{hd}:{seq}"] = attention_tflops(dtype, hd, 0.2 * secs, seq,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -156,12 +157,29 @@ def clamp_warmup(cfg: Config) -> None:
 def resolve_precision(cfg: Config, device: str | None = None) -> None:
     """Turn ``training.mixed_precision = "auto"`` into bf16 or fp32 for ``device`` (None = local).
 
-    Every rank of a job decides alike: from CPU feature flags, not from a timing."""
+    Every rank of a job decides alike: from CPU feature flags, not from a timing. bf16 asked for on a
+    CPU without bf16 arithmetic is kept, with a notice of how it runs there."""
+    machine = shardwise.runtime.machine
+    if cfg.training.mixed_precision == "bf16":
+        # (not device_type(run.device): a plan for GPUs resolves run.device=cuda on a machine without)
+        where = device or cfg.run.device
+        where = machine.device_type("auto") if where == "auto" else where
+        if where == "cpu" and not machine.cpu_has_native_bf16():
+            _bf16_without_arithmetic(machine.cpu_kind())
     if cfg.training.mixed_precision != "auto":
         return
-    device = device or shardwise.runtime.machine.device_type(cfg.run.device)
-    fast = device != "cpu" or shardwise.runtime.machine.cpu_has_native_bf16()
+    device = device or machine.device_type(cfg.run.device)
+    fast = device != "cpu" or machine.cpu_has_native_bf16()
     cfg.training.mixed_precision = "bf16" if fast else "fp32"
+
+
+@functools.cache
+def _bf16_without_arithmetic(kind: str) -> None:
+    """The notice for bf16 on a CPU without bf16 arithmetic: once per process (a plan or verify
+    resolves many runs)."""
+    notice(f"training.mixed_precision=bf16 on a CPU without bf16 arithmetic ({kind}): its GEMMs run as "
+           "fp32 GEMMs of the bf16 values, rounded once to bf16 as a bf16 GEMM's are "
+           "(shardwise.ops.cpu_bf16); fp32, what auto picks here, runs as fast and more precisely")
 
 
 def wandb_logged_in() -> bool:

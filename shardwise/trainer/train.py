@@ -25,6 +25,7 @@ from shardwise.launch import rundir
 from shardwise.launch.resilience import exit_with_launcher, maybe_fail, plant_spike
 from shardwise.models.moe import update_expert_bias
 from shardwise.observe.memory import SavedActivations, state_bytes
+from shardwise.ops.cpu_bf16 import use_fp32_gemms_for_bf16
 from shardwise.optim.clip import clip_grad_norm_, folds_grad_scale
 from shardwise.parallel.dims import Mesh
 from shardwise.parallel.float8 import precompute_scales
@@ -48,6 +49,7 @@ def train(run: ResolvedRun) -> None:
                           f"{env.world_size}: resolve it for this world")
     if env.device.type == "cpu" and run.model.n_experts:  # before the first matrix product
         bound_matmul_caches()
+    use_fp32_gemms_for_bf16(env.device.type, run.precision)
     # Host-side gloo groups for the checkpointer and the stop flag, made before the mesh: world-wide
     # groups must be created in the same order on every rank, which lazily built mesh groups break.
     ckpt_group, stop_group = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")

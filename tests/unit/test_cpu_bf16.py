@@ -1,0 +1,164 @@
+"""bf16 GEMMs as fp32 GEMMs of the bf16 values on CPUs without bf16 arithmetic (shardwise.ops.cpu_bf16):
+against torch's own bf16 kernels and the exact product, forward and gradients, on any CPU (the
+kernels are registered for the test whatever the CPU has, and taken back after)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardwise.ops import cpu_bf16
+
+BF = torch.bfloat16
+
+
+def _ulps(got: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """|got - exact| in units of bf16's spacing at ``exact`` (2^-7 of its power of two)."""
+    spacing = torch.ldexp(torch.ones_like(exact), torch.frexp(exact).exponent - 8)
+    return (got.double() - exact).abs() / spacing
+
+
+def _products() -> dict[str, tuple]:
+    """Each op on bf16 operands: plain, transposed (non-contiguous), with scalars, broadcast bias."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(96, 80, generator=g).to(BF), torch.randn(80, 72, generator=g).to(BF)
+    c, bias = torch.randn(96, 72, generator=g).to(BF), torch.randn(72, generator=g).to(BF)
+    x, y = torch.randn(3, 40, 48, generator=g).to(BF), torch.randn(3, 48, 24, generator=g).to(BF)
+    z = torch.randn(3, 40, 24, generator=g).to(BF)
+    return {"mm": (torch.mm, a, b), "mm_t": (torch.mm, b.t(), a.t()),
+            "addmm": (lambda *t: torch.addmm(*t, beta=0.5, alpha=2.0), c, a, b),
+            "addmm_bias": (torch.addmm, bias, a, b),
+            "bmm": (torch.bmm, x, y), "bmm_expanded": (torch.bmm, x[:1].expand(3, -1, -1), y),
+            "baddbmm": (lambda *t: torch.baddbmm(*t, beta=0.25, alpha=1.5), z, x, y)}
+
+
+def _exact(name: str, fn, *args: torch.Tensor) -> torch.Tensor:
+    return fn(*(t.double() for t in args))
+
+
+@pytest.mark.parametrize("name", list(_products()))
+def test_each_product_is_the_bf16_rounding_of_the_exact_one(name: str):
+    """Every entry within one bf16 spacing of the exact (fp64) result -- what one rounding of a sum
+    kept in fp32 gives -- and equal to torch's own bf16 kernel in all but a few entries (their fp32
+    sums run in other orders)."""
+    fn, *args = _products()[name]
+    own = fn(*args)
+    with cpu_bf16.registered():
+        ours = fn(*args)
+    assert not cpu_bf16.fp32_gemms_for_bf16()  # (taken back)
+    exact = _exact(name, fn, *args)
+    assert ours.dtype == BF and ours.shape == own.shape
+    assert _ulps(ours, exact).max() <= 1.0
+    assert (ours != own).float().mean() < 0.02
+
+
+def test_other_dtypes_run_the_ops_own_kernels():
+    """fp32 products with the kernels registered are bit-identical to torch's; mixed dtypes still
+    fail as they do without them."""
+    g = torch.Generator().manual_seed(1)
+    a, b, c = torch.randn(33, 17, generator=g), torch.randn(17, 9, generator=g), torch.randn(9, generator=g)
+    x, y = torch.randn(2, 5, 7, generator=g), torch.randn(2, 7, 3, generator=g)
+
+    def products() -> list[torch.Tensor]:
+        return [torch.mm(a, b), torch.addmm(c, a, b), torch.bmm(x, y), torch.baddbmm(x[:, :, :3], x, y)]
+    before = products()
+    with cpu_bf16.registered():
+        after = products()
+        with pytest.raises(RuntimeError):
+            torch.mm(a.to(BF), b)
+    assert all(torch.equal(p, q) for p, q in zip(before, after, strict=True))
+
+
+def test_a_linear_layers_gradients_match_torchs_bf16():
+    """Forward and backward of a bf16 linear layer with bias (addmm forward, mm backward): the output
+    and every gradient as torch's bf16 kernels give them, within one bf16 spacing."""
+    g = torch.Generator().manual_seed(2)
+    x0, w0, b0 = (torch.randn(*s, generator=g).to(BF) for s in ((64, 48), (32, 48), (32,)))
+    grad = torch.randn(64, 32, generator=g).to(BF)
+
+    def run() -> list[torch.Tensor]:
+        x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
+        out = F.linear(x, w, b)
+        out.backward(grad)
+        return [out, x.grad, w.grad, b.grad]
+
+    own = run()
+    with cpu_bf16.registered():
+        ours = run()
+    for p, q in zip(own, ours, strict=True):
+        assert q.dtype == BF
+        torch.testing.assert_close(q, p, rtol=2**-7, atol=1e-2)
+
+
+def test_grouped_expert_products_take_the_fp32_gemm_too():
+    """The MoE experts' grouped product (models.moe.grouped_mm) on bf16 rows: with the kernels
+    registered it runs in fp32 and rounds once -- within one spacing of the exact product."""
+    from shardwise.models.moe import grouped_mm
+
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(40, 16, generator=g).to(BF), torch.randn(3, 16, 8, generator=g).to(BF)
+    counts = torch.tensor([8, 24, 8])
+    exact = torch.cat([xi.double() @ w[i].double() for i, xi in enumerate(torch.split(x, [8, 24, 8]))])
+    with cpu_bf16.registered():
+        ours = grouped_mm(x, w, counts)
+    assert ours.dtype == BF and _ulps(ours, exact).max() <= 1.0
+
+
+def test_runs_take_them_only_on_a_cpu_without_bf16_arithmetic(monkeypatch: pytest.MonkeyPatch):
+    """A bf16 run on a CPU without bf16 arithmetic takes the kernels; fp32 runs, GPUs and CPUs with
+    AMX / AVX512-BF16 keep torch's (the decision of ``use_fp32_gemms_for_bf16``)."""
+    assert not cpu_bf16.fp32_gemms_for_bf16()
+    monkeypatch.setattr(cpu_bf16, "cpu_has_native_bf16", lambda: True)
+    assert not cpu_bf16.use_fp32_gemms_for_bf16("cpu", "bf16")
+    monkeypatch.setattr(cpu_bf16, "cpu_has_native_bf16", lambda: False)
+    assert not cpu_bf16.use_fp32_gemms_for_bf16("cpu", "fp32")
+    assert not cpu_bf16.use_fp32_gemms_for_bf16("cuda", "bf16")
+    assert not cpu_bf16.fp32_gemms_for_bf16()
+    try:
+        assert cpu_bf16.use_fp32_gemms_for_bf16("cpu", "bf16") and cpu_bf16.fp32_gemms_for_bf16()
+        assert cpu_bf16.use_fp32_gemms_for_bf16("cpu", "bf16")  # (once per process: no second library)
+    finally:
+        cpu_bf16.remove()
+    assert not cpu_bf16.fp32_gemms_for_bf16()
+
+
+def test_the_registered_kernels_are_what_runs(monkeypatch: pytest.MonkeyPatch):
+    """With the kernels registered, a bf16 linear layer and a batched product dispatch to them."""
+    calls = []
+    for name, kernel in list(cpu_bf16.KERNELS.items()):
+        def counted(*args, _kernel=kernel, _name=name, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            calls.append(_name)
+            return _kernel(*args, **kwargs)
+        monkeypatch.setitem(cpu_bf16.KERNELS, name, counted)
+    x, w, b = torch.ones(4, 8, dtype=BF), torch.ones(2, 8, dtype=BF), torch.ones(2, dtype=BF)
+    with cpu_bf16.registered():
+        F.linear(x, w, b)
+        torch.bmm(x[None], w.t()[None])
+        torch.mm(x.float(), w.t().float())
+    assert calls == ["addmm", "addmm", "bmm", "bmm", "mm"]  # (a bf16 call runs the op again in fp32)
+
+
+def test_bf16_asked_for_on_such_a_cpu_is_kept_with_one_notice(monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture):
+    """training.mixed_precision=bf16 on a CPU without bf16 arithmetic stays bf16 and says once how it
+    runs there; ``auto`` picks fp32 there and says nothing."""
+    import shardwise.runtime.machine as machine
+    from shardwise.resolve import checks
+    from tests.helpers import resolved_config
+
+    monkeypatch.setattr(machine, "cpu_has_native_bf16", lambda: False)
+    checks._bf16_without_arithmetic.cache_clear()
+    try:
+        def precision(asked: str) -> str:
+            return resolved_config(None, [f"--training.mixed_precision={asked}"], device="cpu").training \
+                .mixed_precision
+        assert precision("auto") == "fp32"
+        assert "notice: training.mixed_precision=bf16" not in capsys.readouterr().out
+        assert precision("bf16") == precision("bf16") == "bf16"
+        out = capsys.readouterr().out
+        assert out.count("notice: training.mixed_precision=bf16 on a CPU without bf16 arithmetic") == 1, out
+        assert resolved_config(None, ["--training.mixed_precision=bf16"], device="cuda")
+        assert "notice" not in capsys.readouterr().out
+    finally:
+        checks._bf16_without_arithmetic.cache_clear()
