@@ -29,7 +29,7 @@ every stage, and the last, which also runs the output head, is the slowest by fa
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from shardwise.config.model_args import ModelArgs
@@ -90,8 +90,6 @@ class Gemm(NamedTuple):
     """Runs again in backward (activation checkpointing)."""
     rows: int
     """Rows per call (a routed expert's share of the slots)."""
-    routed: bool = False
-    """A routed experts' grouped GEMM: its rows follow the routing's imbalance."""
 
 
 def block_gemms(s: Shape, cfg: Config, layer: int) -> list[Gemm]:
@@ -120,8 +118,8 @@ def block_gemms(s: Shape, cfg: Config, layer: int) -> list[Gemm]:
         h, slots = a.moe_hidden_dim, expert_rows(s)
         per_expert = max(1, round(slots * s.ep / a.n_experts))
         linears.append((2 * tn * d * a.n_experts, d, a.n_experts, False, True, tn))
-        grouped = [(2 * 2 * slots * d * h, d, h, False, True, per_expert, True),
-                   (2 * slots * d * h, h, d, False, True, per_expert, True)]
+        grouped = [(2 * 2 * slots * d * h, d, h, False, True, per_expert),
+                   (2 * slots * d * h, h, d, False, True, per_expert)]
         if a.n_shared_experts:
             hs = a.n_shared_experts * h
             up = (2 * tn * d * hs, d, hs, fp8(d, hs), True, tn)
@@ -132,9 +130,9 @@ def block_gemms(s: Shape, cfg: Config, layer: int) -> list[Gemm]:
                     (2 * t * d * f, f, d, fp8(d, f), False, t)]
     if mode == "selective_half":
         return [Gemm(*g[:4], g[4] and i % 2 == 1, g[5]) for i, g in enumerate(linears)] + \
-            [Gemm(*g[:4], False, *g[5:]) for g in grouped]
+            [Gemm(*g[:4], False, g[5]) for g in grouped]
     full = _recomputed(cfg, layer)
-    return [Gemm(*g[:4], g[4] and full, *g[5:]) for g in linears + grouped]
+    return [Gemm(*g[:4], g[4] and full, g[5]) for g in linears + grouped]
 
 
 def _float8_cast_bytes(s: Shape, cfg: Config, layer: int, gemms: list[Gemm]) -> float:
@@ -206,8 +204,6 @@ class ComputeTally:
     memory: float = 0.0
     """Memory-bound work."""
     flops: float = 0.0
-    routed: float = 0.0
-    """Of ``matmul``: the routed experts' grouped GEMMs."""
 
     def traffic(self, nbytes: float, tensor_bytes: float, elementwise: bool = True) -> float:
         """Seconds to read and write ``nbytes`` of memory-bound work on tensors of ``tensor_bytes``
@@ -220,7 +216,6 @@ class ComputeTally:
         self.attention += other.attention
         self.memory += other.memory
         self.flops += other.flops
-        self.routed += other.routed
 
     def seconds(self, fused: float = 1.0) -> float:
         """Compute seconds so far, the memory-bound ones times ``fused`` (compiled blocks)."""
@@ -232,7 +227,6 @@ class ComputeTally:
         self.attention = micro_batches * self.attention
         self.memory = micro_batches * self.memory
         self.flops *= micro_batches
-        self.routed = micro_batches * self.routed
 
 
 def rank_time(run: ResolvedRun, rank_states: RankStates, hw: Hardware,
@@ -253,7 +247,6 @@ def rank_time(run: ResolvedRun, rank_states: RankStates, hw: Hardware,
         if kind not in kinds:
             kinds[kind] = ComputeTally(hw, tally.ranks, tally.cached)
             block_compute(kinds[kind], run, shape, layer)
-            lent_cores_experts(kinds[kind], run, shape, layer)
         tally.add(kinds[kind])
         per_layer[layer] = kinds[kind].seconds(fused)
     head = tally.seconds(fused)
@@ -295,12 +288,11 @@ def block_compute(tally: ComputeTally, run: ResolvedRun, shape: Shape, layer: in
     args, dtype, hw = shape.args, run.precision, tally.hw
     recompute = _recomputed(cfg, layer)
     gemms = block_gemms(shape, cfg, layer)
-    for forward_flops, in_width, out_width, float8, recomputed, rows, routed in gemms:
+    for forward_flops, in_width, out_width, float8, recomputed, rows in gemms:
         flops = forward_flops * (1 + MATMUL_BACKWARD + (1 if recomputed else 0))
         tally.flops += flops
         rate = hw.matmul_tflops("fp8" if float8 else dtype, in_width, out_width, tally.ranks, rows)
         tally.matmul += flops / (rate * 1e12)
-        tally.routed += flops / (rate * 1e12) if routed else 0.0
     tally.memory += tally.traffic(_float8_cast_bytes(shape, cfg, layer, gemms), shape.tokens * args.dim)
     pairs = shape.mb * attention_pairs(cfg.training.seq_len) / run.dims.cp  # load-balanced over cp
     forward_flops = 2 * (args.n_heads // shape.tp) * attention_width(args, executed=True) * pairs
@@ -317,31 +309,6 @@ def block_compute(tally: ComputeTally, run: ResolvedRun, shape: Shape, layer: in
     passes = 3 + (1 if recompute or cfg.activation_checkpoint.mode.startswith("selective") else 0)
     tally.memory += sum(tally.traffic(passes * nbytes, tensor_bytes)
                         for nbytes, tensor_bytes in _elementwise_bytes(shape, cfg, layer))
-
-
-def lent_cores_share(run: ResolvedRun, shape: Shape, hw: Hardware) -> float:
-    """The share of a core each rank computes at, where local ranks outnumber the cores under expert
-    parallel with imbalanced routing (``parallel.expert_load`` > 1); else 1: no core is lent."""
-    if not hw.cores or shape.ep == 1 or shape.ep_load == 1 or run.world <= hw.cores:
-        return 1.0
-    return hw.cores / run.world
-
-
-def lent_cores_experts(block: ComputeTally, run: ResolvedRun, shape: Shape, layer: int) -> None:
-    """Cost an MoE block's routed GEMMs as ranks that share cores run them: a rank done with its
-    experts waits in the combine's all-to-all and lends its core to the busier ones, so the routed
-    GEMMs take the larger of all ranks' work packed on the cores (a balanced rank's, costed at its
-    share of a core) and the busiest rank's alone at a full core -- not the busiest rank's at its
-    share, which is right only where each rank has its own device (as
-    :func:`shared_cores_pipeline` does for a pipeline's bubble)."""
-    share = lent_cores_share(run, shape, block.hw)
-    if share == 1.0 or not block.routed:
-        return
-    balanced = ComputeTally(block.hw, block.ranks, block.cached)
-    block_compute(balanced, run, replace(shape, ep_load=1.0), layer)
-    routed = max(balanced.routed, share * block.routed)
-    block.matmul += routed - block.routed
-    block.routed = routed
 
 
 def head_compute(tally: ComputeTally, cfg: Config, shape: Shape) -> None:

@@ -7,9 +7,8 @@ from dataclasses import dataclass
 from shardwise.config.model_args import ModelArgs
 from shardwise.config.schema import Config, model_label
 from shardwise.observe.flops import flops_per_token, num_params
-from shardwise.plan.activations import shape_of
 from shardwise.plan.comm import Collective, step_collectives
-from shardwise.plan.cost import StepTime, lent_cores_share, step_time
+from shardwise.plan.cost import StepTime, step_time
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import Layout
 from shardwise.plan.memory import RankMemory, step_memory
@@ -138,10 +137,6 @@ def format_estimate(est: Estimate) -> str:
     if "compute" in st.extra:
         lines.append(f"  {lay.world} ranks share {hw.cores} cores: ranks waiting in the bubble lend theirs, "
                      f"so the step's compute is {st.extra['compute']:.3f} (cost.shared_cores_pipeline)")
-    if lent_cores_share(est.run, shape_of(est.run), hw) < 1:
-        lines.append(f"  {lay.world} ranks share {hw.cores} cores: ranks done with their experts lend them, "
-                     "so the routed GEMMs cost the larger of all ranks' work packed on the cores and "
-                     "the busiest expert-parallel rank's alone at a full core (cost.lent_cores_experts)")
     if lay.pp > 1:
         lines.append(f"  pipeline bubble {st.bubble:.3f}")
     mfu = f", MFU {100 * est.mfu:.1f}%" if est.mfu else ""

@@ -134,7 +134,7 @@ def probe_kernels(overrides: list[str]) -> Callable[[], None]:
     shape = shape_of(resolve_run(cfg, 1, detect_device=False))
     a, dtype = shape.args, DTYPES[cfg.training.mixed_precision]
     calls = [linear_step(dtype, k, n, rows) for layer in range(a.n_layers)
-             for _, k, n, _, _, rows, _ in block_gemms(shape, cfg, layer)]
+             for _, k, n, _, _, rows in block_gemms(shape, cfg, layer)]
     rows = min(shape.loss_chunk or shape.tokens, shape.tokens)
     calls += [linear_step(dtype, a.dim, a.vocab_size, rows)] * (shape.tokens // rows)
     calls += [attention_step(dtype, shape.mb, a.n_heads, shape.seq, a.head_dim)] * a.n_layers

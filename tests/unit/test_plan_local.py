@@ -289,44 +289,6 @@ def test_ranking_report_counts_the_orders_any_prediction_could_reach(tmp_path):
     assert name == r["layouts"][-1]
 
 
-def test_ranks_sharing_cores_lend_them_to_the_busiest_expert_rank():
-    """On local ranks that outnumber the cores, a rank done with its experts lends its core: the
-    routed GEMMs cost the larger of all ranks' work packed on the cores (a balanced rank's at its
-    share of a core) and the busiest rank's alone at a full core. moe-debug at ep=4 on 2 cores: a
-    load whose busiest rank has under 2x a balanced rank's slots costs as balanced; the most a top-2
-    of 8 can route (4.0: that rank 2.29x) costs half what its slots cost at its share of a core. On 4
-    cores (one each) the load costs in full, as on GPUs."""
-    from shardwise.plan.activations import ep_rank_load, shape_of
-    from shardwise.plan.cost import ComputeTally, block_compute, step_time
-    from shardwise.plan.estimate import estimate, format_estimate
-
-    def costed(load: float, cores: int) -> tuple[float, float, int]:
-        """(the step's matmul seconds, one MoE block's routed GEMMs at a rank's share of a core with
-        nothing lent, MoE blocks x micro-batches)."""
-        layout = ["--parallel.dp_shard=4", "--parallel.ep=4", f"--parallel.expert_load={load}"]
-        run = planned(resolved_config(MOE, layout, device="cpu"), 4)
-        hw = _local_profile(cores)
-        tally = ComputeTally(hw, ranks=4)
-        block_compute(tally, run, shape_of(run), layer=1)
-        blocks = sum(run.model.is_moe_layer(i) for i in range(run.model.n_layers)) * run.micro_batches
-        return step_time(run, shape_states(run), hw).ranks[0].compute["matmul"], tally.routed, blocks
-
-    assert ep_rank_load(1.5, 8, 4) < 2 < ep_rank_load(4.0, 8, 4)
-    balanced, routed1, blocks = costed(1.0, 2)
-    assert routed1 > 0 and blocks > 0
-    assert costed(1.5, 2)[0] == pytest.approx(balanced)
-    full, routed4, _ = costed(4.0, 2)
-    assert routed4 > 2 * routed1
-    assert full - balanced == pytest.approx(blocks * (routed4 / 2 - routed1))
-    own1, mine1, _ = costed(1.0, 4)
-    own4, mine4, _ = costed(4.0, 4)
-    assert own4 - own1 == pytest.approx(blocks * (mine4 - mine1))
-    cfg = resolved_config(MOE, ["--parallel.dp_shard=4", "--parallel.ep=4", "--parallel.expert_load=4"],
-                          device="cpu")
-    assert "lent_cores_experts" in format_estimate(estimate(cfg, 4, _local_profile(2)))
-    assert "lent_cores_experts" not in format_estimate(estimate(cfg, 4, _local_profile(4)))
-
-
 def test_expert_parallel_is_costed_at_its_busiest_rank():
     """parallel.expert_load (the busiest expert's tokens over the mean, as training logs it): an
     expert-parallel rank holding that expert computes and receives its share -- the expert's load and
