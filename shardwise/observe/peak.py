@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from shardwise.ops.cpu_bf16 import fp32_gemms_for_bf16
+
 # Dense (no sparsity) peak TFLOP/s per dtype, from the vendors' data sheets.
 GPU_PEAKS: dict[str, dict[str, float]] = {
     "H100 SXM": {"bf16": 989.0, "fp8": 1979.0, "fp32": 67.0},
@@ -106,8 +108,10 @@ def peak_tflops(device: torch.device, mixed_precision: str, override: float = 0.
         label = f"cuda|{name}"
     else:
         label = f"cpu|{cpu_name()}|threads={torch.get_num_threads()}"
-    # (method=2: both product layouts; figures cached before it measured one, too low on some CPUs)
-    key = f"{label}|{mixed_precision}|torch={torch.__version__}|method=2"
+    # (method=2: both product layouts; figures cached before it measured one, too low on some CPUs.
+    # bf16 GEMMs run as fp32 ones on a CPU without bf16 arithmetic (ops/cpu_bf16.py): another peak)
+    gemms = "|fp32-gemms" if mixed_precision == "bf16" and fp32_gemms_for_bf16() else ""
+    key = f"{label}|{mixed_precision}{gemms}|torch={torch.__version__}|method=2"
     path = Path(cache_dir).expanduser() / "peak_tflops.json"
     try:
         cache = json.loads(path.read_text())

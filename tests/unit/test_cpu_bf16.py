@@ -162,3 +162,17 @@ def test_bf16_asked_for_on_such_a_cpu_is_kept_with_one_notice(monkeypatch: pytes
         assert "notice" not in capsys.readouterr().out
     finally:
         checks._bf16_without_arithmetic.cache_clear()
+
+
+def test_mfu_of_such_runs_is_against_the_peak_they_run_at(tmp_path, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN001
+    """The bf16 GEMM peak MFU divides by is measured with the kernels the run uses and cached apart
+    from torch's own (a peak of torch's kernels put such a run's MFU over 100%)."""
+    from shardwise.observe import peak as peak_mod
+
+    monkeypatch.setattr(peak_mod, "measure_peak",
+                        lambda dtype, device: 0.1 if cpu_bf16.fp32_gemms_for_bf16() else 0.001)
+    cpu, where = torch.device("cpu"), str(tmp_path)
+    assert peak_mod.peak_tflops(cpu, "bf16", cache_dir=where)[0] == 0.001
+    with cpu_bf16.registered():
+        assert peak_mod.peak_tflops(cpu, "bf16", cache_dir=where)[0] == 0.1
+    assert peak_mod.peak_tflops(cpu, "bf16", cache_dir=where)[0] == 0.001  # (both cached)
