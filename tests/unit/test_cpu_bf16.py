@@ -1,14 +1,19 @@
 """bf16 GEMMs as fp32 GEMMs of the bf16 values on CPUs without bf16 arithmetic (shardwise.ops.cpu_bf16):
-against torch's own bf16 kernels and the exact product, forward and gradients, on any CPU (the
-kernels are registered for the test whatever the CPU has, and taken back after)."""
+against torch's own bf16 kernels and the exact product, forward and gradients, on any CPU. The checks
+that register the kernels run in a fresh interpreter (:func:`_fresh`), so this process's ops stay
+torch's for the tests after these."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from shardwise.ops import cpu_bf16
+from tests.helpers import ROOT
 
 BF = torch.bfloat16
 
@@ -37,23 +42,29 @@ def _exact(name: str, fn, *args: torch.Tensor) -> torch.Tensor:
     return fn(*(t.double() for t in args))
 
 
-@pytest.mark.parametrize("name", list(_products()))
-def test_each_product_is_the_bf16_rounding_of_the_exact_one(name: str):
+def _fresh(*checks: str) -> None:
+    """Run this module's ``checks`` (functions) in a new interpreter; fail with its stderr."""
+    code = "import tests.unit.test_cpu_bf16 as m\n" + "".join(f"m.{c}()\n" for c in checks)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def check_each_product_is_the_bf16_rounding_of_the_exact_one() -> None:
     """Every entry within one bf16 spacing of the exact (fp64) result -- what one rounding of a sum
     kept in fp32 gives -- and equal to torch's own bf16 kernel in all but a few entries (their fp32
     sums run in other orders)."""
-    fn, *args = _products()[name]
-    own = fn(*args)
-    with cpu_bf16.registered():
-        ours = fn(*args)
-    assert not cpu_bf16.fp32_gemms_for_bf16()  # (taken back)
-    exact = _exact(name, fn, *args)
-    assert ours.dtype == BF and ours.shape == own.shape
-    assert _ulps(ours, exact).max() <= 1.0
-    assert (ours != own).float().mean() < 0.02
+    for name, (fn, *args) in _products().items():
+        own = fn(*args)
+        with cpu_bf16.registered():
+            ours = fn(*args)
+        assert not cpu_bf16.fp32_gemms_for_bf16()  # (taken back)
+        exact = _exact(name, fn, *args)
+        assert ours.dtype == BF and ours.shape == own.shape, name
+        assert _ulps(ours, exact).max() <= 1.0, name
+        assert (ours != own).float().mean() < 0.02, name
 
 
-def test_other_dtypes_run_the_ops_own_kernels():
+def check_other_dtypes_run_the_ops_own_kernels() -> None:
     """fp32 products with the kernels registered are bit-identical to torch's; mixed dtypes still
     fail as they do without them."""
     g = torch.Generator().manual_seed(1)
@@ -70,7 +81,7 @@ def test_other_dtypes_run_the_ops_own_kernels():
     assert all(torch.equal(p, q) for p, q in zip(before, after, strict=True))
 
 
-def test_a_linear_layers_gradients_match_torchs_bf16():
+def check_a_linear_layers_gradients_match_torchs_bf16() -> None:
     """Forward and backward of a bf16 linear layer with bias (addmm forward, mm backward): the output
     and every gradient as torch's bf16 kernels give them, within one bf16 spacing."""
     g = torch.Generator().manual_seed(2)
@@ -91,7 +102,7 @@ def test_a_linear_layers_gradients_match_torchs_bf16():
         torch.testing.assert_close(q, p, rtol=2**-7, atol=1e-2)
 
 
-def test_grouped_expert_products_take_the_fp32_gemm_too():
+def check_grouped_expert_products_take_the_fp32_gemm_too() -> None:
     """The MoE experts' grouped product (models.moe.grouped_mm) on bf16 rows: with the kernels
     registered it runs in fp32 and rounds once -- within one spacing of the exact product."""
     from shardwise.models.moe import grouped_mm
@@ -105,13 +116,13 @@ def test_grouped_expert_products_take_the_fp32_gemm_too():
     assert ours.dtype == BF and _ulps(ours, exact).max() <= 1.0
 
 
-def test_runs_take_them_only_on_a_cpu_without_bf16_arithmetic(monkeypatch: pytest.MonkeyPatch):
+def check_runs_take_them_only_on_a_cpu_without_bf16_arithmetic() -> None:
     """A bf16 run on a CPU without bf16 arithmetic takes the kernels; fp32 runs, GPUs and CPUs with
     AMX / AVX512-BF16 keep torch's (the decision of ``use_fp32_gemms_for_bf16``)."""
     assert not cpu_bf16.fp32_gemms_for_bf16()
-    monkeypatch.setattr(cpu_bf16, "cpu_has_native_bf16", lambda: True)
+    cpu_bf16.cpu_has_native_bf16 = lambda: True
     assert not cpu_bf16.use_fp32_gemms_for_bf16("cpu", "bf16")
-    monkeypatch.setattr(cpu_bf16, "cpu_has_native_bf16", lambda: False)
+    cpu_bf16.cpu_has_native_bf16 = lambda: False
     assert not cpu_bf16.use_fp32_gemms_for_bf16("cpu", "fp32")
     assert not cpu_bf16.use_fp32_gemms_for_bf16("cuda", "bf16")
     assert not cpu_bf16.fp32_gemms_for_bf16()
@@ -123,14 +134,14 @@ def test_runs_take_them_only_on_a_cpu_without_bf16_arithmetic(monkeypatch: pytes
     assert not cpu_bf16.fp32_gemms_for_bf16()
 
 
-def test_the_registered_kernels_are_what_runs(monkeypatch: pytest.MonkeyPatch):
+def check_the_registered_kernels_are_what_runs() -> None:
     """With the kernels registered, a bf16 linear layer and a batched product dispatch to them."""
     calls = []
     for name, kernel in list(cpu_bf16.KERNELS.items()):
         def counted(*args, _kernel=kernel, _name=name, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
             calls.append(_name)
             return _kernel(*args, **kwargs)
-        monkeypatch.setitem(cpu_bf16.KERNELS, name, counted)
+        cpu_bf16.KERNELS[name] = counted
     x, w, b = torch.ones(4, 8, dtype=BF), torch.ones(2, 8, dtype=BF), torch.ones(2, dtype=BF)
     with cpu_bf16.registered():
         F.linear(x, w, b)
@@ -164,15 +175,35 @@ def test_bf16_asked_for_on_such_a_cpu_is_kept_with_one_notice(monkeypatch: pytes
         checks._bf16_without_arithmetic.cache_clear()
 
 
-def test_mfu_of_such_runs_is_against_the_peak_they_run_at(tmp_path, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN001
+def check_mfu_of_such_runs_is_against_the_peak_they_run_at() -> None:
     """The bf16 GEMM peak MFU divides by is measured with the kernels the run uses and cached apart
     from torch's own (a peak of torch's kernels put such a run's MFU over 100%)."""
+    import tempfile
+
     from shardwise.observe import peak as peak_mod
 
-    monkeypatch.setattr(peak_mod, "measure_peak",
-                        lambda dtype, device: 0.1 if cpu_bf16.fp32_gemms_for_bf16() else 0.001)
-    cpu, where = torch.device("cpu"), str(tmp_path)
+    peak_mod.measure_peak = lambda dtype, device: 0.1 if cpu_bf16.fp32_gemms_for_bf16() else 0.001
+    cpu, where = torch.device("cpu"), tempfile.mkdtemp()
     assert peak_mod.peak_tflops(cpu, "bf16", cache_dir=where)[0] == 0.001
     with cpu_bf16.registered():
         assert peak_mod.peak_tflops(cpu, "bf16", cache_dir=where)[0] == 0.1
     assert peak_mod.peak_tflops(cpu, "bf16", cache_dir=where)[0] == 0.001  # (both cached)
+
+
+CHECKS = [name for name in dir() if name.startswith("check_")]
+
+
+def test_the_kernels_registered_in_a_fresh_interpreter():
+    """Every ``check_*`` above (the products against the exact ones and torch's, fp32 untouched,
+    a linear layer's gradients, the grouped expert product, which runs take the kernels, that they
+    are what runs, the MFU peak), in one new interpreter, in order; the later checks patch module
+    attributes, so they run last."""
+    order = ["check_each_product_is_the_bf16_rounding_of_the_exact_one",
+             "check_other_dtypes_run_the_ops_own_kernels",
+             "check_a_linear_layers_gradients_match_torchs_bf16",
+             "check_grouped_expert_products_take_the_fp32_gemm_too",
+             "check_mfu_of_such_runs_is_against_the_peak_they_run_at",
+             "check_the_registered_kernels_are_what_runs",
+             "check_runs_take_them_only_on_a_cpu_without_bf16_arithmetic"]
+    assert sorted(order) == sorted(CHECKS)
+    _fresh(*order)
