@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -25,40 +25,21 @@ BF16 = torch.bfloat16
 _LIBRARY: torch.library.Library | None = None
 
 
-def _all_bf16(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == BF16 for t in tensors)
+def _kernel(op: Callable[..., torch.Tensor], batched: bool) -> Callable[..., torch.Tensor]:
+    """The CPU kernel of ``op`` (``mm``/``addmm``, or with ``batched`` ``bmm``/``baddbmm``; the
+    product's operands last): bf16 operands as one fp32 product rounded once, other dtypes through the
+    op's own ``out=`` kernel."""
+    def kernel(*args: torch.Tensor, **scalars: Any) -> torch.Tensor:
+        if all(t.dtype == BF16 for t in args):
+            return op(*(t.float() for t in args), **scalars).to(BF16)
+        a, b = args[-2:]
+        shape = (a.shape[0], a.shape[1], b.shape[2]) if batched else (a.shape[0], b.shape[1])
+        return op(*args, **scalars, out=a.new_empty(shape, dtype=torch.result_type(a, b)))
+    return kernel
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    if _all_bf16(a, b):
-        return torch.mm(a.float(), b.float()).to(BF16)
-    return torch.mm(a, b, out=a.new_empty((a.shape[0], b.shape[1]), dtype=torch.result_type(a, b)))
-
-
-def _addmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Any = 1,
-           alpha: Any = 1) -> torch.Tensor:
-    if _all_bf16(c, a, b):
-        return torch.addmm(c.float(), a.float(), b.float(), beta=beta, alpha=alpha).to(BF16)
-    out = a.new_empty((a.shape[0], b.shape[1]), dtype=torch.result_type(a, b))
-    return torch.addmm(c, a, b, beta=beta, alpha=alpha, out=out)
-
-
-def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    if _all_bf16(a, b):
-        return torch.bmm(a.float(), b.float()).to(BF16)
-    out = a.new_empty((a.shape[0], a.shape[1], b.shape[2]), dtype=torch.result_type(a, b))
-    return torch.bmm(a, b, out=out)
-
-
-def _baddbmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Any = 1,
-             alpha: Any = 1) -> torch.Tensor:
-    if _all_bf16(c, a, b):
-        return torch.baddbmm(c.float(), a.float(), b.float(), beta=beta, alpha=alpha).to(BF16)
-    out = a.new_empty((a.shape[0], a.shape[1], b.shape[2]), dtype=torch.result_type(a, b))
-    return torch.baddbmm(c, a, b, beta=beta, alpha=alpha, out=out)
-
-
-KERNELS = {"mm": _mm, "addmm": _addmm, "bmm": _bmm, "baddbmm": _baddbmm}
+KERNELS = {"mm": _kernel(torch.mm, False), "addmm": _kernel(torch.addmm, False),
+           "bmm": _kernel(torch.bmm, True), "baddbmm": _kernel(torch.baddbmm, True)}
 """The ops whose CPU kernel :func:`use_fp32_gemms_for_bf16` replaces (each op's default overload)."""
 
 

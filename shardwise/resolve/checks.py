@@ -179,7 +179,8 @@ def _bf16_without_arithmetic(kind: str) -> None:
     resolves many runs)."""
     notice(f"training.mixed_precision=bf16 on a CPU without bf16 arithmetic ({kind}): its GEMMs run as "
            "fp32 GEMMs of the bf16 values, rounded once to bf16 as a bf16 GEMM's are "
-           "(shardwise.ops.cpu_bf16); fp32, what auto picks here, runs as fast and more precisely")
+           "(shardwise.ops.cpu_bf16), attention in torch's bf16 kernel; fp32, what auto picks here, is "
+           "faster and more precise")
 
 
 def wandb_logged_in() -> bool:
