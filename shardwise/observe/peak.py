@@ -55,9 +55,10 @@ def cpu_name() -> str:
 
 
 def measure_gemm_tflops(dtype: torch.dtype, device: torch.device, n: int = 2048,
-                        seconds: float = 1.0) -> float:
+                        seconds: float = 1.0, products: tuple = (F.linear, torch.matmul)) -> float:
     """Best sustained TFLOP/s of square n x n products on ``device`` over about ``seconds``, in
-    both layouts a linear layer runs: ``a @ b.T`` (its forward) and ``a @ b`` (its input gradient).
+    both layouts a linear layer runs (``products``): ``a @ b.T`` (its forward) and ``a @ b`` (its
+    input gradient).
     They can differ tenfold: on CPUs without native bf16, bf16 ``a @ b`` ran at 0.0008-0.0014
     TFLOP/s and ``a @ b.T`` at 0.012-0.017 (2 cores, AVX2), so a peak from one layout alone put
     a bf16 run's MFU at 240%."""
@@ -65,7 +66,7 @@ def measure_gemm_tflops(dtype: torch.dtype, device: torch.device, n: int = 2048,
     b = torch.randn(n, n, device=device).to(dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     best = 0.0
-    for product in (F.linear, torch.matmul):
+    for product in products:
         product(a, b)
         sync()
         start = time.perf_counter()

@@ -1,7 +1,8 @@
 """bf16 products on a CPU without bf16 arithmetic (x86 without AVX512-BF16 or AMX).
 
-There torch's CPU kernels for bf16 ``mm``, ``addmm``, ``bmm`` and ``baddbmm`` fall back to a scalar
-loop about 100x slower than the fp32 GEMM of the same shape (bench/results/history.md). A bf16
+There torch's CPU kernels for bf16 ``mm``, ``addmm``, ``bmm`` and ``baddbmm`` run 6-9x slower than
+the fp32 GEMM of the same shape as ``a @ b.T`` (a linear layer's forward) and 65-390x as ``a @ b``
+(its gradients), widths 256-2048 on an AVX2 EPYC (bench/cpu_bf16.py, BENCHMARKS.md). A bf16
 GEMM's result is its bf16 inputs' products summed in fp32 and rounded once to bf16; a product of two
 bf16 values is exact in fp32, so an fp32 GEMM of the upcast inputs, rounded once, computes the same
 result up to the order of the fp32 sums -- which differs between any two GEMM kernels. This module
