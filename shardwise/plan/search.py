@@ -18,10 +18,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import gc
 import itertools
 import multiprocessing
 from collections import Counter
 from dataclasses import dataclass, field
+
+import torch
 
 from shardwise.config.model_args import ModelArgs
 from shardwise.config.schema import Config, ConfigError, model_label, preset_toml, read_config
@@ -214,8 +217,19 @@ def plan(cfg: Config, gpus: int, hw: Hardware, top: int = 5, memory_fraction: fl
         # contiguous chunks (neighbouring groups share their states), several per worker for balance
         n = min(len(groups), 4 * workers)
         chunks = [groups[len(groups) * i // n:len(groups) * (i + 1) // n] for i in range(n)]
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
-            parts = pool.map(search, chunks, chunksize=1)
+        # A forked child holds copies of the caller's objects but not its other threads: it must not
+        # finalize what the caller left for its garbage collector (a process group's or a thread
+        # pool's destructor waits on threads the child lacks: it hangs or crashes), nor use the
+        # caller's OpenMP pool. So the caller collects first and freezes the rest, as the gc module
+        # advises before a fork, and each worker computes on one thread, as DataLoader workers do.
+        gc.collect()
+        gc.freeze()
+        try:
+            with multiprocessing.get_context("fork").Pool(workers, initializer=torch.set_num_threads,
+                                                          initargs=(1,)) as pool:
+                parts = pool.map(search, chunks, chunksize=1)
+        finally:
+            gc.unfreeze()
         found = parts[0]
         for part in parts[1:]:
             found.merge(part)

@@ -6,7 +6,11 @@ executed FLOPs; plan returns layouts the trainer accepts."""
 from __future__ import annotations
 
 import dataclasses
+import gc
+import os
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +24,7 @@ from shardwise.observe.memory import SavedActivations
 from shardwise.optim.adamw import build_optimizer
 from shardwise.parallel import fsdp
 from shardwise.parallel.stages import PipelineShape
+from shardwise.plan import search as plan_search
 from shardwise.plan import states
 from shardwise.plan.activations import activations
 from shardwise.plan.comm import group_members
@@ -399,6 +404,48 @@ def test_plan_returns_layouts_the_trainer_accepts():
         assert c.peak <= 0.9 * hw.memory_gib * 2**30
     assert [e.layout for e in result.top] == [c.layout for c in result.ranked[:2]]
     assert result.top[0].peak == result.ranked[0].peak  # exact states agree with the shape path
+
+
+class _Cycle:
+    """An object in a reference cycle that records which process finalizes it."""
+
+    def __init__(self, log: Path) -> None:
+        self.log, self.me = log, self
+
+    def __del__(self) -> None:
+        with open(self.log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+_REAL_SEARCH = plan_search._search
+_THREADS_LOG: list[Path] = []  # set before the workers fork: they inherit it
+
+
+def _collecting_search(*args: object) -> object:
+    """The search, after a full collection and a note of the worker's thread count."""
+    gc.collect()
+    with open(_THREADS_LOG[0], "a") as f:
+        f.write(f"{torch.get_num_threads()}\n")
+    return _REAL_SEARCH(*args)
+
+
+def test_forked_search_workers_leave_the_callers_garbage_alone(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch):
+    """The search's forked workers must not finalize what their caller left for its garbage collector
+    (in a test runner or after a run, process groups whose destructors wait on threads a child lacks:
+    it hangs or crashes), and compute on one thread. Planted: cycles that become garbage in the
+    oldest generation, and a full collection in each worker; only the caller may finalize them."""
+    log = tmp_path / "finalized"
+    monkeypatch.setattr(plan_search, "_search", _collecting_search)
+    monkeypatch.setattr(sys.modules[__name__], "_THREADS_LOG", [tmp_path / "threads"])
+    planted = [_Cycle(log) for _ in range(50)]
+    gc.collect()  # the cycles, reachable, now sit in the oldest generation
+    del planted  # garbage a young collection does not reach
+    cfg = plan_config(resolved_config(None, ["--model.name=8b"], device="cuda"), 8192, parse_tokens("128K"))
+    result = plan(cfg, 8, load_hardware("h100"), top=0, schedules=("1f1b",), workers=2)
+    assert result.ranked
+    assert log.read_text().split() == [str(os.getpid())] * 50
+    assert set((tmp_path / "threads").read_text().split()) == {"1"}
 
 
 def test_plan_skips_only_dominated_checkpointing_modes():
