@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.ops.cpu_bf16 import fp32_gemms_for_bf16
 from shardwise.ops.flash_cpu import aligned
 
 
@@ -98,6 +99,11 @@ class AttentionCore(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | DocumentSpans | Any | None = None) -> torch.Tensor:
+        if q.dtype == torch.bfloat16 and fp32_gemms_for_bf16() and not torch.compiler.is_compiling():
+            # A CPU without bf16 arithmetic (shardwise.ops.cpu_bf16): torch's bf16 flash kernels run
+            # 5-6x slower there than fp32's, so attention runs in fp32 on the bf16 values, its output
+            # rounded once -- as a GPU's bf16 flash kernel scores and normalizes in fp32.
+            return self.forward(q.float(), k.float(), v.float(), mask).to(q.dtype)
         if isinstance(mask, DocumentSpans):
             return attention_by_document(q, k, v, mask, self.scale)
         if hasattr(mask, "attention"):  # document masks another part gives (context parallel's)

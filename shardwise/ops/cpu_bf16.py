@@ -9,6 +9,8 @@ result up to the order of the fp32 sums -- which differs between any two GEMM ke
 registers such kernels for those four ops on torch's CPU dispatch key, for bf16 inputs only (other
 dtypes run the ops' own ``out=`` kernels), once per process and only where the CPU lacks bf16
 arithmetic: the run's bf16 semantics are unchanged, its GEMMs run at the fp32 rate.
+Attention there runs in fp32 on the bf16 values (models.layers.AttentionCore asks
+:func:`fp32_gemms_for_bf16`).
 """
 
 from __future__ import annotations

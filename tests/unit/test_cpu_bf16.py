@@ -116,6 +116,64 @@ def check_grouped_expert_products_take_the_fp32_gemm_too() -> None:
     assert ours.dtype == BF and _ulps(ours, exact).max() <= 1.0
 
 
+def _attention(q0: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, grad: torch.Tensor,
+               spans: object = None, exact: bool = False) -> list[torch.Tensor]:
+    """Causal grouped-query attention's output and gradients: the model's core, or in fp64 math."""
+    from shardwise.models.layers import AttentionCore
+
+    q, k, v = ((t.double() if exact else t.clone()).requires_grad_() for t in (q0, k0, v0))
+    if exact:
+        s = q.shape[2]
+        logits = q @ k.repeat_interleave(2, 1).transpose(-1, -2) / q.shape[-1] ** 0.5  # (B, H, S, S)
+        causal = torch.ones(s, s, dtype=torch.bool).tril()
+        out = logits.masked_fill(~causal, float("-inf")).softmax(-1) @ v.repeat_interleave(2, 1)
+    else:
+        out = AttentionCore()(q, k, v, spans)
+    out.backward(grad.to(out.dtype))
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def check_attention_runs_in_fp32_on_the_bf16_values() -> None:
+    """With the kernels registered, bf16 attention (causal and per document) runs torch's fp32 flash
+    kernel on the bf16 values and rounds once: the output within one bf16 spacing of the exact one,
+    each gradient within 2^-9 of the exact one (relative norm: rounding's floor) and nearer than
+    torch's bf16 kernel; fp32 attention is untouched."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from shardwise.models.layers import DocumentSpans
+
+    class Flash(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dtypes: set[torch.dtype] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if "flash_attention" in func.__name__:
+                self.dtypes.add(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v, grad = (torch.randn(2, h, 64, 16, generator=g).to(BF) for h in (4, 2, 2, 4))
+    exact, own = _attention(q, k, v, grad, exact=True), _attention(q, k, v, grad)
+    with cpu_bf16.registered(), Flash() as flash:
+        ours = _attention(q, k, v, grad)
+    assert flash.dtypes == {torch.float32}
+    assert all(t.dtype == BF for t in ours) and _ulps(ours[0], exact[0]).max() <= 1.0
+    for e, theirs, mine in zip(exact, own, ours, strict=True):
+        err = [float((t.double() - e).norm() / e.norm()) for t in (theirs, mine)]
+        assert err[1] <= min(err[0], 2**-9), err
+    spans = DocumentSpans((20, 44, 64), 2, 64)
+    with cpu_bf16.registered(), Flash() as flash:
+        by_document = _attention(q, k, v, grad, spans)
+    assert flash.dtypes == {torch.float32}
+    by_document_fp32 = _attention(*(t.float() for t in (q, k, v, grad)), spans)
+    for mine, wide in zip(by_document, by_document_fp32, strict=True):
+        assert mine.dtype == BF and torch.equal(mine, wide.to(BF))
+    with cpu_bf16.registered(), Flash() as flash:
+        _attention(*(t.float() for t in (q, k, v, grad)))
+    assert flash.dtypes == {torch.float32}
+
+
 def check_runs_take_them_only_on_a_cpu_without_bf16_arithmetic() -> None:
     """A bf16 run on a CPU without bf16 arithmetic takes the kernels; fp32 runs, GPUs and CPUs with
     AMX / AVX512-BF16 keep torch's (the decision of ``use_fp32_gemms_for_bf16``)."""
@@ -195,13 +253,14 @@ CHECKS = [name for name in dir() if name.startswith("check_")]
 
 def test_the_kernels_registered_in_a_fresh_interpreter():
     """Every ``check_*`` above (the products against the exact ones and torch's, fp32 untouched,
-    a linear layer's gradients, the grouped expert product, which runs take the kernels, that they
+    a linear layer's gradients, the grouped expert product, attention, which runs take the kernels, that they
     are what runs, the MFU peak), in one new interpreter, in order; the later checks patch module
     attributes, so they run last."""
     order = ["check_each_product_is_the_bf16_rounding_of_the_exact_one",
              "check_other_dtypes_run_the_ops_own_kernels",
              "check_a_linear_layers_gradients_match_torchs_bf16",
              "check_grouped_expert_products_take_the_fp32_gemm_too",
+             "check_attention_runs_in_fp32_on_the_bf16_values",
              "check_mfu_of_such_runs_is_against_the_peak_they_run_at",
              "check_the_registered_kernels_are_what_runs",
              "check_runs_take_them_only_on_a_cpu_without_bf16_arithmetic"]
