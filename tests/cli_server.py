@@ -11,6 +11,14 @@ The helper forks only when the command's environment equals this server's in eve
 a library reads when it loads (all but PATH and pytest's test name), and runs a fresh interpreter otherwise;
 the production launcher forks its ranks the same way (shardwise/launch/process.py).
 
+A command's rank server (multiprocessing's forkserver, which ``--nproc`` ranks are forked from) is
+likewise a fork of the command instead of a fresh interpreter importing the same modules again (3-4
+s of CPU per multi-rank command): otherwise as multiprocessing starts it -- the command's child,
+holding only its listening socket and the read end of the pipe whose end tells it its clients are
+gone, so it and its ranks end with the command (:func:`_forked_rank_server`). The ranks then apply
+the command's environment on top of the server's as launched ones do (launch/process.enter_rank,
+which also sets their thread count).
+
 Protocol, one JSON object per line: request ``{"argv", "env", "cwd", "stdout", "stderr"}`` on
 stdin; answers ``{"pid"}`` once forked, then ``{"status"}`` (as subprocess reports it: the exit
 code, or minus the signal). The server ends when its stdin closes (the test session ended).
@@ -18,16 +26,62 @@ code, or minus the signal). The server ends when its stdin closes (the test sess
 
 from __future__ import annotations
 
+import inspect
 import io
 import json
+import multiprocessing.forkserver
 import os
+import socket
 import sys
 import traceback
+import types
+from multiprocessing import connection, resource_tracker, util
 
 # What a command imports before it starts work; the rest it imports itself, as it would.
 PRELOAD = ["shardwise.cli", "shardwise.__main__", "shardwise.resolve.checks", "shardwise.resolve.preflight",
            "shardwise.launch.rundir", "shardwise.launch.agent", "shardwise.trainer.train", "torch._dynamo",
            "tokenizers", "jinja2"]
+
+
+def _forked_rank_server(server: multiprocessing.forkserver.ForkServer) -> None:
+    """``server.ensure_running`` in a command: a running server stays; else one is forked from this
+    process (see the module docstring) where multiprocessing would start an interpreter."""
+    with server._lock:
+        resource_tracker.ensure_running()
+        if server._forkserver_pid is not None:
+            if not os.waitpid(server._forkserver_pid, os.WNOHANG)[0]:
+                return  # alive
+            os.close(server._forkserver_alive_fd)
+        listener = socket.socket(socket.AF_UNIX)
+        address = connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        if not util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            keep = {0, 1, 2, listener.fileno(), alive_r}
+            for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
+                if fd not in keep:
+                    try:
+                        os.close(fd)
+                    except OSError:  # (the listing's own descriptor, closed already)
+                        pass
+            try:
+                multiprocessing.forkserver.main(listener.fileno(), alive_r, server._preload_modules)
+            finally:
+                os._exit(0)
+        os.close(alive_r)
+        listener.close()
+        server._forkserver_address, server._forkserver_alive_fd = address, alive_w
+        server._forkserver_pid = pid
+
+
+# The server's main as this code knows it (later Pythons add an authentication key: a fresh server there).
+FORKED_RANK_SERVER = list(inspect.signature(multiprocessing.forkserver.main).parameters)[:3] == [
+    "listener_fd", "alive_r", "preload"] and "authkey_r" not in inspect.signature(
+    multiprocessing.forkserver.main).parameters
 
 
 def _child(request: dict) -> None:
@@ -50,6 +104,10 @@ def _child(request: dict) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
+        if FORKED_RANK_SERVER:
+            server = multiprocessing.forkserver._forkserver
+            server.ensure_running = types.MethodType(_forked_rank_server, server)
+            multiprocessing.forkserver.ensure_running = server.ensure_running  # (the module's alias)
         main = sys.modules["shardwise.__main__"]
         sys.modules["__main__"] = main
         sys.argv = [main.__file__, *request["argv"]]
