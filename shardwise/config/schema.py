@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal
 
 import tomli_w
@@ -118,8 +120,7 @@ class TrainingConfig:
     """Sequences per rank per forward/backward; 0 = global_batch / dp (no accumulation)."""
     mixed_precision: Literal["bf16", "fp32", "auto"] = "auto"
     """Compute dtype in forward/backward (master weights stay fp32): bf16, fp32, or auto = bf16 on
-    GPUs and CPUs with native bf16 (AMX, AVX512-BF16, Arm BF16), else fp32 (such CPUs emulate bf16
-    GEMMs 10-50x slower); resolved at load."""
+    GPUs and CPUs with bf16 arithmetic (AMX, AVX512-BF16, Arm BF16), else fp32; resolved at load."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping; the norm is still reported)."""
     loss: Literal["auto", "fused", "plain"] = "auto"
@@ -385,10 +386,8 @@ class Config:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Plain nested dict, None values dropped (TOML has no null)."""
-        return {
-            s: {k: v for k, v in dataclasses.asdict(getattr(self, s)).items() if v is not None}
-            for s in sections()
-        }
+        return {s: {k: v for k, v in dataclasses.asdict(getattr(self, s)).items() if v is not None}
+                for s in sections()}
 
     def to_toml(self) -> str:
         return tomli_w.dumps(self.to_dict())
@@ -398,16 +397,18 @@ class Config:
 # Parsing
 
 
-def sections() -> dict[str, type]:
+@functools.cache  # (resolving annotations costs ~0.4 ms a class, and every key of a config asks)
+def sections() -> MappingProxyType[str, type]:
     """Config section name -> its dataclass."""
     hints = typing.get_type_hints(Config)
-    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+    return MappingProxyType({f.name: hints[f.name] for f in dataclasses.fields(Config)})
 
 
-def section_fields(section_cls: type) -> dict[str, Any]:
+@functools.cache
+def section_fields(section_cls: type) -> MappingProxyType[str, Any]:
     """Field name -> resolved type annotation of one section dataclass."""
     hints = typing.get_type_hints(section_cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
+    return MappingProxyType({f.name: hints[f.name] for f in dataclasses.fields(section_cls)})
 
 
 def _unknown(key: str, known: list[str], where: str) -> ConfigError:
@@ -419,10 +420,9 @@ def _unknown(key: str, known: list[str], where: str) -> ConfigError:
 def _apply(cfg: Config, key: str, value: Any, from_cli: bool, where: str) -> None:
     section, _, name = key.partition(".")
     known = sections()
-    all_keys = [f"{s}.{k}" for s, c in known.items() for k in section_fields(c)]
     fields = section_fields(known[section]) if section in known else {}
     if name not in fields:
-        raise _unknown(key, all_keys, where)
+        raise _unknown(key, [f"{s}.{k}" for s, c in known.items() for k in section_fields(c)], where)
     try:
         value = coerce(key, fields[name], value, from_cli)
     except ConfigError as e:
