@@ -177,10 +177,9 @@ def resolve_precision(cfg: Config, device: str | None = None) -> None:
 def _bf16_without_arithmetic(kind: str) -> None:
     """The notice for bf16 on a CPU without bf16 arithmetic: once per process (a plan or verify
     resolves many runs)."""
-    notice(f"training.mixed_precision=bf16 on a CPU without bf16 arithmetic ({kind}): its GEMMs run as "
-           "fp32 GEMMs of the bf16 values, rounded once to bf16 as a bf16 GEMM's are "
-           "(shardwise.ops.cpu_bf16), attention in torch's bf16 kernel; fp32, what auto picks here, is "
-           "faster and more precise")
+    notice(f"training.mixed_precision=bf16 on a CPU without bf16 arithmetic ({kind}): its GEMMs and "
+           "attention run in fp32 on the bf16 values, rounded once to bf16 as a bf16 kernel's are "
+           "(shardwise.ops.cpu_bf16), about as fast as fp32, which auto picks here (more precise)")
 
 
 def wandb_logged_in() -> bool:

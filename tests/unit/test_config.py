@@ -200,6 +200,23 @@ def test_auto_compile_compiles_long_runs_on_tested_layouts(args: list[str], want
     assert compile_run(cfg, planned.dims, "cuda", toolchain=False)[0] == want
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_auto_compile_leaves_bf16_eager_on_a_cpu_without_bf16_arithmetic(native: bool,
+                                                                         monkeypatch: pytest.MonkeyPatch):
+    """A long bf16 run on a CPU without bf16 arithmetic stays eager under auto, and says why (its
+    compiled graph keeps torch's slow bf16 kernels); with bf16 arithmetic, or fp32, it compiles."""
+    from shardwise.resolve.run import resolve_run
+    from shardwise.runtime import machine
+
+    monkeypatch.setattr(machine, "cpu_has_native_bf16", lambda: native)
+    for precision, want in (("bf16", native), ("fp32", True)):
+        cfg = load_config(None, ["--run.device=cpu", "--training.steps=500",
+                                 f"--training.mixed_precision={precision}"])
+        run = resolve_run(cfg, 1)
+        assert run.compile == want, precision
+        assert ("16x slower than eager on a CPU without bf16 arithmetic" in run.compile_reason) == (not want)
+
+
 def test_compile_without_the_toolchain_is_refused_or_left_off(monkeypatch: pytest.MonkeyPatch):
     """No C++ compiler on a CPU machine: compile.enabled=true fails in one line before any rank
     starts (inductor would fail at the first step); auto stays eager and says why."""
