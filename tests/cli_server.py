@@ -78,10 +78,10 @@ def _forked_rank_server(server: multiprocessing.forkserver.ForkServer) -> None:
         server._forkserver_pid = pid
 
 
-# The server's main as this code knows it (later Pythons add an authentication key: a fresh server there).
-FORKED_RANK_SERVER = list(inspect.signature(multiprocessing.forkserver.main).parameters)[:3] == [
-    "listener_fd", "alive_r", "preload"] and "authkey_r" not in inspect.signature(
-    multiprocessing.forkserver.main).parameters
+# Only where the server's main is the one this code calls (later Pythons add an authentication key:
+# there commands start their servers as multiprocessing does).
+FORKED_RANK_SERVER = list(inspect.signature(multiprocessing.forkserver.main).parameters) == [
+    "listener_fd", "alive_r", "preload", "main_path", "sys_path"]
 
 
 def _child(request: dict) -> None:

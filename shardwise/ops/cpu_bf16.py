@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from shardwise.runtime.machine import cpu_has_native_bf16
+from shardwise.runtime.machine import bf16_without_arithmetic
 
 BF16 = torch.bfloat16
 _LIBRARY: torch.library.Library | None = None
@@ -50,7 +50,7 @@ def use_fp32_gemms_for_bf16(device_type: str, precision: str) -> bool:
     """On a CPU without bf16 arithmetic and a bf16 run, run bf16 GEMMs as fp32 GEMMs of their inputs
     rounded once (see the module docstring), for the rest of the process; returns whether they run
     so. Elsewhere (GPUs, CPUs with AMX or AVX512-BF16, fp32 runs) nothing changes."""
-    if device_type != "cpu" or precision != "bf16" or cpu_has_native_bf16():
+    if not bf16_without_arithmetic(device_type, precision):
         return fp32_gemms_for_bf16()
     install()
     return True
@@ -98,6 +98,6 @@ def bf16_gemms_as_runs_make_them(precision: str) -> contextlib.AbstractContextMa
     """Within: a ``precision`` run's GEMMs as this CPU's runs make them (for a measurement of them:
     ``shardwise calibrate``); after: as before, so that the fp32 measurements beside it pay no
     Python kernel per product."""
-    if precision == "bf16" and not cpu_has_native_bf16():
+    if bf16_without_arithmetic("cpu", precision):
         return registered()
     return contextlib.nullcontext()

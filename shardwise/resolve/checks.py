@@ -163,9 +163,8 @@ def resolve_precision(cfg: Config, device: str | None = None) -> None:
     if cfg.training.mixed_precision == "bf16":
         # (not device_type(run.device): a plan for GPUs resolves run.device=cuda on a machine without)
         where = device or cfg.run.device
-        where = machine.device_type("auto") if where == "auto" else where
-        if where == "cpu" and not machine.cpu_has_native_bf16():
-            _bf16_without_arithmetic(machine.cpu_kind())
+        if machine.bf16_without_arithmetic(machine.device_type("auto") if where == "auto" else where, "bf16"):
+            _bf16_notice(machine.cpu_kind())
     if cfg.training.mixed_precision != "auto":
         return
     device = device or machine.device_type(cfg.run.device)
@@ -174,7 +173,7 @@ def resolve_precision(cfg: Config, device: str | None = None) -> None:
 
 
 @functools.cache
-def _bf16_without_arithmetic(kind: str) -> None:
+def _bf16_notice(kind: str) -> None:
     """The notice for bf16 on a CPU without bf16 arithmetic: once per process (a plan or verify
     resolves many runs)."""
     notice(f"training.mixed_precision=bf16 on a CPU without bf16 arithmetic ({kind}): its GEMMs and "

@@ -178,8 +178,7 @@ def compile_run(cfg: Config, dims: _Degrees, device_type: str, toolchain: bool =
     if untested:
         return False, (f"compile.enabled=auto: eager, compile with parallel.{untested[0]} > 1 is not "
                        "tested yet; --compile.enabled true forces it")
-    if device_type == "cpu" and cfg.training.mixed_precision == "bf16" and \
-            not shardwise.runtime.machine.cpu_has_native_bf16():
+    if shardwise.runtime.machine.bf16_without_arithmetic(device_type, cfg.training.mixed_precision):
         # The compiled graph keeps torch's bf16 kernels, which such a CPU runs as scalar loops:
         # moe-debug's compiled bf16 step there took 45 s, its eager one 2.7 s (shardwise.ops.cpu_bf16).
         return False, ("compile.enabled=auto: eager, compiled bf16 runs 16x slower than eager on a CPU "

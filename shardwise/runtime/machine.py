@@ -109,6 +109,12 @@ def cpu_has_native_bf16() -> bool:
     return bool(flags & {"amx_bf16", "avx512_bf16"})
 
 
+def bf16_without_arithmetic(device_type: str, precision: str) -> bool:
+    """Whether a ``precision`` run on ``device_type`` computes in bf16 on a CPU without bf16
+    arithmetic (where shardwise.ops.cpu_bf16 runs its GEMMs and attention in fp32)."""
+    return device_type == "cpu" and precision == "bf16" and not cpu_has_native_bf16()
+
+
 def cpu_kind() -> str:
     """The x86 vector extensions that decide this CPU's kernels (and their rounding): ``AMX``,
     ``AVX-512``, ``AVX2``; else the machine's name (``arm64``, ...)."""

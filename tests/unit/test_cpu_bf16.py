@@ -177,10 +177,12 @@ def check_attention_runs_in_fp32_on_the_bf16_values() -> None:
 def check_runs_take_them_only_on_a_cpu_without_bf16_arithmetic() -> None:
     """A bf16 run on a CPU without bf16 arithmetic takes the kernels; fp32 runs, GPUs and CPUs with
     AMX / AVX512-BF16 keep torch's (the decision of ``use_fp32_gemms_for_bf16``)."""
+    from shardwise.runtime import machine
+
     assert not cpu_bf16.fp32_gemms_for_bf16()
-    cpu_bf16.cpu_has_native_bf16 = lambda: True
+    machine.cpu_has_native_bf16 = lambda: True
     assert not cpu_bf16.use_fp32_gemms_for_bf16("cpu", "bf16")
-    cpu_bf16.cpu_has_native_bf16 = lambda: False
+    machine.cpu_has_native_bf16 = lambda: False
     assert not cpu_bf16.use_fp32_gemms_for_bf16("cpu", "fp32")
     assert not cpu_bf16.use_fp32_gemms_for_bf16("cuda", "bf16")
     assert not cpu_bf16.fp32_gemms_for_bf16()
@@ -217,7 +219,7 @@ def test_bf16_asked_for_on_such_a_cpu_is_kept_with_one_notice(monkeypatch: pytes
     from tests.helpers import resolved_config
 
     monkeypatch.setattr(machine, "cpu_has_native_bf16", lambda: False)
-    checks._bf16_without_arithmetic.cache_clear()
+    checks._bf16_notice.cache_clear()
     try:
         def precision(asked: str) -> str:
             return resolved_config(None, [f"--training.mixed_precision={asked}"], device="cpu").training \
@@ -230,7 +232,7 @@ def test_bf16_asked_for_on_such_a_cpu_is_kept_with_one_notice(monkeypatch: pytes
         assert resolved_config(None, ["--training.mixed_precision=bf16"], device="cuda")
         assert "notice" not in capsys.readouterr().out
     finally:
-        checks._bf16_without_arithmetic.cache_clear()
+        checks._bf16_notice.cache_clear()
 
 
 def check_mfu_of_such_runs_is_against_the_peak_they_run_at() -> None:
