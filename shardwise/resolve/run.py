@@ -179,8 +179,8 @@ def compile_run(cfg: Config, dims: _Degrees, device_type: str, toolchain: bool =
         return False, (f"compile.enabled=auto: eager, compile with parallel.{untested[0]} > 1 is not "
                        "tested yet; --compile.enabled true forces it")
     if shardwise.runtime.machine.bf16_without_arithmetic(device_type, cfg.training.mixed_precision):
-        # The compiled graph keeps torch's bf16 kernels, which such a CPU runs as scalar loops:
-        # moe-debug's compiled bf16 step there took 45 s, its eager one 2.7 s (shardwise.ops.cpu_bf16).
+        # Compiled, the run skips shardwise.ops.cpu_bf16's fp32 paths: moe-debug's compiled bf16 step
+        # took 45 s there, its eager one 2.7 s.
         return False, ("compile.enabled=auto: eager, compiled bf16 runs 16x slower than eager on a CPU "
                        "without bf16 arithmetic; --compile.enabled true forces it")
     if missing:
