@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 # Fields that shape training, not the function the weights compute: the RoPE table's length (positions
-# below both lengths rotate alike) and the balance terms' weights and scope, the bias's rate, the
-# z-loss and the router's initial spread. An HF config or a checkpoint need not match them.
-TRAINING_CHOICES = ("max_seq_len", "moe_aux_coef", "moe_aux_scope", "moe_bias_rate", "moe_z_coef",
-                    "moe_router_init_std")
+# below both lengths rotate alike) and the balance terms' weights and scope, the bias's rate and rule,
+# the z-loss and the router's initial spread. An HF config or a checkpoint need not match them.
+TRAINING_CHOICES = ("max_seq_len", "moe_aux_coef", "moe_aux_scope", "moe_bias_rate", "moe_bias_update",
+                    "moe_z_coef", "moe_router_init_std")
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,9 @@ class ModelArgs:
     Switch Transformer / Mixtral loss, its token shares all-reduced over the data-parallel ranks)."""
     moe_bias_rate: float = 1e-3
     """Routing-bias step per optimizer step (moe_balance=bias or bias+aux_loss)."""
+    moe_bias_update: Literal["sign", "proportional"] = "sign"
+    """How the routing bias moves: by the rate towards balance (sign: DeepSeek-V3), or by the rate
+    times each expert's load error relative to the mean (proportional: Loss-Free Balancing's variant)."""
     moe_router_init_std: float = 0.02
     """Standard deviation of the router's initial weights. Its logits start with a spread over the
     experts of about this times sqrt(dim): 0.02 gives 0.3 at width 256 but 0.9 at 2048."""

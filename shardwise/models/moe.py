@@ -27,7 +27,9 @@ Load balancing, ``moe_balance``:
   micro-batch's tokens on every rank, so a layout with another M trains a slightly different loss.
 - ``bias``: after each optimizer step every expert's bias moves by ``moe_bias_rate`` towards
   balance (``+rate`` if the expert got fewer tokens than the mean over the global batch, ``-rate``
-  if more) -- :func:`update_expert_bias`.
+  if more) -- :func:`update_expert_bias`. ``moe_bias_update=proportional``: by the rate times the
+  expert's load error relative to the mean, ``(mean - count) / mean`` (the Loss-Free Balancing
+  paper's variant): a large imbalance is corrected in a few steps, a small one is not overshot.
 - ``bias+aux_loss``: both (DeepSeek-V3: the bias balances, a small sequence-wise loss -- its
   alpha 1e-4 -- keeps any one sequence from piling onto a few experts).
 - ``none``.
@@ -264,6 +266,7 @@ class MoE(nn.Module):
         self.balance_loss, self.balance_bias = args.balance_loss, args.balance_bias
         self.aux_coef, self.bias_rate = args.moe_aux_coef, args.moe_bias_rate
         self.aux_scope = args.moe_aux_scope
+        self.bias_proportional = args.moe_bias_update == "proportional"
         self.z_coef = args.moe_z_coef
         self.router = Router(args.dim, args.n_experts, args.moe_top_k, args.moe_score,
                              args.moe_route_norm, args.moe_route_scale, args.moe_n_groups,
@@ -399,7 +402,8 @@ def update_expert_bias(model: nn.Module, group: dist.ProcessGroup | None) -> dic
         dist.all_reduce(counts, group=group)
     for m, c in zip(layers, counts, strict=True):
         if m.balance_bias:
-            m.router.expert_bias += m.bias_rate * torch.sign(c.mean() - c)
+            error = (c.mean() - c) / c.mean().clamp(min=1e-9)  # (E,) > 0: fewer tokens than the mean
+            m.router.expert_bias += m.bias_rate * (error if m.bias_proportional else torch.sign(error))
         m.tokens_per_expert.zero_()
     loads = counts.max(-1).values / counts.mean(-1).clamp(min=1e-9)  # (L_moe,)
     return {m.layer_id: load for m, load in zip(layers, loads, strict=True)}

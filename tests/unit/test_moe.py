@@ -318,6 +318,22 @@ def test_bias_update_moves_towards_balance_and_counts_reset(balance: str):
     assert moe.tokens_per_expert.sum() == 0
 
 
+def test_proportional_bias_update_moves_by_each_experts_relative_load_error():
+    """moe_bias_update=proportional: each expert's bias moves by the rate times (mean - count) / mean,
+    written out by hand; the busiest block's load is reported as with the sign rule."""
+    model = build_model(tiny(moe_balance="bias", moe_bias_rate=0.1, moe_bias_update="proportional",
+                             n_layers=1), device="cpu")
+    init_weights(model, 0)
+    moe = model.layers["0"].feed_forward
+    moe.tokens_per_expert.copy_(torch.tensor([10.0, 0, 0, 0, 0, 0, 3, 3]))  # mean 2
+    assert update_expert_bias(model, None)[0].item() == pytest.approx(5.0)
+    # (2 - 10) / 2 = -4, (2 - 0) / 2 = 1, (2 - 3) / 2 = -0.5
+    assert moe.router.expert_bias.tolist() == pytest.approx([-0.4, 0.1, 0.1, 0.1, 0.1, 0.1, -0.05, -0.05])
+    moe.tokens_per_expert.fill_(5.0)  # balanced: no move
+    update_expert_bias(model, None)
+    assert moe.router.expert_bias.tolist() == pytest.approx([-0.4, 0.1, 0.1, 0.1, 0.1, 0.1, -0.05, -0.05])
+
+
 def test_bias_and_aux_loss_together_route_by_the_bias_and_add_the_loss():
     """bias+aux_loss: the experts are chosen on score + bias as with bias alone, and the router's
     gradient is the language loss's plus the sequence-wise loss's, as with aux_loss alone."""
