@@ -29,7 +29,7 @@ Load balancing, ``moe_balance``:
   balance (``+rate`` if the expert got fewer tokens than the mean over the global batch, ``-rate``
   if more) -- :func:`update_expert_bias`. ``moe_bias_update=proportional``: by the rate times the
   expert's load error relative to the mean, ``(mean - count) / mean`` (the Loss-Free Balancing
-  paper's variant): a large imbalance is corrected in a few steps, a small one is not overshot.
+  paper's variant): its step is large where the imbalance is and shrinks near balance.
 - ``bias+aux_loss``: both (DeepSeek-V3: the bias balances, a small sequence-wise loss -- its
   alpha 1e-4 -- keeps any one sequence from piling onto a few experts).
 - ``none``.
@@ -400,10 +400,11 @@ def update_expert_bias(model: nn.Module, group: dist.ProcessGroup | None) -> dic
     counts = torch.stack([m.tokens_per_expert for m in layers])  # (L_moe, E)
     if group is not None:
         dist.all_reduce(counts, group=group)
-    for m, c in zip(layers, counts, strict=True):
+    mean = counts.mean(-1, keepdim=True).clamp(min=1e-9)  # (L_moe, 1)
+    errors = (mean - counts) / mean  # (L_moe, E) > 0: fewer tokens than the mean
+    for m, error in zip(layers, errors, strict=True):
         if m.balance_bias:
-            error = (c.mean() - c) / c.mean().clamp(min=1e-9)  # (E,) > 0: fewer tokens than the mean
             m.router.expert_bias += m.bias_rate * (error if m.bias_proportional else torch.sign(error))
         m.tokens_per_expert.zero_()
-    loads = counts.max(-1).values / counts.mean(-1).clamp(min=1e-9)  # (L_moe,)
+    loads = counts.max(-1).values / mean.squeeze(-1)  # (L_moe,)
     return {m.layer_id: load for m, load in zip(layers, loads, strict=True)}

@@ -204,7 +204,7 @@ def test_auto_compile_compiles_long_runs_on_tested_layouts(args: list[str], want
 def test_auto_compile_leaves_bf16_eager_on_a_cpu_without_bf16_arithmetic(native: bool,
                                                                          monkeypatch: pytest.MonkeyPatch):
     """A long bf16 run on a CPU without bf16 arithmetic stays eager under auto, and says why (its
-    compiled graph keeps torch's slow bf16 kernels); with bf16 arithmetic, or fp32, it compiles."""
+    compiled graph skips shardwise.ops.cpu_bf16's fp32 paths); with bf16 arithmetic, or fp32, it compiles."""
     from shardwise.resolve.run import resolve_run
     from shardwise.runtime import machine
 
