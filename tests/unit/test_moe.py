@@ -503,3 +503,28 @@ def test_batch_scope_under_micro_batches_is_said(micro_batch: int, said: bool, c
     assert run.micro_batches == (2 if said else 1)
     out = capsys.readouterr()
     assert ("notice: model.moe_aux_scope=batch with 2 micro-batches per rank" in out.out + out.err) == said
+
+
+def test_router_inputs_splits_the_residual_into_its_parts_and_finds_a_planted_shared_vector():
+    """bench/router_inputs.py: the parts' projections add up to the residual's token mean at the last
+    MoE block's router; a constant vector planted in block 0's attention output shows as a part whose
+    projection is its whole size and makes every later router input nearly one direction."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import router_inputs
+
+    model = build_model(tiny(n_layers=3, n_dense_layers=1), device="cpu")
+    init_weights(model, 0)
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))  # (B, S)
+    plain = router_inputs.router_inputs(model, tokens)
+    assert [n for n, _, _ in plain["parts"]] == ["embedding", "attention 0", "feed-forward 0", "attention 1",
+                                                  "feed-forward 1", "attention 2"]
+    assert sum(p for _, p, _ in plain["parts"]) == pytest.approx(plain["residual"], rel=1e-4)
+    assert list(plain["alike"]) == [1, 2] and max(plain["alike"].values()) < 0.5
+
+    shared = torch.randn(64, generator=torch.Generator().manual_seed(1)) * 100  # (dim,)
+    hook = model.layers["0"].attention.register_forward_hook(lambda _m, _a, out: out + shared)
+    planted = router_inputs.router_inputs(model, tokens)
+    hook.remove()
+    _, projection, size = planted["parts"][1]
+    assert projection > 0.99 * size
+    assert min(planted["alike"].values()) > 0.95
