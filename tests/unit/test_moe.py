@@ -4,6 +4,7 @@ against a loop, and the balance loss / bias update against their definitions."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import subprocess
 import sys
@@ -509,8 +510,9 @@ def test_router_inputs_splits_the_residual_into_its_parts_and_finds_a_planted_sh
     """bench/router_inputs.py: the parts' projections add up to the residual's token mean at the last
     MoE block's router; a constant vector planted in block 0's attention output shows as a part whose
     projection is its whole size and makes every later router input nearly one direction."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    import router_inputs
+    spec = importlib.util.spec_from_file_location("router_inputs", ROOT / "bench" / "router_inputs.py")
+    router_inputs = importlib.util.module_from_spec(spec)  # (by path: bench/ stays off sys.path)
+    spec.loader.exec_module(router_inputs)
 
     model = build_model(tiny(n_layers=3, n_dense_layers=1), device="cpu")
     init_weights(model, 0)
