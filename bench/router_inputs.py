@@ -13,7 +13,9 @@ few score differences, and one step's shift sends them to the same experts toget
 - the parts of the residual stream at the last MoE block's router (the embedding, then each block's
   attention and feed-forward output): each part's token mean projected on the residual's mean
   direction, then the part's mean norm. A part whose projection is close to its size hands every
-  token the same vector. The projections add up to the norm of the residual's mean.
+  token the same vector. The residual is read where the block reads it (its ``ffn_norm``'s input),
+  apart from the parts: ``unexplained`` is how far its mean is from the parts' means summed (0 when
+  the parts are the whole residual, as in these models).
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ def alike(x: torch.Tensor) -> float:
 @torch.no_grad()
 def router_inputs(model: torch.nn.Module, tokens: torch.Tensor) -> dict:
     """``tokens`` (B, S) through ``model`` -> {"alike": {block: value}, "parts": [(name, projection,
-    size)], "residual": norm of the residual's token mean at the last MoE block's feed-forward input}."""
+    size)], "residual": norm of the residual's token mean at the last MoE block's feed-forward input,
+    "unexplained": norm of that mean minus the parts' means summed}."""
     inputs: dict[int, torch.Tensor] = {}
     parts: list[tuple[str, torch.Tensor]] = []
+    residual: list[torch.Tensor] = []
     handles = [model.tok_embeddings.register_forward_hook(
         lambda _m, _a, out: parts.append(("embedding", out)))]
     layers = moe_layers(model)
@@ -52,6 +56,8 @@ def router_inputs(model: torch.nn.Module, tokens: torch.Tensor) -> dict:
         handles.append(m.router.register_forward_hook(
             lambda _m, args, _out, i=m.layer_id: inputs.__setitem__(i, args[0].float())))
     last = max(m.layer_id for m in layers)
+    handles.append(model.layers[str(last)].ffn_norm.register_forward_hook(
+        lambda _m, args, _out: residual.append(args[0])))
     for i, block in model.layers.items():
         if int(i) > last:
             break
@@ -66,12 +72,13 @@ def router_inputs(model: torch.nn.Module, tokens: torch.Tensor) -> dict:
         for h in handles:
             h.remove()
     flat = [(name, out.reshape(-1, out.shape[-1]).float()) for name, out in parts]  # (T, dim) each
-    mean = sum(out for _, out in flat).mean(0)  # (dim,)
+    mean = residual[0].reshape(-1, residual[0].shape[-1]).float().mean(0)  # (dim,)
     direction = mean / mean.norm().clamp(min=1e-12)
     return {"alike": {i: alike(x) for i, x in sorted(inputs.items())},
             "parts": [(name, float(out.mean(0) @ direction), float(out.norm(dim=-1).mean()))
                       for name, out in flat],
-            "residual": float(mean.norm())}
+            "residual": float(mean.norm()),
+            "unexplained": float((mean - sum(out.mean(0) for _, out in flat)).norm())}
 
 
 def main() -> None:
@@ -96,7 +103,8 @@ def main() -> None:
         r = router_inputs(model, tokens)
         print(f"step {step}: router inputs alike, by block: "
               + "  ".join(f"{i}: {v:.2f}" for i, v in r["alike"].items()))
-        print(f"  residual mean {r['residual']:.2f}; parts (projection / size): "
+        print(f"  residual mean {r['residual']:.2f} ({r['unexplained']:.1e} not in the parts); "
+              "parts (projection / size): "
               + ", ".join(f"{n} {p:+.2f} / {s:.2f}" for n, p, s in r["parts"]))
 
 

@@ -507,9 +507,10 @@ def test_batch_scope_under_micro_batches_is_said(micro_batch: int, said: bool, c
 
 
 def test_router_inputs_splits_the_residual_into_its_parts_and_finds_a_planted_shared_vector():
-    """bench/router_inputs.py: the parts' projections add up to the residual's token mean at the last
-    MoE block's router; a constant vector planted in block 0's attention output shows as a part whose
-    projection is its whole size and makes every later router input nearly one direction."""
+    """bench/router_inputs.py: the parts (embedding, attention and feed-forward outputs) make up the
+    residual read at the last MoE block's feed-forward input, their projections its token mean; a
+    constant vector planted in block 0's attention output shows as a part whose projection is its
+    whole size and makes every later router input nearly one direction."""
     spec = importlib.util.spec_from_file_location("router_inputs", ROOT / "bench" / "router_inputs.py")
     router_inputs = importlib.util.module_from_spec(spec)  # (by path: bench/ stays off sys.path)
     spec.loader.exec_module(router_inputs)
@@ -520,6 +521,7 @@ def test_router_inputs_splits_the_residual_into_its_parts_and_finds_a_planted_sh
     plain = router_inputs.router_inputs(model, tokens)
     assert [n for n, _, _ in plain["parts"]] == ["embedding", "attention 0", "feed-forward 0", "attention 1",
                                                   "feed-forward 1", "attention 2"]
+    assert plain["unexplained"] < 1e-5 * plain["residual"]  # (one feed-forward left out: 4.6e-4)
     assert sum(p for _, p, _ in plain["parts"]) == pytest.approx(plain["residual"], rel=1e-4)
     assert list(plain["alike"]) == [1, 2] and max(plain["alike"].values()) < 0.5
 
