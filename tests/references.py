@@ -125,7 +125,7 @@ def step_trainer(data_cache: str, loss: str = "auto", device: str = "cpu", preci
     run = resolve_run(cfg, 1)
     run.dims.build_mesh(device)
     model = build_rank_model(run, device)
-    optimizer = build_optimizer(model, cfg.optimizer, device)
+    optimizer = build_optimizer(model, cfg.optimizer, device, run.model.moe_router_lr_scale)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, steps)
     loader, _ = build_data(run, torch.device(device))
     return cfg, run.model, run, model, optimizer, scheduler, loader

@@ -13,7 +13,7 @@ from typing import Literal
 # below both lengths rotate alike) and the balance terms' weights and scope, the bias's rate and rule,
 # the z-loss and the router's initial spread. An HF config or a checkpoint need not match them.
 TRAINING_CHOICES = ("max_seq_len", "moe_aux_coef", "moe_aux_scope", "moe_bias_rate", "moe_bias_update",
-                    "moe_z_coef", "moe_router_init_std")
+                    "moe_z_coef", "moe_router_init_std", "moe_router_lr_scale", "attn_qk_init_std")
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,10 @@ class ModelArgs:
     """Per-head width; 0 = dim / n_heads (Qwen3-style models decouple the two)."""
     qk_norm: bool = False
     """RMSNorm over each head's queries and keys before RoPE (Qwen3's QK-norm)."""
+    attn_qk_init_std: float = 0.02
+    """Standard deviation of the query and key projections' initial weights (wq, wk; latent
+    attention: wq_b or wq, and wkv_b's key rows). Latent attention has no QK-norm: at 0.02 its
+    logits start near 0 and every token's attention output is about the context's mean."""
     q_lora_rank: int = 0
     """Multi-head latent attention: rank of the low-rank query projection (0 = a full query
     projection)."""
@@ -111,6 +115,10 @@ class ModelArgs:
     moe_router_init_std: float = 0.02
     """Standard deviation of the router's initial weights. Its logits start with a spread over the
     experts of about this times sqrt(dim): 0.02 gives 0.3 at width 256 but 0.9 at 2048."""
+    moe_router_lr_scale: float = 1.0
+    """The routers' learning rate relative to optimizer.lr. AdamW moves every weight by about the
+    learning rate whatever its gradient, so a router whose inputs all point one way shifts every
+    expert's logit by about lr times the input's L1 norm in one step; below 1 the routing bias keeps up."""
     moe_z_coef: float = 0.0
     """Weight of the router z-loss (ST-MoE): the mean over tokens of logsumexp(router logits)^2,
     which keeps the logits small; 0 = off. Independent of moe_balance."""

@@ -26,6 +26,8 @@ def model_args(cfg: Any) -> ModelArgs:
 def check_args(args: Any) -> None:
     """One-line errors for model shapes that cannot be built: ``args`` is a ModelArgs or a completed
     ``[model]`` section (the same fields; the config checks pass that, so no ModelArgs is made)."""
+    if args.attn_qk_init_std <= 0:  # (0: every logit 0 until the first update)
+        raise ConfigError(f"model.attn_qk_init_std={args.attn_qk_init_std} must be > 0")
     if args.kv_lora_rank > 0:  # latent attention (ModelArgs.mla)
         _check_mla(args)
     elif args.n_heads % args.n_kv_heads:
@@ -44,6 +46,8 @@ def check_args(args: Any) -> None:
             raise ConfigError(f"model.moe_top_k={args.moe_top_k} must be between 1 and "
                               f"model.n_experts={args.n_experts}")
         _check_groups(args)
+        if args.moe_router_lr_scale <= 0:  # (0 would freeze the router at its random init)
+            raise ConfigError(f"model.moe_router_lr_scale={args.moe_router_lr_scale} must be > 0")
         if args.moe_router_init_std <= 0:  # (0: every expert ties, every token goes to experts 0..k-1)
             raise ConfigError(f"model.moe_router_init_std={args.moe_router_init_std} must be > 0")
         for name in ("moe_aux_coef", "moe_bias_rate", "moe_z_coef"):  # (a negative one pushes the wrong way)

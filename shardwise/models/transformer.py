@@ -282,7 +282,9 @@ def param_init_spec(name: str, args: ModelArgs) -> tuple[str, float]:
 
     Residual-branch outputs (wo, w2) are scaled down with depth (std 0.02 / sqrt(2 * (layer + 1))),
     the output head uses dim**-0.5, and an untied input embedding uses std 1 (it is followed by
-    RMSNorm); a tied one uses the output head's scale. An MoE router uses ``moe_router_init_std``.
+    RMSNorm); a tied one uses the output head's scale. An MoE router uses ``moe_router_init_std``,
+    the query and key projections ``attn_qk_init_std`` ('keys_values': latent attention's ``wkv_b``,
+    whose key rows take that std and value rows 0.02).
     """
     if name.endswith("norm.weight"):
         return "ones", 0.0
@@ -292,6 +294,10 @@ def param_init_spec(name: str, args: ModelArgs) -> tuple[str, float]:
         return "normal", args.dim**-0.5
     if name.endswith("router.gate.weight"):
         return "normal", args.moe_router_init_std
+    if name.endswith(("attention.wq.weight", "attention.wk.weight", "attention.wq_b.weight")):
+        return "normal", args.attn_qk_init_std
+    if name.endswith("attention.wkv_b.weight"):  # each head's key rows, then its value rows
+        return "keys_values", args.attn_qk_init_std
     if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "shared_expert.w2.weight",
                       "experts.w2")):
         layer = int(name.split(".")[1])
@@ -315,7 +321,12 @@ def init_weights(model: Transformer, seed: int) -> None:
         else:
             g = torch.Generator(device=full.device)
             g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-            nn.init.trunc_normal_(full, std=std, a=-3 * std, b=3 * std, generator=g)
+            base = 0.02 if kind == "keys_values" else std
+            nn.init.trunc_normal_(full, std=base, a=-3 * base, b=3 * base, generator=g)
+            if kind == "keys_values":  # a truncated normal scaled is one at the scaled std and bounds
+                a = model.args
+                rows = full.view(a.n_heads, a.qk_nope_head_dim + a.v_head_dim, -1)  # (H, nope + v, C)
+                rows[:, :a.qk_nope_head_dim] *= std / base
         if isinstance(p, DTensor):
             # src_data_rank=None: every rank drew the same full tensor; each keeps its shard, no comm.
             full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()

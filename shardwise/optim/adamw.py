@@ -13,18 +13,27 @@ from torch.distributed.tensor import DTensor
 from shardwise.config.schema import OptimizerConfig
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device_type: str) -> torch.optim.Optimizer:
-    """AdamW with two groups: 2-D+ parameters (matrices, embeddings) decay, 1-D ones (norms) don't.
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device_type: str,
+                    router_lr_scale: float = 1.0) -> torch.optim.Optimizer:
+    """AdamW with two groups: 2-D+ parameters (matrices, embeddings) decay, 1-D ones (norms) don't;
+    with ``router_lr_scale`` other than 1, a third for the MoE routers' weights at that fraction of
+    the learning rate (the scheduler scales each group's own peak).
 
     ``auto`` picks the fused kernel (one kernel for all parameters; CPU and CUDA both have one).
     ``state_dtype=bf16`` selects :class:`LowPrecisionAdamW`.
     """
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
+    decay, no_decay, routers = [], [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if router_lr_scale != 1.0 and name.endswith("router.gate.weight"):
+            routers.append(p)
+        else:
             (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
+    if routers:
+        groups.append({"params": routers, "weight_decay": cfg.weight_decay, "lr": cfg.lr * router_lr_scale})
     if cfg.state_dtype == "bf16":
         return LowPrecisionAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                  state_dtype=torch.bfloat16)

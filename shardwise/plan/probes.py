@@ -111,7 +111,7 @@ def _train_step(overrides: list[str], sequences: int, device: str = "cpu") -> Ca
     run = resolve_run(cfg, dist.get_world_size())
     run.dims.build_mesh(device)
     model = build_rank_model(run, device)
-    opt = build_optimizer(model, cfg.optimizer, device)
+    opt = build_optimizer(model, cfg.optimizer, device, run.model.moe_router_lr_scale)
     b, s, vocab = sequences, cfg.training.seq_len, cfg.model.vocab_size
     tokens = torch.randint(0, vocab, (b, s), device=device)
     batch, n_valid = Batch(tokens, tokens, None, b * s), torch.tensor(b * s, device=device)

@@ -230,7 +230,7 @@ def open_session(run: ResolvedRun, env: DistEnv, run_dir: Path, ckpt_group: dist
     pipe = build_pipe(model, run, env.device)
     shard = batch_sharder(run.dims, cfg.parallel.cp_load_balance)
     loss = TokenLoss(run.loss_chunk, compiled=run.compile)
-    optimizer = build_optimizer(model, cfg.optimizer, env.device.type)
+    optimizer = build_optimizer(model, cfg.optimizer, env.device.type, run.model.moe_router_lr_scale)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     routing = build_routing_trace(run, model, run_dir, env.rank)
     trace = None

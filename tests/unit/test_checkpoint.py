@@ -98,6 +98,40 @@ def test_load_restores_model_optimizer_schedule_data_and_rng(tmp_path: Path, one
     assert torch.equal(torch.rand(3), want_next)
 
 
+def test_a_run_that_groups_the_parameters_otherwise_resumes_each_ones_state(tmp_path: Path,
+                                                                           one_rank_group: None):
+    """The optimizer's state is read per parameter name: a checkpoint saved with two groups resumes
+    into an optimizer with a third (model.moe_router_lr_scale's routers) and back, every moment
+    restored, each group keeping this run's own learning rate."""
+    def grouped(n: int):
+        model, _, _, loader = trainer(seed=5)
+        named = list(model.named_parameters())
+        half = len(named) // 2
+        cut = [named[:half], named[half:]] if n == 2 else [named[:3], named[3:7], named[7:]]
+        opt = torch.optim.AdamW([{"params": [p for _, p in g], "lr": 1e-2 * (i + 1)}
+                                 for i, g in enumerate(cut)])
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), loader
+
+    for saved_groups, resumed_groups in ((2, 3), (3, 2)):
+        model, opt, sched, loader = grouped(saved_groups)
+        step(model, opt, sched, loader)
+        ck = saver(tmp_path / f"{saved_groups}")
+        path = ck.save(1, model, opt, sched, loader)
+        ck.close()
+        names = {id(p): n for n, p in model.named_parameters()}
+        want = {names[id(p)]: st for p, st in opt.state.items()}
+        other, opt2, sched2, loader2 = grouped(resumed_groups)
+        assert checkpoint.load(path, other, opt2, sched2, loader2) == 1
+        names2 = {id(p): n for n, p in other.named_parameters()}
+        got = {names2[id(p)]: st for p, st in opt2.state.items()}
+        assert set(got) == set(want)
+        for name, st in want.items():
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(got[name][key], st[key]), (name, key)
+        lrs = [1e-2 * (i + 1) for i in range(resumed_groups)]
+        assert [g["lr"] for g in opt2.param_groups] == pytest.approx(lrs)
+
+
 @pytest.mark.parametrize("mode", ["thread", "process"])
 def test_async_save_is_unaffected_by_later_steps(tmp_path: Path, one_rank_group: None, mode: str):
     model, opt, sched, loader = trainer()

@@ -98,6 +98,10 @@ def test_negative_balance_weights_are_refused():
         check_args(tiny(moe_z_coef=-0.1))
     with pytest.raises(ConfigError, match=r"model.moe_router_init_std=0.0 must be > 0"):
         check_args(tiny(moe_router_init_std=0.0))
+    with pytest.raises(ConfigError, match=r"model.moe_router_lr_scale=0.0 must be > 0"):
+        check_args(tiny(moe_router_lr_scale=0.0))
+    with pytest.raises(ConfigError, match=r"model.attn_qk_init_std=0.0 must be > 0"):
+        check_args(tiny(attn_qk_init_std=0.0))
 
 
 @pytest.mark.parametrize("std", [0.02, 0.1])
@@ -109,6 +113,64 @@ def test_router_weights_start_at_their_own_std(std: float):
     moe = model.layers["0"].feed_forward
     assert moe.router.gate.weight.std().item() == pytest.approx(0.986 * std, rel=0.03)
     assert moe.experts.w1.std().item() == pytest.approx(0.986 * 0.02, rel=0.03)
+
+
+def test_router_lr_scale_moves_the_routers_by_that_fraction_of_every_update():
+    """moe_router_lr_scale: the routers form their own AdamW group whose peak is that fraction of
+    optimizer.lr, the schedule scaling it as the others. AdamW's first step is lr * (sign-like ratio
+    + decay), so from one start and one gradient the routers move 0.3x as far, all else as far."""
+    from shardwise.config.schema import LRSchedulerConfig, OptimizerConfig
+    from shardwise.optim.adamw import build_optimizer
+    from shardwise.optim.lr import build_lr_scheduler
+
+    moved = {}
+    for scale in (1.0, 0.3):
+        model = build_model(tiny(moe_router_lr_scale=scale), device="cpu")
+        init_weights(model, 0)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt = build_optimizer(model, OptimizerConfig(lr=1e-2, implementation="for-loop"), "cpu",
+                              model.args.moe_router_lr_scale)
+        sched = build_lr_scheduler(opt, LRSchedulerConfig(warmup_steps=4), 10)  # (step 1: 1/4 of each peak)
+        model(torch.arange(32).view(2, 16)).float().square().mean().backward()
+        opt.step()
+        sched.step()
+        moved[scale] = {n: p.detach() - before[n] for n, p in model.named_parameters()}
+        lrs = [g["lr"] for g in opt.param_groups]  # (step 2: 2/4)
+        assert lrs == pytest.approx([5e-3, 5e-3] if scale == 1.0 else [5e-3, 5e-3, 1.5e-3])
+    router, expert = "layers.0.feed_forward.router.gate.weight", "layers.0.feed_forward.experts.w1"
+    torch.testing.assert_close(moved[0.3][router], 0.3 * moved[1.0][router], rtol=1e-4, atol=1e-9)
+    torch.testing.assert_close(moved[0.3][expert], moved[1.0][expert], rtol=1e-4, atol=1e-9)
+    assert moved[1.0][router].abs().max() > 1e-3  # (the router did move)
+
+
+def test_attention_qk_init_std_widens_queries_and_keys_only():
+    """attn_qk_init_std sets the query and key projections' initial std; in latent attention the
+    key rows of wkv_b, its value rows untouched (drawn as before, bit for bit)."""
+    from shardwise.models import PRESETS as P
+
+    mla = dataclasses.replace(P["deepseek-debug"], n_layers=2, n_dense_layers=1)
+    weights = {}
+    for std in (0.02, 0.1):
+        model = build_model(dataclasses.replace(mla, attn_qk_init_std=std), device="cpu")
+        init_weights(model, 3)
+        weights[std] = dict(model.named_parameters())
+    a = mla
+    for std in (0.02, 0.1):
+        kv = weights[std]["layers.1.attention.wkv_b.weight"].detach().view(a.n_heads, -1, a.kv_lora_rank)
+        keys, values = kv[:, :a.qk_nope_head_dim], kv[:, a.qk_nope_head_dim:]
+        assert keys.std().item() == pytest.approx(0.986 * std, rel=0.05)
+        assert values.std().item() == pytest.approx(0.986 * 0.02, rel=0.05)
+        queries = weights[std]["layers.1.attention.wq_b.weight"]
+        assert queries.std().item() == pytest.approx(0.986 * std, rel=0.05)
+    wide, plain = (weights[s]["layers.1.attention.wkv_b.weight"].detach() for s in (0.1, 0.02))
+    wide, plain = (t.view(a.n_heads, -1, a.kv_lora_rank) for t in (wide, plain))
+    assert torch.equal(wide[:, a.qk_nope_head_dim:], plain[:, a.qk_nope_head_dim:])
+    torch.testing.assert_close(wide[:, :a.qk_nope_head_dim], 5 * plain[:, :a.qk_nope_head_dim])
+    gqa = build_model(tiny(dim=256, attn_qk_init_std=0.1), device="cpu")
+    init_weights(gqa, 0)
+    attention = gqa.layers["0"].attention
+    for w, std in ((attention.wq, 0.1), (attention.wk, 0.1), (attention.wv, 0.02)):
+        assert w.weight.std().item() == pytest.approx(0.986 * std, rel=0.05)
 
 
 def test_router_scores_are_fp32_under_bf16_autocast():
