@@ -235,19 +235,16 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
         return 0
     state = app_state(model, optimizer, scheduler, loader, step=0)
-    # Hyperparameters come from this run's config, state from the checkpoint: the optimizer state
-    # dict would otherwise bring back the saved lr / betas / weight decay, and the scheduler its
-    # base LRs, silently overriding what the user asked for. Only the per-parameter state is read
-    # (keyed by parameter name), so a run may also group its parameters otherwise than the saved one
-    # (model.moe_router_lr_scale gives the routers a group of their own).
+    # Hyperparameters come from this run's config, state from the checkpoint: only the optimizer's
+    # per-parameter state (keyed by parameter name) is read, and its groups stay this run's own --
+    # the saved ones would bring back the saved lr / betas / weight decay, and would have to match
+    # this run's grouping (model.moe_router_lr_scale gives the routers a group of their own). The
+    # scheduler's base LRs are likewise this run's; only its position is read.
     groups = state["optimizer"].pop("param_groups")
     _dcp_load(state, path)
     state["optimizer"]["param_groups"] = groups
-    hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
-    for group, h in zip(optimizer.param_groups, hyper, strict=True):
-        group.update(h)
     saved = state["lr_scheduler"]
     scheduler.last_epoch, scheduler._step_count = saved["last_epoch"], saved["_step_count"]
     lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas,

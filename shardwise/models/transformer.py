@@ -277,6 +277,10 @@ class Transformer(nn.Module):
 # Initialization
 
 
+INIT_STD = 0.02
+"""The std of every weight that has no rule of its own (projections, experts, the value rows)."""
+
+
 def param_init_spec(name: str, args: ModelArgs) -> tuple[str, float]:
     """(kind, std) for a parameter: 'ones' for norms, else a truncated normal at ±3 std.
 
@@ -284,7 +288,7 @@ def param_init_spec(name: str, args: ModelArgs) -> tuple[str, float]:
     the output head uses dim**-0.5, and an untied input embedding uses std 1 (it is followed by
     RMSNorm); a tied one uses the output head's scale. An MoE router uses ``moe_router_init_std``,
     the query and key projections ``attn_qk_init_std`` ('keys_values': latent attention's ``wkv_b``,
-    whose key rows take that std and value rows 0.02).
+    whose key rows take that std and value rows ``INIT_STD``).
     """
     if name.endswith("norm.weight"):
         return "ones", 0.0
@@ -301,8 +305,8 @@ def param_init_spec(name: str, args: ModelArgs) -> tuple[str, float]:
     if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "shared_expert.w2.weight",
                       "experts.w2")):
         layer = int(name.split(".")[1])
-        return "normal", 0.02 / math.sqrt(2 * (layer + 1))
-    return "normal", 0.02
+        return "normal", INIT_STD / math.sqrt(2 * (layer + 1))
+    return "normal", INIT_STD
 
 
 @torch.no_grad()
@@ -321,7 +325,7 @@ def init_weights(model: Transformer, seed: int) -> None:
         else:
             g = torch.Generator(device=full.device)
             g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-            base = 0.02 if kind == "keys_values" else std
+            base = INIT_STD if kind == "keys_values" else std
             nn.init.trunc_normal_(full, std=base, a=-3 * base, b=3 * base, generator=g)
             if kind == "keys_values":  # a truncated normal scaled is one at the scaled std and bounds
                 a = model.args

@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardwise.config.schema import OptimizerConfig
+from shardwise.models.moe import Router
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device_type: str,
@@ -22,14 +23,13 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device_type: str,
     ``auto`` picks the fused kernel (one kernel for all parameters; CPU and CUDA both have one).
     ``state_dtype=bf16`` selects :class:`LowPrecisionAdamW`.
     """
+    scaled = set()
+    if router_lr_scale != 1.0:
+        scaled = {id(m.gate.weight) for m in model.modules() if isinstance(m, Router)}
     decay, no_decay, routers = [], [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        if router_lr_scale != 1.0 and name.endswith("router.gate.weight"):
-            routers.append(p)
-        else:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+    for p in model.parameters():
+        if p.requires_grad:
+            (routers if id(p) in scaled else decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     if routers:
