@@ -34,7 +34,8 @@ FAMILIES = {
     "llama-debug": ["--config", "configs/debug.toml", "--model.qk_norm=false"],  # (Llama: no QK-norm)
     # (as recorded: the preset's routing recipe before its router init and balance weight changed)
     "moe-debug": ["--config", "configs/moe-debug.toml", "--model.qk_norm=false",
-                  "--model.moe_router_init_std=0.02", "--model.moe_aux_coef=0.01"],
+                  "--model.moe_router_init_std=0.02", "--model.moe_aux_coef=0.01",
+                  "--model.moe_router_lr_scale=1"],
     # Qwen3's differences from Llama: QK-norm, a head width of its own, tied embeddings, RoPE base 1e6
     "qwen3-tiny": ["--config", "configs/debug.toml", "--model.qk_norm=true", "--model.head_size=32",
                    "--model.tie_embeddings=true", "--model.rope_theta=1000000"],
