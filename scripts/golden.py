@@ -32,7 +32,7 @@ from shardwise.runtime.machine import cpu_kind  # noqa: E402
 GOLDEN = ROOT / "tests" / "golden"
 FAMILIES = {
     "llama-debug": ["--config", "configs/debug.toml", "--model.qk_norm=false"],  # (Llama: no QK-norm)
-    # (as recorded: the preset's routing recipe before its router init and balance weight changed)
+    # (as recorded: the preset's routing recipe before its router init, balance weight and router lr changed)
     "moe-debug": ["--config", "configs/moe-debug.toml", "--model.qk_norm=false",
                   "--model.moe_router_init_std=0.02", "--model.moe_aux_coef=0.01",
                   "--model.moe_router_lr_scale=1"],
