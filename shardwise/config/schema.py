@@ -275,11 +275,10 @@ class CheckpointConfig:
     verify_checksums: bool = True
     """Check every file's SHA-256 against the manifest before loading (sizes are always checked)."""
     initial_hf: str = ""
-    """Start from a Hugging Face folder's weights (Llama, Qwen3, Qwen3-MoE, DeepSeek-V3, block-scaled
-    fp8 included; any layout): its config.json gives the [model] section, its tokenizer.json the
-    tokenizer unless data.tokenizer is set. Each rank reads the full tensor of each of its own
-    parameters, one at a time, and keeps its shard (no copy on disk); a resume goes on from the
-    run's own checkpoints."""
+    """Start from a Hugging Face folder's weights (Llama, Qwen3, Qwen3-MoE, DeepSeek-V3, block-scaled fp8
+    included; any layout): its config.json gives the [model] section, its tokenizer.json the tokenizer
+    unless data.tokenizer is set. Each rank reads the full tensor of each of its own parameters, one at
+    a time, and keeps its shard (no copy on disk); a resume goes on from the run's own checkpoints."""
     export_hf: bool = False
     """Also write each saved checkpoint as a Hugging Face folder (bf16) in run.dir/hf/step-<N>
     (rank 0 gathers the model in host memory; keep_latest_k removes it with its checkpoint)."""
@@ -342,8 +341,7 @@ class DebugConfig:
     comm: bool = False
     """Print (and write comm.json) every collective of step debug.trace_step, with its bytes."""
     memory: bool = False
-    """Record the live-tensor peak of step debug.trace_step on every rank (torch's MemTracker: the
-    bytes the allocator would hold, by category) into memory_peak.json."""
+    """Write step debug.trace_step's live-tensor peak per rank by category (MemTracker): memory_peak.json."""
     trace_step: int = 1
     """The step debug.comm and debug.memory record (2 or later: the steady state)."""
     nan_step: int = 0
@@ -358,6 +356,8 @@ class DebugConfig:
     """MoE, one rank: write each layer's expert choices per token to run.dir/routing/ (verify)."""
     routing_replay: str = ""
     """MoE: route tokens as this run.dir's routing_record trace did, count own choices that differ."""
+    tp_rounding: int = 0
+    """One rank: round as tensor parallel over N ranks does (verify's noise floor); 0 = off."""
     capture: str = ""
     """Save step debug.trace_step's module outputs (residual-shaped) and full gradients to this
     directory, one file per rank (``verify --localize`` compares them with the reference's)."""
@@ -431,8 +431,8 @@ def _apply(cfg: Config, key: str, value: Any, from_cli: bool, where: str) -> Non
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
-    """``['--a.b=1', '--c.d', '2', '--e.flag']`` -> ``[('a.b', '1'), ('c.d', '2'), ('e.flag', 'true')]``:
-    a boolean key alone means true."""
+    """``['--a.b=1', '--c.d', '2', '--e.flag']`` -> ``[('a.b', '1'), ('c.d', '2'), ('e.flag', 'true')]``
+    (a boolean key alone means true)."""
     out: list[tuple[str, str]] = []
     i = 0
     while i < len(args):

@@ -23,7 +23,7 @@ from shardwise.parallel.dims import Mesh, ParallelDims
 from shardwise.parallel.expert import apply_ep
 from shardwise.parallel.float8 import apply_float8
 from shardwise.parallel.fsdp import apply_autocast, apply_fsdp, mixed_precision_policy, plain_rank
-from shardwise.parallel.tensor import apply_tp
+from shardwise.parallel.tensor import apply_tp, emulate_tp_rounding
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, config: Config, compiled: bool = False) -> None:
@@ -34,6 +34,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, config: Config, compiled: 
     apply_float8(model, config.float8, dims.tp, dims.mesh.device_type)
     if dims.tp > 1:
         apply_tp(model, dims.submesh(Mesh.TP), cfg)
+    elif config.debug.tp_rounding > 1:  # (one rank, checked: resolve.check_tp_rounding)
+        emulate_tp_rounding(model, config.debug.tp_rounding)
     if dims.cp > 1:
         # The training sequence length fixes which positions each cp rank holds.
         apply_cp(model, dims.submesh(Mesh.CP), cfg, config.training.seq_len, config.data.document_mask)

@@ -16,10 +16,12 @@ cast to float8 on its sequence shard, with the amax reduced over tp, and all-gat
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
@@ -134,3 +136,42 @@ def enable_async_tp(mesh: DeviceMesh) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # (deprecated where not needed)
             enable(mesh.get_group().group_name)
+
+
+def emulate_tp_rounding(model: nn.Module, tp: int) -> None:
+    """On one rank, make every linear layer tensor parallel would split compute as ``tp`` ranks do,
+    the same math rounded in the same places: a row-parallel layer as ``tp`` partial products over
+    slices of its input, summed in the compute dtype (what the reduce-scatter adds), a column-parallel
+    one (the output head too, where the loss calls it) as ``tp`` slices of its output, so that its
+    input's gradient is summed from ``tp`` partial products as TP's backward reduction sums them.
+    ``verify``'s noise floor runs this (``debug.tp_rounding``): a TP layout's own bf16 rounding,
+    sampled without TP -- measured, every module output of a step equal to tp=2's, bit for bit."""
+    if isinstance(head := getattr(model, model.plan.head, None), nn.Linear):
+        _split(head, tp, rows=False)
+    for block in blocks(model):
+        for group in (g for g in block.plan.groups if g.split):
+            for names, rows in ((group.columns, False), (group.rows, True)):
+                for name in names:
+                    module = block.get_submodule(f"{group.region}.{name}")
+                    if isinstance(module, nn.Linear):  # (a float8 layer keeps its own rounding)
+                        _split(module, tp, rows)
+
+
+def _split(module: nn.Linear, tp: int, rows: bool) -> None:
+    # an instance attribute: nn.Module calls it in place of the class's forward
+    module.forward = functools.partial(_row_parallel if rows else _column_parallel, module, tp)
+
+
+def _row_parallel(module: nn.Linear, tp: int, x: torch.Tensor) -> torch.Tensor:
+    k = module.in_features // tp
+    # (contiguous slices: each partial product's operands laid out as on its tp rank)
+    parts = (slice(r * k, (r + 1) * k) for r in range(tp))
+    out = sum(F.linear(x[..., p].contiguous(), module.weight[:, p].contiguous()) for p in parts)
+    return out if module.bias is None else out + module.bias
+
+
+def _column_parallel(module: nn.Linear, tp: int, x: torch.Tensor) -> torch.Tensor:
+    n = module.out_features // tp
+    return torch.cat([F.linear(x, module.weight[r * n:(r + 1) * n],
+                               None if module.bias is None else module.bias[r * n:(r + 1) * n])
+                      for r in range(tp)], dim=-1)

@@ -98,6 +98,7 @@ def resolve_run(cfg: Config, world_size: int, detect_device: bool = True, model:
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     args = model or resolve_model(cfg)
     dims.check_model(args, cfg.training.seq_len)
+    check_tp_rounding(cfg, dims, args)
     if args.n_experts and cfg.parallel.expert_load > args.n_experts / args.moe_top_k:
         raise ConfigError(f"parallel.expert_load={cfg.parallel.expert_load} exceeds n_experts/top_k="
                           f"{args.n_experts / args.moe_top_k:g} (an expert taking every token): lower it")
@@ -121,7 +122,8 @@ def resolve_run(cfg: Config, world_size: int, detect_device: bool = True, model:
         notice(f"parallel.one_rank=plain is for a run on one rank: these {world_size} ranks train with FSDP")
     micro_batch = micro_batch_size(cfg.training, dims.dp)
     return ResolvedRun(cfg, dims, args, micro_batch, micro_batches,
-                       loss_chunk_tokens(cfg.training, args.vocab_size, dims.pp, dims.tp,
+                       loss_chunk_tokens(cfg.training, args.vocab_size, dims.pp,
+                                         max(dims.tp, cfg.debug.tp_rounding),  # (the loss TP would take)
                                          micro_batch * cfg.training.seq_len // dims.cp),
                        cfg.training.mixed_precision, device_type, compiled, why)
 
@@ -131,6 +133,22 @@ COMPILE_MIN_STEPS = 300
 before the first step and gains a few percent per step on the smallest preset (where compile pays
 least), so it breaks even after a few hundred steps (BENCHMARKS.md, "time to first step"). A
 bigger model saves more per step for the same compile (blocks share one graph), so it pays sooner."""
+
+
+def check_tp_rounding(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
+    """debug.tp_rounding: on one rank without tensor parallel, for a model tp over that many ranks
+    could split."""
+    n = cfg.debug.tp_rounding
+    if n < 0:
+        raise ConfigError(f"debug.tp_rounding must be >= 0 (0 = off), got {n}")
+    if n > 1 and (dims.world_size > 1 or dims.tp > 1):
+        raise ConfigError(f"debug.tp_rounding={n} emulates tensor parallel's rounding on one rank, not on "
+                          f"{dims.world_size} ranks with tp={dims.tp}: run one rank, or set it to 0")
+    if n > 1:
+        try:
+            dataclasses.replace(dims, tp=n).check_model(args, cfg.training.seq_len)
+        except ConfigError as e:
+            raise ConfigError(f"debug.tp_rounding={n}: {e}") from None
 
 
 def check_async_tp(cfg: Config, dims: ParallelDims, device_type: str, compiled: bool) -> None:

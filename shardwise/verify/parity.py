@@ -8,8 +8,8 @@
 3. Per-step losses are compared, and the final parameters per tensor relative to how far training
    moved them: ``||p_layout - p_ref|| / ||p_ref - p_seed||``.
 4. bf16: the reference is rerun on its rank with its batch's gradient summed in halves and in
-   quarters -- the run's own noise floor (:func:`noise_floor`); a bound below :data:`FLOOR_FACTOR`
-   times it is raised.
+   quarters, and with TP's split matmuls when a layout has TP -- the run's own noise floor
+   (:func:`noise_floor`); a bound below :data:`FLOOR_FACTOR` times it is raised.
 5. A table with pass/fail against the tolerances below, and an overlay plot of the loss curves.
 
 Every run is a real ``shardwise train`` process (through the same launcher users use).
@@ -138,7 +138,9 @@ def verify_layouts(base: Config, config: str | None, overrides: list[str], layou
     compare = _Comparison(ref_dir, steps, moe)
     floor = None
     if precision == "bf16":
-        floor = noise_floor(base, [*common, f"--checkpoint.path={seed}", *replay], out, compare)
+        tps = sorted({int(a.partition("=")[2]) for _, args, _ in parsed for a in args
+                      if a.startswith("--parallel.tp=")} - {1})
+        floor = noise_floor(base, [*common, f"--checkpoint.path={seed}", *replay], out, compare, tuple(tps))
     tol = floor_bounds(TOLERANCES[precision], floor)
     results = []
     for name, layout_args, world in parsed:
@@ -194,38 +196,46 @@ class _Comparison:
 FLOOR_DIR = "floor"
 FLOOR_FACTOR = 3.0
 """A layout's bf16 bound is the fixed tolerance or this many times the run's noise floor, the
-larger. A layout rounds in more places than the floor's one reordered sum (TP's bf16 partial sums,
-more ranks): measured, the debug preset's tp=2 ended 3.1x as far from the reference as dp_shard=4; the
-MoE presets' layouts ended up to 1.9x (parameters) and 2.2x (routing gap) as far as their floors."""
+larger. A layout rounds in more places than any one floor run (more ranks, each of its reductions)
+and the floor is one sample of a chaotic drift: measured, before the floor had TP's rounding, the
+debug preset's tp=2 ended 3.1x as far from the reference as dp_shard=4, and the MoE presets' layouts
+up to 1.9x (parameters) and 2.2x (routing gap) as far as their floors."""
 FLOOR_CAP = 2.0
 """The loss and parameter bounds rise to at most this many times the fixed ones: beyond, they would
 pass a learning rate off by a third (loss 1.3e-2, params 0.38 after 10 steps); a run noisier than
 that is said to be one where a correct layout may fail."""
 
 
-def noise_floor(base: Config, args: list[str], out: Path, compare: _Comparison) -> Result | None:
+def noise_floor(base: Config, args: list[str], out: Path, compare: _Comparison,
+                tps: tuple[int, ...] = ()) -> Result | None:
     """The reference rerun on its one rank with each micro-batch's gradient summed in halves, and
-    in quarters: the same computation, only reordered, so how far each ends from the reference is
-    this run's own bf16 noise -- what any layout's reordered sums also cause, however correct. Near a
-    loss spike or a routing near-tie it grows many-fold within 20 steps, and from one reordering to
-    the next by several times (one sample of it), so the floor is the larger of the two, per measure.
-    None (fixed bounds) when a micro-batch of one sequence cannot be halved."""
+    in quarters, and for each tensor-parallel degree in ``tps`` with its split matmuls' partial sums
+    (``debug.tp_rounding``): the same computation, only rounded elsewhere, so how far each ends from
+    the reference is this run's own bf16 noise -- what a layout's reordered sums also cause, however
+    correct. Near a loss spike or a routing near-tie it grows many-fold within 20 steps, and from one
+    reordering to the next by several times (one sample of it), so the floor is the largest of them,
+    per measure. None (fixed bounds) when there is none: a micro-batch of one sequence, no TP."""
     rows = base.training.micro_batch or base.training.global_batch
     splits = [rows // parts for parts in (2, 4) if rows % parts == 0]
-    if not splits:
-        print(f"noise floor: none (a micro-batch of {rows} sequences cannot be halved); fixed bounds",
+    variants = [(f"micro-batches of {size}", f"{FLOOR_DIR}-{size}", [f"--training.micro_batch={size}"])
+                for size in splits]
+    variants += [(f"TP's rounding over {tp}", f"{FLOOR_DIR}-tp{tp}", [f"--debug.tp_rounding={tp}"])
+                 for tp in tps]
+    if not variants:
+        print(f"noise floor: none (a micro-batch of {rows} sequences cannot be halved, no TP); fixed bounds",
               flush=True)
         return None
-    name = f"noise floor (1 rank, micro-batches of {' and '.join(map(str, splits))})"
+    kinds = ([f"micro-batches of {' and '.join(map(str, splits))}"] if splits else []) + [
+        f"TP's rounding over {tp}" for tp in tps]
+    name = f"noise floor (1 rank, {'; '.join(kinds)})"
     runs = []
-    for size in splits:
-        print(f"noise floor: 1 rank, micro-batches of {size} ...", flush=True)
-        run_dir = out / f"{FLOOR_DIR}-{size}"
-        err = _train([*args, f"--run.dir={run_dir}", *parse_layout("")[0], f"--training.micro_batch={size}"],
-                     1, out / f"{run_dir.name}.log")
+    for what, dirname, extra in variants:
+        print(f"noise floor: 1 rank, {what} ...", flush=True)
+        run_dir = out / dirname
+        err = _train([*args, f"--run.dir={run_dir}", *parse_layout("")[0], *extra], 1, out / f"{dirname}.log")
         if err:
-            raise ConfigError(f"the noise-floor run failed: {err} (log: {out / run_dir.name}.log)")
-        runs.append(compare(name, 1, run_dir, curve=f"reference, micro-batches of {size}"))
+            raise ConfigError(f"the noise-floor run failed: {err} (log: {out / dirname}.log)")
+        runs.append(compare(name, 1, run_dir, curve=f"reference, {what}"))
     routing = None
     if runs[0].routing is not None:
         routing = {k: max(r.routing[k] for r in runs) for k in ("tokens", "differ", "max_gap")}
@@ -251,14 +261,14 @@ def floor_notice(fixed: Tolerance, tol: Tolerance, floor: Result) -> str:
               for key, label in (("loss_rel", "loss"), ("param_rel", "params"), ("route_gap", "routing gap"))
               if getattr(tol, key) > getattr(fixed, key)]
     if FLOOR_FACTOR * floor.loss_rel > tol.loss_rel or FLOOR_FACTOR * floor.param_rel > tol.param_rel:
-        return (f"notice: this run's own bf16 noise (the reference, only reordered, ends loss "
+        return (f"notice: this run's own bf16 noise (the reference, only rounded elsewhere, ends loss "
                 f"{floor.loss_rel:.1e} / params {floor.param_rel:.2g} of the update apart) reaches the "
                 f"widest bounds verify allows ({'; '.join(raised)}: they still catch a learning rate "
                 "off by a third); a correct layout may fail them here: verify fewer --steps, or "
                 "--training.mixed_precision=fp32")
     if not raised:
-        return (f"noise floor: within the fixed bounds (the reference reordered ends {floor.param_rel:.1e} "
-                "of the update apart)")
+        return (f"noise floor: within the fixed bounds (the reference rounded elsewhere ends "
+                f"{floor.param_rel:.1e} of the update apart)")
     return (f"notice: this run's own bf16 noise is above the fixed bounds, which are raised to "
             f"{FLOOR_FACTOR:g}x the noise floor ({'; '.join(raised)}): a layout error smaller than that "
             "cannot be told from rounding here; --training.mixed_precision=fp32 (fixed bounds) is the proof")

@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from shardwise.config.schema import ConfigError
+from shardwise.observe.capture import _assemble, _load_capture, _rel
 from shardwise.resolve.layouts import parse_layout
-from tests.helpers import TINY_ARGS, metrics, run_cli
+from tests.helpers import TINY_ARGS, metrics, run_cli, train_tiny
 
 pytestmark = pytest.mark.e2e
 
@@ -36,8 +38,8 @@ def test_verify_passes_real_layouts_and_catches_a_wrong_one(tmp_path: Path, data
 def test_verify_passes_on_chat_data_under_fsdp_tp_cp_and_pp(tmp_path: Path, data_cache: str):
     """configs/chat-debug.toml (whole conversations per window, document masks, bf16): FSDP, tensor,
     context (head-tail chunks) and pipeline parallel each train the one-rank run. In bf16 the bounds
-    come with the run's noise floor (the reference with its batch summed in halves), which must not
-    let a real error through: a learning rate off by a third still FAILs."""
+    come with the run's noise floor (the reference with its batch summed in halves, and with TP's
+    rounding), which must not let a real error through: a learning rate off by a third still FAILs."""
     out = tmp_path / "verify"
     proc = run_cli(["verify", "--config", "configs/chat-debug.toml", "--model.dim=64", "--model.n_layers=2",
                     "--model.n_heads=4", "--model.n_kv_heads=2", "--training.seq_len=128",
@@ -50,8 +52,35 @@ def test_verify_passes_on_chat_data_under_fsdp_tp_cp_and_pp(tmp_path: Path, data
         assert rows[layout].rstrip().endswith("| PASS |"), proc.stdout
     assert "| FAIL" in rows["dp_shard=2,optimizer.lr=0.002"], proc.stdout
     assert "tolerances (bf16): loss rel <= 0.002, params <= 0.15" in proc.stdout  # a quiet floor
-    assert "noise floor (1 rank, micro-batches of 4 and 2)" in rows
+    assert "noise floor (1 rank, micro-batches of 4 and 2; TP's rounding over 2)" in rows  # (tp=2 above)
     assert "noise floor: within the fixed bounds" in proc.stdout
+
+
+def _captured(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A run's step-1 capture: full module outputs, and gradients, by name."""
+    ranks = [_load_capture(p) for p in sorted((run_dir / "capture").glob("rank*.pt"))]
+    return _assemble(ranks)[0], {n: g for r in ranks for n, (g, _) in r["grads"].items()}
+
+
+def test_tp_rounding_on_one_rank_rounds_as_tensor_parallel_does(tmp_path: Path, data_cache: str):
+    """verify's TP noise floor (debug.tp_rounding=2: one rank, split matmuls summed in bf16) is
+    tp=2's own rounding: in step 1 of a bf16 run, every module output is at least 10x closer to
+    tp=2's than the plain one-rank run's (the row-parallel outputs differ in that one), and every
+    gradient is closer too -- so the floor it gives is what TP costs, not a guess."""
+    common = ["--training.mixed_precision=bf16", "--training.steps=1", "--debug.trace_step=1"]
+    runs = {"plain": [], "emulated": ["--debug.tp_rounding=2"], "tp": ["--parallel.tp=2", "--nproc=2"]}
+    for name, args in runs.items():
+        capture = f"--debug.capture={tmp_path / name / 'capture'}"
+        train_tiny(tmp_path / name, data_cache, *common, capture, *args)
+    (tp_out, tp_grad), (em_out, em_grad), (pl_out, pl_grad) = (
+        _captured(tmp_path / n) for n in ("tp", "emulated", "plain"))
+    row_parallel = [n for n in tp_out if n.endswith(("attention.wo", "feed_forward.w2"))]
+    assert len(row_parallel) == 4 and all(_rel(tp_out[n], pl_out[n]) > 1e-3 for n in row_parallel)
+    for n in tp_out:
+        assert _rel(tp_out[n], em_out[n]) <= 0.1 * _rel(tp_out[n], pl_out[n]), n
+    assert tp_grad.keys() == em_grad.keys() == pl_grad.keys()
+    for n in tp_grad:
+        assert _rel(tp_grad[n], em_grad[n]) < _rel(tp_grad[n], pl_grad[n]), n
 
 
 def test_parse_layout():

@@ -346,3 +346,22 @@ def test_a_process_resolves_the_model_tokenizer_and_data_once(tmp_path: Path, da
                               text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert want in proc.stdout, (command, proc.stdout[-2000:])
+
+
+def test_tp_rounding_is_checked_as_the_tp_it_emulates():
+    """debug.tp_rounding (verify's TP noise floor) runs on one rank without tp, for a model that
+    tensor parallel over that many ranks could split; it takes the loss TP would take (plain, not
+    the fused one-rank loss)."""
+    from shardwise.resolve.run import resolve_run
+
+    base = ["--run.device=cpu", "--model.n_heads=4", "--model.n_kv_heads=2"]
+    run = resolve_run(load_config(None, [*base, "--debug.tp_rounding=2"]), 1)
+    assert run.loss_chunk == 0 and resolve_run(load_config(None, base), 1).loss_chunk > 0
+    for args, world, fragment in (
+            (["--debug.tp_rounding=2"], 2, "debug.tp_rounding=2 emulates tensor parallel's rounding on one "
+                                           "rank, not on 2 ranks with tp=1"),
+            (["--debug.tp_rounding=4"], 1, "debug.tp_rounding=4: parallel.tp=4 must divide model.n_heads=4 "
+                                           "and model.n_kv_heads=2"),
+            (["--debug.tp_rounding=-1"], 1, "debug.tp_rounding must be >= 0")):
+        with pytest.raises(ConfigError, match=fragment):
+            resolve_run(load_config(None, [*base, *args]), world)
