@@ -146,14 +146,14 @@ def emulate_tp_rounding(model: nn.Module, tp: int) -> None:
     input's gradient is summed from ``tp`` partial products as TP's backward reduction sums them.
     ``verify``'s noise floor runs this (``debug.tp_rounding``): a TP layout's own bf16 rounding,
     sampled without TP -- measured, every module output of a step equal to tp=2's, bit for bit."""
-    if isinstance(head := getattr(model, model.plan.head, None), nn.Linear):
+    if type(head := getattr(model, model.plan.head, None)) is nn.Linear:
         _split(head, tp, rows=False)
     for block in blocks(model):
         for group in (g for g in block.plan.groups if g.split):
             for names, rows in ((group.columns, False), (group.rows, True)):
                 for name in names:
                     module = block.get_submodule(f"{group.region}.{name}")
-                    if isinstance(module, nn.Linear):  # (a float8 layer keeps its own rounding)
+                    if type(module) is nn.Linear:  # (a float8 layer, a subclass, keeps its own)
                         _split(module, tp, rows)
 
 

@@ -156,3 +156,19 @@ def test_the_log_says_what_float8_converts_and_converting_nothing_is_an_error(ca
     with pytest.raises(ConfigError, match=r"float8.enabled=true converts no linear \(layers.0.attention: wk "
                                           r"has 32 output features.*min_dim=256\)"):
         check_layout(load_config(ROOT / "configs" / "debug.toml", [*tiny, "--float8.min_dim=256"]), 1)
+
+
+def test_tp_rounding_leaves_float8_layers_to_their_own_rounding():
+    """debug.tp_rounding splits the plain linears TP splits (here the head, the rest are float8),
+    never a float8 layer, whose forward is torchao's (a subclass of nn.Linear)."""
+    from shardwise.parallel.tensor import emulate_tp_rounding
+
+    m = converted()
+    with torch.no_grad():
+        whole = m(TOKENS)  # (B, S, vocab)
+        emulate_tp_rounding(m, 2)
+        split = m(TOKENS)
+    assert "forward" in vars(m.output)
+    f8 = [mod for mod in m.modules() if is_float8(mod)]
+    assert f8 and not any("forward" in vars(mod) for mod in f8)
+    torch.testing.assert_close(split, whole)  # (the head's slices, in order: the same math)
