@@ -145,7 +145,7 @@ def emulate_tp_rounding(model: nn.Module, tp: int) -> None:
     one (the output head too, where the loss calls it) as ``tp`` slices of its output, so that its
     input's gradient is summed from ``tp`` partial products as TP's backward reduction sums them.
     ``verify``'s noise floor runs this (``debug.tp_rounding``): a TP layout's own bf16 rounding,
-    sampled without TP -- measured, every module output of a step equal to tp=2's, bit for bit."""
+    sampled without TP (tests/e2e/test_verify.py holds a step's outputs and gradients to tp=2's)."""
     if type(head := getattr(model, model.plan.head, None)) is nn.Linear:
         _split(head, tp, rows=False)
     for block in blocks(model):

@@ -8,12 +8,24 @@ import math
 from shardwise.config.schema import ConfigError
 from shardwise.parallel.dims import DEGREES, Mesh
 
-__all__ = ["fill_layouts", "parse_layout"]
+__all__ = ["fill_layouts", "layout_degrees", "parse_layout"]
 
 
 def parse_layout(text: str) -> tuple[list[str], int]:
     """``"tp=2,dp_shard=2"`` -> (CLI overrides, world size). Bare keys are ``parallel.*``; dotted
     keys (``optimizer.lr=...``) pass through, which lets a test prove that verify can fail."""
+    overrides, degrees = _parse(text)
+    world = math.prod(v for k, v in degrees.items() if k != Mesh.EP)
+    return overrides + [f"--parallel.{k}={v}" for k, v in degrees.items()], world
+
+
+def layout_degrees(text: str) -> dict[str, int]:
+    """``"tp=2,dp_shard=2"`` -> every mesh degree of the layout (1 where it sets none)."""
+    return _parse(text)[1]
+
+
+def _parse(text: str) -> tuple[list[str], dict[str, int]]:
+    """The layout's pass-through overrides, and its degrees."""
     overrides, degrees = [], dict.fromkeys(DEGREES, 1)
     for item in filter(None, text.split(",")):
         key, sep, value = item.partition("=")
@@ -30,9 +42,7 @@ def parse_layout(text: str) -> tuple[list[str], int]:
             raise ConfigError(f"layout '{text}': {key} must be an integer, got '{value}'") from None
         if degrees[key] < 1:
             raise ConfigError(f"layout '{text}': {key} must be >= 1, got {degrees[key]}")
-    world = math.prod(v for k, v in degrees.items() if k != Mesh.EP)
-    overrides += [f"--parallel.{k}={v}" for k, v in degrees.items()]
-    return overrides, world
+    return overrides, degrees
 
 
 def fill_layouts(layouts: list[str] | None, nproc: int | None, experts: bool = False) -> list[str]:

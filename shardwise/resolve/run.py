@@ -141,14 +141,15 @@ def check_tp_rounding(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
     n = cfg.debug.tp_rounding
     if n < 0:
         raise ConfigError(f"debug.tp_rounding must be >= 0 (0 = off), got {n}")
-    if n > 1 and (dims.world_size > 1 or dims.tp > 1):
+    if n <= 1:
+        return
+    if dims.world_size > 1 or dims.tp > 1:
         raise ConfigError(f"debug.tp_rounding={n} emulates tensor parallel's rounding on one rank, not on "
                           f"{dims.world_size} ranks with tp={dims.tp}: run one rank, or set it to 0")
-    if n > 1:
-        try:
-            dataclasses.replace(dims, tp=n).check_model(args, cfg.training.seq_len)
-        except ConfigError as e:
-            raise ConfigError(f"debug.tp_rounding={n}: {e}") from None
+    try:
+        dataclasses.replace(dims, tp=n).check_model(args, cfg.training.seq_len)
+    except ConfigError as e:
+        raise ConfigError(f"debug.tp_rounding={n}: {e}") from None
 
 
 def check_async_tp(cfg: Config, dims: ParallelDims, device_type: str, compiled: bool) -> None:

@@ -31,7 +31,7 @@ from shardwise.observe.capture import format_localized, localize
 from shardwise.observe.metrics import read_metrics
 from shardwise.observe.routing import replay_report
 from shardwise.parallel.dims import Mesh
-from shardwise.resolve.layouts import parse_layout
+from shardwise.resolve.layouts import layout_degrees, parse_layout
 
 
 @dataclass(frozen=True)
@@ -138,9 +138,8 @@ def verify_layouts(base: Config, config: str | None, overrides: list[str], layou
     compare = _Comparison(ref_dir, steps, moe)
     floor = None
     if precision == "bf16":
-        tps = sorted({int(a.partition("=")[2]) for _, args, _ in parsed for a in args
-                      if a.startswith("--parallel.tp=")} - {1})
-        floor = noise_floor(base, [*common, f"--checkpoint.path={seed}", *replay], out, compare, tuple(tps))
+        tps = tuple(sorted({layout_degrees(name)[Mesh.TP] for name in layouts} - {1}))
+        floor = noise_floor(base, [*common, f"--checkpoint.path={seed}", *replay], out, compare, tps)
     tol = floor_bounds(TOLERANCES[precision], floor)
     results = []
     for name, layout_args, world in parsed:
@@ -217,16 +216,16 @@ def noise_floor(base: Config, args: list[str], out: Path, compare: _Comparison,
     per measure. None (fixed bounds) when there is none: a micro-batch of one sequence, no TP."""
     rows = base.training.micro_batch or base.training.global_batch
     splits = [rows // parts for parts in (2, 4) if rows % parts == 0]
+    tp_kinds = [f"TP's rounding over {tp}" for tp in tps]
     variants = [(f"micro-batches of {size}", f"{FLOOR_DIR}-{size}", [f"--training.micro_batch={size}"])
                 for size in splits]
-    variants += [(f"TP's rounding over {tp}", f"{FLOOR_DIR}-tp{tp}", [f"--debug.tp_rounding={tp}"])
-                 for tp in tps]
+    variants += [(kind, f"{FLOOR_DIR}-tp{tp}", [f"--debug.tp_rounding={tp}"])
+                 for kind, tp in zip(tp_kinds, tps, strict=True)]
     if not variants:
         print(f"noise floor: none (a micro-batch of {rows} sequences cannot be halved, no TP); fixed bounds",
               flush=True)
         return None
-    kinds = ([f"micro-batches of {' and '.join(map(str, splits))}"] if splits else []) + [
-        f"TP's rounding over {tp}" for tp in tps]
+    kinds = ([f"micro-batches of {' and '.join(map(str, splits))}"] if splits else []) + tp_kinds
     name = f"noise floor (1 rank, {'; '.join(kinds)})"
     runs = []
     for what, dirname, extra in variants:

@@ -9,7 +9,8 @@ import torch
 
 from shardwise.config.schema import ConfigError
 from shardwise.observe.capture import _assemble, _load_capture, _rel
-from shardwise.resolve.layouts import parse_layout
+from shardwise.parallel.dims import DEGREES
+from shardwise.resolve.layouts import layout_degrees, parse_layout
 from tests.helpers import TINY_ARGS, metrics, run_cli, train_tiny
 
 pytestmark = pytest.mark.e2e
@@ -87,6 +88,8 @@ def test_parse_layout():
     args, world = parse_layout("tp=2,dp_shard=2,optimizer.lr=1e-3")
     assert world == 4 and "--parallel.tp=2" in args and "--parallel.dp_shard=2" in args
     assert "--optimizer.lr=1e-3" in args and "--parallel.dp_replicate=1" in args
+    assert layout_degrees("tp=2,dp_shard=2,optimizer.lr=1e-3") == {**dict.fromkeys(DEGREES, 1), "tp": 2,
+                                                                   "dp_shard": 2}
     for bad, fragment in (("tq=2", "unknown degree 'tq'"), ("tp", "expected key=value"),
                           ("tp=two", "tp must be an integer")):
         with pytest.raises(ConfigError, match=fragment):
