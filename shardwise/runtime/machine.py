@@ -219,7 +219,7 @@ def expandable_cuda_segments() -> bool:
     A training step frees and reallocates blocks of many sizes and lifetimes, and fixed segments
     fragment: memory is reserved but unusable. torchtitan's published runs used this setting, and
     the planner's reserved-over-live factor (``plan.hardware.RESERVED_OVER_LIVE``) was fitted to
-    them. (Written, not yet run on a GPU.)"""
+    them. It has run on one GPU (docs/training.md, "What runs where"); across several, not yet."""
     if any(name in os.environ for name in CUDA_ALLOC_ENV):
         return False
     os.environ[CUDA_ALLOC_ENV[0]] = "expandable_segments:True"

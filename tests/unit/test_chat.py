@@ -172,6 +172,38 @@ def test_packing_is_kept_and_a_damaged_one_recomputed(tmp_path: Path):
     assert (sizes <= 257).all() and sorted(fixed.order.tolist()) == list(range(500))
 
 
+def test_packing_is_best_fit_decreasing():
+    """Each document, longest first within its buffer, goes to the fullest open window it fits: on
+    windows of 10 tokens, lengths 8, 6, 3, 1 pack as {8} {6, 3, 1} (first-fit would make {8, 1} {6, 3}),
+    and a replay of a 3,000-document packing (buffers of 512) finds every placement was the best fit."""
+    from shardwise.data.packing import pack
+
+    small = pack(np.array([8, 6, 3, 1]), 10)
+    assert [sorted(small.order[a:b].tolist()) for a, b in zip(small.starts[:-1], small.starts[1:],
+                                                                       strict=True)] == [[0], [1, 2, 3]]
+    lengths = np.random.default_rng(2).integers(1, 400, size=3000)
+    cap, buffer = 257, 512
+    p = pack(lengths, cap, buffer=buffer)
+    kept = np.minimum(lengths, cap)
+    window = np.empty(len(lengths), dtype=np.int64)
+    for w, (a, b) in enumerate(zip(p.starts[:-1], p.starts[1:], strict=True)):
+        window[p.order[a:b]] = w
+    shuffled = np.random.default_rng(0).permutation(len(lengths))  # PACK_SEED's order
+    room: dict[int, int] = {}  # open windows of this buffer: tokens left
+    for lo in range(0, len(lengths), buffer):
+        room.clear()
+        docs = shuffled[lo:lo + buffer]
+        for d in docs[np.argsort(-kept[docs], kind="stable")].tolist():
+            fits = [r for r in room.values() if r >= kept[d]]
+            w = int(window[d])
+            if w not in room:  # a new window: only when no open one fits
+                assert not fits, (d, kept[d], fits)
+                room[w] = cap
+            assert room[w] == min(fits or [cap]), (d, room[w], min(fits or [cap]))
+            room[w] -= int(kept[d])
+    assert p.windows == len({int(w) for w in window})
+
+
 def test_bad_chat_rows_are_named_by_file_and_row(tmp_path: Path):
     bad = tmp_path / "chats.jsonl"
     bad.write_text(json.dumps({"messages": CHAT}) + "\n" +

@@ -108,22 +108,24 @@ def test_attention_is_causal():
     assert not torch.allclose(a[:, 10:], b[:, 10:])
 
 
-def test_document_mask_isolates_documents():
-    model = tiny_model()
-    tokens = torch.randint(0, TINY_MODEL.vocab_size, (1, 16))
+TINY_MLA = dataclasses.replace(TINY_MODEL, n_kv_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+                               qk_rope_head_dim=8, v_head_dim=12)
+
+
+@pytest.mark.parametrize("latent", [False, True], ids=["gqa", "mla"])
+def test_document_mask_isolates_documents(latent: bool):
+    args = TINY_MLA if latent else TINY_MODEL
+    model = tiny_model(args)
+    tokens = torch.randint(0, args.vocab_size, (1, 16))
     docs = torch.tensor([[0] * 6 + [1] * 10])
     changed = tokens.clone()
-    changed[:, :6] = (changed[:, :6] + 5) % TINY_MODEL.vocab_size  # rewrite the first document only
+    changed[:, :6] = (changed[:, :6] + 5) % args.vocab_size  # rewrite the first document only
     a, b = model(tokens, docs), model(changed, docs)
     torch.testing.assert_close(a[:, 6:], b[:, 6:])  # the second document cannot see the first
     # ...and without the mask it would have: the test can fail.
     assert not torch.allclose(model(tokens)[:, 6:], model(changed)[:, 6:])
     mask = document_mask(docs)[0, 0]
     assert mask[7, 6] and not mask[7, 5] and not mask[6, 7]
-
-
-TINY_MLA = dataclasses.replace(TINY_MODEL, n_kv_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
-                               qk_rope_head_dim=8, v_head_dim=12)
 
 
 def _doc_ids(b: int, s: int, lengths_per_row: list[list[int]]) -> torch.Tensor:
@@ -167,9 +169,10 @@ def test_attention_by_document_equals_the_dense_mask(layout, kv_heads, v_dim):
         assert not torch.allclose(out, causal, atol=1e-3)
 
 
-def test_document_masked_model_equals_the_dense_mask_model():
+def test_document_masked_model_equals_the_dense_mask_model(monkeypatch: pytest.MonkeyPatch):
     """The whole model with document spans equals it with the dense mask handed to SDPA (logits and
-    parameter gradients), on a dense and a latent-attention (MLA) preset."""
+    parameter gradients), on a dense and a latent-attention (MLA) preset; the dense side is checked
+    to have run in every layer, and to differ from plain causal attention (the documents matter)."""
     from shardwise.models import layers
 
     for args in (TINY_MODEL, TINY_MLA):
@@ -178,20 +181,22 @@ def test_document_masked_model_equals_the_dense_mask_model():
         docs = _doc_ids(2, 32, [[5, 27], [8, 8, 8, 8]])
         out = model(tokens, docs)
         grads = torch.autograd.grad(out.square().mean(), list(model.parameters()))
-        dense = document_mask(docs)
-        original = layers.attention_by_document
-        layers.attention_by_document = lambda q, k, v, spans, scale=None, dense=dense: (
-            torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense,
-                                                             enable_gqa=q.shape[1] != k.shape[1],
-                                                             scale=scale))
-        try:
+        dense, calls = document_mask(docs), []
+
+        def dense_attention(q, k, v, spans, scale=None, dense=dense, calls=calls):  # noqa: ANN001, ANN202
+            calls.append(q.shape)
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=dense, enable_gqa=q.shape[1] != k.shape[1], scale=scale)
+
+        with monkeypatch.context() as m:
+            m.setattr(layers, "attention_by_document", dense_attention)
             ref = model(tokens, docs)
+            assert len(calls) == args.n_layers, (len(calls), args.n_layers)
             ref_grads = torch.autograd.grad(ref.square().mean(), list(model.parameters()))
-        finally:
-            layers.attention_by_document = original
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
         for g, r in zip(grads, ref_grads, strict=True):
             torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(out, model(tokens), atol=1e-3)  # causal alone is not what ran
 
 
 def test_gqa_equals_repeated_kv_heads():

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from tests.helpers import ROOT
 
 README = (ROOT / "README.md").read_text()
@@ -49,3 +51,15 @@ def test_the_cli_guide_names_every_preset():
     line = text[text.index("- `--model NAME`"):text.index("- `--config FILE`")]
     listed = set(re.findall(r"`([\w.-]+)`", line.split("in `train`")[0])) - {"--model NAME"}
     assert listed == set(PRESETS), sorted(listed ^ set(PRESETS))
+
+
+@pytest.mark.parametrize("flag", ["--overwrite", "--skip-checksums"])
+def test_the_cli_guide_lists_every_command_a_shared_flag_is_on(flag: str):
+    """docs/cli.md's ``- `--flag` (`cmd`, ...)`` list is exactly the commands whose parser takes it."""
+    from shardwise.commands import build_parser
+
+    _, commands = build_parser()
+    takes = {name for name, p in commands.items() if flag in p._option_string_actions}
+    text = (ROOT / "docs" / "cli.md").read_text()
+    listed = set(re.findall(r"`([\w-]+)`", re.search(rf"^- `{flag}` \(([^)]*)\)", text, re.M).group(1)))
+    assert listed == takes, f"docs/cli.md {flag}: listed {sorted(listed)}, parsers {sorted(takes)}"
