@@ -9,4 +9,7 @@ export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit,driver_version --format=csv
 python3 -c "import torch; print('torch', torch.__version__)"
 lscpu | grep -m1 "Model name"
+# The tree the checks ran on, for docs/status.md's GPU section: a device copy has no .git, so the caller
+# names it (SHARDWISE_COMMIT=$(git rev-parse --short HEAD) in the command it sends).
+echo "commit ${SHARDWISE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo 'unknown (set SHARDWISE_COMMIT)')}"
 left() { echo $((deadline - SECONDS)); }

@@ -90,3 +90,15 @@ def test_every_layout_of_the_fp32_parity_matrix_is_blameless(group: str, tmp_pat
     assert len(found) == len(layouts), proc.stdout[-3000:]
     blamed = {k: v for k, v in found.items() if not v.startswith("every module output and gradient")}
     assert blamed == {}, blamed
+
+
+def test_the_status_page_counts_the_matrix_as_it_is():
+    """docs/status.md's localize row says how many layouts the test above runs."""
+    import re
+
+    from tests.helpers import ROOT
+
+    count = sum(len([x for x in map(as_verify_layout, table.values()) if x]) for _, table in MATRIX.values())
+    rows = (ROOT / "docs" / "status.md").read_text().splitlines()
+    row = next(ln for ln in rows if "`verify` localizes" in ln)
+    assert re.search(r"the (\d+) layouts of the fp32 matrix", row).group(1) == str(count), (count, row)

@@ -63,3 +63,17 @@ def test_the_cli_guide_lists_every_command_a_shared_flag_is_on(flag: str):
     text = (ROOT / "docs" / "cli.md").read_text()
     listed = set(re.findall(r"`([\w-]+)`", re.search(rf"^- `{flag}` \(([^)]*)\)", text, re.M).group(1)))
     assert listed == takes, f"docs/cli.md {flag}: listed {sorted(listed)}, parsers {sorted(takes)}"
+
+
+def test_the_status_page_says_which_commit_the_gpu_tests_last_passed_on():
+    """docs/status.md's GPU section names the commit the GPU tests last passed on, one of this history's."""
+    import subprocess
+
+    from tests.helpers import need
+
+    text = (ROOT / "docs" / "status.md").read_text()
+    section = text[text.index("## GPUs"):text.index("## Correctness")]
+    found = re.search(r"last\s+passed on the tree committed as `([0-9a-f]{7,40})`", section)
+    assert found, "docs/status.md's GPU section names no commit the GPU tests last passed on"
+    need("git history", (ROOT / ".git").exists())
+    subprocess.run(["git", "cat-file", "-e", f"{found.group(1)}^{{commit}}"], cwd=ROOT, check=True)
