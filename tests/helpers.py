@@ -24,7 +24,7 @@ from shardwise.models.transformer import (
     build_model,
     init_weights,
 )
-from shardwise.parallel.dims import DEGREES
+from shardwise.parallel.dims import DEGREES, MESH_DIMS
 from shardwise.resolve.checks import load_config, resolve_config
 from shardwise.resolve.layouts import fill_layouts
 from shardwise.resolve.run import ResolvedRun, resolve_run
@@ -258,7 +258,93 @@ PARAM_RTOL = 1e-4
 """Parity in fp32: final parameters, as a fraction of how far training moved them."""
 
 
-def check_same_run(reference: Path, run_dir: Path, layout: str) -> None:
+def asked_layout(asked: list[str]) -> tuple[int, dict[str, int]]:
+    """The world size and the degrees a run's ``--nproc=N --parallel.X=D`` arguments ask for
+    (``dp_shard``: the ranks the others leave, as the resolver fills it)."""
+    world, degrees = 1, {str(d): 1 for d in DEGREES}
+    given: set[str] = set()
+    for arg in asked:
+        key, _, value = arg.removeprefix("--").partition("=")
+        key = key.removeprefix("parallel.")
+        if key == "nproc":
+            world = int(value)
+        elif key in degrees:
+            degrees[key] = int(value)
+            given.add(key)
+    if "dp_shard" not in given:
+        others = degrees["pp"] * degrees["dp_replicate"] * degrees["cp"] * degrees["tp"]
+        degrees["dp_shard"] = world // others
+    return world, degrees
+
+
+def check_layout_ran(run_dir: Path, asked: list[str], layout: str) -> None:
+    """The run in ``run_dir`` ran the layout ``asked`` names, read from what torch recorded of it (not
+    from the config the run resolved): its final checkpoint has one DCP file and one RNG file per rank
+    of that world; the mesh the manifest records (``DeviceMesh`` sizes) has each dim of that size;
+    DCP's chunks of each parameter tile it as FSDP over dp_shard x cp (x tp under TP, the attention's
+    output projection split along its input dim; routed experts over dp_shard x cp x tp) implies, within
+    one pipeline stage's ranks, every stage holding parameters; and each rank's parameter bytes (the
+    run's own count of its local shards, memory_breakdown.json) are one chunk of each of its stage's
+    parameters."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    world, deg = asked_layout(asked)
+    ckpt = run_dir / "checkpoints" / "step-10"
+    names = {p.name for p in ckpt.iterdir()}
+    assert {n for n in names if n.endswith(".distcp")} == {f"__{r}_0.distcp" for r in range(world)}, \
+        f"{layout}: DCP files {sorted(n for n in names if n.endswith('.distcp'))} for {world} ranks"
+    assert {n for n in names if n.startswith("rng-rank")} == {f"rng-rank{r}.pt" for r in range(world)}, layout
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["world_size"] == world, (layout, manifest["world_size"], world)
+    built = {d: manifest["mesh"][d] for d in map(str, MESH_DIMS)}
+    assert built == {d: deg[d] for d in map(str, MESH_DIMS)}, f"{layout}: mesh built {built}, asked {deg}"
+    moe_shard = deg["dp_shard"] * deg["cp"] * deg["tp"]
+    if deg["ep"] > 1:
+        assert manifest["mesh"]["ep"] == deg["ep"], (layout, manifest["mesh"])
+        assert manifest["mesh"]["experts"] == deg["dp_replicate"] * moe_shard // deg["ep"], layout
+    else:
+        assert "ep" not in manifest["mesh"], (layout, manifest["mesh"])
+    meta = FileSystemReader(str(ckpt)).read_metadata()
+    states = meta.state_dict_metadata
+    params = sorted(k.removeprefix("optimizer.state.").removesuffix(".exp_avg") for k in states
+                    if k.startswith("optimizer.state.") and k.endswith(".exp_avg"))
+    holders: dict[str, set[int]] = {}
+    for index, info in meta.storage_data.items():
+        rank = int(info.relative_path.removeprefix("__").split("_")[0])
+        holders.setdefault(index.fqn, set()).add(rank)
+    stage_ranks, fsdp = world // deg["pp"], deg["dp_shard"] * deg["cp"]
+    held: dict[int, tuple[int, int]] = {}  # stage -> (bytes of the smallest chunks, of the largest)
+    for name in params:
+        md = meta.state_dict_metadata[f"model.{name}"]
+        chunks = [c for c in md.chunks if c.sizes.numel()]
+        numels = [c.sizes.numel() for c in chunks]
+        assert sum(numels) == md.size.numel() and len({tuple(c.offsets) for c in chunks}) == len(chunks), \
+            f"{layout}: {name}'s chunks do not tile it"
+        want = {moe_shard} if ".experts." in name else {fsdp, fsdp * deg["tp"]}
+        assert len(chunks) in want, f"{layout}: {name} in {len(chunks)} chunks, the layout implies {want}"
+        if deg["tp"] > 1 and name.endswith("attention.wo.weight"):
+            splits = len({c.offsets[1] for c in chunks})
+            assert splits == deg["tp"], f"{layout}: {name} split {splits} ways along its input dim"
+        stages = {r // stage_ranks for r in holders[f"model.{name}"]}
+        assert len(stages) == 1, f"{layout}: {name} is held by the ranks of stages {sorted(stages)}"
+        (stage,), size = stages, md.properties.dtype.itemsize
+        lo, hi = held.get(stage, (0, 0))
+        held[stage] = (lo + min(numels) * size, hi + max(numels) * size)
+    assert sorted(held) == list(range(deg["pp"])), f"{layout}: parameters on stages {sorted(held)}"
+    per_rank = json.loads((run_dir / "memory_breakdown.json").read_text())["params_per_rank"]
+    assert len(per_rank) == world, layout
+    for rank, gib in enumerate(per_rank):
+        lo, hi = held[rank // stage_ranks]
+        assert lo - 1 <= round(gib * 2**30) <= hi + 1, f"{layout}: rank {rank} holds {gib * 2**30:.0f} " \
+            f"parameter bytes, one chunk of each of its stage's parameters is {lo}-{hi}"
+
+
+def check_same_run(reference: Path, run_dir: Path, layout: str, asked: list[str]) -> None:
+    """``run_dir`` trained the run ``reference`` (one rank) did -- per-step loss, grad norm and
+    held-out loss, final parameters -- and each ran the layout it was asked for (``asked``: the run's
+    ``--nproc`` and ``--parallel.*`` arguments; :func:`check_layout_ran`)."""
+    check_layout_ran(reference, [], "the one-rank reference")
+    check_layout_ran(run_dir, asked, layout)
     ref, got = metrics(reference), metrics(run_dir)
     assert [r["step"] for r in got] == list(range(1, 11))
     loss_diff = max_rel([r["loss"] for r in got], [r["loss"] for r in ref])

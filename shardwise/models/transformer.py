@@ -352,8 +352,8 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 class _SkipInitOnMeta(TorchFunctionMode):
     """Construction without torch's default initializers on meta tensors (nn.Linear's
     kaiming_uniform_, nn.Embedding's normal_, ...). On meta they compute nothing, yet they run
-    through torch's Python reference kernels: half of a 70B or 405B model's build on meta (0.5 ->
-    0.25 s here), which the planner and every rank pay. ``init_weights`` initializes every
+    through torch's Python reference kernels: about half of a large model's build on meta, which the
+    planner (for every candidate layout) and every rank pay. ``init_weights`` initializes every
     parameter once the model is materialized."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204

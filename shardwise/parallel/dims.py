@@ -195,6 +195,13 @@ class ParallelDims:
         self._mesh = mesh
         return mesh
 
+    def built_sizes(self) -> dict[str, int]:
+        """Each dim and view of the mesh as torch built it (``DeviceMesh.size()`` of the world mesh's
+        dims, the flattened views and, once made, the MoE views) -- what a checkpoint's manifest
+        records as the mesh that ran, beside the degrees it was asked for."""
+        sizes = {str(name): self.mesh[name].size() for name in MESH_DIMS}
+        return {**sizes, **{str(name): m.size() for name, m in self._flat.items()}}
+
     @property
     def flat_meshes(self) -> dict[Mesh, DeviceMesh]:
         """The flattened views (:data:`FLAT_VIEWS`, and the MoE ones once made) by name."""

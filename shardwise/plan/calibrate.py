@@ -152,8 +152,7 @@ def _kind_rates(world: int, sizes_mib: list[int]) -> dict[str, float]:
     each varies with the buffer's size, so FSDP's per-block buffers and tensor parallel's
     activations each get their own. Each (kind, size) is the median of its calls over
     ``KIND_ROUNDS`` rounds through all of them: a slow spell of a shared machine lands in one round
-    rather than on one size (7 calls in a row once measured 16 MiB at 0.29 GB/s between 4 and 64
-    MiB at 0.73 and 0.52)."""
+    rather than on one size, where it would bend the fit of bandwidth against buffer size."""
     import torch.distributed as dist
 
     gather, scatter = gather_scatter()

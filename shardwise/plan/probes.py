@@ -178,7 +178,7 @@ def host_overhead_ms(seconds: float = 1.0) -> tuple[float, float, float, float, 
         finally:
             dist.destroy_process_group()
     per_block = (five - one) / 4
-    # (the step's own part is a small difference of noisy timings: it came out at -0.5 ms once)
+    # (the step's own part is a small difference of noisy timings, which can come out negative)
     return 1e3 * per_block, max(0.0, 1e3 * (one - per_block)), 1e3 * (moe_five - moe_one) / 4, probe, rest
 
 

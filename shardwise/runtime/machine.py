@@ -164,8 +164,8 @@ def keep_freed_cpu_memory(keep: bool = True) -> bool:
     """Make glibc's malloc a caching allocator for this process: every block comes from the heap
     (no mmap per large tensor) and freed memory is kept for the next allocation instead of going
     back to the OS (no trim). A training step allocates and frees the same large tensors every
-    step; with glibc's defaults each of them is a fresh mmap whose pages fault in again, which cost
-    a quarter of a 125m step on CPU (459 -> 619 tok/s, bench/throughput.py). The resident size then
+    step; with glibc's defaults each of them is a fresh mmap whose pages fault in again, a large share
+    of a CPU step (bench/throughput.py measures it; bench/results/history.md). The resident size then
     stays at the step's peak, as with the CUDA caching allocator. ``keep=False`` goes back to
     glibc's default limits (mmap above 128 KiB, trim above 128 KiB). False where it does not
     apply (not glibc)."""
@@ -193,8 +193,8 @@ def bound_matmul_caches(entries: int = 256) -> bool:
     either; call it before the process's first matrix product. Returns whether it set them.
 
     MoE experts see a new row count at almost every call, and in bf16 every new shape adds an
-    entry to both caches: unbounded, a moe-debug rank grew 0.6 -> 1.5 GiB over 40 steps and paid a
-    page fault per new page, 4x as dear when ranks share the cores. The experts now pad their
+    entry to both caches: unbounded, a rank's memory grows step after step and pays a page fault per
+    new page, dearer still when ranks share the cores. The experts pad their
     groups (:func:`shardwise.models.moe.group_alignment`), which bounds the shapes to a few
     hundred; a smaller cap evicts kernels that are needed again, each rebuilt at a JIT compile's
     cost, so the cap sits above that count (BENCHMARKS.md, MoE on CPU)."""

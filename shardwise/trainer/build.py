@@ -27,6 +27,10 @@ def build_rank_model(run: ResolvedRun, device: torch.device | str) -> nn.Module:
     """This rank's model, ready to train: 1) on meta (this rank's pipeline stages) -> 2) parallelized
     -> 3) materialized on ``device`` -> 4) initialized from the run seed. ``run.dims`` has its mesh."""
     model = build_stage(run)
+    if run.model.n_experts:
+        # The MoE views are process groups: every rank makes them, in the same order, whether or not
+        # its pipeline stage holds experts (parallelize() makes them only where it does).
+        run.dims.moe_meshes()
     parallelize(model, run.dims, run.cfg, run.compile)
     model.to_empty(device=device)
     init_weights(model, run.cfg.training.seed)

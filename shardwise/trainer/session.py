@@ -372,9 +372,10 @@ def resume(cfg: Config, run_dir: Path, model: nn.Module, optimizer: torch.optim.
 
 
 def manifest_info(run: ResolvedRun) -> dict[str, Any]:
-    """What a checkpoint's manifest records about the run that wrote it."""
+    """What a checkpoint's manifest records about the run that wrote it: the layout asked for, the
+    mesh torch built for it (its dims' and views' sizes) and the model."""
     layout = {k: getattr(run.dims, k) for k in DEGREES}
-    return {"layout": layout, "model": dataclasses.asdict(run.cfg.model)}
+    return {"layout": layout, "mesh": run.dims.built_sizes(), "model": dataclasses.asdict(run.cfg.model)}
 
 
 def shared_peak(device: torch.device, cfg: Config) -> float:

@@ -34,7 +34,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import DEEPSEEK_ARGS, DEEPSEEK_LAYOUTS, max_rel, metrics, param_error, parity_run
+from tests.helpers import (
+    DEEPSEEK_ARGS,
+    DEEPSEEK_LAYOUTS,
+    check_layout_ran,
+    max_rel,
+    metrics,
+    param_error,
+    parity_run,
+)
 
 pytestmark = pytest.mark.dist
 
@@ -110,7 +118,9 @@ def test_bf16_layout_matches_single_rank(layout: str, references: dict[str, Path
     ref = references[ROUTED.get(layout) or MASKED.get(layout) or ("dense_plain" if layout in PLAIN_LOSS
                                                                    else "dense")]
     replay = [f"--debug.routing_replay={ref}"] if layout in ROUTED else []
-    diffs = differences(ref, train(tmp_path, layout, data_cache, *LAYOUTS[layout], *replay))
+    run_dir = train(tmp_path, layout, data_cache, *LAYOUTS[layout], *replay)
+    check_layout_ran(run_dir, LAYOUTS[layout], layout)
+    diffs = differences(ref, run_dir)
     assert metrics(ref)[-1]["loss"] < metrics(ref)[0]["loss"] - 0.2  # it trains
     assert within(diffs), (f"{layout}: loss {diffs[0]:.2e} (<= {LOSS_RTOL:.2e}), grad norm {diffs[1]:.2e} "
                            f"(<= {NORM_RTOL:.2e}), params {diffs[2]:.2e} (<= {PARAM_RTOL:.2e})")

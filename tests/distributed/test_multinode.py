@@ -51,7 +51,7 @@ def test_two_nodes_form_one_job(layout: list[str], reference: Path, tmp_path: Pa
     nodes = [subprocess.Popen([*cmd[:3], f"--node-rank={i}", *cmd[3:]], cwd=ROOT, env=_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     _wait(nodes)
-    check_same_run(reference, run_dir, " ".join(layout))
+    check_same_run(reference, run_dir, " ".join(layout), ["--nproc=4", *layout])
 
 
 SRUN = """#!/bin/bash
@@ -98,4 +98,5 @@ def test_the_slurm_example_runs_through_a_standin_srun(reference: Path, tmp_path
     assert proc.returncode == 0, f"{proc.stderr[-2000:]}\n{logs_text}"
     run_dir = work / "runs" / "4242"
     assert metrics(run_dir)
-    check_same_run(reference, run_dir, "slurm hsdp")
+    check_same_run(reference, run_dir, "slurm hsdp", ["--nproc=4", "--parallel.dp_replicate=2",
+                                                       "--parallel.dp_shard=2"])

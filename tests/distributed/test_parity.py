@@ -37,6 +37,7 @@ from tests.helpers import (
     QWEN3_LAYOUTS,
     QWEN3_UNMASKED_LAYOUTS,
     UNMASKED_LAYOUTS,
+    check_layout_ran,
     check_same_run,
     layouts,
     max_rel,
@@ -80,7 +81,7 @@ def test_moe_layout_matches_single_rank(layout: str, reference_moe: Path, tmp_pa
     """Expert parallel alone and with FSDP, HSDP, TP, CP and PP; the expert load each step (from
     counts summed over all ranks) is the reference's too."""
     run_dir = parity_run(tmp_path, layout, data_cache, *MOE_ARGS, *MOE_LAYOUTS[layout])
-    check_same_run(reference_moe, run_dir, layout)
+    check_same_run(reference_moe, run_dir, layout, MOE_LAYOUTS[layout])
     loads = [r["expert_load"] for r in metrics(run_dir)]
     assert loads == pytest.approx([r["expert_load"] for r in metrics(reference_moe)], rel=1e-6)
 
@@ -90,8 +91,8 @@ def test_moe_bias_balancing_sigmoid_matches_single_rank(tmp_path: Path, data_cac
     the same run on 1 rank and on EP2 x TP2."""
     extra = [*MOE_ARGS, "--model.moe_balance=bias", "--model.moe_score=sigmoid", "--model.moe_bias_rate=0.01"]
     ref = parity_run(tmp_path, "ref", data_cache, *extra)
-    check_same_run(ref, parity_run(tmp_path, "ep2_tp2", data_cache, *extra, "--nproc=4", "--parallel.ep=2",
-                              "--parallel.tp=2"), "bias ep2_tp2")
+    layout = ["--nproc=4", "--parallel.ep=2", "--parallel.tp=2"]
+    check_same_run(ref, parity_run(tmp_path, "ep2_tp2", data_cache, *extra, *layout), "bias ep2_tp2", layout)
 
 
 def test_moe_batch_balance_loss_matches_single_rank(tmp_path: Path, data_cache: str):
@@ -100,8 +101,9 @@ def test_moe_batch_balance_loss_matches_single_rank(tmp_path: Path, data_cache: 
     batch's sequences."""
     extra = [*MOE_ARGS, "--model.moe_aux_scope=batch", "--model.moe_aux_coef=0.3"]
     ref = parity_run(tmp_path, "ref", data_cache, *extra)
-    check_same_run(ref, parity_run(tmp_path, "fsdp2_cp2", data_cache, *extra, "--nproc=4", "--parallel.cp=2"),
-                   "batch balance loss fsdp2_cp2")
+    layout = ["--nproc=4", "--parallel.cp=2"]
+    check_same_run(ref, parity_run(tmp_path, "fsdp2_cp2", data_cache, *extra, *layout),
+                   "batch balance loss fsdp2_cp2", layout)
 
 
 def test_moe_router_z_loss_matches_single_rank(tmp_path: Path, data_cache: str):
@@ -109,8 +111,9 @@ def test_moe_router_z_loss_matches_single_rank(tmp_path: Path, data_cache: str):
     ranks: the same run as on one rank."""
     extra = [*MOE_ARGS, "--model.moe_z_coef=0.05"]
     ref = parity_run(tmp_path, "ref", data_cache, *extra)
-    check_same_run(ref, parity_run(tmp_path, "cp2_tp2", data_cache, *extra, "--nproc=4", "--parallel.cp=2",
-                                   "--parallel.tp=2"), "z-loss cp2_tp2")
+    layout = ["--nproc=4", "--parallel.cp=2", "--parallel.tp=2"]
+    run_dir = parity_run(tmp_path, "cp2_tp2", data_cache, *extra, *layout)
+    check_same_run(ref, run_dir, "z-loss cp2_tp2", layout)
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +131,7 @@ def test_deepseek_layout_matches_single_rank(layout: str, reference_deepseek: Pa
     CP (ring attention with values narrower than the keys), PP, and its group-limited sigmoid
     routing under EP and EP x FSDP x TP; the expert load each step is the reference's."""
     run_dir = parity_run(tmp_path, layout, data_cache, *DEEPSEEK_ARGS, *DEEPSEEK_LAYOUTS[layout])
-    check_same_run(reference_deepseek, run_dir, layout)
+    check_same_run(reference_deepseek, run_dir, layout, DEEPSEEK_LAYOUTS[layout])
     loads = [r["expert_load"] for r in metrics(run_dir)]
     assert loads == pytest.approx([r["expert_load"] for r in metrics(reference_deepseek)], rel=1e-6)
 
@@ -138,7 +141,8 @@ def test_deepseek_full_queries_cp2_tp2_match_single_rank(tmp_path: Path, data_ca
     extra = [*DEEPSEEK_ARGS, "--model.q_lora_rank=0"]
     ref = parity_run(tmp_path, "ref", data_cache, *extra)
     layout = [a for a in DEEPSEEK_LAYOUTS["ds_cp2_tp2_full_q"] if a != "--model.q_lora_rank=0"]
-    check_same_run(ref, parity_run(tmp_path, "cp2_tp2", data_cache, *extra, *layout), "full-q cp2_tp2")
+    run_dir = parity_run(tmp_path, "cp2_tp2", data_cache, *extra, *layout)
+    check_same_run(ref, run_dir, "full-q cp2_tp2", layout)
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +156,7 @@ def test_unmasked_layout_matches_single_rank(layout: str, reference_unmasked: Pa
                                              data_cache: str):
     run_dir = parity_run(tmp_path, layout, data_cache, "--data.document_mask=false",
                          *UNMASKED_LAYOUTS[layout])
-    check_same_run(reference_unmasked, run_dir, layout)
+    check_same_run(reference_unmasked, run_dir, layout, UNMASKED_LAYOUTS[layout])
 
 
 @pytest.fixture(scope="module")
@@ -166,14 +170,14 @@ def test_qwen3_unmasked_layout_matches_single_rank(layout: str, tmp_path: Path, 
     extra = [*QWEN3_ARGS, "--data.document_mask=false"]
     ref = parity_run(tmp_path, "ref", data_cache, *extra)
     run_dir = parity_run(tmp_path, layout, data_cache, *extra, *QWEN3_UNMASKED_LAYOUTS[layout])
-    check_same_run(ref, run_dir, layout)
+    check_same_run(ref, run_dir, layout, QWEN3_UNMASKED_LAYOUTS[layout])
 
 
 @pytest.mark.parametrize("layout", layouts(QWEN3_LAYOUTS, {"qwen3_fsdp2_tp2", "qwen3_fsdp2"}))
 def test_qwen3_layout_matches_single_rank(layout: str, reference_qwen3: Path, tmp_path: Path,
                                           data_cache: str):
     run_dir = parity_run(tmp_path, layout, data_cache, *QWEN3_ARGS, *QWEN3_LAYOUTS[layout])
-    check_same_run(reference_qwen3, run_dir, layout)
+    check_same_run(reference_qwen3, run_dir, layout, QWEN3_LAYOUTS[layout])
 
 
 @pytest.fixture(scope="module")
@@ -186,12 +190,13 @@ def test_multi_stage_pipeline_matches_single_rank(layout: str, reference_4_layer
                                                   data_cache: str):
     run_dir = parity_run(tmp_path, layout, data_cache, *MULTI_STAGE, *MULTI_STAGE_LAYOUTS[layout])
     assert sum("val_loss" in r for r in metrics(run_dir)) == 2
-    check_same_run(reference_4_layers, run_dir, layout)
+    check_same_run(reference_4_layers, run_dir, layout, MULTI_STAGE_LAYOUTS[layout])
 
 
 @pytest.mark.parametrize("layout", layouts(LAYOUTS, SLOW))
 def test_layout_matches_single_rank(layout: str, reference: Path, tmp_path: Path, data_cache: str):
-    check_same_run(reference, parity_run(tmp_path, layout, data_cache, *LAYOUTS[layout]), layout)
+    run_dir = parity_run(tmp_path, layout, data_cache, *LAYOUTS[layout])
+    check_same_run(reference, run_dir, layout, LAYOUTS[layout])
 
 
 def test_torchrun_entry_point(reference: Path, tmp_path: Path, data_cache: str):
@@ -200,6 +205,22 @@ def test_torchrun_entry_point(reference: Path, tmp_path: Path, data_cache: str):
         "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "shardwise"])
     losses = [r["loss"] for r in metrics(run_dir)]
     assert max_rel(losses, [r["loss"] for r in metrics(reference)]) <= LOSS_RTOL
+    check_layout_ran(run_dir, ["--nproc=2"], "torchrun")
+
+
+def test_a_dropped_parallelism_matches_on_numbers_and_is_caught_by_its_shards(reference: Path, tmp_path: Path,
+                                                                             data_cache: str):
+    """Tensor parallel never applied on a tp=2 mesh (the ``skip_tp`` fault: every tp rank runs the
+    whole model on the same batch) trains the one-rank run to within parity's tolerances -- losses,
+    norms and parameters cannot tell -- and the layout check fails it, naming what was not split."""
+    layout = ["--nproc=2", "--parallel.tp=2"]
+    run_dir = parity_run(tmp_path, "tp2_skipped", data_cache, *layout, fault="skip_tp")
+    got, ref = metrics(run_dir), metrics(reference)
+    assert max_rel([r["loss"] for r in got], [r["loss"] for r in ref]) <= LOSS_RTOL
+    assert max_rel([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref]) <= LOSS_RTOL
+    assert param_error(reference, run_dir) <= PARAM_RTOL
+    with pytest.raises(AssertionError, match=r"attention\.wo\.weight split 1 ways along its input dim"):
+        check_layout_ran(run_dir, layout, "tp2")
 
 
 def test_gradient_accumulation_4x1_equals_1x4(tmp_path: Path, data_cache: str):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import TINY_ARGS, layouts, max_rel, metrics, parity_run, run_cli
+from tests.helpers import TINY_ARGS, check_layout_ran, layouts, max_rel, metrics, parity_run, run_cli
 
 pytestmark = pytest.mark.dist
 
@@ -31,7 +31,9 @@ FP8_LAYOUTS = {
 }
 
 
-def close_runs(ref: Path, run: Path, rtol: float, what: str) -> None:
+def close_runs(ref: Path, run: Path, rtol: float, what: str, asked: list[str]) -> None:
+    """``run`` ran the layout ``asked`` names and trained ``ref``'s run within ``rtol``."""
+    check_layout_ran(run, asked, what)
     a, b = metrics(ref), metrics(run)
     loss = max_rel([r["loss"] for r in b], [r["loss"] for r in a])
     norm = max_rel([r["grad_norm"] for r in b], [r["grad_norm"] for r in a])
@@ -48,7 +50,7 @@ def fp8_reference(tmp_path_factory: pytest.TempPathFactory, data_cache: str) -> 
 def test_float8_layout_matches_single_rank(layout: str, fp8_reference: Path, tmp_path: Path,
                                            data_cache: str):
     run_dir = parity_run(tmp_path, layout, data_cache, *FP8, *FP8_LAYOUTS[layout])
-    close_runs(fp8_reference, run_dir, 1e-4, layout)
+    close_runs(fp8_reference, run_dir, 1e-4, layout, FP8_LAYOUTS[layout])
 
 
 def test_float8_trains_like_high_precision(fp8_reference: Path, tmp_path: Path, data_cache: str):
@@ -64,7 +66,7 @@ def test_bf16_states_fsdp2_matches_single_rank_and_resumes_exactly(tmp_path: Pat
     states = ["--optimizer.state_dtype=bf16", "--checkpoint.interval=4"]
     ref = parity_run(tmp_path, "ref", data_cache, *states)
     full = parity_run(tmp_path, "fsdp2", data_cache, *states, "--nproc=2")
-    close_runs(ref, full, 1e-4, "bf16 states fsdp2")
+    close_runs(ref, full, 1e-4, "bf16 states fsdp2", ["--nproc=2"])
     part = tmp_path / "part"
     (part / "checkpoints").mkdir(parents=True)
     (full / "checkpoints" / "step-4").rename(part / "checkpoints" / "step-4")
@@ -81,8 +83,9 @@ def test_compile_with_checkpointing_matches_single_rank(layout: list[str], tmp_p
     Under TP the embedding's in-flight reduce-scatter enters the first compiled block: torch 2.13
     dropped the gradient back to the embedding there (see shardwise/parallel/compile.py)."""
     ref = parity_run(tmp_path, "ref", data_cache)
-    close_runs(ref, parity_run(tmp_path, "compiled", data_cache, *layout, "--compile.enabled=true",
-                          "--activation_checkpoint.mode=selective"), 1e-4, f"compile {layout}")
+    run_dir = parity_run(tmp_path, "compiled", data_cache, *layout, "--compile.enabled=true",
+                         "--activation_checkpoint.mode=selective")
+    close_runs(ref, run_dir, 1e-4, f"compile {layout}", layout)
 
 
 @pytest.mark.slow  # (extended set: make test-all; CI keeps the FSDP2 bf16-state parity and exact resume)

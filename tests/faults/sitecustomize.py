@@ -10,6 +10,8 @@ exactly one thing, so the test can show that its tolerance catches that fault:
 - ``drop_optimizer_state``: a loaded checkpoint's optimizer state is thrown away (Adam restarts);
 - ``tp_forget_reduction``: block 1's feed-forward output projection under tensor parallel returns
   this rank's partial sums, never reduced (a TP plan that forgets a reduction);
+- ``skip_tp``: tensor parallel is never applied: the mesh has its tp dim, every module stays whole
+  on every tp rank (a parallel flag silently dropped);
 - ``fsdp_unit_grad_scale``: block 1's FSDP unit reduces its gradients scaled by 2 (over 2+ ranks);
 - ``pp_wrong_microbatch``: the first pipeline stage is fed micro-batch m+1's tokens as micro-batch m;
 - ``cp_skip_hop``: block 1's ring attention (forward) uses a rank's own K/V where the neighbour's
@@ -105,6 +107,10 @@ def _install(fault: str) -> None:
             model.layers["1"].feed_forward.w2.register_forward_hook(partial_sums)
 
         parallelize.apply_tp = apply_tp
+    elif fault == "skip_tp":
+        import shardwise.parallel.parallelize as parallelize
+
+        parallelize.apply_tp = lambda model, mesh, cfg: None
     elif fault == "fsdp_unit_grad_scale":
         import shardwise.parallel.parallelize as parallelize
 
