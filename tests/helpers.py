@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -444,11 +445,16 @@ def hub_cache(hf_home: Path, repo: str, folder: Path, kind: str = "model") -> Pa
 
 
 @contextlib.contextmanager
-def fake_hub(repos: dict[str, Path], gated: frozenset[str] = frozenset()) -> Iterator[tuple[str, list[str]]]:
+def fake_hub(repos: dict[str, Path], gated: frozenset[str] = frozenset(), down: frozenset[str] = frozenset(),
+             missing: frozenset[str] = frozenset(), slow: dict[str, float] | None = None,
+             ) -> Iterator[tuple[str, list[str]]]:
     """A local HTTP server answering ``huggingface_hub``'s download requests (repository info, file
-    tree, file metadata and bytes) for ``repos`` ({"ORG/NAME" or "datasets/ORG/NAME": folder}), with
-    the Hub's error codes for an unknown or a ``gated`` one. Yields (its URL, for HF_ENDPOINT; the
-    paths of the files served)."""
+    tree, file metadata and bytes) for ``repos`` ({"ORG/NAME" or "datasets/ORG/NAME": folder}) at
+    revision ``main`` (or its commit), with the Hub's error codes for an unknown repository, an unknown
+    revision, a ``gated`` one, and 503 for every request about one that is ``down``; a ``missing`` file
+    (``ORG/NAME/PATH``) is listed but answers 404 (a download that fails half-way); ``slow``: a file's
+    bytes are sent that many seconds late ({path in the repository: seconds}). Yields (its URL, for
+    HF_ENDPOINT; the paths of the files whose bytes were sent, in order)."""
     import hashlib
     import http.server
     import re
@@ -486,10 +492,15 @@ def fake_hub(repos: dict[str, Path], gated: frozenset[str] = frozenset()) -> Ite
             if name not in repos:
                 return self.answer(404, b'{"error": "Repository not found"}',
                                    {"X-Error-Code": "RepoNotFound", "X-Error-Message": "no such repository"})
+            if name in down:
+                return self.answer(503, b'{"error": "Service Unavailable"}')
             if name in gated:
                 return self.answer(401, b'{"error": "gated"}', {"X-Error-Code": "GatedRepo",
                                    "X-Error-Message": f"Access to {name} is restricted"})
             sha, have = commit(name), files[name]
+            if (api[4] if api else raw[3]) not in ("main", sha):
+                return self.answer(404, b'{"error": "Invalid rev id"}',
+                                   {"X-Error-Code": "RevisionNotFound", "X-Error-Message": "Invalid rev id"})
             if api and api[3] == "revision":
                 info = {"id": api[2], "sha": sha, "private": False,
                         "siblings": [{"rfilename": f} for f in have]}
@@ -501,7 +512,11 @@ def fake_hub(repos: dict[str, Path], gated: frozenset[str] = frozenset()) -> Ite
             if raw[4] not in have:
                 return self.answer(404, b"{}", {"X-Error-Code": "EntryNotFound"})
             body = have[raw[4]].read_bytes()
-            served.append(raw[4])
+            if f"{name}/{raw[4]}" in missing:
+                return self.answer(404, b"{}", {"X-Error-Code": "EntryNotFound"})
+            if self.command == "GET":
+                time.sleep((slow or {}).get(raw[4], 0.0))
+                served.append(raw[4])
             self.answer(200, body, {"X-Repo-Commit": sha, "ETag": f'"{hashlib.sha1(body).hexdigest()}"'})
 
         do_GET = do_HEAD = route

@@ -10,8 +10,10 @@ dataset. ``HF_HUB_OFFLINE=1`` reads the cache only.
 
 **Once per node.** The local launcher resolves the run before it starts its ranks, so the ranks
 (:data:`LAUNCHED_RANK_ENV`) only read the cache. Under torchrun or Slurm, local rank 0 fetches
-while the node's other ranks wait for the cache to hold the whole snapshot (the cache records the
-repository's file list first, so a half-written snapshot is never taken for a whole one).
+while the node's other ranks wait for the cache to hold the whole snapshot: ``huggingface_hub``
+(1.22 or later, the lowest version this package allows) records the repository's file list in the
+cache before any file and refuses a snapshot that misses one of them (``IncompleteSnapshotError``),
+so a half-written snapshot is never taken for a whole one.
 
 Every failure is one line naming its fix: a gated repository (``hf auth login``), an unknown id,
 no network (``shardwise download`` on a machine that has it).
@@ -135,8 +137,12 @@ def _fetch(repo: str, revision: str | None, kind: str, patterns: list[str], fiel
            local_dir: Path | None = None) -> Path:
     """``snapshot_download`` (into the cache, or a plain copy in ``local_dir``) with its failures as
     one-line errors."""
+    import huggingface_hub
     from huggingface_hub import constants, errors, snapshot_download
 
+    if not hasattr(errors, "IncompleteSnapshotError"):  # (installed past pyproject's pin, e.g. --no-deps)
+        raise ConfigError(f"{field}: huggingface_hub {huggingface_hub.__version__} can take a half-written "
+                          "snapshot for a whole one: pip install 'huggingface_hub>=1.22'")
     offline = local or constants.HF_HUB_OFFLINE
     what = "dataset" if kind == "dataset" else "model"
     ref = f"{repo}@{revision}" if revision else repo
@@ -154,8 +160,11 @@ def _fetch(repo: str, revision: str | None, kind: str, patterns: list[str], fiel
         raise ConfigError(f"{field}: {_no_folder(ref, kind, field)}the Hub has no {what} '{repo}' (or it "
                           f"is private: `hf auth login`); check the path or the exact id, e.g. {example}"
                           ) from None
-    except (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled,
-            getattr(errors, "IncompleteSnapshotError", errors.LocalEntryNotFoundError)):
+    except (errors.IncompleteSnapshotError, errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled) as e:
+        if isinstance(e.__cause__, errors.HfHubHTTPError):  # reached, but it failed (a 5xx): not ours to fix
+            raise ConfigError(f"{field}: the Hub answered {_status(e.__cause__)} for '{ref}', which is not "
+                              f"in the Hugging Face cache ({constants.HF_HUB_CACHE}) either: try again "
+                              "later") from None
         why = ("this rank reads the cache only" if local and not constants.HF_HUB_OFFLINE else
                "HF_HUB_OFFLINE is set" if offline else "the Hub cannot be reached")
         if field == "download":
@@ -167,9 +176,14 @@ def _fetch(repo: str, revision: str | None, kind: str, patterns: list[str], fiel
                           f"{_spelled(repo, kind)}` on a machine with network and the same HF_HOME, or "
                           "pass a local folder") from None
     except errors.HfHubHTTPError as e:
-        status = e.response.status_code if e.response is not None else "?"
         said = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ConfigError(f"{field}: the Hub answered {status} for '{ref}': {said}") from None
+        raise ConfigError(f"{field}: the Hub answered {_status(e)} for '{ref}': {said}") from None
+
+
+def _status(e: Exception) -> str:
+    """An HTTP error's status code, as text."""
+    response = getattr(e, "response", None)
+    return str(response.status_code) if response is not None else "an error"
 
 
 def _no_folder(ref: str, kind: str, field: str) -> str:

@@ -149,3 +149,23 @@ def test_deepseek_train_generate_export_to_transformers(tmp_path: Path, data_cac
     prompt = torch.tensor([ours["prompt_tokens"]])
     theirs = model.generate(prompt, max_new_tokens=12, do_sample=False)[0, prompt.shape[1]:].tolist()
     assert theirs == ours["tokens"]
+
+
+def test_train_on_two_ranks_resolves_a_hub_id_once_before_the_ranks_start(tmp_path: Path):
+    """`train --nproc 2 --data.tokenizer ORG/NAME` with an empty cache: the launcher fetches the
+    tokenizer once (each file's bytes sent once), and both ranks read it from the cache."""
+    from tests.helpers import ASSETS, TINY_ARGS
+
+    repo = tmp_path / "tok-repo"
+    repo.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (repo / name).write_bytes((ASSETS / name).read_bytes())
+    run_dir = tmp_path / "run"
+    with fake_hub({"org/tok": repo}) as (url, served):
+        run_cli(["train", *TINY_ARGS, "--nproc=2", "--training.steps=2", "--data.tokenizer=org/tok",
+                 f"--data.cache_dir={tmp_path / 'cache'}", f"--run.dir={run_dir}"],
+                env={"HF_HOME": str(tmp_path / "hf-home"), "HF_ENDPOINT": url})
+    assert sorted(served) == ["tokenizer.json", "tokenizer_config.json"]
+    assert len(metrics(run_dir)) == 2
+    assert len(json.loads((run_dir / "memory_breakdown.json").read_text())["params_per_rank"]) == 2
+    assert tomllib.loads((run_dir / "config.toml").read_text())["data"]["tokenizer"] == "org/tok"

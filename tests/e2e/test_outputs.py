@@ -216,3 +216,38 @@ def test_an_export_is_readable_by_others_and_a_run_directory_exports_its_latest(
     line = one_line(main(["convert", "--to-hf", str(out), "--out", str(tmp_path / "again")]),
                     capsys.readouterr().err)
     assert "is a Hugging Face model folder, not a shardwise checkpoint" in line and "--from-hf" in line
+
+
+def test_download_out_stages_refuses_a_full_folder_and_overwrites_only_when_it_succeeds(tmp_path: Path):
+    """`download ID --out DIR`: the files a run reads land in DIR; a DIR holding files is refused in one
+    line, unchanged; `--overwrite` replaces it; a download that fails half-way (a listed file the Hub
+    cannot give) leaves nothing: no DIR, no staging folder, and an existing DIR as it was."""
+    from tests.helpers import fake_hub, run_cli
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for name, text in {"config.json": '{"model_type": "qwen3"}', "model.safetensors": "weights",
+                       "tokenizer.json": '{"model": {}}', "modeling_x.py": "import os"}.items():
+        (repo / name).write_text(text)
+    work = tmp_path / "models"
+    work.mkdir()
+    out, half = work / "tiny", work / "half"
+    listing = lambda d: sorted(p.name for p in d.iterdir() if not p.name.startswith("."))  # noqa: E731
+    broken = frozenset({"org/half/tokenizer.json"})
+    with fake_hub({"org/tiny": repo, "org/half": repo}, missing=broken) as (url, _):
+        env = {"HF_HOME": str(tmp_path / "hf-home"), "HF_ENDPOINT": url}
+        said = run_cli(["download", "org/tiny", "--out", str(out)], env=env).stdout
+        assert f"downloaded org/tiny (model) -> {out}" in said
+        assert listing(out) == ["config.json", "model.safetensors", "tokenizer.json"]  # no code
+        (out / "notes.txt").write_text("mine")
+        refused = run_cli(["download", "org/tiny", "--out", str(out)], env=env, check=False)
+        assert refused.returncode == 2 and "--overwrite" in refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1 and (out / "notes.txt").read_text() == "mine"
+        failed = run_cli(["download", "org/half", "--out", str(out), "--overwrite"], env=env, check=False)
+        assert failed.returncode == 2 and "the Hub answered 404 for 'org/half'" in failed.stderr
+        assert (out / "notes.txt").read_text() == "mine"  # the old folder stays when the new one fails
+        failed = run_cli(["download", "org/half", "--out", str(half)], env=env, check=False)
+        assert failed.returncode == 2 and not half.exists()
+        assert sorted(p.name for p in work.iterdir()) == ["tiny"]  # no staging folder left
+        run_cli(["download", "org/tiny", "--out", str(out), "--overwrite"], env=env)
+        assert listing(out) == ["config.json", "model.safetensors", "tokenizer.json"]

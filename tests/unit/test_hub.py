@@ -46,7 +46,8 @@ def _repo(tmp_path: Path) -> Path:
     repo = tmp_path / "repo"
     (repo / "data").mkdir(parents=True, exist_ok=True)
     for name, text in {"config.json": '{"model_type": "qwen3"}', "model.safetensors": "weights",
-                       "tokenizer.json": "{}", "tokenizer_config.json": "{}", "modeling_x.py": "import os",
+                       "tokenizer.json": '{"model": {}}', "tokenizer_config.json": "{}",
+                       "modeling_x.py": "import os",
                        "pytorch_model.bin": "pickle", "README.md": "# card",
                        "data/train.jsonl": '{"text": "a"}\n'}.items():
         (repo / name).write_text(text)
@@ -117,3 +118,66 @@ def test_a_launched_rank_reads_the_cache_only_and_a_torchrun_rank_waits_for_loca
         filled.join()
         assert kind == "ok" and Path(path).parent.parent.name == "models--org--tiny" and served == []
         assert time.monotonic() - start > 1.5
+
+
+def test_a_missing_revision_and_a_failing_hub_are_one_line_each(tmp_path: Path):
+    """An unknown revision names it; a Hub that answers 503 (and a cache without the files) says so and
+    to try later -- not that the Hub cannot be reached, not to download elsewhere."""
+    repo = _repo(tmp_path)
+    with fake_hub({"org/tiny": repo, "org/down": repo, "datasets/org/corpus": repo},
+                  down=frozenset({"org/down"})) as (url, served):
+        found = _resolve(tmp_path / "home", [("local_model", "org/tiny@v9"), ("local_model", "org/down"),
+                                             ("download", "org/down"), ("download", "hf://datasets/org/corpus@v9")],
+                         HF_ENDPOINT=url)
+    assert found[0] == ["error", "--hf: the model org/tiny has no revision 'v9'"]
+    for kind, said in found[1:3]:
+        assert kind == "error" and "the Hub answered 503 for 'org/down'" in said and "try again later" in said
+        assert "cannot be reached" not in said and "\n" not in said
+    assert found[3][0] == "error" and "has no revision 'v9'" in found[3][1]
+    assert served == []
+
+
+_LISTED = """
+import json, sys
+from pathlib import Path
+from shardwise.runtime import hub
+print(json.dumps(sorted(p.name for p in hub.local_model(sys.argv[1], "--hf").iterdir())))
+"""
+
+
+def test_a_waiting_rank_never_takes_a_half_written_snapshot(tmp_path: Path):
+    """Local rank 0 fetches while the weights arrive 3 s late; local rank 1 starts once the snapshot
+    holds the config but not the weights, and returns only the whole snapshot (huggingface_hub >= 1.22
+    lists the files before fetching them and refuses a snapshot missing one)."""
+    home, repo = tmp_path / "home", _repo(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_") and k != "LOCAL_RANK"}
+    env.update(HF_HOME=str(home), PYTHONPATH=str(ROOT))
+    whole = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    with fake_hub({"org/tiny": repo}, slow={"model.safetensors": 3.0}) as (url, served):
+        env["HF_ENDPOINT"] = url
+        first = subprocess.Popen([sys.executable, "-c", _LISTED, "org/tiny"], env={**env, "LOCAL_RANK": "0"},
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        snapshots, deadline = home / "hub" / "models--org--tiny" / "snapshots", time.monotonic() + 60
+        while not any(snapshots.glob("*/config.json")):
+            assert time.monotonic() < deadline and first.poll() is None, first.communicate()
+            time.sleep(0.02)
+        assert not any(snapshots.glob("*/model.safetensors"))  # half-written: the weights are on their way
+        second = subprocess.run([sys.executable, "-c", _LISTED, "org/tiny"], env={**env, "LOCAL_RANK": "1"},
+                                capture_output=True, text=True, timeout=120)
+        out, err = first.communicate(timeout=60)
+    assert first.returncode == 0 and second.returncode == 0, err + second.stderr
+    assert json.loads(out) == json.loads(second.stdout.splitlines()[-1]) == whole
+    assert "waiting for local rank 0 to fetch org/tiny" in second.stdout + second.stderr
+    assert sorted(served) == whole  # each file once: the waiting rank never asked the Hub
+
+
+def test_a_huggingface_hub_without_the_snapshot_check_is_refused_in_one_line(tmp_path: Path):
+    """Below 1.22 (pyproject's pin, bypassed by a --no-deps install) a rank could read a half-written
+    snapshot: every Hub id is refused, naming the version and the fix."""
+    script = ("from huggingface_hub import errors, snapshot_download\ndel errors.IncompleteSnapshotError\n"
+              "from shardwise.config.schema import ConfigError\nfrom shardwise.runtime import hub\n"
+              "try:\n    hub.local_model('org/tiny', '--hf')\nexcept ConfigError as err:\n    print(err)")
+    env = {**os.environ, "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    said = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=120, check=True).stdout.strip()
+    assert said.startswith("--hf: huggingface_hub ") and said.endswith("pip install 'huggingface_hub>=1.22'")
