@@ -6,6 +6,7 @@ recipe trains without the spike its old recipe had."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import tempfile
 from pathlib import Path
 
@@ -39,6 +40,23 @@ def test_a_changed_update_moves_the_curve_past_both_bounds(tmp_path: Path):
     for kind in (golden.cpu_kind(), "a kind with no curve"):
         passed, line = golden.check("llama-debug", curve, kind)
         assert not passed and "MOVED" in line, line
+
+
+def test_the_cross_kind_bounds_are_about_4x_the_spread_between_recorded_kinds():
+    """OTHER_KIND_RTOL, as its docstring says, is 3-6x the largest difference between two recorded
+    kinds' curves of a family (a new kind's curve that widens the spread fails this until the bound
+    is measured again)."""
+    spread = {"loss": 0.0, "grad_norm": 0.0}
+    for family in golden.FAMILIES:
+        stored = json.loads((golden.GOLDEN / f"{family}.json").read_text())["curves"]
+        curves = [c["curve"] for c in stored.values()]
+        for i, a in enumerate(curves):
+            for b in curves[i + 1:]:
+                for key in spread:
+                    spread[key] = max(spread[key], golden.deviation(a, b, (key,))[0])
+    assert len(curves) >= 2 and min(spread.values()) > 0
+    ratios = {key: golden.OTHER_KIND_RTOL[key] / spread[key] for key in spread}
+    assert all(3 <= r <= 6 for r in ratios.values()), (ratios, spread)
 
 
 def test_recording_keeps_other_kinds_and_says_why(monkeypatch: pytest.MonkeyPatch):
