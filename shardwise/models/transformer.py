@@ -319,23 +319,46 @@ def init_weights(model: Transformer, seed: int) -> None:
     """
     for name, p in model.named_parameters():
         kind, std = param_init_spec(name, model.args)
-        full = torch.empty(p.shape, dtype=torch.float32, device=_local(p).device)
-        if kind == "ones":
-            full.fill_(1.0)
-        else:
-            g = torch.Generator(device=full.device)
-            g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-            base = INIT_STD if kind == "keys_values" else std
-            nn.init.trunc_normal_(full, std=base, a=-3 * base, b=3 * base, generator=g)
-            if kind == "keys_values":  # a truncated normal scaled is one at the scaled std and bounds
-                a = model.args
-                rows = full.view(a.n_heads, a.qk_nope_head_dim + a.v_head_dim, -1)  # (H, nope + v, C)
-                rows[:, :a.qk_nope_head_dim] *= std / base
+        with _one_process_draw():
+            full = _draw(model, name, p, kind, std, seed)
         if isinstance(p, DTensor):
             # src_data_rank=None: every rank drew the same full tensor; each keeps its shard, no comm.
             full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
         _local(p).copy_(full)
-    for m in model.modules():  # MoE state: no routing bias, no tokens counted yet
+    _reset_state(model)
+
+
+def _draw(model: Transformer, name: str, p: torch.Tensor, kind: str, std: float, seed: int) -> torch.Tensor:
+    """Parameter ``name``'s full initial value (fp32), from its (seed, name) generator."""
+    full = torch.empty(p.shape, dtype=torch.float32, device=_local(p).device)
+    if kind == "ones":
+        full.fill_(1.0)
+    else:
+        g = torch.Generator(device=full.device)
+        g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+        base = INIT_STD if kind == "keys_values" else std
+        nn.init.trunc_normal_(full, std=base, a=-3 * base, b=3 * base, generator=g)
+        if kind == "keys_values":  # a truncated normal scaled is one at the scaled std and bounds
+            a = model.args
+            rows = full.view(a.n_heads, a.qk_nope_head_dim + a.v_head_dim, -1)  # (H, nope + v, C)
+            rows[:, :a.qk_nope_head_dim] *= std / base
+    return full
+
+
+def _one_process_draw() -> contextlib.AbstractContextManager:
+    """Under simulated ranks (torch's LocalTensorMode: many ranks in one process) each full parameter is
+    drawn once, as a plain tensor the ranks share: its truncated normal loops on the values it drew,
+    which one process decides. Outside a simulation this is a no-op."""
+    try:
+        from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+    except ImportError:  # (a torch without the simulation: nothing to step out of)
+        return contextlib.nullcontext()
+    return maybe_disable_local_tensor_mode()
+
+
+def _reset_state(model: Transformer) -> None:
+    """The MoE state (no routing bias, no tokens counted yet) and the RoPE table."""
+    for m in model.modules():
         if isinstance(m, MoE):
             m.router.expert_bias.zero_()
             m.tokens_per_expert.zero_()
