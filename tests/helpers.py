@@ -261,7 +261,8 @@ PARAM_RTOL = 1e-4
 
 def asked_layout(asked: list[str]) -> tuple[int, dict[str, int]]:
     """The world size and the degrees a run's ``--nproc=N --parallel.X=D`` arguments ask for
-    (``dp_shard``: the ranks the others leave, as the resolver fills it)."""
+    (``dp_shard``: the ranks the others leave). Worked out here, not by the resolver: a resolver that
+    dropped a flag must not also decide what the check expects."""
     world, degrees = 1, {str(d): 1 for d in DEGREES}
     given: set[str] = set()
     for arg in asked:
@@ -316,7 +317,7 @@ def check_layout_ran(run_dir: Path, asked: list[str], layout: str) -> None:
     stage_ranks, fsdp = world // deg["pp"], deg["dp_shard"] * deg["cp"]
     held: dict[int, tuple[int, int]] = {}  # stage -> (bytes of the smallest chunks, of the largest)
     for name in params:
-        md = meta.state_dict_metadata[f"model.{name}"]
+        md = states[f"model.{name}"]
         chunks = [c for c in md.chunks if c.sizes.numel()]
         numels = [c.sizes.numel() for c in chunks]
         assert sum(numels) == md.size.numel() and len({tuple(c.offsets) for c in chunks}) == len(chunks), \
@@ -511,9 +512,9 @@ def fake_hub(repos: dict[str, Path], gated: frozenset[str] = frozenset(), down: 
                 return self.answer(200, json.dumps(tree).encode(), {"Content-Type": "application/json"})
             if raw[4] not in have:
                 return self.answer(404, b"{}", {"X-Error-Code": "EntryNotFound"})
-            body = have[raw[4]].read_bytes()
             if f"{name}/{raw[4]}" in missing:
                 return self.answer(404, b"{}", {"X-Error-Code": "EntryNotFound"})
+            body = have[raw[4]].read_bytes()
             if self.command == "GET":
                 time.sleep((slow or {}).get(raw[4], 0.0))
                 served.append(raw[4])

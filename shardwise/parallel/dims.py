@@ -199,7 +199,7 @@ class ParallelDims:
         """Each dim and view of the mesh as torch built it (``DeviceMesh.size()`` of the world mesh's
         dims, the flattened views and, once made, the MoE views) -- what a checkpoint's manifest
         records as the mesh that ran, beside the degrees it was asked for."""
-        sizes = {str(name): self.mesh[name].size() for name in MESH_DIMS}
+        sizes = dict(zip(self.mesh.mesh_dim_names, self.mesh.shape, strict=True))
         return {**sizes, **{str(name): m.size() for name, m in self._flat.items()}}
 
     @property

@@ -104,14 +104,27 @@ def download(ref: str, out: Path | None = None) -> tuple[str, Path]:
     else:
         raise ConfigError(f"download: '{ref}' is not a Hub id: give ORG/NAME[@REVISION] for a model, or "
                           "hf://datasets/ORG/NAME[@REVISION][/PATH] for a dataset")
+    _check_snapshot_guard("download")
     folder = _fetch(repo, revision, kind, list(patterns), "download", local=False, local_dir=out)
     return kind, _inside(folder, inner, repo, "download") if kind == "dataset" else folder
+
+
+def _check_snapshot_guard(field: str) -> None:
+    """huggingface_hub older than pyproject's pin (installed past it, e.g. ``--no-deps``) would hand a
+    waiting rank a half-written snapshot: refused before any fetch or wait."""
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    if not hasattr(errors, "IncompleteSnapshotError"):
+        raise ConfigError(f"{field}: huggingface_hub {huggingface_hub.__version__} can take a half-written "
+                          "snapshot for a whole one: pip install 'huggingface_hub>=1.22'")
 
 
 @functools.cache
 def _snapshot(repo: str, revision: str | None, kind: str, patterns: tuple[str, ...] | list[str],
               field: str) -> Path:
     """The cached snapshot folder of ``repo`` holding ``patterns`` (once per process)."""
+    _check_snapshot_guard(field)
     if os.environ.get(LAUNCHED_RANK_ENV):  # the launcher fetched it before starting this rank
         return _fetch(repo, revision, kind, patterns, field, local=True)
     if os.environ.get("LOCAL_RANK", "0") != "0":  # torchrun/Slurm: local rank 0 fetches for the node
@@ -137,12 +150,8 @@ def _fetch(repo: str, revision: str | None, kind: str, patterns: list[str], fiel
            local_dir: Path | None = None) -> Path:
     """``snapshot_download`` (into the cache, or a plain copy in ``local_dir``) with its failures as
     one-line errors."""
-    import huggingface_hub
     from huggingface_hub import constants, errors, snapshot_download
 
-    if not hasattr(errors, "IncompleteSnapshotError"):  # (installed past pyproject's pin, e.g. --no-deps)
-        raise ConfigError(f"{field}: huggingface_hub {huggingface_hub.__version__} can take a half-written "
-                          "snapshot for a whole one: pip install 'huggingface_hub>=1.22'")
     offline = local or constants.HF_HUB_OFFLINE
     what = "dataset" if kind == "dataset" else "model"
     ref = f"{repo}@{revision}" if revision else repo
@@ -160,7 +169,8 @@ def _fetch(repo: str, revision: str | None, kind: str, patterns: list[str], fiel
         raise ConfigError(f"{field}: {_no_folder(ref, kind, field)}the Hub has no {what} '{repo}' (or it "
                           f"is private: `hf auth login`); check the path or the exact id, e.g. {example}"
                           ) from None
-    except (errors.IncompleteSnapshotError, errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled) as e:
+    # (a half-written snapshot's IncompleteSnapshotError is a LocalEntryNotFoundError)
+    except (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled) as e:
         if isinstance(e.__cause__, errors.HfHubHTTPError):  # reached, but it failed (a 5xx): not ours to fix
             raise ConfigError(f"{field}: the Hub answered {_status(e.__cause__)} for '{ref}', which is not "
                               f"in the Hugging Face cache ({constants.HF_HUB_CACHE}) either: try again "

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import QWEN3, fake_hub, hub_cache, metrics, require, run_cli, tiny_qwen3
+from shardwise.data.tokenizer import ASSETS
+from tests.helpers import QWEN3, TINY_ARGS, fake_hub, hub_cache, metrics, require, run_cli, tiny_qwen3
 
 
 def test_pretraining_plan_train_lose_a_rank_resume(tmp_path: Path, data_cache: str):
@@ -154,8 +155,6 @@ def test_deepseek_train_generate_export_to_transformers(tmp_path: Path, data_cac
 def test_train_on_two_ranks_resolves_a_hub_id_once_before_the_ranks_start(tmp_path: Path):
     """`train --nproc 2 --data.tokenizer ORG/NAME` with an empty cache: the launcher fetches the
     tokenizer once (each file's bytes sent once), and both ranks read it from the cache."""
-    from tests.helpers import ASSETS, TINY_ARGS
-
     repo = tmp_path / "tok-repo"
     repo.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json"):

@@ -3,6 +3,7 @@ never blamed (shardwise/observe/capture.py)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from tests.helpers import (
     QWEN3_ARGS,
     QWEN3_LAYOUTS,
     QWEN3_UNMASKED_LAYOUTS,
+    ROOT,
     TINY_ARGS,
     UNMASKED_LAYOUTS,
     as_verify_layout,
@@ -94,10 +96,6 @@ def test_every_layout_of_the_fp32_parity_matrix_is_blameless(group: str, tmp_pat
 
 def test_the_status_page_counts_the_matrix_as_it_is():
     """docs/status.md's localize row says how many layouts the test above runs."""
-    import re
-
-    from tests.helpers import ROOT
-
     count = sum(len([x for x in map(as_verify_layout, table.values()) if x]) for _, table in MATRIX.values())
     rows = (ROOT / "docs" / "status.md").read_text().splitlines()
     row = next(ln for ln in rows if "`verify` localizes" in ln)

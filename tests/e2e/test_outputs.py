@@ -20,7 +20,7 @@ from shardwise import checkpoint
 from shardwise.cli import main
 from shardwise.config.outputs import RunRecord
 from shardwise.trainer.session import export_hf_folder
-from tests.helpers import flip_byte, train_tiny, truncate_shard
+from tests.helpers import fake_hub, flip_byte, run_cli, train_tiny, truncate_shard
 
 pytestmark = pytest.mark.e2e
 
@@ -222,8 +222,6 @@ def test_download_out_stages_refuses_a_full_folder_and_overwrites_only_when_it_s
     """`download ID --out DIR`: the files a run reads land in DIR; a DIR holding files is refused in one
     line, unchanged; `--overwrite` replaces it; a download that fails half-way (a listed file the Hub
     cannot give) leaves nothing: no DIR, no staging folder, and an existing DIR as it was."""
-    from tests.helpers import fake_hub, run_cli
-
     repo = tmp_path / "repo"
     repo.mkdir()
     for name, text in {"config.json": '{"model_type": "qwen3"}', "model.safetensors": "weights",

@@ -173,11 +173,18 @@ def test_a_waiting_rank_never_takes_a_half_written_snapshot(tmp_path: Path):
 
 def test_a_huggingface_hub_without_the_snapshot_check_is_refused_in_one_line(tmp_path: Path):
     """Below 1.22 (pyproject's pin, bypassed by a --no-deps install) a rank could read a half-written
-    snapshot: every Hub id is refused, naming the version and the fix."""
+    snapshot: every Hub id is refused, naming the version and the fix -- by a rank that fetches, by
+    one that would wait for local rank 0 (at once, not after the wait), and by ``download``."""
     script = ("from huggingface_hub import errors, snapshot_download\ndel errors.IncompleteSnapshotError\n"
               "from shardwise.config.schema import ConfigError\nfrom shardwise.runtime import hub\n"
-              "try:\n    hub.local_model('org/tiny', '--hf')\nexcept ConfigError as err:\n    print(err)")
-    env = {**os.environ, "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    said = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                          timeout=120, check=True).stdout.strip()
-    assert said.startswith("--hf: huggingface_hub ") and said.endswith("pip install 'huggingface_hub>=1.22'")
+              "for call in (lambda: hub.local_model('org/tiny', '--hf'), lambda: hub.download('org/tiny')):\n"
+              "    try:\n        call()\n    except ConfigError as err:\n        print(err)")
+    base = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
+    for local_rank in ("0", "1"):
+        env = {**base, "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT),
+               "LOCAL_RANK": local_rank}
+        said = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                              timeout=60, check=True).stdout.strip().splitlines()
+        assert [line.split(":")[0] for line in said] == ["--hf", "download"], said
+        assert all("huggingface_hub " in line and line.endswith("pip install 'huggingface_hub>=1.22'")
+                   for line in said), said
