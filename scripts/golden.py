@@ -52,8 +52,8 @@ OTHER_KIND_RTOL = {"loss": 2e-4, "grad_norm": 5e-2}
 """A CPU kind with no curve recorded, held to the first recorded kind's: its kernels round differently
 from the first step on and 20 steps amplify it, the gradient norm most. About 4x the largest spread
 between two recorded kinds (tests/e2e/test_golden.py holds the ratio to the stored curves): loss
-4.2e-5 and gradient norm 1.27e-2, both qwen3-tiny between AVX-512 and AMX; AVX2's curves lie within
-those of both. A learning rate off by 1% moves the llama curve's gradient norm by 0.27 relative, so
+4.2e-5 and gradient norm 1.27e-2, both qwen3-tiny between AVX-512 and AMX (AVX2 is nearer to
+each of them). A learning rate off by 1% moves the llama curve's gradient norm by 0.27 relative, so
 the looser guard still catches a changed update (tested)."""
 AVX2_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
                 "ONEDNN_MAX_CPU_ISA": "AVX2"}

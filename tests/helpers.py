@@ -279,7 +279,7 @@ def asked_layout(asked: list[str]) -> tuple[int, dict[str, int]]:
     return world, degrees
 
 
-def check_layout_ran(run_dir: Path, asked: list[str], layout: str) -> None:
+def check_layout_ran(run_dir: Path, asked: list[str], layout: str, step: int = 10) -> None:
     """The run in ``run_dir`` ran the layout ``asked`` names, read from what torch recorded of it (not
     from the config the run resolved): its final checkpoint has one DCP file and one RNG file per rank
     of that world; the mesh the manifest records (``DeviceMesh`` sizes) has each dim of that size;
@@ -287,11 +287,11 @@ def check_layout_ran(run_dir: Path, asked: list[str], layout: str) -> None:
     output projection split along its input dim; routed experts over dp_shard x cp x tp) implies, within
     one pipeline stage's ranks, every stage holding parameters; and each rank's parameter bytes (the
     run's own count of its local shards, memory_breakdown.json) are one chunk of each of its stage's
-    parameters."""
+    parameters. ``step``: the final checkpoint's."""
     from torch.distributed.checkpoint import FileSystemReader
 
     world, deg = asked_layout(asked)
-    ckpt = run_dir / "checkpoints" / "step-10"
+    ckpt = run_dir / "checkpoints" / f"step-{step}"
     names = {p.name for p in ckpt.iterdir()}
     assert {n for n in names if n.endswith(".distcp")} == {f"__{r}_0.distcp" for r in range(world)}, \
         f"{layout}: DCP files {sorted(n for n in names if n.endswith('.distcp'))} for {world} ranks"

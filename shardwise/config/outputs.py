@@ -87,9 +87,15 @@ class Target:
             shutil.rmtree(old, ignore_errors=True)
         return said
 
+    def _parents(self) -> list[Path]:
+        """Make the target's missing parent folders; returns those it made, outermost first."""
+        made = [p for p in reversed(self.path.absolute().parents) if not p.exists()]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        return made
+
     def write(self, data: str | bytes) -> str:
         """Write a file: staged beside the target, fsynced, renamed. Returns a notice ('' = none)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        made = self._parents()
         fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".partial", dir=self.path.parent)
         try:
             with os.fdopen(fd, "wb") as f:
@@ -100,13 +106,15 @@ class Target:
             return self._commit(Path(tmp))
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
+            _remove_empty(made)
             raise
 
     @contextlib.contextmanager
     def staging(self) -> Iterator[Path]:
         """A folder to fill; renamed onto the target when the block ends without error (a kept-aside
-        earlier one is said as a notice), removed (only it: it is ours) when the block raises."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        earlier one is said as a notice), removed (only it, and the parent folders made for it: they are
+        ours) when the block raises."""
+        made = self._parents()
         tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.", suffix=".partial", dir=self.path.parent))
         try:
             yield tmp
@@ -115,7 +123,18 @@ class Target:
                 say(f"notice: {said}")
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
+            _remove_empty(made)
             raise
+
+
+def _remove_empty(made: list[Path]) -> None:
+    """The folders a failed write made for its target (outermost first), innermost first, each only
+    while empty: something another process put there since is kept."""
+    for folder in reversed(made):
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def check_folder(path: str | Path, flag: str) -> None:

@@ -18,7 +18,7 @@ import pytest
 
 from shardwise import checkpoint
 from shardwise.verify.parity import checkpoint_params, update_error
-from tests.helpers import TINY_ARGS, max_rel, metrics, run_cli
+from tests.helpers import TINY_ARGS, check_layout_ran, max_rel, metrics, run_cli
 
 LOSS_RTOL = 1e-5  # the layouts' own parity tolerances (tests/distributed/test_parity.py)
 PARAM_RTOL = 1e-4
@@ -90,9 +90,12 @@ def differences(src: Path, dst: Path) -> tuple[float, float, float]:
 
 @pytest.mark.parametrize("case", _layouts())
 def test_checkpoint_loads_into_another_layout(case: str, sources, tmp_path: Path, data_cache: str):  # noqa: ANN001
-    _, load, shared = CASES[case]
+    save, load, shared = CASES[case]
     src = sources(case)
-    loss, norm, params = differences(src, resumed(tmp_path, data_cache, src, load, shared))
+    dst = resumed(tmp_path, data_cache, src, load, shared)
+    check_layout_ran(src, save, f"{case} (saving)", step=STEPS)
+    check_layout_ran(dst, load, f"{case} (loading)", step=STEPS)
+    loss, norm, params = differences(src, dst)
     assert loss <= LOSS_RTOL and norm <= LOSS_RTOL and params <= PARAM_RTOL, (loss, norm, params)
 
 

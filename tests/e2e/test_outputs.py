@@ -221,7 +221,8 @@ def test_an_export_is_readable_by_others_and_a_run_directory_exports_its_latest(
 def test_download_out_stages_refuses_a_full_folder_and_overwrites_only_when_it_succeeds(tmp_path: Path):
     """`download ID --out DIR`: the files a run reads land in DIR; a DIR holding files is refused in one
     line, unchanged; `--overwrite` replaces it; a download that fails half-way (a listed file the Hub
-    cannot give) leaves nothing: no DIR, no staging folder, and an existing DIR as it was."""
+    cannot give) leaves nothing: no DIR, no staging folder, no parent folder made for DIR, and an
+    existing DIR as it was."""
     repo = tmp_path / "repo"
     repo.mkdir()
     for name, text in {"config.json": '{"model_type": "qwen3"}', "model.safetensors": "weights",
@@ -246,6 +247,8 @@ def test_download_out_stages_refuses_a_full_folder_and_overwrites_only_when_it_s
         assert (out / "notes.txt").read_text() == "mine"  # the old folder stays when the new one fails
         failed = run_cli(["download", "org/half", "--out", str(half)], env=env, check=False)
         assert failed.returncode == 2 and not half.exists()
-        assert sorted(p.name for p in work.iterdir()) == ["tiny"]  # no staging folder left
+        nested = run_cli(["download", "org/half", "--out", str(work / "new" / "half")], env=env, check=False)
+        assert nested.returncode == 2
+        assert sorted(p.name for p in work.iterdir()) == ["tiny"]  # no staging folder, no folder made for it
         run_cli(["download", "org/tiny", "--out", str(out), "--overwrite"], env=env)
         assert listing(out) == ["config.json", "model.safetensors", "tokenizer.json"]

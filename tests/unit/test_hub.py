@@ -132,6 +132,7 @@ def test_a_missing_revision_and_a_failing_hub_are_one_line_each(tmp_path: Path):
     assert found[0] == ["error", "--hf: the model org/tiny has no revision 'v9'"]
     for kind, said in found[1:3]:
         assert kind == "error" and "the Hub answered 503 for 'org/down'" in said and "try again later" in said
+        assert str(tmp_path / "home" / "hub") in said  # the cache folder it looked in
         assert "cannot be reached" not in said and "\n" not in said
     assert found[3][0] == "error" and "has no revision 'v9'" in found[3][1]
     assert served == []
