@@ -73,7 +73,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def app_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                scheduler: torch.optim.lr_scheduler.LRScheduler, loader: PackedLoader,
                step: int) -> dict[str, Any]:
+    fresh = not optimizer.state
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    if fresh:  # torch made the states with a zero-gradient step at lr 0 and counted it: a step the run
+        # never took, which would shift AdamW's bias correction of every later step (a run saving at
+        # step 0, checkpoint.save_initial, would train otherwise than one that does not)
+        for states in (optimizer.state.values(), optim_sd.get("state", {}).values()):
+            for state in states:
+                if torch.is_tensor(state.get("step")):
+                    state["step"].zero_()
     sched = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
     # The schedule's shape (warmup, total steps) always comes from the config; the checkpoint
     # carries only where in it the run is.

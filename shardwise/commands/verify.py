@@ -19,6 +19,7 @@ DESCRIPTION = (
 EXAMPLES = (
     "shardwise verify --config configs/debug.toml --nproc 4",
     "shardwise verify --config configs/debug.toml --layouts dp_shard=2 tp=2 --steps 10",
+    "shardwise verify --config configs/debug.toml --ranks 64 --layouts dp_replicate=2,tp=8 --steps 2",
 )
 
 
@@ -30,6 +31,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layouts", nargs="+", default=None,
                    help="layouts as degree lists, e.g. dp_shard=4 tp=2,dp_shard=2 (each one's product of "
                         "degrees is its number of ranks)")
+    p.add_argument("--ranks", type=int, default=None,
+                   help="train each layout as this many simulated ranks in this process (torch's "
+                        "LocalTensorMode) instead of as real processes: layouts of up to 1,024 ranks on one "
+                        "machine; fills layouts as --nproc does (the reference stays a real 1-rank run)")
     p.add_argument("--steps", type=int, default=20,
                    help="the run's first N steps, which every layout trains on the run's own "
                         "learning-rate schedule (training.steps)")
@@ -51,18 +56,30 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
 
     if args.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
-    layouts = fill_layouts(args.layouts, args.nproc)  # a bad one fails before any run (and torch)
+    if args.ranks is not None and args.nproc is not None:
+        raise ConfigError("--ranks (simulated ranks) and --nproc (real ones) are two ways to run the "
+                          "layouts: give one")
+    if args.ranks is not None and not 1 < args.ranks <= 1024:
+        raise ConfigError(f"--ranks must be 2..1024, got {args.ranks}")
+    ranks = args.ranks or args.nproc
+    flag = "--nproc" if args.ranks is None else "--ranks"
+    layouts = fill_layouts(args.layouts, ranks, flag=flag)  # a bad one fails before any run (and torch)
     # (resolved: its precision chooses the tolerances)
     base = load_resolved(args.config, overrides)  # (its training.steps: the schedule verify follows)
     if args.layouts is None and base.model.n_experts:  # an MoE model's standard layouts add EP
-        layouts = fill_layouts(None, args.nproc, experts=True)
+        layouts = fill_layouts(None, ranks, experts=True, flag=flag)
     from shardwise.resolve.run import resolve_run
 
     for text in layouts:  # each layout as the trainer will check it, before the reference runs
         layout_overrides, world = parse_layout(text)
-        resolve_run(load_config(args.config, [*overrides, *layout_overrides]), world, detect_device=False)
+        cfg = load_config(args.config, [*overrides, *layout_overrides])
+        run = resolve_run(cfg, world, detect_device=False)
+        if args.ranks is not None:
+            from shardwise.verify.simulated import check_simulated
+
+            check_simulated(run)
     check_folder(args.out, "--out")
     from shardwise.verify.parity import verify_layouts
 
     return 0 if verify_layouts(base, args.config, overrides, layouts, args.steps, Path(args.out),
-                       args.moe_routing, args.localize) else 1
+                       args.moe_routing, args.localize, simulated=args.ranks is not None) else 1

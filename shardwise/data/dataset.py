@@ -275,7 +275,7 @@ class Batch:
     inputs: torch.Tensor  # (B, S) int64
     labels: torch.Tensor  # (B, S) int64
     doc_ids: torch.Tensor | None  # (B, S) int32 when document masking is on
-    n_valid: int
+    n_valid: int  # (simulated ranks, verify --ranks: a tensor of each rank's count)
     first_row: int = 0  # the global batch's sequence this micro-batch starts at (all ranks counted)
 
 

@@ -45,12 +45,14 @@ def _parse(text: str) -> tuple[list[str], dict[str, int]]:
     return overrides, degrees
 
 
-def fill_layouts(layouts: list[str] | None, nproc: int | None, experts: bool = False) -> list[str]:
+def fill_layouts(layouts: list[str] | None, nproc: int | None, experts: bool = False, flag: str = "--nproc"
+                 ) -> list[str]:
     """The layouts to verify, each checked. With ``nproc`` (``--nproc``), each runs on that many
     ranks: a layout that does not set dp_shard gets the rest of them, one that sets every degree
     must multiply to it; with no ``layouts``, plain FSDP over ``nproc`` ranks and (``nproc`` even)
     2-way TP beside FSDP over the other half; for a model with ``experts`` (``nproc`` even), 2-way
-    expert parallel too, beside that TP where ``nproc`` is a multiple of 4 (EP x FSDP x TP)."""
+    expert parallel too, beside that TP where ``nproc`` is a multiple of 4 (EP x FSDP x TP).
+    ``flag``: the option that gave ``nproc``, as errors name it (``--ranks``: simulated ranks)."""
     if layouts is None:
         if nproc is None:
             raise ConfigError("verify needs --layouts (e.g. dp_shard=2 tp=2) or --nproc N (the standard "
@@ -67,10 +69,10 @@ def fill_layouts(layouts: list[str] | None, nproc: int | None, experts: bool = F
             continue
         if Mesh.DP_SHARD not in (item.partition("=")[0] for item in text.split(",")):
             if nproc % world:
-                raise ConfigError(f"layout '{text}' uses {world} ranks, which do not divide --nproc {nproc}")
+                raise ConfigError(f"layout '{text}' uses {world} ranks, which do not divide {flag} {nproc}")
             text, world = ",".join(filter(None, [text, f"dp_shard={nproc // world}"])), nproc
         if world != nproc:
-            raise ConfigError(f"layout '{text}' uses {world} ranks, not --nproc {nproc}: change its degrees "
+            raise ConfigError(f"layout '{text}' uses {world} ranks, not {flag} {nproc}: change its degrees "
                               "or leave dp_shard out to fill it")
         out.append(text)
     return out

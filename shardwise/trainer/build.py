@@ -20,6 +20,7 @@ from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.pipeline import Pipe, attach_stage_views, split_stage
 from shardwise.parallel.stages import rank_stages
 from shardwise.resolve.run import ResolvedRun
+from shardwise.trainer import simulate
 from shardwise.trainer.loss import token_loss_sum
 
 
@@ -33,6 +34,7 @@ def build_rank_model(run: ResolvedRun, device: torch.device | str) -> nn.Module:
         run.dims.moe_meshes()
     parallelize(model, run.dims, run.cfg, run.compile)
     model.to_empty(device=device)
+    simulate.adapt(model)  # simulated ranks (verify --ranks) only: see trainer/simulate.py
     init_weights(model, run.cfg.training.seed)
     return model
 

@@ -12,7 +12,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -226,12 +226,7 @@ def open_session(run: ResolvedRun, env: DistEnv, run_dir: Path, ckpt_group: dist
     checkpoint it resumes from, if any, and start the logs."""
     cfg = run.cfg
     loader, corpus = build_data(run, env.device)
-    model = build_rank_model(run, env.device)
-    pipe = build_pipe(model, run, env.device)
-    shard = batch_sharder(run.dims, cfg.parallel.cp_load_balance)
-    loss = TokenLoss(run.loss_chunk, compiled=run.compile)
-    optimizer = build_optimizer(model, cfg.optimizer, env.device.type, run.model.moe_router_lr_scale)
-    scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
+    model, pipe, shard, loss, optimizer, scheduler = build_step_parts(run, env.device)
     routing = build_routing_trace(run, model, run_dir, env.rank)
     trace = None
     if cfg.debug.trace:
@@ -303,16 +298,52 @@ def export_hf_folder(checkpoint_dir: Path, run_dir: Path, retired: list[int]) ->
     return f"exported {name} as a Hugging Face folder {out} ({time.perf_counter() - t0:.1f} s)"
 
 
+class StepParts(NamedTuple):
+    """What ``train_step`` takes from a session: this rank's model and pipeline, the context-parallel
+    cut of its batches, the loss, the optimizer and its schedule."""
+
+    model: nn.Module
+    pipe: Pipe | None
+    shard: Callable[[list[Batch]], list[Batch]]
+    loss: TokenLoss
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+
+def build_step_parts(run: ResolvedRun, device: torch.device | str) -> StepParts:
+    """This rank's :class:`StepParts` (model: meta -> parallelize -> materialize -> init); the
+    trainer's session and simulated ranks (``verify --ranks``) build them here."""
+    cfg, device_type = run.cfg, torch.device(device).type
+    model = build_rank_model(run, device)
+    pipe = build_pipe(model, run, device)
+    shard = batch_sharder(run.dims, cfg.parallel.cp_load_balance)
+    loss = TokenLoss(run.loss_chunk, compiled=run.compile)
+    optimizer = build_optimizer(model, cfg.optimizer, device_type, run.model.moe_router_lr_scale)
+    return StepParts(model, pipe, shard, loss, optimizer,
+                     build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps))
+
+
 def build_data(run: ResolvedRun, device: torch.device) -> tuple[PackedLoader, Corpus]:
     """Memory-map the prepared corpus (preparing what is not yet: under torchrun the first rank to
     reach a source's folder does it, the others wait on its lock) and build this rank's loader."""
-    cfg, t, dims = run.cfg, run.cfg.training, run.dims
+    corpus = open_run_corpus(run)
+    return build_loader(run, corpus, run.dims.submesh(Mesh.DP).get_local_rank(), device), corpus
+
+
+def open_run_corpus(run: ResolvedRun) -> Corpus:
+    """The run's prepared corpus, memory-mapped (prepared first where it is not yet)."""
+    cfg = run.cfg
     corpus = open_corpus(cfg.data, run.tokenizer or load_tokenizer(cfg.data.tokenizer), plan=run.data_plan)
     check_vocab(corpus.max_token, run.model.vocab_size)
-    loader = PackedLoader(corpus.train, t.seq_len, t.global_batch, run.micro_batch,
-                          dims.submesh(Mesh.DP).get_local_rank(), dims.dp, t.seed,
-                          cfg.data.document_mask, device, weights=corpus.weights, names=corpus.names)
-    return loader, corpus
+    return corpus
+
+
+def build_loader(run: ResolvedRun, corpus: Corpus, dp_rank: int, device: torch.device | str) -> PackedLoader:
+    """The loader of data-parallel rank ``dp_rank``'s micro-batches."""
+    t = run.cfg.training
+    return PackedLoader(corpus.train, t.seq_len, t.global_batch, run.micro_batch, dp_rank, run.dims.dp,
+                        t.seed, run.cfg.data.document_mask, device, weights=corpus.weights,
+                        names=corpus.names)
 
 
 def build_routing_trace(run: ResolvedRun, model: nn.Module, run_dir: Path, rank: int) -> RoutingTrace | None:

@@ -140,7 +140,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     dims = run.dims
     dp_cp = dims.submesh(Mesh.DP_CP).get_group()
     device = batches[0].inputs.device
-    n_valid = torch.tensor(sum(b.n_valid for b in batches), dtype=torch.int64, device=device)
+    # (as_tensor: simulated ranks count theirs in a tensor, verify --ranks)
+    n_valid = torch.as_tensor(sum(b.n_valid for b in batches), dtype=torch.int64, device=device)
     dist.all_reduce(n_valid, group=dp_cp)  # all-reduce over dp x cp: the global valid-token count
     n_valid = n_valid.clamp(min=1)
     if inject_nan:

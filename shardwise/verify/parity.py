@@ -30,8 +30,10 @@ from shardwise.config.schema import Config, ConfigError
 from shardwise.observe.capture import format_localized, localize
 from shardwise.observe.metrics import read_metrics
 from shardwise.observe.routing import replay_report
-from shardwise.parallel.dims import Mesh
+from shardwise.parallel.dims import DEGREES, Mesh
+from shardwise.resolve.checks import load_config
 from shardwise.resolve.layouts import layout_degrees, parse_layout
+from shardwise.verify.simulated import SimulatedRun, train_simulated
 
 
 @dataclass(frozen=True)
@@ -105,23 +107,25 @@ def update_error(p: dict[str, torch.Tensor], p_ref: dict[str, torch.Tensor],
 
 
 def verify_layouts(base: Config, config: str | None, overrides: list[str], layouts: list[str], steps: int,
-           out: Path, moe_routing: str = "replay", localize_all: bool = False) -> bool:
+           out: Path, moe_routing: str = "replay", localize_all: bool = False, simulated: bool = False
+           ) -> bool:
     """Run the reference and every layout; print the table; return True if all pass. ``base``: the
     config (``config`` with ``overrides``) of the reference run, loaded and checked by the caller.
     ``moe_routing``: replay the reference's expert choices in MoE layouts, or route freely. In bf16
     the bounds are at least :data:`FLOOR_FACTOR` times the run's own noise floor
     (:func:`noise_floor`). Each failing layout (``localize_all``: every layout) is then localized
-    (:func:`localize_layouts`)."""
+    (:func:`localize_layouts`). ``simulated``: each layout trains as simulated ranks in this process
+    (:mod:`shardwise.verify.simulated`) instead of as real ones; the reference is a real run."""
     precision = base.training.mixed_precision
     parsed = [(name, *parse_layout(name)) for name in layouts]  # bad layouts fail before any run
     out.mkdir(parents=True, exist_ok=True)
     # The first `steps` steps of the run as configured -- its learning-rate schedule included, which a
     # run shortened to `steps` would compress (a warm-up ending at the last step, a decay within it).
-    common = ([] if config is None else ["--config", config]) + [
-        *overrides, f"--training.steps={max(base.training.steps, steps)}",
-        f"--training.stop_after={steps}", "--debug.deterministic=true", "--eval.interval=0",
-        "--checkpoint.interval=0", "--checkpoint.final=true", "--run.overwrite=true",
-        "--metrics.log_format=line", "--metrics.tensorboard=false", "--metrics.plot=false"]
+    settings = [*overrides, f"--training.steps={max(base.training.steps, steps)}",
+                f"--training.stop_after={steps}", "--debug.deterministic=true", "--eval.interval=0",
+                "--checkpoint.interval=0", "--checkpoint.final=true", "--run.overwrite=true",
+                "--metrics.log_format=line", "--metrics.tensorboard=false", "--metrics.plot=false"]
+    common = ([] if config is None else ["--config", config]) + settings
     ref_dir = out / "reference"
     # MoE: the layouts replay the reference's routing, so that a near-tie one layout breaks the other
     # way cannot decide the verdict; the tokens where a layout's own router differs are reported.
@@ -145,6 +149,9 @@ def verify_layouts(base: Config, config: str | None, overrides: list[str], layou
     for name, layout_args, world in parsed:
         print(f"{name}: {world} ranks ...", flush=True)
         run_dir = out / run_dirname(name)
+        if simulated:
+            results.append(_simulated(name, world, config, [*settings, *layout_args], steps, compare, tol))
+            continue
         err = _train([*common, f"--run.dir={run_dir}", f"--checkpoint.path={seed}", *replay, *layout_args],
                      world, out / f"{run_dir.name}.log")
         if err:
@@ -162,9 +169,29 @@ def verify_layouts(base: Config, config: str | None, overrides: list[str], layou
     print(f"\noverlay plot: {out / 'loss_overlay.png'}; logs and runs under {out}")
     chosen = [(*p, not r.passed) for p, r in zip(parsed, results, strict=True)
               if localize_all or not (r.passed or r.error)]
-    if chosen:
+    if chosen and simulated:
+        print("\n--localize runs the layouts as real ranks; under --ranks it does not run yet: verify a "
+              "failing layout with --nproc and --localize where it fits this machine")
+    elif chosen:
         localize_layouts([*common, *replay], seed, chosen, out / "localize", precision)
     return all(r.passed for r in results)
+
+
+def _simulated(name: str, world: int, config: str | None, settings: list[str], steps: int,
+               compare: _Comparison, tol: Tolerance) -> Result:
+    """Layout ``name`` trained as ``world`` simulated ranks (``config`` with ``settings``: the
+    common overrides, then the layout's), compared with the reference; its time per step and the
+    peak memory said."""
+    cfg = load_config(config, settings)
+    sim = train_simulated(cfg, world, steps, compare.p_seed, compare.p_ref)
+    mesh = " x ".join(f"{k}={sim.mesh[k]}" for k in DEGREES if sim.mesh.get(k, 1) > 1)
+    params = sorted(s["params"] for s in sim.states.values())
+    print(f"  {world} simulated ranks on a mesh of {mesh}: {sim.seconds_per_step:.2f} s per step, peak "
+          f"memory {sim.peak_rss_gib:.2f} GiB; parameter bytes per rank {params[0]:,}..{params[-1]:,}; "
+          f"largest parameter gap at {sim.worst}", flush=True)
+    r = compare.simulated(name, world, sim)
+    r.passed = r.loss_rel <= tol.loss_rel and r.param_rel <= tol.param_rel
+    return r
 
 
 class _Comparison:
@@ -190,6 +217,19 @@ class _Comparison:
                             self.p_ref, self.p_seed)
         return Result(name, ranks, max(diffs), rel, prel, True,
                       routing=replay_report(run_dir) if self.moe else None)
+
+    def simulated(self, name: str, ranks: int, sim: SimulatedRun) -> Result:
+        """A simulated run: every rank's loss at every step against the reference's."""
+        if len(sim.losses) != len(self.ref_loss):
+            raise ValueError(f"{name}: {len(sim.losses)} simulated steps, the reference has "
+                             f"{len(self.ref_loss)}")
+        self.curves[name] = [step[min(step)] for step in sim.losses]
+        diffs = [abs(v - b) for step, b in zip(sim.losses, self.ref_loss, strict=True) for v in step.values()]
+        rel = max(abs(v - b) / abs(b) for step, b in zip(sim.losses, self.ref_loss, strict=True)
+                  for v in step.values())
+        if any(math.isnan(d) for d in diffs):
+            rel = math.inf
+        return Result(name, ranks, max(diffs), rel, sim.param_rel, True)
 
 
 FLOOR_DIR = "floor"

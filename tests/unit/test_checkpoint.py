@@ -77,6 +77,41 @@ def test_save_commits_a_manifest_of_every_file(tmp_path: Path, one_rank_group: N
     assert not list((tmp_path / "ckpt").glob("*.tmp"))
 
 
+@pytest.mark.parametrize("optimizer", ["torch", "bf16-states"])
+def test_a_save_at_step_0_leaves_the_training_as_it_would_be(tmp_path: Path, one_rank_group: None,
+                                                           optimizer: str):
+    """Saving a fresh optimizer (checkpoint.save_initial) makes its states, which torch does with a
+    zero-gradient step at lr 0; the run then trains exactly as one that never saved, and a run
+    resumed from that checkpoint too (fails at 6bad523: torch's step was counted, so every later
+    update had AdamW's bias correction of one step more)."""
+    from shardwise.optim.adamw import LowPrecisionAdamW
+
+    def run(save: bool, resume: bool = False) -> dict[str, torch.Tensor]:
+        model, opt, sched, loader = trainer()
+        if optimizer == "bf16-states":
+            opt = LowPrecisionAdamW(model.parameters(), lr=1e-2, state_dtype=torch.bfloat16)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        if save:
+            ck = saver(tmp_path / f"{save}{resume}")
+            path = ck.save(0, model, opt, sched, loader)
+            ck.close()
+            if resume:
+                model, _, _, loader = trainer(seed=5)
+                opt = (LowPrecisionAdamW(model.parameters(), lr=1e-2, state_dtype=torch.bfloat16)
+                       if optimizer == "bf16-states" else torch.optim.AdamW(model.parameters(), lr=1e-2))
+                sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+                assert checkpoint.load(path, model, opt, sched, loader) == 0
+        torch.manual_seed(7)  # the same batches each run
+        for _ in range(3):
+            step(model, opt, sched, loader)
+        return params(model)
+
+    plain = run(save=False)
+    for saved in (run(save=True), run(save=True, resume=True)):
+        for k, v in plain.items():
+            assert torch.equal(saved[k], v), k
+
+
 def test_load_restores_model_optimizer_schedule_data_and_rng(tmp_path: Path, one_rank_group: None):
     model, opt, sched, loader = trainer()
     step(model, opt, sched, loader)

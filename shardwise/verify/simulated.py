@@ -1,0 +1,166 @@
+"""``verify --ranks N``: a layout trained as N simulated ranks in this process
+(:mod:`shardwise.trainer.simulate`), from the reference's seed weights, on the same data, and
+compared with the reference as a real layout is.
+
+What runs is the trainer's own: the rank model built by ``build_step_parts`` (meta -> parallelize
+-> materialize -> init), each data-parallel rank's ``PackedLoader``, the context-parallel cut, and
+``train_step`` (loss, backward, gradient clipping, optimizer, schedule). What a session adds around
+them -- run folder, logs, checkpoints, evaluation -- does not run: the simulated run's losses and
+parameters are read in memory. Every rank's loss is compared (each holds the all-reduced figure), and
+every rank's full copy of each parameter (a rank whose replica drifted fails the layout).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import resource
+import time
+from dataclasses import dataclass
+
+import torch
+
+from shardwise.config.schema import Config, ConfigError
+from shardwise.data.dataset import Batch
+from shardwise.models.transformer import load_full_weights
+from shardwise.ops.cpu_bf16 import use_fp32_gemms_for_bf16
+from shardwise.parallel.dims import Mesh
+from shardwise.resolve.preflight import with_data
+from shardwise.resolve.run import ResolvedRun, resolve_run
+from shardwise.trainer import simulate
+from shardwise.trainer.session import build_loader, build_step_parts, open_run_corpus
+from shardwise.trainer.train import set_determinism, train_step
+
+MAX_RANKS = 1024
+"""The most simulated ranks a layout may name."""
+
+
+@dataclass(frozen=True)
+class SimulatedRun:
+    """A layout's simulated run, read in memory."""
+
+    losses: list[dict[int, float]]
+    """Per step, every rank's loss of the global batch."""
+    param_rel: float
+    """max over ranks and tensors of ||p_rank - p_ref|| / ||p_ref - p_seed||."""
+    worst: str
+    """The tensor (and rank) of ``param_rel``."""
+    step_seconds: list[float]
+    """Each step's wall time (the first pays FSDP's lazy initialization)."""
+    peak_rss_gib: float
+    """This process's peak resident memory so far."""
+    mesh: dict[str, int]
+    """The mesh torch built (every dim's and view's size, ``ParallelDims.built_sizes``)."""
+    states: dict[int, dict[str, int]]
+    """Each rank's bytes of parameters and optimizer states after the last step (as
+    ``observe.memory.state_bytes`` counts a real rank's)."""
+
+    @property
+    def seconds_per_step(self) -> float:
+        """The mean step time, the first step's lazy initialization left out when there are more."""
+        later = self.step_seconds[1:] or self.step_seconds
+        return sum(later) / len(later)
+
+
+def check_simulated(run: ResolvedRun) -> None:
+    """Refuse in one line what the simulation does not carry yet."""
+    d, cfg = run.dims, run.cfg
+    if d.world_size > MAX_RANKS:
+        raise ConfigError(f"--ranks simulates at most {MAX_RANKS} ranks; the layout has {d.world_size}")
+    missing = [what for what, on in (
+        ("pipeline parallel (pp > 1)", d.pp > 1), ("context parallel (cp > 1)", d.cp > 1),
+        ("an MoE model (per-rank routing counts)", bool(run.model.n_experts)),
+        ("float8 (float8.enabled)", cfg.float8.enabled), ("compile (compile.enabled)", run.compile),
+        ("a fine-tune's initial weights (checkpoint.initial_hf)", bool(cfg.checkpoint.initial_hf)),
+    ) if on]
+    if missing:
+        raise ConfigError(f"verify --ranks does not simulate {', '.join(missing)} yet: verify that layout "
+                          "with real ranks (--nproc)")
+
+
+def train_simulated(cfg: Config, world: int, steps: int, seed: dict[str, torch.Tensor],
+                    ref: dict[str, torch.Tensor]) -> SimulatedRun:
+    """Train ``steps`` steps of ``cfg`` (a layout of ``world`` ranks) as simulated ranks from the
+    ``seed`` weights; compare every rank's final parameters with ``ref``'s."""
+    run = resolve_run(cfg, world, detect_device=False)
+    check_simulated(run)
+    run = with_data(run)
+    corpus = open_run_corpus(run)
+    use_fp32_gemms_for_bf16("cpu", run.precision)  # as train() sets this process up
+    losses: list[dict[int, float]] = []
+    with simulate.simulated_world(world):
+        run.dims.build_mesh("cpu")
+        set_determinism(run.cfg.debug.deterministic, run.cfg.training.seed)
+        parts = build_step_parts(run, "cpu")
+        load_full_weights(parts.model, seed)
+        dp_of = simulate.coordinates(run.dims.submesh(Mesh.DP), 0)
+        loaders = [build_loader(run, corpus, d, "cpu") for d in range(run.dims.dp)]
+        seconds = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            batches = rank_batches([ld.next_step() for ld in loaders], dp_of)
+            result = train_step(parts.model, parts.optimizer, parts.scheduler, parts.shard(batches), run,
+                                parts.loss)
+            losses.append(simulate.every_rank(result.loss))
+            seconds.append(time.perf_counter() - t0)
+        states, mesh = rank_states(parts.model, parts.optimizer), run.dims.built_sizes()
+        param_rel, worst = param_error(parts.model, ref, seed)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # (KiB on Linux)
+    return SimulatedRun(losses, param_rel, worst, seconds, rss, mesh, states)
+
+
+def rank_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, dict[str, int]]:
+    """{rank: {"params": bytes, "optimizer": bytes}} of every simulated rank's local shards
+    (``state_bytes``'s rule: Adam's one-element step counters aside)."""
+    out: dict[int, dict[str, int]] = {}
+    states = [v for st in optimizer.state.values() for v in st.values()
+              if isinstance(v, torch.Tensor) and v.numel() > 1]
+    for key, tensors in (("params", list(model.parameters())), ("optimizer", states)):
+        for t in tensors:
+            for rank, local in simulate.every_rank_tensor(t).items():
+                held = out.setdefault(rank, {"params": 0, "optimizer": 0})
+                held[key] += local.numel() * local.element_size()
+    return out
+
+
+def rank_batches(per_dp: list[list[Batch]], dp_of: dict[int, int]) -> list[Batch]:
+    """Each micro-batch as one simulated batch: rank r holds its data-parallel rank's (``dp_of[r]``)."""
+    out = []
+    for i in range(len(per_dp[0])):
+        mine = {r: per_dp[d][i] for r, d in dp_of.items()}
+        docs = mine[0].doc_ids is not None
+        out.append(Batch(simulate.from_ranks({r: b.inputs for r, b in mine.items()}),
+                         simulate.from_ranks({r: b.labels for r, b in mine.items()}),
+                         simulate.from_ranks({r: b.doc_ids for r, b in mine.items()}) if docs else None,
+                         simulate.from_ranks({r: torch.tensor(b.n_valid) for r, b in mine.items()}),
+                         mine[0].first_row))
+    return out
+
+
+@torch.no_grad()
+def param_error(model: torch.nn.Module, ref: dict[str, torch.Tensor], seed: dict[str, torch.Tensor]
+                ) -> tuple[float, str]:
+    """max over every rank and parameter of ||p_rank - p_ref|| / ||p_ref - p_seed|| (each rank's full
+    copy gathered one parameter at a time), and where it is."""
+    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+
+    names = dict(model.named_parameters())
+    if missing := sorted(set(names) - set(ref)):
+        raise ValueError(f"the reference checkpoint lacks parameters {missing[:5]}")
+
+    worst, where = 0.0, ""
+    # (gathering a TP x FSDP weight takes torch two all-gathers, which it warns about: not the run's)
+    quiet = logging.getLogger("torch.distributed.tensor._redistribute")
+    level, quiet.level = quiet.level, logging.ERROR
+    try:
+        for name, p in names.items():  # one parameter's copies at a time: N ranks x its size
+            full = simulate.every_rank_tensor(p.full_tensor() if hasattr(p, "full_tensor") else p)
+            with maybe_disable_local_tensor_mode():
+                moved = (ref[name] - seed[name]).norm().clamp(min=1e-30)
+                for rank, value in full.items():
+                    err = ((value.float() - ref[name]).norm() / moved).item()
+                    if not err <= worst:  # (NaN is worst)
+                        worst, where = err if not math.isnan(err) else math.inf, f"{name} (rank {rank})"
+    finally:
+        quiet.level = level
+    return worst, where

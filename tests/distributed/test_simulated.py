@@ -1,0 +1,95 @@
+"""``verify --ranks``: layouts trained as simulated ranks in one process (torch's LocalTensorMode and
+shardwise/trainer/simulate.py's adapters) compute what the real processes of the same layout do,
+and the 64-rank verify of the debug preset's widest layout passes (fp32, gloo for the real runs)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from shardwise.resolve.checks import load_config
+from shardwise.verify.parity import checkpoint_params
+from shardwise.verify.simulated import train_simulated
+from tests.helpers import ROOT, check_layout_ran, initial_params, metrics, parity_run, run_cli
+
+pytestmark = pytest.mark.dist
+
+# Each real layout's twin trained as simulated ranks. A vocabulary of 2,050 rows makes FSDP's chunks
+# uneven (dp_shard=2: 1,025 rows -> 513 + 512 after TP's halves; dp_shard=4: 513 + 513 + 513 + 511), so
+# ranks hold shards of different sizes, which the simulation must give each rank as its own.
+VOCAB = "--model.vocab_size=2050"
+TWINS = {
+    "hsdp2x2": ["--nproc=4", "--parallel.dp_replicate=2", "--parallel.dp_shard=2"],
+    "hsdp2_fsdp2_tp2": ["--nproc=8", "--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.tp=2"],
+}
+SLOW_TWINS = {
+    "fsdp4": ["--nproc=4", "--parallel.dp_shard=4"],
+    "fsdp2_tp2": ["--nproc=4", "--parallel.dp_shard=2", "--parallel.tp=2"],
+    "fsdp8": ["--nproc=8", "--parallel.dp_shard=8"],
+}
+
+
+def _gib(n: int) -> float:
+    return n / 2**30
+
+
+@pytest.mark.parametrize("layout", [*TWINS, *(pytest.param(k, marks=pytest.mark.slow) for k in SLOW_TWINS)])
+def test_simulated_ranks_train_what_the_real_processes_of_the_layout_train(layout: str, tmp_path: Path,
+                                                                          data_cache: str):
+    """The real run of the layout (gloo processes) and its simulated twin from the same initial
+    weights: the same loss at every step on every rank (fp32, 1e-6 relative; measured: bitwise), the
+    same final parameters, and every rank's parameter and optimizer bytes equal to that real rank's
+    (memory_breakdown.json): the same shards, so the same layout ran."""
+    args = {**TWINS, **SLOW_TWINS}[layout]
+    world = int(args[0].split("=")[1])
+    real = parity_run(tmp_path, layout, data_cache, *args, VOCAB, "--training.stop_after=6")
+    check_layout_ran(real, args, layout, step=6)
+    cfg = load_config(real / "config.toml")
+    final = checkpoint_params(real / "checkpoints" / "step-6")
+    sim = train_simulated(cfg, world, 6, initial_params(real), final)
+    real_loss = [m["loss"] for m in metrics(real)]
+    assert len(sim.losses) == len(real_loss) == 6
+    for step, (ranks, want) in enumerate(zip(sim.losses, real_loss, strict=True), 1):
+        assert sorted(ranks) == list(range(world))
+        for rank, got in ranks.items():
+            assert abs(got - want) <= 1e-6 * abs(want), (step, rank, got, want)
+    assert sim.param_rel <= 1e-5, sim.worst  # against the real layout's own final weights
+    memory = json.loads((real / "memory_breakdown.json").read_text())
+    for key in ("params", "optimizer"):
+        want = memory[f"{key}_per_rank"]
+        got = [_gib(sim.states[r][key]) for r in range(world)]
+        assert got == pytest.approx(want, rel=1e-12), key
+
+
+def test_verify_ranks_64_passes_the_debug_presets_widest_layout(tmp_path: Path, data_cache: str):
+    """``shardwise verify --ranks 64`` on the debug preset (16 heads, batch of 8 sequences): HSDP 2 x
+    FSDP 4 x TP 8 as 64 simulated ranks, fp32, against the real one-rank reference: it passes, on the
+    mesh asked for, every rank holding its 1/32 shard of each FSDP x TP weight."""
+    out = tmp_path / "verify"
+    proc = run_cli(["verify", "--config", str(ROOT / "configs" / "debug.toml"), "--ranks", "64", "--layouts",
+                    "dp_replicate=2,dp_shard=4,tp=8", "--steps", "2", "--training.mixed_precision=fp32",
+                    f"--data.cache_dir={data_cache}", "--out", str(out)], timeout=600)
+    text = proc.stdout
+    assert "64 simulated ranks on a mesh of dp_replicate=2 x dp_shard=4 x tp=8" in text, text
+    row = re.search(r"^\| dp_replicate=2,dp_shard=4,tp=8 \| 64 \|.*\| (PASS|FAIL) \|$", text, re.M)
+    assert row and row.group(1) == "PASS", text
+    low, high = (int(n.replace(",", "")) for n in re.search(r"parameter bytes per rank ([\d,]+)\.\.([\d,]+)",
+                                                             text).groups())
+    ref = sum(t.numel() * 4 for t in checkpoint_params(out / "reference" / "checkpoints" / "step-0").values())
+    # Every weight is split 32 ways (dp_shard x tp: the norms only over dp_shard); a rank holds about
+    # 1/32 of the model, never the whole of it.
+    assert ref / 40 < low <= high < ref / 20, (low, high, ref)
+
+
+def test_a_layout_fault_fails_the_simulated_verify(tmp_path: Path, data_cache: str):
+    """A planted fault (block 1's FSDP unit reduces its gradients doubled) fails ``verify --ranks 4``
+    where the same run without it passes (test above): the simulated comparison can fail."""
+    proc = run_cli(["verify", "--config", str(ROOT / "configs" / "debug.toml"), "--ranks", "4", "--layouts",
+                    "dp_shard=4", "--steps", "2", "--training.mixed_precision=fp32",
+                    f"--data.cache_dir={data_cache}", "--out", str(tmp_path / "v")], timeout=600, check=False,
+                   fault="fsdp_unit_grad_scale")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert re.search(r"^\| dp_shard=4 \| 4 \|.*\| FAIL \|$", proc.stdout, re.M), proc.stdout

@@ -1,0 +1,152 @@
+"""Many ranks simulated in one process (torch's ``torch.distributed._local_tensor``, a private module:
+its behaviour is pinned here) and shardwise/trainer/simulate.py's adapters: shardwise's own init,
+tensor-parallel plan and FSDP2 (each rank its own, uneven or empty, shard) run on simulated ranks and
+compute what one rank does; document-masked attention runs each rank's own documents; what the
+simulation does not carry yet is refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from shardwise.config.schema import ConfigError
+from shardwise.models.layers import DocumentSpans, attention_by_document
+from shardwise.models.transformer import build_model, init_weights
+from shardwise.parallel.fsdp import apply_fsdp, mixed_precision_policy
+from shardwise.parallel.tensor import apply_tp
+from shardwise.resolve.run import resolve_run
+from shardwise.trainer import simulate
+from shardwise.verify.simulated import check_simulated
+from tests.helpers import MOE_ARGS, TINY_ARGS, TINY_MODEL, resolved_config, run_cli
+
+
+def test_tensor_parallel_on_simulated_ranks_computes_what_one_rank_does():
+    """The tiny model under TP over 2 simulated ranks (meta -> apply_tp -> materialize -> init, as the
+    trainer builds it): logits and every parameter's gradient equal the one-rank model's (fp32) on
+    every rank, and the weights really are sharded (each rank holds half of a column-parallel weight)."""
+    ranks = 2
+    ref = build_model(TINY_MODEL, device="cpu")
+    init_weights(ref, 0)
+    tokens = torch.randint(0, TINY_MODEL.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    ref_out = ref(tokens)
+    grads = torch.autograd.grad(ref_out.square().mean(), list(ref.parameters()))
+    ref_grads = dict(zip([n for n, _ in ref.named_parameters()], grads, strict=True))
+    cfg = resolved_config(None, [f"--parallel.tp={ranks}", "--parallel.loss_parallel=false"])
+    with simulate.simulated_world(ranks):
+        mesh = init_device_mesh("cpu", (ranks,), mesh_dim_names=("tp",))
+        model = build_model(TINY_MODEL, device="meta")
+        apply_tp(model, mesh, cfg.parallel)
+        model.to_empty(device="cpu")
+        simulate.adapt(model)
+        init_weights(model, 0)
+        wq = model.layers["0"].attention.wq.weight
+        assert [t.shape[0] for t in simulate.every_rank_tensor(wq).values()] == [wq.shape[0] // ranks] * ranks
+        out = model(tokens)
+        names = [n for n, _ in model.named_parameters()]
+        grads = torch.autograd.grad(out.square().mean(), list(model.parameters()))
+        got = {n: simulate.every_rank_tensor(g.full_tensor() if hasattr(g, "full_tensor") else g)
+               for n, g in zip(names, grads, strict=True)}
+        logits = simulate.every_rank_tensor(out)
+    assert not dist.is_initialized()  # the simulated world is gone
+    for r in range(ranks):
+        torch.testing.assert_close(logits[r], ref_out, atol=1e-5, rtol=1e-5)
+    assert got.keys() == ref_grads.keys()
+    for name, by_rank in got.items():
+        for r, g in by_rank.items():
+            torch.testing.assert_close(g, ref_grads[name], atol=1e-5, rtol=1e-5, msg=f"{name} rank {r}")
+
+
+@pytest.mark.parametrize("ranks", [8, 32])
+def test_fsdp_on_simulated_ranks_gives_each_rank_its_own_chunk_and_one_ranks_gradients(ranks: int):
+    """FSDP2 over 8 and 32 simulated ranks of the tiny model (vocabulary 97: uneven chunks; at 32,
+    the 64-entry norms leave ranks 16.. empty and the embedding's last ranks short or empty): each
+    rank holds exactly torch.chunk's piece of every parameter (refill_shards), and one forward and
+    backward, each rank on its own sequences, gives every parameter the one-rank gradient (fp32).
+    Without the refill, every rank would hold rank 0's chunk shape and the init fails."""
+    ref = build_model(TINY_MODEL, device="cpu")
+    init_weights(ref, 0)
+    tokens = torch.randint(0, TINY_MODEL.vocab_size, (ranks, 16), generator=torch.Generator().manual_seed(1))
+    grads = torch.autograd.grad(ref(tokens).square().mean(), list(ref.parameters()))
+    ref_grads = dict(zip([n for n, _ in ref.named_parameters()], grads, strict=True))
+    cfg = resolved_config(None, [f"--parallel.dp_shard={ranks}"])
+
+    with simulate.simulated_world(ranks):
+        mesh = init_device_mesh("cpu", (ranks,), mesh_dim_names=("dp_shard",))
+        model = build_model(TINY_MODEL, device="meta")
+        apply_fsdp(model, mesh, cfg.parallel, mixed_precision_policy("fp32", "fp32"))
+        model.to_empty(device="cpu")
+        simulate.adapt(model)
+        init_weights(model, 0)
+        empty = 0
+        for name, p in model.named_parameters():
+            want = torch.chunk(ref.get_parameter(name).detach(), ranks)
+            for r, local in simulate.every_rank_tensor(p).items():
+                expect = want[r] if r < len(want) else want[0][:0]
+                assert local.shape == expect.shape and torch.equal(local, expect), (name, r)
+                empty += local.numel() == 0
+        out = model(simulate.from_ranks({r: tokens[r:r + 1] for r in range(ranks)}))
+        (out.square().mean() / ranks).backward()  # FSDP sums over ranks: the whole batch's mean
+        grads = {n: simulate.every_rank_tensor(p.grad.full_tensor()) for n, p in model.named_parameters()}
+    assert (empty > 0) == (ranks == 32)
+    for name, by_rank in grads.items():
+        for r, g in by_rank.items():
+            torch.testing.assert_close(g, ref_grads[name], atol=1e-6, rtol=1e-5, msg=f"{name} rank {r}")
+
+
+def test_document_masked_attention_runs_each_ranks_own_documents():
+    """RankDocuments: each simulated rank's document ids give its own spans, and the attention of each
+    rank (forward and every input's gradient) equals attention_by_document on that rank's tensors
+    alone; ranks with different documents get different outputs."""
+    ranks, b, h, s, d = 3, 2, 4, 16, 8
+    g = torch.Generator().manual_seed(0)
+    qkv = {r: [torch.randn(b, h, s, d, generator=g) for _ in range(3)] for r in range(ranks)}
+    docs = {r: torch.cumsum(torch.rand(b, s, generator=g) < 0.1 * (r + 1), dim=1) for r in range(ranks)}
+    upstream = {r: torch.randn(b, h, s, d, generator=g) for r in range(ranks)}
+    want = {}
+    for r in range(ranks):
+        ins = [t.clone().requires_grad_() for t in qkv[r]]
+        out = attention_by_document(*ins, DocumentSpans.of(docs[r]))
+        want[r] = (out.detach(), torch.autograd.grad(out, ins, upstream[r]))
+    with simulate.simulated_world(ranks):
+        ins = [simulate.from_ranks({r: qkv[r][i] for r in range(ranks)}).requires_grad_() for i in range(3)]
+        spans = simulate.RankDocuments.of(simulate.from_ranks(docs))
+        assert [spans.spans[r] for r in range(ranks)] == [DocumentSpans.of(docs[r]) for r in range(ranks)]
+        out = spans.attention(*ins, None)
+        grads = torch.autograd.grad(out, ins, simulate.from_ranks(upstream))
+        got = {r: (simulate.every_rank_tensor(out)[r], [simulate.every_rank_tensor(t)[r] for t in grads])
+               for r in range(ranks)}
+    for r in range(ranks):
+        torch.testing.assert_close(got[r][0], want[r][0], atol=0, rtol=0)
+        for a, e in zip(got[r][1], want[r][1], strict=True):
+            torch.testing.assert_close(a, e, atol=0, rtol=0)
+    assert not torch.equal(got[0][0], got[2][0])
+
+
+@pytest.mark.parametrize(("extra", "world", "what"), [
+    (["--parallel.pp=2"], 2, "pipeline parallel"),
+    (["--parallel.cp=2"], 2, "context parallel"),
+    ([*MOE_ARGS], 2, "an MoE model"),
+    (["--float8.enabled=true"], 2, "float8"),
+])
+def test_what_the_simulation_does_not_carry_yet_is_refused_in_one_line(extra: list[str], world: int,
+                                                                       what: str):
+    cfg = resolved_config(None, [*TINY_ARGS[2:], *extra], device="cpu")
+    with pytest.raises(ConfigError) as e:
+        check_simulated(resolve_run(cfg, world, detect_device=False))
+    assert what in str(e.value) and "\n" not in str(e.value) and "--nproc" in str(e.value)
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--ranks", "4", "--nproc", "4"], "give one"),
+    (["--ranks", "2000"], "2..1024"),
+    (["--ranks", "4", "--layouts", "pp=2", "--model.n_layers=2"], "pipeline parallel"),
+])
+def test_verify_ranks_refuses_bad_input_in_one_line_before_any_run(args: list[str], says: str, tmp_path):
+    proc = run_cli(["verify", "--config", "configs/debug.toml", *args, "--out", str(tmp_path / "v")],
+                   check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], proc.stderr
+    assert not (tmp_path / "v").exists()
