@@ -1,8 +1,8 @@
 """Many ranks in one process: torch's ``LocalTensorMode`` (``torch.distributed._local_tensor``, a
 private module whose behaviour tests/unit/test_simulate.py pins) runs every rank's tensors side by
 side, its collectives computed over all of them at once. The trainer, the parallelize functions and
-the optimizer run as they are; this module holds the smallest adapters that make FSDP2 compute on
-simulated ranks what it computes on real ones.
+the optimizer run as they are; this module holds the smallest adapters that make torch's pieces
+compute on simulated ranks what they compute on real ones.
 
 - FSDP2 frees and re-allocates each unsharded parameter's storage (``resize_``): a simulated
   tensor's storage is each rank's own (:func:`_per_rank_storage`).
@@ -16,13 +16,15 @@ simulated ranks what it computes on real ones.
   structure that differs by rank: :class:`RankDocuments` runs each rank's attention on its own
   tensors (forward and backward), through the model's ``document_spans`` hook.
 
-:func:`adapt` applies the last two to a materialized model; outside a simulation it does nothing.
+:func:`simulated_world` installs the first and third; :func:`adapt` applies the second and fourth
+to a materialized model (outside a simulation it does nothing).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -30,6 +32,9 @@ from torch import nn
 
 from shardwise.config.schema import ConfigError
 from shardwise.models.layers import DocumentSpans, attention_by_document
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 
 
 def simulating() -> bool:
@@ -157,17 +162,17 @@ def refill_shards(model: nn.Module) -> None:
             _refill(fp)
 
 
-def _refill(fp: object) -> None:
+def _refill(fp: FSDPParam) -> None:
     """One FSDPParam: FSDP's own reset re-reads the materialized shard (every rank's of rank 0's
     padded shape), then each rank's view is cut to its own chunk. FSDP's lazy init resets again;
     its checks compare sizes that now differ by rank, so the reset is this one from then on."""
     from torch.distributed._local_tensor import LocalTensor, maybe_disable_local_tensor_mode
-    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, make_contiguous_strides_for
+    from torch.distributed.fsdp._fully_shard._fsdp_param import make_contiguous_strides_for
 
     current = getattr(fp, "_simulated_shard", None)
     if current is not None and fp.sharded_param._local_tensor is current:
         return  # unchanged since the cut (FSDP's lazy init)
-    FSDPParam.reset_sharded_param(fp)
+    type(fp).reset_sharded_param(fp)  # (the class's: the instance's is this function from now on)
     info, dim = fp.mesh_info, fp.fsdp_placement.dim
     full, n = fp._orig_size[dim], info.shard_mesh_size
     step = -(-full // n)  # torch.chunk's: every chunk but the last is full
@@ -220,13 +225,9 @@ class RankDocuments:
 
     @classmethod
     def of(cls, doc_ids: torch.Tensor) -> RankDocuments:
-        from torch.distributed._local_tensor import LocalTensor, maybe_disable_local_tensor_mode
-
-        with maybe_disable_local_tensor_mode():
-            if not isinstance(doc_ids, LocalTensor):  # the same batch on every rank
-                from torch.distributed._local_tensor import enabled_local_tensor_mode
-                return cls(dict.fromkeys(enabled_local_tensor_mode().ranks, DocumentSpans.of(doc_ids)))
-            return cls({r: DocumentSpans.of(t) for r, t in doc_ids._local_tensors.items()})
+        ids = every_rank_tensor(doc_ids)  # (a plain tensor: the same batch on every rank)
+        with _plain():
+            return cls({r: DocumentSpans.of(t) for r, t in ids.items()})
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
                   ) -> torch.Tensor:
@@ -267,6 +268,14 @@ class _EachRank(torch.autograd.Function):
 
 
 def _rank_value(t: torch.Tensor, rank: int) -> torch.Tensor:
+    """``t``'s value on ``rank`` (a plain tensor is every rank's)."""
     from torch.distributed._local_tensor import LocalTensor
 
     return t._local_tensors[rank] if isinstance(t, LocalTensor) else t
+
+
+def _plain() -> contextlib.AbstractContextManager:
+    """Within: operations on plain tensors run as plain ones (LocalTensorMode suspended)."""
+    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+
+    return maybe_disable_local_tensor_mode()

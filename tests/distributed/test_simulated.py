@@ -65,12 +65,13 @@ def test_simulated_ranks_train_what_the_real_processes_of_the_layout_train(layou
 
 
 def test_verify_ranks_64_passes_the_debug_presets_widest_layout(tmp_path: Path, data_cache: str):
-    """``shardwise verify --ranks 64`` on the debug preset (16 heads, batch of 8 sequences): HSDP 2 x
-    FSDP 4 x TP 8 as 64 simulated ranks, fp32, against the real one-rank reference: it passes, on the
-    mesh asked for, every rank holding its 1/32 shard of each FSDP x TP weight."""
+    """``shardwise verify --ranks 64`` on the debug preset (16 heads, batch of 8 sequences, here of 256
+    tokens): HSDP 2 x FSDP 4 x TP 8 as 64 simulated ranks, fp32, against the real one-rank reference:
+    it passes, on the mesh asked for, every rank holding its 1/32 shard of each FSDP x TP weight."""
     out = tmp_path / "verify"
     proc = run_cli(["verify", "--config", str(ROOT / "configs" / "debug.toml"), "--ranks", "64", "--layouts",
-                    "dp_replicate=2,dp_shard=4,tp=8", "--steps", "2", "--training.mixed_precision=fp32",
+                    "dp_replicate=2,dp_shard=4,tp=8", "--steps", "2", "--training.seq_len=256",
+                    "--training.mixed_precision=fp32",
                     f"--data.cache_dir={data_cache}", "--out", str(out)], timeout=600)
     text = proc.stdout
     assert "64 simulated ranks on a mesh of dp_replicate=2 x dp_shard=4 x tp=8" in text, text
@@ -85,11 +86,11 @@ def test_verify_ranks_64_passes_the_debug_presets_widest_layout(tmp_path: Path, 
 
 
 def test_a_layout_fault_fails_the_simulated_verify(tmp_path: Path, data_cache: str):
-    """A planted fault (block 1's FSDP unit reduces its gradients doubled) fails ``verify --ranks 4``
-    where the same run without it passes (test above): the simulated comparison can fail."""
-    proc = run_cli(["verify", "--config", str(ROOT / "configs" / "debug.toml"), "--ranks", "4", "--layouts",
-                    "dp_shard=4", "--steps", "2", "--training.mixed_precision=fp32",
+    """A planted fault (block 1's FSDP unit reduces its gradients doubled) fails ``verify --ranks 2``
+    (one step of sequences of 128), where the layouts above pass: the simulated comparison can fail."""
+    proc = run_cli(["verify", "--config", str(ROOT / "configs" / "debug.toml"), "--ranks", "2", "--layouts",
+                    "dp_shard=2", "--steps", "1", "--training.seq_len=128", "--training.mixed_precision=fp32",
                     f"--data.cache_dir={data_cache}", "--out", str(tmp_path / "v")], timeout=600, check=False,
                    fault="fsdp_unit_grad_scale")
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert re.search(r"^\| dp_shard=4 \| 4 \|.*\| FAIL \|$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^\| dp_shard=2 \| 2 \|.*\| FAIL \|$", proc.stdout, re.M), proc.stdout
