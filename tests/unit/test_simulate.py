@@ -129,6 +129,7 @@ def test_document_masked_attention_runs_each_ranks_own_documents():
     (["--parallel.cp=2"], 2, "context parallel"),
     ([*MOE_ARGS], 2, "an MoE model"),
     (["--float8.enabled=true"], 2, "float8"),
+    (["--compile.enabled=true"], 2, "compile"),
 ])
 def test_what_the_simulation_does_not_carry_yet_is_refused_in_one_line(extra: list[str], world: int,
                                                                        what: str):
@@ -150,3 +151,11 @@ def test_verify_ranks_refuses_bad_input_in_one_line_before_any_run(args: list[st
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0], proc.stderr
     assert not (tmp_path / "v").exists()
+
+
+def test_compile_left_to_auto_is_not_refused():
+    """A run long enough for compile.enabled=auto to compile (training.steps >= 300) is simulated eager,
+    not refused: only compile asked for by name is."""
+    cfg = resolved_config(None, [*TINY_ARGS[2:], "--compile.enabled=auto", "--training.steps=1000"],
+                          device="cpu")
+    check_simulated(resolve_run(cfg, 2, detect_device=False))
