@@ -41,7 +41,7 @@ def _gib(n: int) -> float:
 def test_simulated_ranks_train_what_the_real_processes_of_the_layout_train(layout: str, tmp_path: Path,
                                                                           data_cache: str):
     """The real run of the layout (gloo processes) and its simulated twin from the same initial
-    weights: the same loss at every step on every rank (fp32, 1e-6 relative; measured: bitwise), the
+    weights: the same loss at every step on every rank (fp32, 1e-6 relative), the
     same final parameters, and every rank's parameter and optimizer bytes equal to that real rank's
     (memory_breakdown.json): the same shards, so the same layout ran."""
     args = {**TWINS, **SLOW_TWINS}[layout]
