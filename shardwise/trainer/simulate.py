@@ -16,15 +16,18 @@ compute on simulated ranks what they compute on real ones.
   structure that differs by rank: :class:`RankDocuments` runs each rank's attention on its own
   tensors (forward and backward), through the model's ``document_spans`` hook.
 
-:func:`simulated_world` installs the first and third; :func:`adapt` applies the second and fourth
+- Pipeline ranks run different programs: :func:`on_ranks` runs each pipeline rank's slice of
+  simulated ranks in a thread of its own (:mod:`shardwise.trainer.simulate_stages`).
+
+:func:`simulated_ranks` installs the first and third; :func:`adapt` applies the second and fourth
 to a materialized model (outside a simulation it does nothing).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -32,9 +35,12 @@ from torch import nn
 
 from shardwise.config.schema import ConfigError
 from shardwise.models.layers import DocumentSpans, attention_by_document
+from shardwise.trainer.simulate_stages import Stages, across_stages
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+T = TypeVar("T")
 
 
 def simulating() -> bool:
@@ -46,10 +52,20 @@ def simulating() -> bool:
 
 @contextlib.contextmanager
 def simulated_world(world: int) -> Iterator[None]:
-    """``world`` ranks simulated in this process: torch's ``fake`` process group (rank 0 of
-    ``world``) and a ``LocalTensorMode`` over every rank, with the FSDP2 adapters; torch's state
-    (process group, DTensor's RNG tracker, FSDP's storage functions) restored after."""
+    """``world`` ranks simulated in this process (:func:`simulated_ranks`), all of them computed
+    side by side in one ``LocalTensorMode``."""
     from torch.distributed._local_tensor import LocalTensorMode
+
+    with simulated_ranks(world), LocalTensorMode(frozenset(range(world))):
+        yield
+
+
+@contextlib.contextmanager
+def simulated_ranks(world: int) -> Iterator[None]:
+    """A process of ``world`` simulated ranks: torch's ``fake`` process group (rank 0 of ``world``)
+    with the FSDP2 and mesh adapters; which ranks compute is :func:`on_ranks`'s (or a
+    ``LocalTensorMode``'s). Torch's state (process group, DTensor's RNG tracker, FSDP's storage
+    functions) is restored after."""
     from torch.distributed.tensor import _random
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -58,11 +74,35 @@ def simulated_world(world: int) -> Iterator[None]:
                           "`shardwise verify --ranks` on its own, not inside training")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        with _per_rank_storage(), _coordinates_once(), LocalTensorMode(frozenset(range(world))):
+        with _per_rank_storage(), _coordinates_once():
             yield
     finally:
         dist.destroy_process_group()
         _random._rng_tracker = None  # the simulation's tracker holds every rank's generator
+
+
+def stage_slices(pp_mesh: dist.DeviceMesh) -> list[frozenset[int]]:
+    """The ranks at each index of the ``pp`` mesh (one pipeline rank's every replica and shard)."""
+    grid = pp_mesh._layout.remap_to_tensor(pp_mesh._rank_map)  # (pp groups, pp)
+    return [frozenset(grid[:, i].tolist()) for i in range(grid.shape[1])]
+
+
+def on_ranks(slices: list[frozenset[int]], fn: Callable[[], T]) -> list[T]:
+    """``fn()`` on each slice of simulated ranks: one slice in this thread, under a
+    ``LocalTensorMode`` over it; several (pipeline ranks, which run different code: MPMD) each in a
+    thread of torch's ``LocalRunnerMode``, one thread running at a time, handing over where one
+    waits for another (:mod:`shardwise.trainer.simulate_stages`)."""
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    if len(slices) == 1:
+        with LocalTensorMode(slices[0]):
+            return [fn()]
+    stages = Stages(slices, fn)
+    with across_stages(stages), stages:
+        pass
+    if stages.failed is not None:
+        raise stages.failed
+    return stages.results
 
 
 @contextlib.contextmanager
@@ -119,7 +159,10 @@ def _coordinates_once() -> Iterator[None]:
                             coords[d][r], i = i % shape[d], i // shape[d]
             if any(len(c) != len(ranks) for c in coords):
                 raise AssertionError(f"a simulated rank is missing from mesh {self}")
-            cache[key] = [torch.SymInt(LocalIntNode(c)) for c in coords]
+            # (a coordinate every simulated rank shares is a plain int, as on a real rank: a
+            # pipeline rank's own pp index, which torch's stage arithmetic takes as an int)
+            cache[key] = [next(iter(c.values())) if len(set(c.values())) == 1
+                          else torch.SymInt(LocalIntNode(c)) for c in coords]
         return cache[key]
 
     _LocalDeviceMesh.get_coordinate = staticmethod(get_coordinate)

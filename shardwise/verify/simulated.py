@@ -7,7 +7,9 @@ What runs is the trainer's own: the rank model built by ``build_step_parts`` (me
 ``train_step`` (loss, backward, gradient clipping, optimizer, schedule). What a session adds around
 them -- run folder, logs, checkpoints, evaluation -- does not run: the simulated run's losses and
 parameters are read in memory. Every rank's loss is compared (each holds the all-reduced figure), and
-every rank's full copy of each parameter (a rank whose replica drifted fails the layout).
+every rank's full copy of each parameter (a rank whose replica drifted fails the layout). Under
+pipeline parallel each pipeline rank's slice of ranks trains its own stages (:func:`simulate.on_ranks`),
+and every reference parameter must be held by some rank.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def check_simulated(run: ResolvedRun) -> None:
     if d.world_size > MAX_RANKS:
         raise ConfigError(f"--ranks simulates at most {MAX_RANKS} ranks; the layout has {d.world_size}")
     missing = [what for what, on in (
-        ("pipeline parallel (pp > 1)", d.pp > 1), ("context parallel (cp > 1)", d.cp > 1),
+        ("context parallel (cp > 1)", d.cp > 1),
         ("an MoE model (per-rank routing counts)", bool(run.model.n_experts)),
         ("float8 (float8.enabled)", cfg.float8.enabled),
         ("compile (compile.enabled=true)", cfg.compile.enabled is True),
@@ -91,26 +93,58 @@ def train_simulated(cfg: Config, world: int, steps: int, seed: dict[str, torch.T
     run = with_data(run)
     corpus = open_run_corpus(run)
     use_fp32_gemms_for_bf16("cpu", run.precision)  # as train() sets this process up
-    losses: list[dict[int, float]] = []
-    with simulate.simulated_world(world):
+    with simulate.simulated_ranks(world):
         run.dims.build_mesh("cpu")
-        set_determinism(run.cfg.debug.deterministic, run.cfg.training.seed)
-        parts = build_step_parts(run, "cpu")
-        load_full_weights(parts.model, seed)
-        dp_of = simulate.coordinates(run.dims.submesh(Mesh.DP), 0)
-        loaders = [build_loader(run, corpus, d, "cpu") for d in range(run.dims.dp)]
-        seconds = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            batches = rank_batches([ld.next_step() for ld in loaders], dp_of)
-            result = train_step(parts.model, parts.optimizer, parts.scheduler, parts.shard(batches), run,
-                                parts.loss)
-            losses.append(simulate.every_rank(result.loss))
-            seconds.append(time.perf_counter() - t0)
-        states, mesh = rank_states(parts.model, parts.optimizer), run.dims.built_sizes()
-        param_rel, worst = param_error(parts.model, ref, seed)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # (KiB on Linux)
-    return SimulatedRun(losses, param_rel, worst, seconds, rss, mesh, states)
+        slices = simulate.stage_slices(run.dims.submesh(Mesh.PP))
+        # (pipeline parallel: each pipeline rank's slice of ranks trains its own stages, in a thread)
+        parts = simulate.on_ranks(slices, lambda: _train_slice(run, corpus, steps, seed, ref))
+    losses = [{r: v for p in parts for r, v in p.losses[i].items()} for i in range(steps)]
+    seconds = [max(p.seconds[i] for p in parts) for i in range(steps)]
+    states = {r: v for p in parts for r, v in p.states.items()}
+    if missing := sorted(set(ref) - {n for p in parts for n in p.names}):
+        # (a stage split that lost a block, say: no rank trains these)
+        return SimulatedRun(losses, math.inf, f"{missing[0]} (held by no rank; {len(missing)} missing)",
+                            seconds, _peak_rss_gib(), run.dims.built_sizes(), states)
+    worst = max((p.worst for p in parts), key=lambda w: w[0])
+    return SimulatedRun(losses, worst[0], worst[1], seconds, _peak_rss_gib(), run.dims.built_sizes(), states)
+
+
+def _peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # (KiB on Linux)
+
+
+@dataclass
+class _Slice:
+    """What one slice of simulated ranks (all ranks, or one pipeline rank's) trained."""
+
+    losses: list[dict[int, float]]
+    seconds: list[float]
+    states: dict[int, dict[str, int]]
+    names: set[str]
+    worst: tuple[float, str]
+
+
+def _train_slice(run: ResolvedRun, corpus: object, steps: int, seed: dict[str, torch.Tensor],
+                 ref: dict[str, torch.Tensor]) -> _Slice:
+    """The trainer's step parts on the simulated ranks of the calling ``LocalTensorMode``, trained
+    ``steps`` steps from ``seed``."""
+    set_determinism(run.cfg.debug.deterministic, run.cfg.training.seed)
+    parts = build_step_parts(run, "cpu")
+    load_full_weights(parts.model, seed)
+    dp_of = simulate.coordinates(run.dims.submesh(Mesh.DP), 0)
+    loaders = [build_loader(run, corpus, d, "cpu") for d in sorted(set(dp_of.values()))]
+    losses, seconds = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        batches = rank_batches({d: ld.next_step() for d, ld in zip(sorted(set(dp_of.values())), loaders,
+                                                                    strict=True)}, dp_of)
+        result = train_step(parts.model, parts.optimizer, parts.scheduler, parts.shard(batches), run,
+                            parts.loss, parts.pipe)
+        losses.append(simulate.every_rank(result.loss))
+        seconds.append(time.perf_counter() - t0)
+    names = {n for n, _ in parts.model.named_parameters()}
+    return _Slice(losses, seconds, rank_states(parts.model, parts.optimizer), names,
+                  param_error(parts.model, ref, seed))
 
 
 def rank_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, dict[str, int]]:
@@ -127,17 +161,17 @@ def rank_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     return out
 
 
-def rank_batches(per_dp: list[list[Batch]], dp_of: dict[int, int]) -> list[Batch]:
+def rank_batches(per_dp: dict[int, list[Batch]], dp_of: dict[int, int]) -> list[Batch]:
     """Each micro-batch as one simulated batch: rank r holds its data-parallel rank's (``dp_of[r]``)."""
-    out = []
-    for i in range(len(per_dp[0])):
+    out, first = [], next(iter(per_dp.values()))
+    for i in range(len(first)):
         mine = {r: per_dp[d][i] for r, d in dp_of.items()}
-        docs = mine[0].doc_ids is not None
+        docs = first[i].doc_ids is not None
         out.append(Batch(simulate.from_ranks({r: b.inputs for r, b in mine.items()}),
                          simulate.from_ranks({r: b.labels for r, b in mine.items()}),
                          simulate.from_ranks({r: b.doc_ids for r, b in mine.items()}) if docs else None,
                          simulate.from_ranks({r: torch.tensor(b.n_valid) for r, b in mine.items()}),
-                         mine[0].first_row))
+                         first[i].first_row))
     return out
 
 

@@ -21,8 +21,13 @@ pytestmark = pytest.mark.dist
 # uneven (dp_shard=2: 1,025 rows -> 513 + 512 after TP's halves; dp_shard=4: 513 + 513 + 513 + 511), so
 # ranks hold shards of different sizes, which the simulation must give each rank as its own.
 VOCAB = "--model.vocab_size=2050"
+LAYERS = "--model.n_layers=6"  # (pipeline twins: more stages than the tiny model's 2 blocks)
 TWINS = {
     "hsdp2x2": ["--nproc=4", "--parallel.dp_replicate=2", "--parallel.dp_shard=2"],
+    # Pipeline ranks run as threads, each its own stages (MPMD): zero-bubble V puts two stages of
+    # uneven splits (6 blocks: 2, 2, 1, 1) on each rank and splits their backward in two.
+    "pp2_fsdp2_zbv": ["--nproc=4", LAYERS, "--parallel.pp=2", "--parallel.dp_shard=2",
+                      "--parallel.pp_schedule=zbv"],
 }
 # (make test-all: HSDP x TP is in make test through the 64-rank verify below)
 SLOW_TWINS = {
@@ -30,6 +35,14 @@ SLOW_TWINS = {
     "fsdp4": ["--nproc=4", "--parallel.dp_shard=4"],
     "fsdp2_tp2": ["--nproc=4", "--parallel.dp_shard=2", "--parallel.tp=2"],
     "fsdp8": ["--nproc=8", "--parallel.dp_shard=8"],
+    "pp4_1f1b": ["--nproc=4", LAYERS, "--parallel.pp=4"],
+    "pp2_tp2_interleaved": ["--nproc=4", LAYERS, "--parallel.pp=2", "--parallel.tp=2",
+                            "--parallel.pp_schedule=interleaved1f1b"],
+    "pp2_hsdp2x2_dualpipev": ["--nproc=8", LAYERS, "--parallel.pp=2", "--parallel.dp_replicate=2",
+                              "--parallel.dp_shard=2", "--parallel.pp_schedule=dualpipev",
+                              "--training.global_batch=16"],  # (dualpipev: 4 micro-batches per dp rank)
+    "pp2_fsdp2_gpipe": ["--nproc=4", LAYERS, "--parallel.pp=2", "--parallel.dp_shard=2",
+                        "--parallel.pp_schedule=gpipe"],
 }
 
 
@@ -41,18 +54,18 @@ def _gib(n: int) -> float:
 def test_simulated_ranks_train_what_the_real_processes_of_the_layout_train(layout: str, tmp_path: Path,
                                                                           data_cache: str):
     """The real run of the layout (gloo processes) and its simulated twin from the same initial
-    weights: the same loss at every step on every rank (fp32, 1e-6 relative), the
+    weights: the same loss at every step (6, or 3 for a pipeline) on every rank (fp32, 1e-6 relative), the
     same final parameters, and every rank's parameter and optimizer bytes equal to that real rank's
     (memory_breakdown.json): the same shards, so the same layout ran."""
     args = {**TWINS, **SLOW_TWINS}[layout]
-    world = int(args[0].split("=")[1])
-    real = parity_run(tmp_path, layout, data_cache, *args, VOCAB, "--training.stop_after=6")
-    check_layout_ran(real, args, layout, step=6)
+    world, steps = int(args[0].split("=")[1]), 3 if LAYERS in args else 6  # (pipelines: 6 blocks, 3 steps)
+    real = parity_run(tmp_path, layout, data_cache, *args, VOCAB, f"--training.stop_after={steps}")
+    check_layout_ran(real, args, layout, step=steps)
     cfg = load_config(real / "config.toml")
-    final = checkpoint_params(real / "checkpoints" / "step-6")
-    sim = train_simulated(cfg, world, 6, initial_params(real), final)
+    final = checkpoint_params(real / "checkpoints" / f"step-{steps}")
+    sim = train_simulated(cfg, world, steps, initial_params(real), final)
     real_loss = [m["loss"] for m in metrics(real)]
-    assert len(sim.losses) == len(real_loss) == 6
+    assert len(sim.losses) == len(real_loss) == steps
     for step, (ranks, want) in enumerate(zip(sim.losses, real_loss, strict=True), 1):
         assert sorted(ranks) == list(range(world))
         for rank, got in ranks.items():
@@ -66,23 +79,24 @@ def test_simulated_ranks_train_what_the_real_processes_of_the_layout_train(layou
 
 
 def test_verify_ranks_64_passes_the_debug_presets_widest_layout(tmp_path: Path, data_cache: str):
-    """``shardwise verify --ranks 64`` on the debug preset (16 heads, batch of 8 sequences, here of 256
-    tokens): HSDP 2 x FSDP 4 x TP 8 as 64 simulated ranks, fp32, against the real one-rank reference:
-    it passes, on the mesh asked for, every rank holding its 1/32 shard of each FSDP x TP weight."""
+    """``shardwise verify --ranks 64`` on the debug preset (6 blocks, 16 heads, batch of 8 sequences,
+    here of 128 tokens): PP 2 x HSDP 2 x FSDP 2 x TP 8 as 64 simulated ranks, fp32, against the real
+    one-rank reference: it passes, on the mesh asked for, every rank holding its 1/16 shard of each
+    FSDP x TP weight of its stage's half of the model."""
     out = tmp_path / "verify"
     proc = run_cli(["verify", "--config", str(ROOT / "configs" / "debug.toml"), "--ranks", "64", "--layouts",
-                    "dp_replicate=2,dp_shard=4,tp=8", "--steps", "2", "--training.seq_len=256",
+                    "pp=2,dp_replicate=2,dp_shard=2,tp=8", "--steps", "2", "--training.seq_len=128",
                     "--training.mixed_precision=fp32",
                     f"--data.cache_dir={data_cache}", "--out", str(out)], timeout=600)
     text = proc.stdout
-    assert "64 simulated ranks on a mesh of dp_replicate=2 x dp_shard=4 x tp=8" in text, text
-    row = re.search(r"^\| dp_replicate=2,dp_shard=4,tp=8 \| 64 \|.*\| (PASS|FAIL) \|$", text, re.M)
+    assert "64 simulated ranks on a mesh of pp=2 x dp_replicate=2 x dp_shard=2 x tp=8" in text, text
+    row = re.search(r"^\| pp=2,dp_replicate=2,dp_shard=2,tp=8 \| 64 \|.*\| (PASS|FAIL) \|$", text, re.M)
     assert row and row.group(1) == "PASS", text
     low, high = (int(n.replace(",", "")) for n in re.search(r"parameter bytes per rank ([\d,]+)\.\.([\d,]+)",
                                                              text).groups())
     ref = sum(t.numel() * 4 for t in checkpoint_params(out / "reference" / "checkpoints" / "step-0").values())
-    # Every weight is split 32 ways (dp_shard x tp: the norms only over dp_shard); a rank holds about
-    # 1/32 of the model, never the whole of it.
+    # A stage holds about half the model (the embedding and the head are alike in size), each weight
+    # split 16 ways (dp_shard x tp: the norms only over dp_shard): about 1/32 of the model per rank.
     assert ref / 40 < low <= high < ref / 20, (low, high, ref)
 
 
@@ -95,3 +109,16 @@ def test_a_layout_fault_fails_the_simulated_verify(tmp_path: Path, data_cache: s
                    fault="fsdp_unit_grad_scale")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert re.search(r"^\| dp_shard=2 \| 2 \|.*\| FAIL \|$", proc.stdout, re.M), proc.stdout
+
+
+def test_a_pipeline_split_that_loses_the_remainder_blocks_fails_naming_one(tmp_path: Path, data_cache: str):
+    """A planted split that gives 4 stages 6 // 4 = 1 block each (blocks 4 and 5 held by no stage)
+    fails ``verify --ranks 4 --layouts pp=4`` and names a parameter no rank holds."""
+    proc = run_cli(["verify", "--config", str(ROOT / "configs" / "debug.toml"), "--ranks", "4", "--layouts",
+                    "pp=4", "--steps", "1", "--training.seq_len=128", "--training.mixed_precision=fp32",
+                    f"--data.cache_dir={data_cache}", "--out", str(tmp_path / "v")], timeout=600, check=False,
+                   fault="pp_drop_remainder")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert re.search(r"^\| pp=4,dp_shard=1 \| 4 \|.*\| FAIL \|$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"largest parameter gap at layers\.[45]\.\S+ \(held by no rank; 2\d missing\)",
+                     proc.stdout), proc.stdout

@@ -70,6 +70,7 @@ def test_recording_keeps_other_kinds_and_says_why(monkeypatch: pytest.MonkeyPatc
         assert '"AVX2"' in stored and '"AMX"' in stored and '"second"' in stored
 
 
+@pytest.mark.slow  # (26 steps of the MoE preset: 3 min of make test's 30; make test-all runs it)
 def test_the_deepseek_recipe_does_not_spike_at_its_peak_learning_rate(tmp_path: Path, data_cache: str):
     """deepseek-debug's step-13 spike (docs/training.md, "deepseek-debug's spike"): after a 10-step
     warm-up, one update at the peak learning rate grew block 1's attention output fourfold and every

@@ -14,6 +14,8 @@ exactly one thing, so the test can show that its tolerance catches that fault:
   on every tp rank (a parallel flag silently dropped);
 - ``fsdp_unit_grad_scale``: block 1's FSDP unit reduces its gradients scaled by 2 (over 2+ ranks);
 - ``pp_wrong_microbatch``: the first pipeline stage is fed micro-batch m+1's tokens as micro-batch m;
+- ``pp_drop_remainder``: the pipeline split gives each stage ``n_layers // stages`` blocks: where
+  the stages do not divide the blocks, the last ones are held by no stage;
 - ``cp_skip_hop``: block 1's ring attention (forward) uses a rank's own K/V where the neighbour's
   should arrive: one hop of the ring skipped;
 - ``ep_wrong_rank``: block 1's expert all-to-all sends expert 1's tokens to expert 2's rank and
@@ -136,6 +138,15 @@ def _install(fault: str) -> None:
             return real_step(self, batches, n_valid)
 
         pipeline.Pipe.forward_backward = forward_backward
+    elif fault == "pp_drop_remainder":
+        import shardwise.parallel.pipeline as pipeline
+        import shardwise.parallel.stages as stages
+
+        def stage_layers(n_layers, n_stages):  # noqa: ANN001, ANN202
+            base = n_layers // n_stages  # (the remainder's blocks go to no stage)
+            return [list(range(s * base, (s + 1) * base)) for s in range(n_stages)]
+
+        stages.stage_layers = pipeline.stage_layers = stage_layers
     elif fault == "cp_skip_hop":
         import torch
         import torch.distributed.tensor.experimental._context_parallel._attention as ring

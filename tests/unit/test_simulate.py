@@ -17,7 +17,7 @@ from shardwise.models.transformer import build_model, init_weights
 from shardwise.parallel.fsdp import apply_fsdp, mixed_precision_policy
 from shardwise.parallel.tensor import apply_tp
 from shardwise.resolve.run import resolve_run
-from shardwise.trainer import simulate
+from shardwise.trainer import simulate, simulate_stages
 from shardwise.verify.simulated import check_simulated
 from tests.helpers import MOE_ARGS, TINY_ARGS, TINY_MODEL, resolved_config, run_cli
 
@@ -125,7 +125,6 @@ def test_document_masked_attention_runs_each_ranks_own_documents():
 
 
 @pytest.mark.parametrize(("extra", "world", "what"), [
-    (["--parallel.pp=2"], 2, "pipeline parallel"),
     (["--parallel.cp=2"], 2, "context parallel"),
     ([*MOE_ARGS], 2, "an MoE model"),
     (["--float8.enabled=true"], 2, "float8"),
@@ -142,7 +141,7 @@ def test_what_the_simulation_does_not_carry_yet_is_refused_in_one_line(extra: li
 @pytest.mark.parametrize(("args", "says"), [
     (["--ranks", "4", "--nproc", "4"], "give one"),
     (["--ranks", "2000"], "2..1024"),
-    (["--ranks", "4", "--layouts", "pp=2", "--model.n_layers=2"], "pipeline parallel"),
+    (["--ranks", "4", "--layouts", "cp=2,dp_shard=2"], "context parallel"),
 ])
 def test_verify_ranks_refuses_bad_input_in_one_line_before_any_run(args: list[str], says: str, tmp_path):
     proc = run_cli(["verify", "--config", "configs/debug.toml", *args, "--out", str(tmp_path / "v")],
@@ -159,3 +158,103 @@ def test_compile_left_to_auto_is_not_refused():
     cfg = resolved_config(None, [*TINY_ARGS[2:], "--compile.enabled=auto", "--training.steps=1000"],
                           device="cpu")
     check_simulated(resolve_run(cfg, 2, detect_device=False))
+
+
+def _on_each(ranks: list[int], value) -> torch.Tensor:  # noqa: ANN001 - (rank) -> plain tensor
+    """A simulated tensor of plain per-rank values, made with the calling thread's mode off (a
+    factory call under the mode would itself make a simulated tensor)."""
+    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+
+    with maybe_disable_local_tensor_mode():
+        values = {r: value(r) for r in ranks}
+    return simulate.from_ranks(values)
+
+
+def _pipeline_world(fn):  # noqa: ANN001, ANN202 - a test helper
+    """``fn(pp_index, pp_group)`` on 8 simulated ranks, pp=2 x dp=4, each pipeline rank a thread."""
+    with simulate.simulated_ranks(8):
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))
+        slices = simulate.stage_slices(mesh["pp"])
+        assert slices == [frozenset({0, 1, 2, 3}), frozenset({4, 5, 6, 7})]
+        group = mesh["pp"].get_group()
+        return simulate.on_ranks(slices, lambda: fn(dist.get_rank(group), group))
+
+
+def test_pipeline_ranks_exchange_each_ranks_own_tensors_matched_in_the_order_posted():
+    """Each pipeline rank's slice runs in a thread: its index in the pp group is its own, each
+    simulated rank sends to its own peer, and receives match sends in the order they were posted,
+    whatever order they are waited on (zero-bubble V posts early and waits late: waiting in posting
+    order gave its stages each other's activations)."""
+    def stage(pp: int, group: dist.ProcessGroup) -> dict[int, list[float]]:
+        ranks = sorted(simulate.every_rank_tensor(torch.zeros(())))
+        if pp == 0:
+            for k in (1.0, 2.0):  # two messages from each rank r to rank r + 4: r + k
+                dist.isend(_on_each(ranks, lambda r, k=k: torch.tensor([r + k])), group_dst=1, group=group)
+            return {}
+        first, second = (_on_each(ranks, lambda r: torch.zeros(1)) for _ in range(2))
+        works = [dist.irecv(first, group_src=0, group=group), dist.irecv(second, group_src=0, group=group)]
+        works[1].wait()  # the later posted, waited on first
+        works[0].wait()
+        return {r: [float(first._local_tensors[r]), float(second._local_tensors[r])] for r in ranks}
+
+    got = _pipeline_world(stage)
+    assert got[1] == {r: [r - 4 + 1.0, r - 4 + 2.0] for r in range(4, 8)}
+
+
+def test_a_pipeline_rank_computes_its_own_coordinates_while_another_waits():
+    """While one pipeline rank waits for a message, the one that runs computes each of its ranks' own
+    mesh coordinates (a wait with the waiting thread's mode disabled took torch's DeviceMesh patches
+    away from every thread: the running one computed rank 0's coordinates for all its ranks, and
+    the first micro-batch of PP x TP embedded with rank 0's vocabulary range)."""
+    def stage(pp: int, group: dist.ProcessGroup) -> dict[int, int]:
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))
+        ranks = sorted(simulate.every_rank_tensor(torch.zeros(())))
+        data = _on_each(ranks, lambda r: torch.zeros(1))
+        if pp == 0:  # (both threads have entered their modes when rank 0 waits on a tensor)
+            dist.recv_object_list([None], group_src=1, group=group)
+            dist.send_object_list(["waiting"], group_dst=1, group=group)
+            dist.irecv(data, group_src=1, group=group).wait()
+            return simulate.coordinates(mesh["dp"])
+        dist.send_object_list(["started"], group_dst=0, group=group)
+        dist.recv_object_list([None], group_src=0, group=group)
+        where = simulate.coordinates(mesh["dp"])  # (while rank 0 waits)
+        dist.isend(data, group_dst=0, group=group)
+        return where
+
+    got = _pipeline_world(stage)
+    assert got == [{0: 0, 1: 1, 2: 2, 3: 3}, {4: 0, 5: 1, 6: 2, 7: 3}]
+
+
+def test_an_all_reduce_over_pipeline_ranks_sums_across_their_threads_and_other_collectives_are_refused():
+    def stage(pp: int, group: dist.ProcessGroup) -> tuple[dict[int, float], str]:
+        ranks = sorted(simulate.every_rank_tensor(torch.zeros(())))
+        t = _on_each(ranks, lambda r: torch.tensor(float(r)))
+        dist.all_reduce(t, group=group)  # rank r and r + 4 (or r - 4)
+        try:
+            dist.all_gather_into_tensor(torch.zeros(2), torch.zeros(1), group=group)
+            refused = ""
+        except NotImplementedError as e:
+            refused = str(e)
+        return simulate.every_rank(t), refused
+
+    got = _pipeline_world(stage)
+    sums = {**got[0][0], **got[1][0]}
+    assert sums == {r: float(r % 4 + r % 4 + 4) for r in range(8)}
+    assert all("several pipeline stages is not simulated" in refused for _, refused in got)
+
+
+@pytest.mark.parametrize("fault", ["raises", "deadlock"])
+def test_a_failing_or_deadlocked_pipeline_rank_stops_the_simulation_with_its_error(fault: str, monkeypatch):
+    """One pipeline rank raising (while the other waits for it), or both waiting on each other, ends
+    the run with that error: the simulation never hangs."""
+    monkeypatch.setattr(simulate_stages, "STALL_SECONDS", 0.2)
+
+    def stage(pp: int, group: dist.ProcessGroup) -> None:
+        buffer = _on_each(sorted(simulate.every_rank_tensor(torch.zeros(()))), lambda r: torch.zeros(1))
+        if fault == "raises" and pp == 0:
+            raise ValueError("stage 0 broke")
+        dist.irecv(buffer, group_src=1 - pp, group=group).wait()
+
+    with pytest.raises(ValueError if fault == "raises" else RuntimeError,
+                       match="stage 0 broke" if fault == "raises" else "deadlock"):
+        _pipeline_world(stage)
