@@ -35,6 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="train each layout as this many simulated ranks in this process (torch's "
                         "LocalTensorMode) instead of as real processes: layouts of up to 1,024 ranks on one "
                         "machine; fills layouts as --nproc does (the reference stays a real 1-rank run)")
+    p.add_argument("--shrink", type=int, nargs="?", const=0, default=None, metavar="N",
+                   help="narrow the model N-fold for the run (--ranks at scale): keep its blocks, heads, "
+                        "vocabulary and expert and routing counts, divide its hidden widths by N (alone: "
+                        "the largest power of two that divides them)")
     p.add_argument("--steps", type=int, default=20,
                    help="the run's first N steps, which every layout trains on the run's own "
                         "learning-rate schedule (training.steps)")
@@ -61,6 +65,8 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
                           "layouts: give one")
     if args.ranks is not None and not 1 < args.ranks <= 1024:
         raise ConfigError(f"--ranks must be 2..1024, got {args.ranks}")
+    if args.shrink is not None:  # (before anything resolves the model: every run trains the narrow one)
+        overrides = [*overrides, *_shrunk(args.config, overrides, args.shrink)]
     ranks = args.ranks or args.nproc
     flag = "--nproc" if args.ranks is None else "--ranks"
     layouts = fill_layouts(args.layouts, ranks, flag=flag)  # a bad one fails before any run (and torch)
@@ -83,3 +89,15 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
 
     return 0 if verify_layouts(base, args.config, overrides, layouts, args.steps, Path(args.out),
                        args.moe_routing, args.localize, simulated=args.ranks is not None) else 1
+
+
+def _shrunk(config: str | None, overrides: list[str], factor: int) -> list[str]:
+    """The model overrides of ``--shrink`` (said in a notice)."""
+    from shardwise.config.notice import notice
+    from shardwise.resolve.run import resolve_model
+    from shardwise.verify.shrink import largest_factor, shrink
+
+    model = resolve_model(load_resolved(config, overrides))
+    added, said = shrink(model, factor or largest_factor(model))
+    notice(said)
+    return added

@@ -262,9 +262,26 @@ def _read_states(model: nn.Module, cfg: Config, pp_rank: int) -> RankStates:
 # ---------------------------------------------------------------------------------------------
 # Fast: the same rules on shapes
 
-def _chunk(n: int, k: int) -> int:
-    """Rank 0's share of ``n`` split in ``k`` chunks the way torch.chunk does (the largest)."""
-    return -(-n // k)
+def _chunk(n: int, k: int, index: int = 0) -> int:
+    """Chunk ``index``'s share of ``n`` split in ``k`` chunks the way torch.chunk does: every chunk
+    ``ceil(n / k)`` long but the last ones (rank 0's, the default, is the largest)."""
+    step = -(-n // k)
+    return max(0, min(step, n - index * step))
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    """A rank's index along each mesh dim that cuts its shards; the planner's figures are the
+    default's, all 0, which holds the largest chunk of every parameter."""
+
+    tp: int = 0
+    fsdp: int = 0
+    """In the shard group of blocks and the root (dp_shard x cp)."""
+    ep: int = 0
+    moe: int = 0
+    """In an MoE block's router and shared-expert shard group (dp_shard x cp x tp)."""
+    efsdp: int = 0
+    """In the experts' shard group under expert parallel."""
 
 
 @dataclass(frozen=True)
@@ -312,25 +329,27 @@ def param_shapes(args: ModelArgs) -> ParamShapes:
 
 
 def _local_shape(name: str, shape: tuple[int, ...], degrees: Degrees, shapes: ParamShapes,
-                 moe_ffn: bool) -> tuple[int, ...]:
-    """Shape after tensor and expert parallel (rank 0's chunk), before FSDP."""
+                 moe_ffn: bool, at: Coordinates = Coordinates()) -> tuple[int, ...]:
+    """Shape after tensor and expert parallel (the chunk of the rank ``at``), before FSDP."""
     shape = list(shape)
     if moe_ffn:
         if name.startswith(shapes.experts + ".") and degrees.ep > 1:
-            shape[0] = _chunk(shape[0], degrees.ep)
+            shape[0] = _chunk(shape[0], degrees.ep, at.ep)
     elif degrees.tp > 1 and (d := shapes.tp_dims.get(name)) is not None:
-        shape[d] = _chunk(shape[d], degrees.tp)
+        shape[d] = _chunk(shape[d], degrees.tp, at.tp)
     return tuple(shape)
 
 
 def _shard_numel(params: list[tuple[str, tuple[int, ...]]], degrees: Degrees, shapes: ParamShapes,
-                 shard: int, moe_ffn: bool) -> tuple[int, int]:
-    """(rank 0's local elements, padded unsharded elements) of parameters FSDP shards together."""
+                 shard: int, moe_ffn: bool, at: Coordinates = Coordinates(), index: int = 0
+                 ) -> tuple[int, int]:
+    """(the local elements of the rank ``at``, at ``index`` in the shard group; padded unsharded
+    elements) of parameters FSDP shards together."""
     local = padded = 0
     for name, shape in params:
-        dims = _local_shape(name, shape, degrees, shapes, moe_ffn)
+        dims = _local_shape(name, shape, degrees, shapes, moe_ffn, at)
         rest = math.prod(dims[1:])
-        local += _chunk(dims[0], shard) * rest
+        local += _chunk(dims[0], shard, index) * rest
         padded += _chunk(dims[0], shard) * shard * rest
     return local, padded
 
@@ -343,10 +362,10 @@ def planned_device(run: ResolvedRun) -> str:
 
 
 def shape_states(run: ResolvedRun, shapes: ParamShapes | None = None,
-                 pp_ranks: list[int] | None = None) -> list[RankStates]:
+                 pp_ranks: list[int] | None = None, at: Coordinates = Coordinates()) -> list[RankStates]:
     """Per pipeline rank (``pp_ranks``, default all), the states and FSDP units
-    :func:`built_states` would find, from shapes. ``shapes``: :func:`param_shapes` of the model,
-    when the caller costs many layouts."""
+    :func:`built_states` would find, from shapes, of the rank at ``at`` along the other dims (default:
+    the largest). ``shapes``: :func:`param_shapes` of the model, when the caller costs many layouts."""
     pipe, args = run.pipeline, run.model
     shapes = shapes or param_shapes(args)
     n_stages = pipe.pp * pipe.stages_per_rank
@@ -355,7 +374,7 @@ def shape_states(run: ResolvedRun, shapes: ParamShapes | None = None,
     for s in (range(pipe.pp) if pp_ranks is None else pp_ranks):
         stages = rank_stages(s, pipe.pp, pipe.schedule, pipe.interleaved) if pipe.pp > 1 else [0]
         layers = sorted(i for st in stages for i in per_stage[st])
-        out.append(_rank_states(run, shapes, s, layers, 0 in stages, n_stages - 1 in stages))
+        out.append(_rank_states(run, shapes, s, layers, 0 in stages, n_stages - 1 in stages, at))
     return out
 
 
@@ -378,7 +397,7 @@ def bounding_pp_ranks(run: ResolvedRun) -> list[int]:
 
 
 def _rank_states(run: ResolvedRun, shapes: ParamShapes, pp_rank: int, layers: list[int], has_emb: bool,
-                 has_head: bool) -> RankStates:
+                 has_head: bool, at: Coordinates = Coordinates()) -> RankStates:
     """One pipeline rank: FSDP units in the order ``apply_fsdp`` makes them (per block: experts,
     MoE feed-forward, block; then the root or each stage view's root)."""
     d, args = run.dims.degrees, run.model
@@ -395,9 +414,10 @@ def _rank_states(run: ResolvedRun, shapes: ParamShapes, pp_rank: int, layers: li
     def unit(name: str, params: list[tuple[str, tuple[int, ...]]], shard: int, group: str,
              reshard: bool, layer: int | None, moe_ffn: bool = False) -> None:
         nonlocal numel
-        key = (tuple(params), shard, moe_ffn)
+        key = (tuple(params), shard, moe_ffn, group)
         if key not in sizes:
-            sizes[key] = _shard_numel(params, d, shapes, shard, moe_ffn)
+            index = {Mesh.MOE: at.moe, Mesh.EFSDP: at.efsdp}.get(group, at.fsdp)
+            sizes[key] = _shard_numel(params, d, shapes, shard, moe_ffn, at, index)
         local, padded = sizes[key]
         numel += local
         if unwrapped:

@@ -17,6 +17,7 @@ schedule, stages and collectives compute across those threads what real ranks co
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import pickle
 from collections import defaultdict, deque
@@ -27,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import FakeWork, PythonCallbackWork, Work
 from torch.distributed._local_tensor import (
+    _PATCHED_DEVICE_MESH_METHODS,
+    _PATCHED_RANDOM_FUNCTIONS,
     LocalRunnerMode,
     LocalTensor,
     LocalTensorMode,
@@ -34,6 +37,7 @@ from torch.distributed._local_tensor import (
     local_tensor_mode,
     maybe_disable_local_tensor_mode,
 )
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import ProcessGroup
 from torch.distributed.tensor.parallel import loss as tp_loss
 
@@ -199,7 +203,7 @@ def across_stages(stages: Stages) -> Iterator[None]:
     blocking and object point-to-point and ``get_rank``, and ``loss_parallel``'s handlers, replaced
     by their across-thread versions (restored after)."""
     replaced = {**_c10d_adapters(stages), **_dist_adapters(stages), **_loss_parallel_counted()}
-    originals = {(m, n): getattr(m, n) for m, n in replaced}
+    originals = {(m, n): getattr(m, n) for m, n in [*replaced, *_patched_by_modes()]}
     for (module, name), fn in replaced.items():
         setattr(module, name, fn)
     try:
@@ -207,6 +211,17 @@ def across_stages(stages: Stages) -> Iterator[None]:
     finally:
         for (module, name), fn in originals.items():
             setattr(module, name, fn)
+
+
+def _patched_by_modes() -> list[tuple[Any, str]]:
+    """What each thread's ``LocalTensorMode`` patches process-wide on entry (DeviceMesh's coordinate
+    methods, torch's seeding functions) and puts back on exit as it found them: threads that exit in
+    another order than they entered would leave the patches on (restored here with the rest)."""
+    out: list[tuple[Any, str]] = [(DeviceMesh, n) for n in _PATCHED_DEVICE_MESH_METHODS]
+    for name, _ in _PATCHED_RANDOM_FUNCTIONS:
+        module, attr = name.rsplit(".", 1)
+        out.append((importlib.import_module(module), attr))
+    return out
 
 
 def _c10d_adapters(stages: Stages) -> dict[tuple, Callable]:

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.checkpoint.state_dict import _init_optim_state
 
 from shardwise.config.schema import Config, ConfigError
 from shardwise.data.dataset import Batch
@@ -85,7 +86,8 @@ def check_simulated(run: ResolvedRun) -> None:
 def train_simulated(cfg: Config, world: int, steps: int, seed: dict[str, torch.Tensor],
                     ref: dict[str, torch.Tensor]) -> SimulatedRun:
     """Train ``steps`` steps of ``cfg`` (a layout of ``world`` ranks) as simulated ranks from the
-    ``seed`` weights; compare every rank's final parameters with ``ref``'s."""
+    ``seed`` weights; compare every rank's final parameters with ``ref``'s. ``steps=0``: build the
+    ranks and their optimizer states only (what each rank holds, ``states``)."""
     if cfg.compile.enabled == "auto":  # (a long run's auto would compile: simulated ranks run eager)
         cfg = dataclasses.replace(cfg, compile=dataclasses.replace(cfg.compile, enabled=False))
     run = resolve_run(cfg, world, detect_device=False)
@@ -142,6 +144,8 @@ def _train_slice(run: ResolvedRun, corpus: object, steps: int, seed: dict[str, t
                             parts.loss, parts.pipe)
         losses.append(simulate.every_rank(result.loss))
         seconds.append(time.perf_counter() - t0)
+    if steps == 0:  # (states only: the optimizer's, as its first step makes them, without an update)
+        _init_optim_state(parts.optimizer)
     names = {n for n, _ in parts.model.named_parameters()}
     return _Slice(losses, seconds, rank_states(parts.model, parts.optimizer), names,
                   param_error(parts.model, ref, seed))

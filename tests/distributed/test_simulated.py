@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from shardwise.config.schema import Config
+from shardwise.plan.states import Coordinates, shape_states
 from shardwise.resolve.checks import load_config
+from shardwise.resolve.run import resolve_run
 from shardwise.verify.parity import checkpoint_params
 from shardwise.verify.simulated import train_simulated
 from tests.helpers import ROOT, check_layout_ran, initial_params, metrics, parity_run, run_cli
@@ -56,7 +59,8 @@ def test_simulated_ranks_train_what_the_real_processes_of_the_layout_train(layou
     """The real run of the layout (gloo processes) and its simulated twin from the same initial
     weights: the same loss at every step (6, or 3 for a pipeline) on every rank (fp32, 1e-6 relative), the
     same final parameters, and every rank's parameter and optimizer bytes equal to that real rank's
-    (memory_breakdown.json): the same shards, so the same layout ran."""
+    (memory_breakdown.json): the same shards, so the same layout ran; and equal to the planner's
+    figure for that rank's coordinates."""
     args = {**TWINS, **SLOW_TWINS}[layout]
     world, steps = int(args[0].split("=")[1]), 3 if LAYERS in args else 6  # (pipelines: 6 blocks, 3 steps)
     real = parity_run(tmp_path, layout, data_cache, *args, VOCAB, f"--training.stop_after={steps}")
@@ -76,6 +80,20 @@ def test_simulated_ranks_train_what_the_real_processes_of_the_layout_train(layou
         want = memory[f"{key}_per_rank"]
         got = [_gib(sim.states[r][key]) for r in range(world)]
         assert got == pytest.approx(want, rel=1e-12), key
+    assert sim.states == planned_states(cfg, world)  # the planner's rule, rank by rank
+
+
+def planned_states(cfg: Config, world: int) -> dict[int, dict[str, int]]:
+    """The planner's parameter and optimizer bytes of every rank of ``cfg``'s layout (shape_states at
+    each rank's coordinates: its pp, tp and dp_shard x cp index)."""
+    run = resolve_run(cfg, world, detect_device=False)
+    d, out = run.dims, {}
+    for r in range(world):
+        t, c, shard = r % d.tp, r // d.tp % d.cp, r // (d.tp * d.cp) % d.dp_shard  # (pp outermost)
+        at = Coordinates(tp=t, fsdp=shard * d.cp + c)
+        st = shape_states(run, pp_ranks=[r // (world // d.pp)], at=at)[0]
+        out[r] = {"params": st.params, "optimizer": st.optimizer}
+    return out
 
 
 def test_verify_ranks_64_passes_the_debug_presets_widest_layout(tmp_path: Path, data_cache: str):
@@ -122,3 +140,4 @@ def test_a_pipeline_split_that_loses_the_remainder_blocks_fails_naming_one(tmp_p
     assert re.search(r"^\| pp=4,dp_shard=1 \| 4 \|.*\| FAIL \|$", proc.stdout, re.M), proc.stdout
     assert re.search(r"largest parameter gap at layers\.[45]\.\S+ \(held by no rank; 2\d missing\)",
                      proc.stdout), proc.stdout
+

@@ -125,9 +125,14 @@ HOW: dict[str, Check] = {
     "shardwise train --config configs/debug.toml --nproc 2 --parallel.pp 2 --run.dir runs/pp2": Check(
         reason="tests/e2e/test_first_commands.py::test_pipeline_on_two_ranks_picks_its_micro_batch runs it "
                "(3 steps)"),
-    "shardwise verify --config configs/debug.toml --ranks 64 --layouts dp_replicate=2,dp_shard=4,tp=8 "
+    "shardwise verify --config configs/debug.toml --ranks 64 --layouts pp=2,dp_replicate=2,dp_shard=2,tp=8 "
     "--steps 2 --training.mixed_precision=fp32": covered(
         "tests/distributed/test_simulated.py::test_verify_ranks_64_passes_the_debug_presets_widest_layout",
+        Check(VERIFY)),
+    # (the narrowed model's overrides are the unit test's; verify --ranks over TP x FSDP the 64-rank one's)
+    "shardwise verify --config configs/debug.toml --ranks 8 --shrink --layouts dp_shard=2,tp=4 --steps 2 "
+    "--training.mixed_precision=fp32": covered(
+        "tests/unit/test_simulate.py::test_shrink_keeps_what_decides_the_layout_and_divides_the_widths",
         Check(VERIFY)),
     "shardwise verify --config configs/debug.toml --layouts dp_shard=4 tp=2,dp_shard=2": covered(
         "tests/e2e/test_verify.py::test_verify_passes_real_layouts_and_catches_a_wrong_one", Check(VERIFY)),

@@ -142,6 +142,8 @@ def test_what_the_simulation_does_not_carry_yet_is_refused_in_one_line(extra: li
     (["--ranks", "4", "--nproc", "4"], "give one"),
     (["--ranks", "2000"], "2..1024"),
     (["--ranks", "4", "--layouts", "cp=2,dp_shard=2"], "context parallel"),
+    (["--ranks", "4", "--shrink", "3"], "--shrink 3 does not divide model.dim=256"),
+    (["--ranks", "4", "--shrink", "16"], "--shrink 16 does not divide model.head_size=16 into an even width"),
 ])
 def test_verify_ranks_refuses_bad_input_in_one_line_before_any_run(args: list[str], says: str, tmp_path):
     proc = run_cli(["verify", "--config", "configs/debug.toml", *args, "--out", str(tmp_path / "v")],
@@ -187,18 +189,23 @@ def test_pipeline_ranks_exchange_each_ranks_own_tensors_matched_in_the_order_pos
     order gave its stages each other's activations)."""
     def stage(pp: int, group: dist.ProcessGroup) -> dict[int, list[float]]:
         ranks = sorted(simulate.every_rank_tensor(torch.zeros(())))
-        if pp == 0:
+        if pp == 0:  # (rank 1 has started before rank 0 sends: rank 0 leaves first)
+            dist.recv_object_list([None], group_src=1, group=group)
             for k in (1.0, 2.0):  # two messages from each rank r to rank r + 4: r + k
                 dist.isend(_on_each(ranks, lambda r, k=k: torch.tensor([r + k])), group_dst=1, group=group)
             return {}
+        dist.send_object_list(["started"], group_dst=0, group=group)
         first, second = (_on_each(ranks, lambda r: torch.zeros(1)) for _ in range(2))
         works = [dist.irecv(first, group_src=0, group=group), dist.irecv(second, group_src=0, group=group)]
         works[1].wait()  # the later posted, waited on first
         works[0].wait()
         return {r: [float(first._local_tensors[r]), float(second._local_tensors[r])] for r in ranks}
 
+    before = dist.DeviceMesh.get_coordinate, torch.manual_seed
     got = _pipeline_world(stage)
     assert got[1] == {r: [r - 4 + 1.0, r - 4 + 2.0] for r in range(4, 8)}
+    # each thread's mode patched DeviceMesh and torch's seeding on entry: all put back after
+    assert (dist.DeviceMesh.get_coordinate, torch.manual_seed) == before
 
 
 def test_a_pipeline_rank_computes_its_own_coordinates_while_another_waits():
@@ -258,3 +265,26 @@ def test_a_failing_or_deadlocked_pipeline_rank_stops_the_simulation_with_its_err
     with pytest.raises(ValueError if fault == "raises" else RuntimeError,
                        match="stage 0 broke" if fault == "raises" else "deadlock"):
         _pipeline_world(stage)
+
+
+@pytest.mark.parametrize(("preset", "factor"), [("405b", 64), ("deepseek-v3-671b", 32), ("debug", 8)])
+def test_shrink_keeps_what_decides_the_layout_and_divides_the_widths(preset: str, factor: int):
+    """``--shrink`` (alone: the largest power of two that keeps RoPE's rotated width even) keeps the
+    blocks, heads, vocabulary and every expert and routing count, and divides each hidden width: the
+    narrowed model, resolved from its overrides as a run resolves it, is the preset with only those
+    widths changed."""
+    from shardwise.models.presets import PRESETS
+    from shardwise.resolve.checks import load_config
+    from shardwise.resolve.run import resolve_model
+    from shardwise.verify.shrink import KEPT, KEPT_MOE, largest_factor, shrink, widths
+
+    full = PRESETS[preset]
+    assert largest_factor(full) == factor
+    overrides, said = shrink(full, factor)
+    narrow = resolve_model(load_config(None, [f"--model.name={preset}", *overrides]))
+    for name in (*KEPT, *KEPT_MOE):
+        assert getattr(narrow, name) == getattr(full, name), name
+        assert full.n_experts == 0 and name in KEPT_MOE or f"{name}={getattr(full, name)}" in said
+    assert widths(narrow) == {n: v // factor for n, v in widths(full).items()}
+    rotated = narrow.qk_rope_head_dim or narrow.head_size
+    assert rotated % 2 == 0 and narrow.dim * factor == full.dim
