@@ -50,7 +50,8 @@ def shrink(args: ModelArgs, factor: int) -> tuple[list[str], str]:
     kept and what was scaled."""
     w = widths(args)
     if factor < 2:
-        raise ConfigError(f"--shrink must be a factor >= 2, got {factor}")
+        raise ConfigError(f"--shrink needs a factor >= 2 (got {factor}); this model's widths allow at most "
+                          f"{largest_factor(args)}")
     bad = [n for n, v in w.items() if v % factor]
     if bad or (w[_rotated(args)] // factor) % 2:
         rot = _rotated(args)

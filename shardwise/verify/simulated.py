@@ -22,7 +22,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.checkpoint.state_dict import _init_optim_state
 
 from shardwise.config.schema import Config, ConfigError
 from shardwise.data.dataset import Batch
@@ -86,8 +85,7 @@ def check_simulated(run: ResolvedRun) -> None:
 def train_simulated(cfg: Config, world: int, steps: int, seed: dict[str, torch.Tensor],
                     ref: dict[str, torch.Tensor]) -> SimulatedRun:
     """Train ``steps`` steps of ``cfg`` (a layout of ``world`` ranks) as simulated ranks from the
-    ``seed`` weights; compare every rank's final parameters with ``ref``'s. ``steps=0``: build the
-    ranks and their optimizer states only (what each rank holds, ``states``)."""
+    ``seed`` weights; compare every rank's final parameters with ``ref``'s."""
     if cfg.compile.enabled == "auto":  # (a long run's auto would compile: simulated ranks run eager)
         cfg = dataclasses.replace(cfg, compile=dataclasses.replace(cfg.compile, enabled=False))
     run = resolve_run(cfg, world, detect_device=False)
@@ -103,16 +101,12 @@ def train_simulated(cfg: Config, world: int, steps: int, seed: dict[str, torch.T
     losses = [{r: v for p in parts for r, v in p.losses[i].items()} for i in range(steps)]
     seconds = [max(p.seconds[i] for p in parts) for i in range(steps)]
     states = {r: v for p in parts for r, v in p.states.items()}
+    worst = max((p.worst for p in parts), key=lambda w: w[0])
     if missing := sorted(set(ref) - {n for p in parts for n in p.names}):
         # (a stage split that lost a block, say: no rank trains these)
-        return SimulatedRun(losses, math.inf, f"{missing[0]} (held by no rank; {len(missing)} missing)",
-                            seconds, _peak_rss_gib(), run.dims.built_sizes(), states)
-    worst = max((p.worst for p in parts), key=lambda w: w[0])
-    return SimulatedRun(losses, worst[0], worst[1], seconds, _peak_rss_gib(), run.dims.built_sizes(), states)
-
-
-def _peak_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # (KiB on Linux)
+        worst = (math.inf, f"{missing[0]} (held by no rank; {len(missing)} missing)")
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # (KiB on Linux)
+    return SimulatedRun(losses, worst[0], worst[1], seconds, rss, run.dims.built_sizes(), states)
 
 
 @dataclass
@@ -134,18 +128,15 @@ def _train_slice(run: ResolvedRun, corpus: object, steps: int, seed: dict[str, t
     parts = build_step_parts(run, "cpu")
     load_full_weights(parts.model, seed)
     dp_of = simulate.coordinates(run.dims.submesh(Mesh.DP), 0)
-    loaders = [build_loader(run, corpus, d, "cpu") for d in sorted(set(dp_of.values()))]
+    loaders = {d: build_loader(run, corpus, d, "cpu") for d in sorted(set(dp_of.values()))}  # (this slice's)
     losses, seconds = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
-        batches = rank_batches({d: ld.next_step() for d, ld in zip(sorted(set(dp_of.values())), loaders,
-                                                                    strict=True)}, dp_of)
+        batches = rank_batches({d: ld.next_step() for d, ld in loaders.items()}, dp_of)
         result = train_step(parts.model, parts.optimizer, parts.scheduler, parts.shard(batches), run,
                             parts.loss, parts.pipe)
         losses.append(simulate.every_rank(result.loss))
         seconds.append(time.perf_counter() - t0)
-    if steps == 0:  # (states only: the optimizer's, as its first step makes them, without an update)
-        _init_optim_state(parts.optimizer)
     names = {n for n, _ in parts.model.named_parameters()}
     return _Slice(losses, seconds, rank_states(parts.model, parts.optimizer), names,
                   param_error(parts.model, ref, seed))

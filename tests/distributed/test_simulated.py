@@ -121,23 +121,26 @@ def test_verify_ranks_64_passes_the_debug_presets_widest_layout(tmp_path: Path, 
 def test_a_layout_fault_fails_the_simulated_verify(tmp_path: Path, data_cache: str):
     """A planted fault (block 1's FSDP unit reduces its gradients doubled) fails ``verify --ranks 2``
     (one step of sequences of 128), where the layouts above pass: the simulated comparison can fail."""
-    proc = run_cli(["verify", "--config", str(ROOT / "configs" / "debug.toml"), "--ranks", "2", "--layouts",
-                    "dp_shard=2", "--steps", "1", "--training.seq_len=128", "--training.mixed_precision=fp32",
-                    f"--data.cache_dir={data_cache}", "--out", str(tmp_path / "v")], timeout=600, check=False,
-                   fault="fsdp_unit_grad_scale")
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+    proc = _faulty_verify(tmp_path, data_cache, 2, "dp_shard=2", "fsdp_unit_grad_scale")
     assert re.search(r"^\| dp_shard=2 \| 2 \|.*\| FAIL \|$", proc.stdout, re.M), proc.stdout
 
 
 def test_a_pipeline_split_that_loses_the_remainder_blocks_fails_naming_one(tmp_path: Path, data_cache: str):
     """A planted split that gives 4 stages 6 // 4 = 1 block each (blocks 4 and 5 held by no stage)
     fails ``verify --ranks 4 --layouts pp=4`` and names a parameter no rank holds."""
-    proc = run_cli(["verify", "--config", str(ROOT / "configs" / "debug.toml"), "--ranks", "4", "--layouts",
-                    "pp=4", "--steps", "1", "--training.seq_len=128", "--training.mixed_precision=fp32",
-                    f"--data.cache_dir={data_cache}", "--out", str(tmp_path / "v")], timeout=600, check=False,
-                   fault="pp_drop_remainder")
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+    proc = _faulty_verify(tmp_path, data_cache, 4, "pp=4", "pp_drop_remainder")
     assert re.search(r"^\| pp=4,dp_shard=1 \| 4 \|.*\| FAIL \|$", proc.stdout, re.M), proc.stdout
     assert re.search(r"largest parameter gap at layers\.[45]\.\S+ \(held by no rank; 2\d missing\)",
                      proc.stdout), proc.stdout
 
+
+
+def _faulty_verify(tmp_path: Path, data_cache: str, ranks: int, layout: str, fault: str):  # noqa: ANN202
+    """``verify --ranks`` of one layout, one step of sequences of 128, with ``fault`` planted: it
+    exits 1 (a layout failed)."""
+    proc = run_cli(["verify", "--config", str(ROOT / "configs" / "debug.toml"), "--ranks", str(ranks),
+                    "--layouts", layout, "--steps", "1", "--training.seq_len=128",
+                    "--training.mixed_precision=fp32", f"--data.cache_dir={data_cache}",
+                    "--out", str(tmp_path / "v")], timeout=600, check=False, fault=fault)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    return proc
