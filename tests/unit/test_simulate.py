@@ -6,6 +6,9 @@ simulation does not carry yet is refused in one line."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,7 +17,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from shardwise.config.schema import ConfigError
 from shardwise.models.layers import DocumentSpans, attention_by_document
 from shardwise.models.transformer import build_model, init_weights
+from shardwise.parallel.dims import Mesh
 from shardwise.parallel.fsdp import apply_fsdp, mixed_precision_policy
+from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.tensor import apply_tp
 from shardwise.resolve.run import resolve_run
 from shardwise.trainer import simulate, simulate_stages
@@ -288,3 +293,48 @@ def test_shrink_keeps_what_decides_the_layout_and_divides_the_widths(preset: str
     assert widths(narrow) == {n: v // factor for n, v in widths(full).items()}
     rotated = narrow.qk_rope_head_dim or narrow.head_size
     assert rotated % 2 == 0 and narrow.dim * factor == full.dim
+
+
+def _train_fsdp_tp_on_8_ranks() -> tuple[dict[str, dict[int, torch.Tensor]], dict[int, torch.Tensor],
+                                         torch.Tensor]:
+    """The tiny model (vocabulary 100: uneven FSDP chunks of each 50-row TP shard) under FSDP4 x TP2
+    on 8 simulated ranks from one seed: random init, two AdamW steps on each rank's own tokens, then
+    a draw from every rank's generator. Every rank's weights and draw, and the process's generator
+    after."""
+    cfg = resolved_config(None, ["--parallel.dp_shard=4", "--parallel.tp=2", "--parallel.loss_parallel=false",
+                                 "--training.mixed_precision=fp32"])
+    run = resolve_run(cfg, 8, detect_device=False)
+    args = dataclasses.replace(TINY_MODEL, vocab_size=100)
+    tokens = torch.randint(0, args.vocab_size, (4, 2, 16), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    with simulate.simulated_world(8):
+        run.dims.build_mesh("cpu")
+        model = build_model(args, device="meta")
+        parallelize(model, run.dims, cfg)
+        model.to_empty(device="cpu")
+        simulate.adapt(model)
+        init_weights(model, 0)  # (DTensor's random init: the generator-drawing path)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        dp = simulate.coordinates(run.dims.submesh(Mesh.DP))
+        for _ in range(2):
+            model(simulate.from_ranks({r: tokens[dp[r]] for r in range(8)})).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        weights = {n: simulate.every_rank_tensor(p.full_tensor()) for n, p in model.named_parameters()}
+        draw = simulate.every_rank_tensor(torch.rand(3))
+    return weights, draw, torch.get_rng_state()
+
+
+def test_the_lean_per_rank_loop_computes_what_torchs_loop_computes_bitwise(monkeypatch):
+    """lean_dispatch (operations that draw no random numbers skip torch's per-rank generator copies)
+    against torch's own loop: the same init, training and generator draws, bitwise on every rank, and
+    the process's generator left where torch's loop leaves it."""
+    lean = _train_fsdp_tp_on_8_ranks()
+    monkeypatch.setattr(simulate, "lean_dispatch", contextlib.nullcontext)
+    torchs = _train_fsdp_tp_on_8_ranks()
+    for name, by_rank in torchs[0].items():
+        for r, t in by_rank.items():
+            assert torch.equal(lean[0][name][r], t), (name, r)
+    assert lean[1].keys() == torchs[1].keys()
+    assert all(torch.equal(lean[1][r], t) for r, t in torchs[1].items())
+    assert torch.equal(lean[2], torchs[2])
