@@ -33,6 +33,7 @@ from shardwise.observe.routing import replay_report
 from shardwise.parallel.dims import DEGREES, Mesh
 from shardwise.resolve.checks import load_config
 from shardwise.resolve.layouts import layout_degrees, parse_layout
+from shardwise.verify.distance import tensor_update_error
 from shardwise.verify.simulated import SimulatedRun, train_simulated
 
 
@@ -98,12 +99,11 @@ def checkpoint_params(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 def update_error(p: dict[str, torch.Tensor], p_ref: dict[str, torch.Tensor],
                  p_start: dict[str, torch.Tensor]) -> float:
-    """max over tensors of ||p - p_ref|| / ||p_ref - p_start||: how far two runs ended apart,
-    relative to how far training moved each tensor."""
+    """max over tensors of :func:`tensor_update_error`: how far two runs ended apart, relative to
+    how far training moved each tensor."""
     if p.keys() != p_ref.keys():
         raise ValueError(f"parameter names differ: {sorted(p.keys() ^ p_ref.keys())[:5]}")
-    return max(((p[k] - p_ref[k]).norm() / (p_ref[k] - p_start[k]).norm().clamp(min=1e-30)).item()
-               for k in p_ref)
+    return max(tensor_update_error(p[k], p_ref[k], p_start[k]) for k in p_ref)
 
 
 def verify_layouts(base: Config, config: str | None, overrides: list[str], layouts: list[str], steps: int,

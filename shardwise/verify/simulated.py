@@ -33,6 +33,7 @@ from shardwise.resolve.run import ResolvedRun, resolve_run
 from shardwise.trainer import simulate
 from shardwise.trainer.session import build_loader, build_step_parts, open_run_corpus
 from shardwise.trainer.train import set_determinism, train_step
+from shardwise.verify.distance import tensor_update_error
 
 MAX_RANKS = 1024
 """The most simulated ranks a layout may name."""
@@ -173,8 +174,8 @@ def rank_batches(per_dp: dict[int, list[Batch]], dp_of: dict[int, int]) -> list[
 @torch.no_grad()
 def param_error(model: torch.nn.Module, ref: dict[str, torch.Tensor], seed: dict[str, torch.Tensor]
                 ) -> tuple[float, str]:
-    """max over every rank and parameter of ||p_rank - p_ref|| / ||p_ref - p_seed|| (each rank's full
-    copy gathered one parameter at a time), and where it is."""
+    """max over every rank and parameter of ``tensor_update_error`` (each rank's full copy gathered
+    one parameter at a time), and where it is."""
     from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 
     names = dict(model.named_parameters())
@@ -189,9 +190,8 @@ def param_error(model: torch.nn.Module, ref: dict[str, torch.Tensor], seed: dict
         for name, p in names.items():  # one parameter's copies at a time: N ranks x its size
             full = simulate.every_rank_tensor(p.full_tensor() if hasattr(p, "full_tensor") else p)
             with maybe_disable_local_tensor_mode():
-                moved = (ref[name] - seed[name]).norm().clamp(min=1e-30)
                 for rank, value in full.items():
-                    err = ((value.float() - ref[name]).norm() / moved).item()
+                    err = tensor_update_error(value, ref[name], seed[name])
                     if not err <= worst:  # (NaN is worst)
                         worst, where = err if not math.isnan(err) else math.inf, f"{name} (rank {rank})"
     finally:

@@ -64,3 +64,25 @@ def test_the_table_shows_the_floor_row_and_the_raised_bounds():
     rows = [ln for ln in table.splitlines() if ln.startswith("| ") and "layout" not in ln]
     assert rows[0].startswith("| noise floor") and rows[0].endswith("(the bounds' noise floor) |")
     assert rows[1].startswith("| dp_shard=2") and rows[1].endswith("| PASS |")
+
+
+def test_a_weight_one_float_from_the_reference_is_its_storage_rounding_not_an_error():
+    """The case --shrink met under PP x TP (a 2-wide QK-norm weight near 1 that two steps moved by
+    7.7e-4): the simulated rank ended one float above the reference, 1.55e-4 of the move, over the
+    fp32 bound, because fp32 stores nothing between the two. One unit in the last place is not a
+    layout's error; a second one is, and so is a difference at the scale of the move."""
+    import torch
+
+    from shardwise.verify.distance import tensor_update_error
+
+    start = torch.tensor([1.0, 1.0])
+    ref = torch.tensor([1.0007040500640869, 0.9996904134750366])
+    one_up = torch.nextafter(ref, torch.full_like(ref, 2.0))
+    moved = (ref - start).norm().item()
+    assert torch.equal((one_up - ref).abs() > 0, torch.tensor([True, True]))
+    assert tensor_update_error(ref, ref, start) == 0.0
+    assert tensor_update_error(one_up, ref, start) == 0.0
+    two_up = torch.nextafter(one_up, torch.full_like(ref, 2.0))
+    assert tensor_update_error(two_up, ref, start) > TOLERANCES["fp32"].param_rel
+    off = ref + torch.tensor([moved * 1e-2, 0.0])  # (1% of the move: a layout's error, far above a float)
+    assert abs(tensor_update_error(off, ref, start) - 1e-2) < 1e-3
