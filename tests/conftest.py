@@ -1,7 +1,10 @@
-"""The fixtures: one token cache per session, a one-rank process group per module (tests/helpers.py
-has the shared helpers)."""
+"""The fixtures: one token cache per session, a one-rank process group per module, and each test's
+environment put back after it (tests/helpers.py has the shared helpers)."""
 
 from __future__ import annotations
+
+import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -19,3 +22,14 @@ def one_rank_group():
     """A one-rank gloo process group (FSDP and DCP need one), for the whole module."""
     with one_rank_pg():
         yield
+
+
+@pytest.fixture(autouse=True)
+def _environment_put_back() -> Iterator[None]:
+    """A variable a test's in-process code leaves in os.environ (torch's compile cache, say) would
+    reach every later test's commands, and make each of them miss the CLI fork server (it forks
+    only into its own environment: tests/helpers.run_cli) and start a fresh interpreter."""
+    kept = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(kept)

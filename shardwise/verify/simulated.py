@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import resource
 import time
 from dataclasses import dataclass
@@ -86,7 +87,19 @@ def check_simulated(run: ResolvedRun) -> None:
 def train_simulated(cfg: Config, world: int, steps: int, seed: dict[str, torch.Tensor],
                     ref: dict[str, torch.Tensor]) -> SimulatedRun:
     """Train ``steps`` steps of ``cfg`` (a layout of ``world`` ranks) as simulated ranks from the
-    ``seed`` weights; compare every rank's final parameters with ``ref``'s."""
+    ``seed`` weights; compare every rank's final parameters with ``ref``'s. The calling process's
+    environment is left as it was (a rank's setup writes variables into its own: deterministic
+    cuBLAS, torch's compile cache)."""
+    kept = dict(os.environ)
+    try:
+        return _train_simulated(cfg, world, steps, seed, ref)
+    finally:
+        os.environ.clear()
+        os.environ.update(kept)
+
+
+def _train_simulated(cfg: Config, world: int, steps: int, seed: dict[str, torch.Tensor],
+                     ref: dict[str, torch.Tensor]) -> SimulatedRun:
     if cfg.compile.enabled == "auto":  # (a long run's auto would compile: simulated ranks run eager)
         cfg = dataclasses.replace(cfg, compile=dataclasses.replace(cfg.compile, enabled=False))
     run = resolve_run(cfg, world, detect_device=False)

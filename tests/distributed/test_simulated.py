@@ -5,6 +5,7 @@ and the 64-rank verify of the debug preset's widest layout passes (fp32, gloo fo
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -60,14 +61,17 @@ def test_simulated_ranks_train_what_the_real_processes_of_the_layout_train(layou
     weights: the same loss at every step (6, or 3 for a pipeline) on every rank (fp32, 1e-6 relative), the
     same final parameters, and every rank's parameter and optimizer bytes equal to that real rank's
     (memory_breakdown.json): the same shards, so the same layout ran; and equal to the planner's
-    figure for that rank's coordinates."""
+    figure for that rank's coordinates. The process's environment is as it was (a variable left
+    behind made every later command of the suite start a fresh interpreter)."""
     args = {**TWINS, **SLOW_TWINS}[layout]
     world, steps = int(args[0].split("=")[1]), 3 if LAYERS in args else 6  # (pipelines: 6 blocks, 3 steps)
     real = parity_run(tmp_path, layout, data_cache, *args, VOCAB, f"--training.stop_after={steps}")
     check_layout_ran(real, args, layout, step=steps)
     cfg = load_config(real / "config.toml")
     final = checkpoint_params(real / "checkpoints" / f"step-{steps}")
+    env = dict(os.environ)
     sim = train_simulated(cfg, world, steps, initial_params(real), final)
+    assert dict(os.environ) == env
     real_loss = [m["loss"] for m in metrics(real)]
     assert len(sim.losses) == len(real_loss) == steps
     for step, (ranks, want) in enumerate(zip(sim.losses, real_loss, strict=True), 1):

@@ -159,7 +159,6 @@ def test_moe_verify_with_replay_still_fails_a_real_bug(tmp_path: Path, data_cach
     assert verdict == "FAIL" and float(gap) > 1e-3
 
 
-@pytest.mark.slow  # (40 s; deepseek's layouts' numerics: test_parity.py and test_bf16_parity.py)
 def test_deepseek_verify_passes_its_standard_layouts(tmp_path: Path, data_cache: str):
     """``shardwise verify --nproc 4`` on the DeepSeek-V3 debug preset (shrunk): FSDP, FSDP x TP and
     EP x FSDP x TP in bf16, routing replayed, every layout PASS."""
