@@ -3,11 +3,11 @@ environment put back after it (tests/helpers.py has the shared helpers)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
 
+from shardwise.runtime.machine import environment_kept
 from tests.helpers import one_rank_pg
 
 
@@ -29,7 +29,5 @@ def _environment_put_back() -> Iterator[None]:
     """A variable a test's in-process code leaves in os.environ (torch's compile cache, say) would
     reach every later test's commands, and make each of them miss the CLI fork server (it forks
     only into its own environment: tests/helpers.run_cli) and start a fresh interpreter."""
-    kept = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(kept)
+    with environment_kept():
+        yield

@@ -30,7 +30,7 @@ import threading
 import time
 
 from shardwise.config.notice import LAUNCHED_RANK_ENV
-from shardwise.runtime.machine import rank_threads
+from shardwise.runtime.machine import environment_kept, rank_threads
 
 _BUFFERED = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
 
@@ -135,17 +135,13 @@ def start_rank_server(nproc: int, max_restarts: int) -> None:
     global _server_env
     if _server_env is not None:
         return
-    before = dict(os.environ)
-    set_rank_env(nproc, max_restarts)
-    _server_env = dict(os.environ)
-    try:
+    # Only the server takes them now: a caller of cli.main (a test, a notebook) whose command then
+    # fails its checks keeps its environment. The launcher sets them again to launch.
+    with environment_kept():
+        set_rank_env(nproc, max_restarts)
+        _server_env = dict(os.environ)
         multiprocessing.set_forkserver_preload(RANK_MODULES)
         multiprocessing.forkserver.ensure_running()
-    finally:
-        # Only the server takes them now: a caller of cli.main (a test, a notebook) whose command then
-        # fails its checks keeps its environment. The launcher sets them again to launch.
-        os.environ.clear()
-        os.environ.update(before)
 
 
 def env_since_server_start() -> dict[str, str | None]:

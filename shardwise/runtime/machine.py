@@ -6,6 +6,7 @@ count) and must start without loading torch."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -13,6 +14,7 @@ import importlib.util
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 
 from shardwise.config.types import ConfigError
 
@@ -224,3 +226,15 @@ def expandable_cuda_segments() -> bool:
         return False
     os.environ[CUDA_ALLOC_ENV[0]] = "expandable_segments:True"
     return True
+
+
+@contextlib.contextmanager
+def environment_kept() -> Iterator[None]:
+    """Within: this process's environment may change (a rank's setup writes variables into it); after,
+    it is as it was, for a caller that goes on in the same process."""
+    kept = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(kept)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import resource
 import time
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from shardwise.ops.cpu_bf16 import use_fp32_gemms_for_bf16
 from shardwise.parallel.dims import Mesh
 from shardwise.resolve.preflight import with_data
 from shardwise.resolve.run import ResolvedRun, resolve_run
+from shardwise.runtime.machine import environment_kept
 from shardwise.trainer import simulate
 from shardwise.trainer.session import build_loader, build_step_parts, open_run_corpus
 from shardwise.trainer.train import set_determinism, train_step
@@ -90,12 +90,8 @@ def train_simulated(cfg: Config, world: int, steps: int, seed: dict[str, torch.T
     ``seed`` weights; compare every rank's final parameters with ``ref``'s. The calling process's
     environment is left as it was (a rank's setup writes variables into its own: deterministic
     cuBLAS, torch's compile cache)."""
-    kept = dict(os.environ)
-    try:
+    with environment_kept():
         return _train_simulated(cfg, world, steps, seed, ref)
-    finally:
-        os.environ.clear()
-        os.environ.update(kept)
 
 
 def _train_simulated(cfg: Config, world: int, steps: int, seed: dict[str, torch.Tensor],
