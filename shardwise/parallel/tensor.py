@@ -23,8 +23,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -51,14 +53,16 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> None:
         enable_async_tp(mesh)
     float8_comm = dist.get_backend(mesh.get_group()) != "gloo"  # gloo has no float8 dtypes
     ends = model.plan
-    parallelize_module(model, mesh, {
+    styles = {
         # Vocab-sharded lookup; the partial sums are reduce-scattered into sequence shards.
-        ends.embedding: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        ends.embedding: VocabParallelLookup(input_layouts=Replicate(), output_layouts=Shard(1)),
         ends.norm: SequenceParallel(),
         ends.head: ColwiseParallel(input_layouts=Shard(1),
                                    output_layouts=Shard(-1) if cfg.loss_parallel else Replicate(),
                                    use_local_output=not cfg.loss_parallel),
-    })
+    }
+    # (a pipeline stage holds the ends it runs, the others are None: torch warns about each absent key)
+    parallelize_module(model, mesh, {k: v for k, v in styles.items() if getattr(model, k, None) is not None})
     for block in blocks(model):
         parallelize_module(block, mesh, block_tp_plan(block, float8_comm))
 
@@ -91,6 +95,39 @@ def block_tp_plan(block: nn.Module, float8_comm: bool) -> dict[str, ParallelStyl
     # and its gradient, a partial sum over the local heads, is summed over tp.
     styles.update({norm: SequenceParallel(sequence_dim=2, use_local_output=True) for norm in plan.head_norms})
     return styles
+
+
+class VocabParallelLookup(RowwiseParallel):
+    """torch's row-wise embedding (the table split by vocabulary over tp, each rank's rows the
+    partial sum of the lookup, reduce-scattered into sequence shards) whose backward fills only this
+    rank's rows. DTensor's own lookup has no vocab-sharded rule for the embedding's backward: every
+    rank computes the whole table's gradient (vocab x dim: 4.2 GB in bf16 for Llama 3 405B) and
+    keeps its slice. Here each rank looks up its rows locally, tokens outside them reading zeros, so
+    autograd's backward writes its ``vocab/tp`` rows only; forward values and gradients are the same
+    (tests/unit/test_tp_lookup.py)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        # an instance attribute: nn.Module calls it in place of the class's forward
+        module.forward = functools.partial(_vocab_lookup, module)
+        return module
+
+
+def _vocab_lookup(module: nn.Embedding, tokens: torch.Tensor) -> DTensor:
+    weight = module.weight  # a DTensor, rows [start, start + rows) of the vocabulary on this rank
+    mesh = weight.device_mesh
+    local = tokens.to_local() if isinstance(tokens, DTensor) else tokens  # (B, S), every rank's
+    (rows, _), (start, _) = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+    outside, ids = _local_ids(local, start, rows)
+    found = F.embedding(ids, weight.to_local()).masked_fill(outside.unsqueeze(-1), 0.0)  # (B, S, dim)
+    return DTensor.from_local(found, mesh, (Partial(),), run_check=False)
+
+
+@maybe_run_for_local_tensor  # (rank-dependent: torch runs it per simulated rank, as DTensor's own lookup)
+def _local_ids(tokens: torch.Tensor, start: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which tokens fall outside this rank's rows, and every token's row here (0 where outside)."""
+    outside = (tokens < start) | (tokens >= start + rows)
+    return outside, (tokens - start).masked_fill(outside, 0)
 
 
 class Replicated(ParallelStyle):

@@ -250,10 +250,13 @@ def from_ranks(values: dict[int, torch.Tensor]) -> torch.Tensor:
 def every_rank_tensor(t: torch.Tensor) -> dict[int, torch.Tensor]:
     """A simulated tensor's value on each rank (a DTensor's local shard there); a plain tensor is
     every rank's."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
     from torch.distributed._local_tensor import LocalTensor, enabled_local_tensor_mode
 
     if hasattr(t, "to_local"):
         t = t.to_local()
+    if isinstance(t, AsyncCollectiveTensor):  # (a collective's result still in flight)
+        t = t.wait()
     if isinstance(t, LocalTensor):
         return dict(t._local_tensors)
     return dict.fromkeys(enabled_local_tensor_mode().ranks, t)
