@@ -78,12 +78,25 @@ def simulated_ranks(world: int) -> Iterator[None]:
         raise ConfigError("simulated ranks need a process without a process group: run "
                           "`shardwise verify --ranks` on its own, not inside training")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    _forget_meshes()
     try:
         with _per_rank_storage(), _coordinates_once(), lean_dispatch():
             yield
     finally:
         dist.destroy_process_group()
         _random._rng_tracker = None  # the simulation's tracker holds every rank's generator
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """Empty DTensor's sharding caches. They key on a spec's mesh, which compares equal to a mesh of
+    the same layout from an earlier world: a later simulated world of the same shape was handed the
+    old mesh, whose process groups were gone ("Could not resolve the process group")."""
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    clear_redistribute_planner_cache()
 
 
 def stage_slices(pp_mesh: dist.DeviceMesh) -> list[frozenset[int]]:
@@ -103,8 +116,12 @@ def on_ranks(slices: list[frozenset[int]], fn: Callable[[], T]) -> list[T]:
         with LocalTensorMode(slices[0]):
             return [fn()]
     stages = Stages(slices, fn)
-    with across_stages(stages), stages:
-        pass
+    threads = torch.get_num_threads()
+    try:
+        with across_stages(stages), stages:
+            pass
+    finally:
+        torch.set_num_threads(threads)  # (each stage thread computes on one)
     if stages.failed is not None:
         raise stages.failed
     return stages.results

@@ -16,7 +16,11 @@ copies are a large share of a step.
   a generator, so every rank's saved state is the one torch's loop would have saved. The process's
   generator is left at the last rank's state, as torch's loop leaves it;
 - a simulated tensor's sizes are its own (as the mode answers them), its strides and storage offset
-  each rank's, combined as torch's loop combines them, without entering a mode.
+  each rank's, combined as torch's loop combines them, without entering a mode;
+- where every per-rank argument is a top-level positional one, each rank's call substitutes those
+  alone instead of rebuilding the whole argument tree, and a new simulated tensor whose ranks'
+  tensors share sizes, strides and dtype takes its metadata from the first (torch compares each
+  dimension of each rank; any difference still goes to torch's own).
 
 ``tests/unit/test_simulate.py`` trains the same simulated ranks with and without it and holds the
 weights (initialized from the per-rank generators) and the generators bitwise equal.
@@ -62,36 +66,56 @@ def lean_dispatch() -> Iterator[None]:
             return torchs(func, ranks, args, kwargs, alias=alias)
         return _run_each(lt, func, ranks, args, kwargs, alias)
 
+    torchs_meta = lt._compute_local_tensor_meta
+
+    def meta(local_tensors: dict[int, torch.Tensor]) -> tuple:
+        # every rank's tensor alike (the common case): the first's sizes and strides, as torch's
+        # per-dimension, per-rank comparison finds them; any difference goes to torch's own
+        it = iter(local_tensors.values())
+        first = next(it)
+        shape, stride, dtype, layout = first.shape, first.stride(), first.dtype, first.layout
+        conj, neg = first.is_conj(), first.is_neg()
+        for t in it:
+            if (t.shape != shape or t.stride() != stride or t.dtype != dtype or t.layout != layout
+                    or t.is_conj() != conj or t.is_neg() != neg):
+                return torchs_meta(local_tensors)
+        return list(shape), list(stride), first.device, dtype, layout, lt._get_extra_dispatch_keys(first)
+
     lt._for_each_rank_run_func = each_rank
     lt.LocalTensor.__torch_dispatch__ = classmethod(answer)
+    lt._compute_local_tensor_meta = meta
     try:
         yield
     finally:
         lt._for_each_rank_run_func = torchs
         lt.LocalTensor.__torch_dispatch__ = own_dispatch
+        lt._compute_local_tensor_meta = torchs_meta
 
 
 def _run_each(lt: Any, func: Callable, ranks: frozenset[int], args: Sequence[Any],  # noqa: ANN401
               kwargs: dict[str, Any], alias: bool) -> Any:  # noqa: ANN401
     """Torch's loop body for an operation that draws no random numbers: each rank's arguments, the
-    call, the results combined; an in-place operation returns its input, a view is aliased."""
+    call, the results combined; an in-place operation returns its input, a view is aliased. Where
+    every per-rank argument is a top-level positional one (most operations), each rank's call
+    substitutes those alone instead of rebuilding the whole argument tree."""
     flat, spec = pytree.tree_flatten((args, kwargs))
-    flat = [a.wait() if isinstance(a, lt.AsyncCollectiveTensor) else a for a in flat]
     varying = [i for i, a in enumerate(flat) if isinstance(a, (lt.LocalTensor, torch.SymInt))]
-    results: dict[int, Any] = {}
+    top = [i for i, a in enumerate(args) if isinstance(a, (lt.LocalTensor, torch.SymInt))]
+    waits = any(isinstance(a, lt.AsyncCollectiveTensor) for a in flat)
+    if func is torch.ops.aten.hash_tensor.default or waits or len(top) != len(varying):
+        rank_call = _tree_call(lt, func, flat, spec, varying)
+    else:
+        def rank_call(r: int) -> Any:  # noqa: ANN401
+            mine = list(args)
+            for i in top:
+                mine[i] = lt._map_to_rank_local_val(args[i], r)
+            return func(*mine, **kwargs)
+    results = {r: rank_call(r) for r in sorted(ranks)}
     default = None
-    for r in sorted(ranks):
-        mine = list(flat)
-        for i in varying:
-            mine[i] = lt._map_to_rank_local_val(flat[i], r)
-        rank_args, rank_kwargs = pytree.tree_unflatten(mine, spec)
-        if func is torch.ops.aten.hash_tensor.default and rank_args[0].numel() == 0:
-            results[r] = torch.empty(0, dtype=torch.uint64, device=rank_args[0].device)
-        else:
-            results[r] = func(*rank_args, **rank_kwargs)
-        if default is None and func is torch.ops.aten.split.Tensor:
-            # (a split a rank cannot fill is padded with empty chunks, as torch's loop pads it)
-            default = lt._zero_sized_like(mine[0], 0 if len(mine) < 3 else mine[2])
+    if func is torch.ops.aten.split.Tensor:
+        # (a split a rank cannot fill is padded with empty chunks, as torch's loop pads it)
+        first = lt._map_to_rank_local_val(args[0], min(ranks))
+        default = lt._zero_sized_like(first, args[2] if len(args) > 2 else kwargs.get("dim", 0))
     if lt._is_inplace_op(func):
         ret = args[0]
         if torch.Tag.inplace_view in func.tags:
@@ -99,3 +123,19 @@ def _run_each(lt: Any, func: Callable, ranks: frozenset[int], args: Sequence[Any
         return ret
     ret = lt._combine_rank_results(results, default)
     return lt.return_and_correct_aliasing(func, args, kwargs, ret) if alias else ret
+
+
+def _tree_call(lt: Any, func: Callable, flat: list, spec: Any, varying: list[int]  # noqa: ANN401
+               ) -> Callable[[int], Any]:
+    """Each rank's call with its values put back into the whole argument tree (torch's way)."""
+    flat = [a.wait() if isinstance(a, lt.AsyncCollectiveTensor) else a for a in flat]
+
+    def rank_call(r: int) -> Any:  # noqa: ANN401
+        mine = list(flat)
+        for i in varying:
+            mine[i] = lt._map_to_rank_local_val(flat[i], r)
+        rank_args, rank_kwargs = pytree.tree_unflatten(mine, spec)
+        if func is torch.ops.aten.hash_tensor.default and rank_args[0].numel() == 0:
+            return torch.empty(0, dtype=torch.uint64, device=rank_args[0].device)
+        return func(*rank_args, **rank_kwargs)
+    return rank_call

@@ -76,6 +76,10 @@ class Stages(LocalRunnerMode):
         self._groups: dict[str, dict[int, tuple[list[int], int]]] = {}
 
     def _stage(self, index: int) -> None:
+        # One intra-op thread per stage thread: an OpenMP region a non-main thread opens costs
+        # milliseconds here (a 0.35 ms attention backward took 3.9 ms on 2 threads, 0.3 ms on one),
+        # and a simulated rank's operations are small. The caller restores its own count.
+        torch.set_num_threads(1)
         try:
             with LocalTensorMode(self.slices[index]):
                 self.results[index] = self.fn()
