@@ -283,7 +283,6 @@ def test_wandb_offline_run_is_written_and_a_resume_logs_on_into_it(tmp_path: Pat
     assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs)  # `wandb sync` joins them
 
 
-@pytest.mark.slow  # (25 s; the same resume-into-one-run path as the wandb test's)
 def test_mlflow_run_gets_the_logged_scalars_and_a_resume_logs_on_into_it(tmp_path: Path, data_cache: str):
     """metrics.mlflow logs every step's scalars (as metrics.jsonl has them) and the run's config to
     one MLflow run (a sqlite store, no server); the resumed run logs on into it."""

@@ -89,7 +89,6 @@ def test_the_deepseek_recipe_does_not_spike_at_its_peak_learning_rate(tmp_path: 
     assert len(loss) == 26 and max(ratios) < 1.3, ratios
 
 
-@pytest.mark.slow  # (40 s of training)
 def test_the_debug_recipe_keeps_attention_logits_bounded_at_its_peak_learning_rate(tmp_path: Path,
                                                                                   data_cache: str):
     """The default run's step-18 spike (docs/training.md, "Why the default run spiked"): without
