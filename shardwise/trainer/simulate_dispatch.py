@@ -103,7 +103,7 @@ def _run_each(lt: Any, func: Callable, ranks: frozenset[int], args: Sequence[Any
     top = [i for i, a in enumerate(args) if isinstance(a, (lt.LocalTensor, torch.SymInt))]
     waits = any(isinstance(a, lt.AsyncCollectiveTensor) for a in flat)
     if func is torch.ops.aten.hash_tensor.default or waits or len(top) != len(varying):
-        rank_call = _tree_call(lt, func, flat, spec, varying)
+        rank_call = _tree_call(lt, func, flat, spec)
     else:
         def rank_call(r: int) -> Any:  # noqa: ANN401
             mine = list(args)
@@ -125,10 +125,11 @@ def _run_each(lt: Any, func: Callable, ranks: frozenset[int], args: Sequence[Any
     return lt.return_and_correct_aliasing(func, args, kwargs, ret) if alias else ret
 
 
-def _tree_call(lt: Any, func: Callable, flat: list, spec: Any, varying: list[int]  # noqa: ANN401
-               ) -> Callable[[int], Any]:
-    """Each rank's call with its values put back into the whole argument tree (torch's way)."""
+def _tree_call(lt: Any, func: Callable, flat: list, spec: Any) -> Callable[[int], Any]:  # noqa: ANN401
+    """Each rank's call with its values put back into the whole argument tree (torch's way); a
+    collective's result still in flight is waited for first, and is then per-rank like any other."""
     flat = [a.wait() if isinstance(a, lt.AsyncCollectiveTensor) else a for a in flat]
+    varying = [i for i, a in enumerate(flat) if isinstance(a, (lt.LocalTensor, torch.SymInt))]
 
     def rank_call(r: int) -> Any:  # noqa: ANN401
         mine = list(flat)

@@ -12,6 +12,8 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._local_tensor as lt
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import init_device_mesh
 
 from shardwise.config.schema import ConfigError
@@ -23,6 +25,7 @@ from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.tensor import apply_tp
 from shardwise.resolve.run import resolve_run
 from shardwise.trainer import simulate, simulate_stages
+from shardwise.trainer.simulate_dispatch import _run_each
 from shardwise.verify.simulated import check_simulated
 from tests.helpers import MOE_ARGS, TINY_ARGS, TINY_MODEL, resolved_config, run_cli
 
@@ -338,3 +341,13 @@ def test_the_lean_per_rank_loop_computes_what_torchs_loop_computes_bitwise(monke
     assert lean[1].keys() == torchs[1].keys()
     assert all(torch.equal(lean[1][r], t) for r, t in torchs[1].items())
     assert torch.equal(lean[2], torchs[2])
+
+
+def test_the_lean_loop_waits_for_an_argument_still_in_flight_and_gives_each_rank_its_own() -> None:
+    """An operation handed a collective's result still in flight (an ``AsyncCollectiveTensor`` around
+    a simulated tensor) runs on each rank's own tensor once it is waited for, as torch's loop does."""
+    with lt.LocalTensorMode(2):
+        pending = AsyncCollectiveTensor(lt.LocalTensor({0: torch.ones(2), 1: 2 * torch.ones(2)}))
+        out = _run_each(lt, torch.ops.aten.add.Tensor, frozenset({0, 1}), (pending, 1.0), {}, True)
+        got = {r: t.tolist() for r, t in out._local_tensors.items()}
+    assert got == {0: [2.0, 2.0], 1: [3.0, 3.0]}
