@@ -4,6 +4,9 @@ N so each peak RSS is that size's own.
 
     python bench/simulate.py                      # N = 64, 256, 512; sequences of 128 tokens
     python bench/simulate.py --ranks 64 --seq 512
+    # Llama 3 405B narrowed as `verify --shrink` narrows it, 16 of its blocks, PP 8 x TP 8:
+    python bench/simulate.py --config configs/405b.toml --shrink --pp 8 --layers 16 --ranks 64 \
+        --seq 64 --batch 8
 
 Each row: the build (mesh, model meta -> parallelize -> materialize -> init, loaders), each step's
 wall time (the first pays FSDP's lazy initialization), the process's peak RSS, and the machine.
@@ -21,18 +24,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def one(ranks: int, seq: int, steps: int) -> dict:
+def one(args: argparse.Namespace) -> dict:
     """One size in this process: its figures."""
     from shardwise.models.transformer import build_model, init_weights
     from shardwise.resolve.checks import load_config
     from shardwise.resolve.run import resolve_model
+    from shardwise.verify.shrink import largest_factor, shrink
     from shardwise.verify.simulated import train_simulated
 
-    tp, dp = 8, ranks // 8
-    cfg = load_config(ROOT / "configs" / "debug.toml", [
-        f"--parallel.tp={tp}", f"--parallel.dp_shard={dp}", f"--training.global_batch={dp}",
-        "--training.micro_batch=1", f"--training.seq_len={seq}", "--training.mixed_precision=fp32",
-        "--debug.deterministic=true", "--eval.interval=0"])
+    ranks, seq, steps = args.ranks[0], args.seq, args.steps
+    tp, pp = 8, args.pp
+    dp = ranks // (tp * pp)
+    over = [f"--parallel.tp={tp}", f"--parallel.pp={pp}", f"--parallel.dp_shard={dp}",
+            f"--training.global_batch={args.batch or dp}", "--training.micro_batch=1",
+            f"--training.seq_len={seq}", "--training.mixed_precision=fp32", "--debug.deterministic=true",
+            "--eval.interval=0", "--compile.enabled=false", "--float8.enabled=false",
+            *([f"--model.n_layers={args.layers}"] if args.layers else [])]
+    cfg = load_config(args.config, over)
+    if args.shrink:  # (the widths divided as `verify --shrink` divides them)
+        model_args = resolve_model(cfg)
+        cfg = load_config(args.config, over + shrink(model_args, largest_factor(model_args))[0])
     model = build_model(resolve_model(cfg), device="cpu")
     init_weights(model, cfg.training.seed)
     seed = {k: v.detach() for k, v in model.state_dict().items()}
@@ -40,7 +51,8 @@ def one(ranks: int, seq: int, steps: int) -> dict:
     t0 = time.perf_counter()
     sim = train_simulated(cfg, ranks, steps, seed, seed)
     total = time.perf_counter() - t0
-    return {"ranks": ranks, "layout": f"tp={tp},dp_shard={dp}", "seq": seq, "steps_s": sim.step_seconds,
+    layout = f"pp={pp},tp={tp},dp_shard={dp}" if pp > 1 else f"tp={tp},dp_shard={dp}"
+    return {"ranks": ranks, "layout": layout, "seq": seq, "steps_s": sim.step_seconds,
             "build_s": total - sum(sim.step_seconds), "peak_rss_gib": sim.peak_rss_gib,
             "loss": sim.losses[-1][0]}
 
@@ -50,17 +62,24 @@ def main() -> None:
     p.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 512])
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--config", default=str(ROOT / "configs" / "debug.toml"))
+    p.add_argument("--pp", type=int, default=1, help="pipeline ranks (TP 8 x PP x FSDP the rest)")
+    p.add_argument("--layers", type=int, default=0, help="blocks to keep (default: the preset's)")
+    p.add_argument("--batch", type=int, default=0, help="global batch (default: one per data-parallel rank)")
+    p.add_argument("--shrink", action="store_true", help="narrow the widths as verify --shrink does")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # (a row's own process)
     args = p.parse_args()
     if args.one:
-        print(json.dumps(one(args.ranks[0], args.seq, args.steps)))
+        print(json.dumps(one(args)))
         return
     from shardwise.observe.peak import cpu_name
 
     print(f"machine: {cpu_name()}")
     for n in args.ranks:
+        own = ["--config", args.config, "--pp", str(args.pp), "--layers", str(args.layers),
+               "--batch", str(args.batch), *(["--shrink"] if args.shrink else [])]
         out = subprocess.run([sys.executable, __file__, "--one", "--ranks", str(n), "--seq", str(args.seq),
-                              "--steps", str(args.steps)], capture_output=True, text=True, cwd=ROOT)
+                              "--steps", str(args.steps), *own], capture_output=True, text=True, cwd=ROOT)
         if out.returncode:
             print(f"{n} ranks failed: {out.stderr.strip().splitlines()[-1:]}")
             continue
