@@ -99,6 +99,9 @@ class DataConfig:
     skip_bad_rows: bool = False
     """Skip (and count) rows that cannot be read -- bad JSON or UTF-8, a missing or non-string text
     field -- instead of stopping at the first with its file and row."""
+    synthetic: bool = False
+    """Train on seeded random token ids over all of the model's vocabulary: no corpus, no tokenizer
+    (step-time runs; ``verify`` of a family's preset without its tokenizer). See docs/data.md."""
 
 
 @dataclass
@@ -391,10 +394,6 @@ class Config:
 
     def to_toml(self) -> str:
         return tomli_w.dumps(self.to_dict())
-
-
-# ---------------------------------------------------------------------------------------------
-# Parsing
 
 
 @functools.cache  # (resolving annotations costs ~0.4 ms a class, and every key of a config asks)

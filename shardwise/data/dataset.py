@@ -174,6 +174,40 @@ class DocumentStream:
         return self.base.max_token()
 
 
+SYNTHETIC_WINDOWS = (1 << 20, 1 << 14)
+"""data.synthetic's training and held-out windows per epoch (a loader keeps 8 bytes per window)."""
+
+
+@dataclass(frozen=True)
+class SyntheticStream:
+    """data.synthetic: window ``i`` is S + 1 token ids drawn uniformly from ``[0, vocab_size)`` by a
+    generator seeded with (seed, split, i, S), cut into documents whose lengths are geometric with a
+    mean of half a window (so document masks and cross-document labels are exercised at any S). It
+    reads no file: a window is the same in every run of the seed, on every rank and every layout."""
+
+    vocab_size: int
+    seed: int
+    split: int  # 0: training, 1: held out
+
+    def num_windows(self, seq_len: int) -> int:
+        return SYNTHETIC_WINDOWS[self.split]
+
+    def window(self, i: int, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        rng = np.random.default_rng([self.seed, self.split, i, seq_len])
+        toks = rng.integers(0, self.vocab_size, seq_len + 1)  # (S + 1,)
+        starts = rng.random(seq_len + 1) < 2 / max(seq_len, 2)  # a token that begins a new document
+        return _window(toks, np.cumsum(starts))
+
+    def max_token(self) -> int:
+        return self.vocab_size - 1
+
+
+def synthetic_corpus(vocab_size: int, seed: int) -> Corpus:
+    """data.synthetic's corpus: one source, "synthetic", and its held-out stream."""
+    train, val = (SyntheticStream(vocab_size, seed, split) for split in (0, 1))
+    return Corpus(["synthetic"], [1.0], [train], [val], [1.0], vocab_size - 1)
+
+
 def packing_notices(corpus: Corpus, seq_len: int) -> list[str]:
     """What whole-document packing did to each training source at this sequence length: one line of
     counts and efficiency, and a notice where conversations are longer than a window."""
@@ -236,6 +270,9 @@ def open_corpus(cfg: DataConfig, tokenizer: Tokenizer, prepare: bool = True, pla
                 ) -> Corpus:
     """Prepare what is not yet (one process per folder does it; the others wait) and memory-map it
     (``plan``: the run's :func:`prepare_plan`, when it has one)."""
+    if cfg.synthetic:  # (the run draws its tokens: trainer.session.open_run_corpus)
+        raise ConfigError("data.synthetic=true draws random token ids as the run goes: there is no "
+                          "corpus to prepare, show or score; give data.path instead")
     plan = plan if plan is not None else prepare_plan(cfg, tokenizer)
     if prepare:
         run_prepare(cfg, tokenizer, plan=plan)

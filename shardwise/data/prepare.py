@@ -77,6 +77,8 @@ def prepare_plan(cfg: DataConfig, tokenizer: Tokenizer) -> DataPlan:
     """The run's data plan: each source resolved to its files, its prepared folder and the settings
     its shards depend on. Worked out once per process (preflight; the run carries it) and passed to
     the functions below, which otherwise work it out themselves."""
+    if cfg.synthetic:  # (nothing to prepare: the run draws its tokens)
+        return []
     sources = resolve_sources(cfg)
     fraction = 0.0 if cfg.val_path else cfg.val_fraction
     out = [(s, settings(s, cfg, tokenizer, fraction)) for s in sources]

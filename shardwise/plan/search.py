@@ -307,6 +307,8 @@ def shape_differs(cfg: Config) -> str:
 
 def data_note(cfg: Config) -> str:
     """What the written config trains on when it names no data or tokenizer of its own."""
+    if cfg.data.synthetic:  # (it reads neither)
+        return ""
     family = FAMILY_TOKENIZERS.get(cfg.model.name)
     if family and not cfg.data.tokenizer:
         return (f"{cfg.model.name} trains with the {family} tokenizer: run the written config with "

@@ -120,6 +120,20 @@ def validate(cfg: Config) -> None:
                           "tensorwise-scaled weights only): set float8.fsdp_all_gather=false")
     for dim, spec in cfg.parallel.backend_override.items():
         parse_backend_spec(dim, spec)
+    check_synthetic(cfg)
+
+
+def check_synthetic(cfg: Config) -> None:
+    """data.synthetic draws its own tokens: a corpus, chat data or epochs beside it are refused."""
+    d = cfg.data
+    if not d.synthetic:
+        return
+    given = [name for name, on in (("data.path", d.path), ("data.sources", d.sources),
+                                   ("data.val_path", d.val_path), ("data.format=chat", d.format == "chat"),
+                                   ("training.epochs", cfg.training.epochs)) if on]
+    if given:
+        raise ConfigError(f"data.synthetic=true trains on random token ids, not on {given[0]}: drop one "
+                          "of the two")
 
 
 def last_step(cfg: Config) -> int:

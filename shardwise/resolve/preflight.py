@@ -113,6 +113,10 @@ def check_tokenizer(cfg: Config, args: ModelArgs, tokens: int) -> None:
     """The tokenizer's ``tokens`` ids against the model's vocabulary: more ids than rows is refused;
     a family's model (or an imported one) on a tokenizer far smaller than its vocabulary is refused,
     naming both and the fix; a benchmark preset there trains with a notice."""
+    if cfg.data.synthetic:  # (the ids are drawn over the model's own rows: no tokenizer is read)
+        notice(f"data.synthetic: seeded random token ids over all {args.vocab_size:,} rows of the "
+               "vocabulary; the losses compare layouts and steps, not learning")
+        return
     if tokens > args.vocab_size:
         raise ConfigError(f"the tokenizer has {tokens} tokens but model.vocab_size="
                           f"{args.vocab_size}: raise model.vocab_size or use a smaller tokenizer")
@@ -123,7 +127,8 @@ def check_tokenizer(cfg: Config, args: ModelArgs, tokens: int) -> None:
     if family or not name:
         raise ConfigError(f"model {model_label(cfg.model)} has a vocabulary of {args.vocab_size:,} but data."
                           f"tokenizer ({spec}) has {tokens:,} tokens: train it with its {family or 'own'} "
-                          "tokenizer, --data.tokenizer DIR (a folder with its tokenizer.json)")
+                          "tokenizer, --data.tokenizer DIR (a folder with its tokenizer.json), or on random "
+                          "ids, --data.synthetic=true")
     notice(f"model {name} has {args.vocab_size:,} embedding rows and {spec} {tokens:,} ids: the rows "
            "beyond are never trained (a benchmark shape; --model.vocab_size matches them)")
 

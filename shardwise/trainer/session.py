@@ -23,7 +23,15 @@ from shardwise.checkpoint import hf as convert
 from shardwise.config.notice import say
 from shardwise.config.outputs import RunRecord, target
 from shardwise.config.schema import Config, ConfigError, model_label
-from shardwise.data.dataset import Batch, Corpus, PackedLoader, check_vocab, open_corpus, packing_notices
+from shardwise.data.dataset import (
+    Batch,
+    Corpus,
+    PackedLoader,
+    check_vocab,
+    open_corpus,
+    packing_notices,
+    synthetic_corpus,
+)
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.launch import rundir
 from shardwise.launch.resilience import NonFiniteError, StopRequest, nonfinite_message
@@ -331,8 +339,11 @@ def build_data(run: ResolvedRun, device: torch.device) -> tuple[PackedLoader, Co
 
 
 def open_run_corpus(run: ResolvedRun) -> Corpus:
-    """The run's prepared corpus, memory-mapped (prepared first where it is not yet)."""
+    """The run's prepared corpus, memory-mapped (prepared first where it is not yet); with
+    data.synthetic, random ids over the model's vocabulary."""
     cfg = run.cfg
+    if cfg.data.synthetic:
+        return synthetic_corpus(run.model.vocab_size, cfg.training.seed)
     corpus = open_corpus(cfg.data, run.tokenizer or load_tokenizer(cfg.data.tokenizer), plan=run.data_plan)
     check_vocab(corpus.max_token, run.model.vocab_size)
     return corpus
