@@ -67,6 +67,8 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
         raise ConfigError(f"--ranks must be 2..1024, got {args.ranks}")
     if args.shrink is not None:  # (before anything resolves the model: every run trains the narrow one)
         overrides = [*overrides, *_shrunk(args.config, overrides, args.shrink)]
+    if args.ranks is not None:  # (the reference too: it must train what the simulated ranks train)
+        overrides = [*overrides, *_eager(args.config, overrides)]
     ranks = args.ranks or args.nproc
     flag = "--nproc" if args.ranks is None else "--ranks"
     layouts = fill_layouts(args.layouts, ranks, flag=flag)  # a bad one fails before any run (and torch)
@@ -101,3 +103,21 @@ def _shrunk(config: str | None, overrides: list[str], factor: int) -> list[str]:
     added, said = shrink(model, factor or largest_factor(model))
     notice(said)
     return added
+
+
+def _eager(config: str | None, overrides: list[str]) -> list[str]:
+    """Simulated ranks run eager and without float8: a preset's float8.enabled / compile.enabled=true
+    is turned off for every run, in a notice (one the user set on the command line is refused, by
+    ``check_simulated``)."""
+    from shardwise.config.notice import notice
+    from shardwise.config.schema import parse_overrides
+    from shardwise.resolve.checks import load_config
+
+    given, cfg = {k for k, _ in parse_overrides(overrides)}, load_config(config, overrides)
+    off = [key for key, on in (("float8.enabled", cfg.float8.enabled), ("compile.enabled",
+                                                                        cfg.compile.enabled is True))
+           if on and key not in given]
+    if off:
+        notice(f"verify --ranks: {' and '.join(f'{k}=false' for k in off)} for the reference and every "
+               "layout (simulated ranks run eager, without float8; verify those with real ranks, --nproc)")
+    return [f"--{k}=false" for k in off]

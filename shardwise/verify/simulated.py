@@ -15,7 +15,6 @@ and every reference parameter must be held by some rank.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import resource
 import time
@@ -34,7 +33,7 @@ from shardwise.runtime.machine import environment_kept
 from shardwise.trainer import simulate
 from shardwise.trainer.session import build_loader, build_step_parts, open_run_corpus
 from shardwise.trainer.train import set_determinism, train_step
-from shardwise.verify.distance import tensor_update_error
+from shardwise.verify.distance import tensor_update_error, update_sums
 
 MAX_RANKS = 1024
 """The most simulated ranks a layout may name."""
@@ -119,6 +118,28 @@ def _train_simulated(cfg: Config, world: int, steps: int, seed: dict[str, torch.
     return SimulatedRun(losses, worst[0], worst[1], seconds, rss, run.dims.built_sizes(), states)
 
 
+def simulated_states(cfg: Config, world: int) -> dict[int, dict[str, int]]:
+    """Every simulated rank's parameter and optimizer-state bytes (:func:`rank_states`) of ``cfg``'s
+    layout of ``world`` ranks, without training it: the trainer's rank model is built (meta ->
+    parallelize -> materialize -> init) and its optimizer creates its states in one step on zero
+    gradients (a state's shape is its parameter's shard's, whatever the gradient)."""
+    run = resolve_run(cfg, world, detect_device=False)
+    check_simulated(run)
+    with environment_kept(), simulate.simulated_ranks(world):
+        run.dims.build_mesh("cpu")
+        slices = simulate.stage_slices(run.dims.submesh(Mesh.PP))
+        parts = simulate.on_ranks(slices, lambda: _slice_states(run))
+    return {r: v for p in parts for r, v in p.items()}
+
+
+def _slice_states(run: ResolvedRun) -> dict[int, dict[str, int]]:
+    parts = build_step_parts(run, "cpu")
+    for p in parts.model.parameters():
+        p.grad = torch.zeros_like(p)
+    parts.optimizer.step()
+    return rank_states(parts.model, parts.optimizer)
+
+
 @dataclass
 class _Slice:
     """What one slice of simulated ranks (all ranks, or one pipeline rank's) trained."""
@@ -183,26 +204,38 @@ def rank_batches(per_dp: dict[int, list[Batch]], dp_of: dict[int, int]) -> list[
 @torch.no_grad()
 def param_error(model: torch.nn.Module, ref: dict[str, torch.Tensor], seed: dict[str, torch.Tensor]
                 ) -> tuple[float, str]:
-    """max over every rank and parameter of ``tensor_update_error`` (each rank's full copy gathered
-    one parameter at a time), and where it is."""
-    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
-
+    """max over every rank and parameter of ``tensor_update_error`` of the rank's full copy, and
+    where it is. A sharded parameter is never gathered (that is N full copies at once: 67 GB of a
+    128,256-row embedding over 512 ranks): each rank measures its own shard against the same cut of
+    the reference, and the sums are all-reduced over the mesh dims that shard it."""
     names = dict(model.named_parameters())
     if missing := sorted(set(names) - set(ref)):
         raise ValueError(f"the reference checkpoint lacks parameters {missing[:5]}")
-
     worst, where = 0.0, ""
-    # (gathering a TP x FSDP weight takes torch two all-gathers, which it warns about: not the run's)
-    quiet = logging.getLogger("torch.distributed.tensor._redistribute")
-    level, quiet.level = quiet.level, logging.ERROR
-    try:
-        for name, p in names.items():  # one parameter's copies at a time: N ranks x its size
-            full = simulate.every_rank_tensor(p.full_tensor() if hasattr(p, "full_tensor") else p)
-            with maybe_disable_local_tensor_mode():
-                for rank, value in full.items():
-                    err = tensor_update_error(value, ref[name], seed[name])
-                    if not err <= worst:  # (NaN is worst)
-                        worst, where = err if not math.isnan(err) else math.inf, f"{name} (rank {rank})"
-    finally:
-        quiet.level = level
+    for name, p in names.items():  # one parameter at a time
+        for rank, err in _rank_errors(p, ref[name], seed[name]).items():
+            if not err <= worst:  # (NaN is worst)
+                worst, where = err if not math.isnan(err) else math.inf, f"{name} (rank {rank})"
     return worst, where
+
+
+def _rank_errors(p: torch.Tensor, ref: torch.Tensor, seed: torch.Tensor) -> dict[int, float]:
+    """{rank: ``tensor_update_error`` of its full copy of ``p``}."""
+    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    if not isinstance(p, DTensor):  # (every rank holds all of it)
+        with maybe_disable_local_tensor_mode():
+            return {r: tensor_update_error(v, ref, seed) for r, v in simulate.every_rank_tensor(p).items()}
+    mesh, placements = p.device_mesh, p.placements
+    # The reference cut as the parameter is: DTensor's own split of a replicated tensor, rank by rank.
+    cut = [simulate.every_rank_tensor(DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
+                                      .redistribute(mesh, placements)) for t in (ref, seed)]
+    mine = simulate.every_rank_tensor(p)
+    with maybe_disable_local_tensor_mode():
+        sums = {r: torch.stack(update_sums(v, cut[0][r], cut[1][r])) for r, v in mine.items()}
+    totals = DTensor.from_local(simulate.from_ranks(sums), mesh,
+                                [Replicate() if pl.is_replicate() else Partial() for pl in placements],
+                                run_check=False).full_tensor()  # (each rank: its copy's sums)
+    return {r: math.sqrt(float(t[0])) / max(math.sqrt(float(t[1])), 1e-30)
+            for r, t in simulate.every_rank_tensor(totals).items()}

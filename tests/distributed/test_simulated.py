@@ -14,9 +14,10 @@ import pytest
 from shardwise.config.schema import Config
 from shardwise.plan.states import Coordinates, shape_states
 from shardwise.resolve.checks import load_config
-from shardwise.resolve.run import resolve_run
+from shardwise.resolve.run import resolve_model, resolve_run
 from shardwise.verify.parity import checkpoint_params
-from shardwise.verify.simulated import train_simulated
+from shardwise.verify.shrink import shrink
+from shardwise.verify.simulated import simulated_states, train_simulated
 from tests.helpers import ROOT, check_layout_ran, initial_params, metrics, parity_run, run_cli
 
 pytestmark = pytest.mark.dist
@@ -137,6 +138,46 @@ def test_a_pipeline_split_that_loses_the_remainder_blocks_fails_naming_one(tmp_p
     assert re.search(r"largest parameter gap at layers\.[45]\.\S+ \(held by no rank; 2\d missing\)",
                      proc.stdout), proc.stdout
 
+
+
+def test_the_405b_preset_shrunk_verifies_offline_against_its_own_fp32_noise(tmp_path: Path):
+    """``verify --ranks`` of configs/405b.toml, shrunk 64-fold and cut to 2 of its blocks, on random
+    ids over its 128,256-row vocabulary (data.synthetic: no Llama 3 tokenizer here). The preset's
+    float8 and compile are turned off for every run, said in a notice. Its gradients sit near Adam's
+    eps, so TP's reordered sums move the first update 1.5e-4 apart, past the fixed 1e-4 bound: verify
+    then measures the run's own fp32 noise (the reference with TP's rounding) and judges against 3x
+    it; a learning rate off by a quarter still fails."""
+    out = tmp_path / "verify"
+    proc = run_cli(["verify", "--config", str(ROOT / "configs" / "405b.toml"), "--ranks", "2", "--shrink",
+                    "--layouts", "tp=2", "tp=2,optimizer.lr=6e-5", "--steps", "1", "--data.synthetic=true",
+                    "--training.seq_len=64", "--training.global_batch=8", "--training.mixed_precision=fp32",
+                    "--model.n_layers=2", "--out", str(out)], timeout=600, check=False)
+    text = proc.stdout
+    assert proc.returncode == 1, text + proc.stderr
+    assert "notice: verify --ranks: float8.enabled=false and compile.enabled=false for the reference" in text
+    assert "kept n_layers=2, n_heads=128, n_kv_heads=8, vocab_size=128256" in text
+    rows = {m.group(1): (float(m.group(2)), m.group(3)) for m in re.finditer(
+        r"^\| ([^|]+?) \| \d+ \|[^|]+\|[^|]+\| ([\d.e+-]+) \| ([^|]+?) \|$", text, re.M)}
+    floor, _ = rows["noise floor (1 rank, TP's rounding over 2)"]
+    ok, verdict = rows["tp=2,dp_shard=1"]
+    assert verdict == "PASS" and 1e-4 < ok < 3 * floor, text  # past the fixed bound, within the floor's
+    assert rows["tp=2,optimizer.lr=6e-5,dp_shard=1"][1] == "FAIL", text
+    assert "this run's own fp32 noise is above the fixed bounds" in text
+
+
+@pytest.mark.parametrize("ranks", [64, pytest.param(512, marks=pytest.mark.slow)])
+def test_every_rank_of_the_405b_plan_holds_the_planners_states(ranks: int):
+    """configs/405b.toml's layout -- PP 8 interleaved x TP 8 x FSDP ranks/64 -- with all 126 blocks,
+    shrunk 64-fold, built on simulated ranks: every rank's parameter and optimizer-state bytes are
+    the planner's for that rank's coordinates (its pp, tp and FSDP index). At 512 ranks a block's
+    2-row key and value shards (8 heads of width 2 over tp 8) leave 6 of 8 FSDP ranks an empty chunk."""
+    over = [f"--parallel.dp_shard={ranks // 64}", "--float8.enabled=false", "--compile.enabled=false"]
+    base = load_config(ROOT / "configs" / "405b.toml", over)
+    cfg = load_config(ROOT / "configs" / "405b.toml", [*over, *shrink(resolve_model(base), 64)[0]])
+    got = simulated_states(cfg, ranks)
+    assert sorted(got) == list(range(ranks))
+    assert got == planned_states(cfg, ranks)
+    assert len({v["params"] for v in got.values()}) > 2  # (stages, ends and uneven chunks differ)
 
 
 def _faulty_verify(tmp_path: Path, data_cache: str, ranks: int, layout: str, fault: str):  # noqa: ANN202

@@ -129,6 +129,14 @@ HOW: dict[str, Check] = {
     "--steps 2 --training.mixed_precision=fp32": covered(
         "tests/distributed/test_simulated.py::test_verify_ranks_64_passes_the_debug_presets_widest_layout",
         Check(VERIFY)),
+    "shardwise train --config configs/debug.toml --data.synthetic=true --model.vocab_size=4096 "
+    "--run.dir runs/synthetic": covered(
+        "tests/e2e/test_synthetic_run.py::"
+        "test_a_synthetic_run_trains_over_the_whole_vocabulary_and_resumes_exactly"),
+    "shardwise verify --config configs/405b.toml --ranks 64 --shrink --layouts pp=8,tp=8 --steps 2 "
+    "--data.synthetic=true --training.seq_len=64 --training.global_batch=8 "
+    "--training.mixed_precision=fp32": Check(
+        slow=True, shows=(r"\| pp=8,tp=8,dp_shard=1 \| 64 \|.*\| PASS \|",)),
     # (the narrowed model's overrides are the unit test's; verify --ranks over TP x FSDP the 64-rank one's)
     "shardwise verify --config configs/debug.toml --ranks 8 --shrink --layouts dp_shard=2,tp=4 --steps 2 "
     "--training.mixed_precision=fp32": covered(

@@ -1,5 +1,6 @@
-"""``shardwise verify``'s bf16 bounds: the fixed tolerances, raised to a multiple of the run's own noise
-floor only where the floor is above them, and the table and notice that say which."""
+"""``shardwise verify``'s bf16 bounds (and fp32's parameter bound, once a layout is past it alone): the
+fixed tolerances, raised to a multiple of the run's own noise floor only where the floor is above them,
+and the table and notice that say which."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import pytest
 from shardwise.verify.parity import (
     FLOOR_CAP,
     FLOOR_FACTOR,
+    FP32_FLOOR_CAP,
     TOLERANCES,
     Result,
+    _params_alone,
     floor_bounds,
     floor_notice,
     format_table,
@@ -86,3 +89,24 @@ def test_a_weight_one_float_from_the_reference_is_its_storage_rounding_not_an_er
     assert tensor_update_error(two_up, ref, start) > TOLERANCES["fp32"].param_rel
     off = ref + torch.tensor([moved * 1e-2, 0.0])  # (1% of the move: a layout's error, far above a float)
     assert abs(tensor_update_error(off, ref, start) - 1e-2) < 1e-3
+
+
+def test_fp32_measures_its_own_noise_only_for_a_layout_past_the_parameter_bound_alone():
+    """fp32's fixed bounds stand unless a layout meets the loss bound and not the parameters' one
+    (the 405B preset shrunk: gradients near Adam's eps, 1.5e-4 of the update from TP's reordered sums);
+    then the parameter bound rises to 3x the run's own fp32 floor, at most FP32_FLOOR_CAP x 1e-4 --
+    a learning rate off by a quarter (0.25) still fails -- and the loss bound stays fixed."""
+    fp32 = TOLERANCES["fp32"]
+    row = lambda loss, params, err="": Result("tp=2", 2, loss, loss, params, True, err)  # noqa: E731
+    assert _params_alone(row(1e-7, 1.5e-4), fp32)
+    assert not _params_alone(row(1e-7, 5e-5), fp32)  # within the bounds: nothing to explain
+    assert not _params_alone(row(1e-3, 1.5e-4), fp32)  # the loss fails too: a layout's error
+    assert not _params_alone(row(1e-7, 1.5e-4, "the run failed"), fp32)
+    floor = Result("noise floor (1 rank, TP's rounding over 2)", 1, 0.0, 0.0, 1.42e-4, True)
+    tol = floor_bounds(fp32, floor, FP32_FLOOR_CAP)
+    assert tol.param_rel == pytest.approx(FLOOR_FACTOR * 1.42e-4) and tol.loss_rel == fp32.loss_rel
+    line = floor_notice(fp32, tol, floor, "fp32")
+    assert line.startswith("notice: this run's own fp32 noise is above the fixed bounds")
+    assert "the losses are still held to the fixed bound" in line
+    loud = floor_bounds(fp32, Result("noise floor", 1, 0.0, 0.0, 0.5, True), FP32_FLOOR_CAP)
+    assert loud.param_rel == pytest.approx(FP32_FLOOR_CAP * fp32.param_rel) and loud.param_rel < 0.25
