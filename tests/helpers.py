@@ -26,6 +26,7 @@ from shardwise.models.transformer import (
     init_weights,
 )
 from shardwise.parallel.dims import DEGREES, MESH_DIMS
+from shardwise.plan.comm import group_members
 from shardwise.resolve.checks import load_config, resolve_config
 from shardwise.resolve.layouts import fill_layouts
 from shardwise.resolve.run import ResolvedRun, resolve_run
@@ -686,3 +687,14 @@ def as_verify_layout(args: list[str]) -> str | None:
             degree = key.removeprefix("parallel.")
             items.append(f"{degree if degree in DEGREES else key}={value}")
     return fill_layouts([",".join(items)], nproc)[0]
+
+
+def by_ranks(degrees, per_dim: dict[str, dict[str, int]]) -> dict:  # noqa: ANN001 - plan Degrees
+    """Collective bytes keyed by (ranks of the group, collective): mesh dims that are one group merge
+    (``--debug.comm``'s totals and the planner's, which name some groups by other dims)."""
+    out: dict = {}
+    for dim, per in per_dim.items():
+        key = tuple(sorted(group_members(degrees, {"experts": "efsdp"}.get(dim, dim))))
+        for kind, b in per.items():
+            out[(key, kind)] = out.get((key, kind), 0) + b
+    return out

@@ -101,6 +101,12 @@ def is_checkpointed(layer_id: int, cfg: ActivationCheckpointConfig) -> bool:
     return cfg.mode != "none"
 
 
+def recomputes_whole(layer_id: int, cfg: ActivationCheckpointConfig) -> bool:
+    """Whether ``cfg`` runs this block's forward again in backward, collectives included (full and
+    layer modes; the selective modes keep matmul and collective outputs)."""
+    return cfg.mode in ("full", "layer") and is_checkpointed(layer_id, cfg)
+
+
 def apply_ac(model: nn.Module, cfg: ActivationCheckpointConfig) -> None:
     """Checkpoint the blocks of ``model.layers`` that ``cfg`` selects, in place (after TP, before
     compile and FSDP). Blocks are keyed by their global layer index, so ``layer`` mode picks the same

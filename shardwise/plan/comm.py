@@ -40,6 +40,7 @@ import math
 from dataclasses import dataclass
 
 from shardwise.config.model_args import ModelArgs
+from shardwise.parallel.ac import recomputes_whole
 from shardwise.parallel.dims import FLAT_VIEWS, MESH_DIMS, MOE_VIEWS, Degrees, Mesh
 from shardwise.parallel.stages import rank_stages
 from shardwise.plan.activations import Shape, shape_of
@@ -161,7 +162,8 @@ def unit_collectives(run: ResolvedRun, unit: FsdpUnit, shape: Shape) -> list[Col
 def tensor_collectives(run: ResolvedRun, rank_states: RankStates,
                        shape: Shape) -> list[Collective]:
     """Tensor/sequence parallel: the sequence-parallel gathers and reduce-scatters around every
-    attention and dense FFN, the norms' weight gradients, the vocab-parallel embedding and head."""
+    attention and dense FFN, the norms' weight gradients (QK-norm's too), the vocab-parallel embedding
+    and head."""
     if run.dims.tp == 1:
         return []
     issued = _Issued(run.dims.degrees)
@@ -176,10 +178,24 @@ def tensor_collectives(run: ResolvedRun, rank_states: RankStates,
     add(Mesh.TP, "reduce_scatter", activation_bytes, regions, "backward", "sequence-parallel gather (grad)")
     add(Mesh.TP, "all_gather", activation_bytes, regions, "backward",
         "sequence-parallel reduce-scatter (grad)")
-    add(Mesh.TP, "all_reduce", shape.e * dim, micro_batches * 2 * n_layers, "backward",
-        "norm weight gradients")
+    # A block recomputed in backward (full / layer checkpointing) gathers its attention's and dense
+    # FFN's inputs again and reduce-scatters the attention's output (the FFN's feeds only the residual).
+    again = [i for i in rank_states.layers if recomputes_whole(i, run.cfg.activation_checkpoint)]
+    dense_again = sum(not shape.args.is_moe_layer(i) for i in again)
+    add(Mesh.TP, "all_gather", activation_bytes, micro_batches * (len(again) + dense_again), "backward",
+        "sequence-parallel gather (recompute)")
+    add(Mesh.TP, "reduce_scatter", activation_bytes, micro_batches * len(again), "backward",
+        "sequence-parallel reduce-scatter (recompute)")
+    # The weights whole on every tp rank have their gradients summed over tp: per micro-batch, but
+    # under pipeline parallel once per step, when the stage's accumulated gradients are reduced
+    # (measured on real ranks and on simulated ones: tests/distributed/test_simulated.py).
+    replicated = 1 if run.dims.pp > 1 else micro_batches
+    add(Mesh.TP, "all_reduce", shape.e * dim, replicated * 2 * n_layers, "backward", "norm weight gradients")
+    if shape.args.qk_norm:  # (per-head norms of every head's width)
+        add(Mesh.TP, "all_reduce", shape.e * shape.args.head_dim, replicated * 2 * n_layers, "backward",
+            "QK-norm weight gradients")
     for what, numel in latent_compressions(shape.args):  # whole on every rank, like the norms
-        add(Mesh.TP, "all_reduce", shape.e * numel, micro_batches * n_layers, "backward",
+        add(Mesh.TP, "all_reduce", shape.e * numel, replicated * n_layers, "backward",
             f"latent attention's {what} weight gradients")
     if rank_states.has_embedding:
         add(Mesh.TP, "reduce_scatter", activation_bytes, micro_batches, "forward", "vocab-parallel embedding")
@@ -189,7 +205,7 @@ def tensor_collectives(run: ResolvedRun, rank_states: RankStates,
         add(Mesh.TP, "all_gather", activation_bytes, micro_batches, "forward", "output head input gather")
         add(Mesh.TP, "reduce_scatter", activation_bytes, micro_batches, "backward",
             "output head input gather (grad)")
-        add(Mesh.TP, "all_reduce", shape.e * dim, micro_batches, "backward", "norm weight gradients")
+        add(Mesh.TP, "all_reduce", shape.e * dim, replicated, "backward", "norm weight gradients")
         _tensor_loss(issued, run, shape, micro_batches)
     return issued.collectives
 

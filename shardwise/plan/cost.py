@@ -36,6 +36,7 @@ from shardwise.config.model_args import ModelArgs
 from shardwise.config.schema import Config
 from shardwise.observe.flops import ATTENTION_BACKWARD, MATMUL_BACKWARD, attention_pairs, attention_width
 from shardwise.optim.adamw import fused_kernel
+from shardwise.parallel.ac import recomputes_whole
 from shardwise.parallel.dims import Mesh
 from shardwise.plan.activations import Shape, attention_linears, expert_rows, shape_of
 from shardwise.plan.comm import Collective, boundary_bytes, fsdp_reduce_bytes, step_collectives
@@ -154,8 +155,7 @@ def _float8_cast_bytes(s: Shape, cfg: Config, layer: int, gemms: list[Gemm]) -> 
 
 
 def _recomputed(cfg: Config, layer: int) -> bool:
-    ac = cfg.activation_checkpoint
-    return ac.mode == "full" or (ac.mode == "layer" and layer % ac.every == 0)
+    return recomputes_whole(layer, cfg.activation_checkpoint)
 
 
 def _elementwise_bytes(s: Shape, cfg: Config, layer: int) -> list[tuple[float, int]]:

@@ -10,24 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.plan.comm import group_members, totals
+from shardwise.plan.comm import totals
 from shardwise.plan.estimate import estimate
 from shardwise.plan.hardware import load_hardware
 from shardwise.resolve.checks import load_config
-from tests.helpers import DEEPSEEK_ARGS, TINY_ARGS, run_cli
+from tests.helpers import DEEPSEEK_ARGS, TINY_ARGS, by_ranks, run_cli
 
 pytestmark = pytest.mark.dist
 GiB = 2**30
-
-
-def by_ranks(degrees, per_dim: dict[str, dict[str, int]]) -> dict:
-    """Bytes keyed by (ranks of the group, collective): mesh dims that are one group merge."""
-    out: dict = {}
-    for dim, per in per_dim.items():
-        key = tuple(sorted(group_members(degrees, {"experts": "efsdp"}.get(dim, dim))))
-        for kind, b in per.items():
-            out[(key, kind)] = out.get((key, kind), 0) + b
-    return out
 
 
 def check(tmp: Path, cache: str, world: int, *extra: str) -> None:
@@ -61,6 +51,14 @@ def test_fsdp_tp_with_accumulation(tmp_path: Path, data_cache: str, precision: s
 def test_pipeline_1f1b(tmp_path: Path, data_cache: str):
     check(tmp_path, data_cache, 2, "--parallel.pp=2", "--training.micro_batch=1",
           "--data.document_mask=false")
+
+
+def test_pipeline_x_tp_with_qk_norm_and_full_checkpointing(tmp_path: Path, data_cache: str):
+    """Three counts the simulated 405B plan showed the planner missing: the QK-norm weights'
+    gradient all-reduce over tp, the sequence-parallel gathers and reduce-scatter a recomputed block
+    issues again, and a pipeline rank's tp-whole weight gradients summed once per step."""
+    check(tmp_path, data_cache, 4, "--parallel.pp=2", "--parallel.tp=2", "--model.qk_norm=true",
+          "--activation_checkpoint.mode=full", "--training.micro_batch=2", "--data.document_mask=false")
 
 
 def test_context_parallel_with_document_masks(tmp_path: Path, data_cache: str):
