@@ -221,9 +221,13 @@ def refill_shards(model: nn.Module) -> None:
     storage (its length along the shard dim by the rank's coordinate)."""
     from torch.distributed.fsdp import FSDPModule
 
-    for m in model.modules():
-        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
-        for fp in group.fsdp_params if group is not None else []:
+    # (several pipeline stages on a rank: their views, not submodules of the part, are FSDP's roots
+    # of the embedding and the head: parallel/fsdp.py)
+    roots = [model, *getattr(model, "stage_views", [])]
+    groups = {id(g): g for root in roots for m in root.modules() if isinstance(m, FSDPModule)
+              if (g := m._get_fsdp_state()._fsdp_param_group) is not None}
+    for group in groups.values():
+        for fp in group.fsdp_params:
             _refill(fp)
 
 

@@ -14,6 +14,7 @@ and every reference parameter must be held by some rank.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import resource
@@ -25,6 +26,7 @@ import torch
 from shardwise.config.schema import Config, ConfigError
 from shardwise.data.dataset import Batch
 from shardwise.models.transformer import load_full_weights
+from shardwise.observe.comm import CommTracker, mesh_group_names
 from shardwise.ops.cpu_bf16 import use_fp32_gemms_for_bf16
 from shardwise.parallel.dims import Mesh
 from shardwise.resolve.preflight import with_data
@@ -58,6 +60,9 @@ class SimulatedRun:
     states: dict[int, dict[str, int]]
     """Each rank's bytes of parameters and optimizer states after the last step (as
     ``observe.memory.state_bytes`` counts a real rank's)."""
+    collectives: list[dict[str, dict[str, int]]]
+    """Per pipeline rank, the bytes per mesh dim and collective its first rank issued in the last
+    step (``--debug.comm``'s totals, which the planner's table is held to)."""
 
     @property
     def seconds_per_step(self) -> float:
@@ -115,7 +120,8 @@ def _train_simulated(cfg: Config, world: int, steps: int, seed: dict[str, torch.
         # (a stage split that lost a block, say: no rank trains these)
         worst = (math.inf, f"{missing[0]} (held by no rank; {len(missing)} missing)")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # (KiB on Linux)
-    return SimulatedRun(losses, worst[0], worst[1], seconds, rss, run.dims.built_sizes(), states)
+    return SimulatedRun(losses, worst[0], worst[1], seconds, rss, run.dims.built_sizes(), states,
+                        [p.collectives for p in parts])
 
 
 def simulated_states(cfg: Config, world: int) -> dict[int, dict[str, int]]:
@@ -149,6 +155,7 @@ class _Slice:
     states: dict[int, dict[str, int]]
     names: set[str]
     worst: tuple[float, str]
+    collectives: dict[str, dict[str, int]]
 
 
 def _train_slice(run: ResolvedRun, corpus: object, steps: int, seed: dict[str, torch.Tensor],
@@ -161,16 +168,19 @@ def _train_slice(run: ResolvedRun, corpus: object, steps: int, seed: dict[str, t
     dp_of = simulate.coordinates(run.dims.submesh(Mesh.DP), 0)
     loaders = {d: build_loader(run, corpus, d, "cpu") for d in sorted(set(dp_of.values()))}  # (this slice's)
     losses, seconds = [], []
-    for _ in range(steps):
+    # (the last step's collectives, as --debug.comm counts a real rank's: per step, not per module)
+    tracker = CommTracker(mesh_group_names(run.dims.mesh, run.dims.flat_meshes), track_modules=False)
+    for step in range(1, steps + 1):
         t0 = time.perf_counter()
         batches = rank_batches({d: ld.next_step() for d, ld in loaders.items()}, dp_of)
-        result = train_step(parts.model, parts.optimizer, parts.scheduler, parts.shard(batches), run,
-                            parts.loss, parts.pipe)
+        with tracker if step == steps else contextlib.nullcontext():
+            result = train_step(parts.model, parts.optimizer, parts.scheduler, parts.shard(batches), run,
+                                parts.loss, parts.pipe)
         losses.append(simulate.every_rank(result.loss))
         seconds.append(time.perf_counter() - t0)
     names = {n for n, _ in parts.model.named_parameters()}
     return _Slice(losses, seconds, rank_states(parts.model, parts.optimizer), names,
-                  param_error(parts.model, ref, seed))
+                  param_error(parts.model, ref, seed), tracker.totals())
 
 
 def rank_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, dict[str, int]]:

@@ -12,13 +12,17 @@ from pathlib import Path
 import pytest
 
 from shardwise.config.schema import Config
+from shardwise.models.transformer import build_model, init_weights
+from shardwise.plan.comm import totals
+from shardwise.plan.estimate import estimate
+from shardwise.plan.hardware import load_hardware
 from shardwise.plan.states import Coordinates, shape_states
 from shardwise.resolve.checks import load_config
 from shardwise.resolve.run import resolve_model, resolve_run
 from shardwise.verify.parity import checkpoint_params
 from shardwise.verify.shrink import shrink
 from shardwise.verify.simulated import simulated_states, train_simulated
-from tests.helpers import ROOT, check_layout_ran, initial_params, metrics, parity_run, run_cli
+from tests.helpers import ROOT, by_ranks, check_layout_ran, initial_params, metrics, parity_run, run_cli
 
 pytestmark = pytest.mark.dist
 
@@ -43,6 +47,9 @@ SLOW_TWINS = {
     "pp4_1f1b": ["--nproc=4", LAYERS, "--parallel.pp=4"],
     "pp2_tp2_interleaved": ["--nproc=4", LAYERS, "--parallel.pp=2", "--parallel.tp=2",
                             "--parallel.pp_schedule=interleaved1f1b"],
+    # (two stages per rank over TP x FSDP: the embedding's and head's FSDP roots are stage views)
+    "pp2_fsdp2_tp2_interleaved": ["--nproc=8", LAYERS, "--parallel.pp=2", "--parallel.dp_shard=2",
+                                  "--parallel.tp=2", "--parallel.pp_schedule=interleaved1f1b"],
     "pp2_hsdp2x2_dualpipev": ["--nproc=8", LAYERS, "--parallel.pp=2", "--parallel.dp_replicate=2",
                               "--parallel.dp_shard=2", "--parallel.pp_schedule=dualpipev",
                               "--training.global_batch=16"],  # (dualpipev: 4 micro-batches per dp rank)
@@ -178,6 +185,63 @@ def test_every_rank_of_the_405b_plan_holds_the_planners_states(ranks: int):
     assert sorted(got) == list(range(ranks))
     assert got == planned_states(cfg, ranks)
     assert len({v["params"] for v in got.values()}) > 2  # (stages, ends and uneven chunks differ)
+
+
+def test_a_gradient_never_summed_over_dp_replicate_fails_hsdp_and_only_hsdp(tmp_path: Path, data_cache: str):
+    """Planted: FSDP reduce-scatters each gradient over dp_shard, but HSDP's all-reduce over
+    dp_replicate never runs. With dp_replicate=1 there is nothing to miss: dp_shard=8 passes; on
+    dp_replicate=2 x dp_shard=4 each replica steps on half the batch and the layout fails."""
+    proc = run_cli(["verify", "--config", str(ROOT / "configs" / "debug.toml"), "--ranks", "8",
+                    "--layouts", "dp_shard=8", "dp_replicate=2,dp_shard=4", "--steps", "2",
+                    "--training.seq_len=128", "--training.mixed_precision=fp32",
+                    f"--data.cache_dir={data_cache}", "--out", str(tmp_path / "v")],
+                   timeout=600, check=False, fault="hsdp_skip_replicate")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert re.search(r"^\| dp_shard=8 \| 8 \|.*\| PASS \|$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^\| dp_replicate=2,dp_shard=4 \| 8 \|.*\| FAIL \|$", proc.stdout, re.M), proc.stdout
+
+
+def _planned_405b(world: int, *degrees: str) -> Config:
+    """configs/405b.toml shrunk 64-fold as ``verify --shrink`` narrows it, fp32, on random ids."""
+    over = ["--float8.enabled=false", "--compile.enabled=false", "--training.mixed_precision=fp32",
+            "--data.synthetic=true", "--training.seq_len=64", "--debug.deterministic=true",
+            "--eval.interval=0", *degrees]
+    base = load_config(ROOT / "configs" / "405b.toml", over)
+    return load_config(ROOT / "configs" / "405b.toml", [*over, *shrink(resolve_model(base), 64)[0]])
+
+
+COMM_LAYOUTS = {
+    "tp8_fsdp8": (64, ["--parallel.pp=1", "--parallel.tp=8", "--parallel.dp_shard=8", "--model.n_layers=2",
+                       "--training.global_batch=16"]),
+    "pp2_interleaved_tp8_fsdp4": (64, ["--parallel.pp=2", "--parallel.tp=8", "--parallel.dp_shard=4",
+                                       "--model.n_layers=4", "--training.global_batch=16"]),
+}
+SLOW_COMM_LAYOUTS = {  # the plan's first choice: PP 8 interleaved x TP 8 x FSDP 8
+    "405b_plan_512": (512, ["--parallel.pp=8", "--parallel.tp=8", "--parallel.dp_shard=8",
+                            "--model.n_layers=16", "--training.global_batch=64"]),
+}
+
+
+@pytest.mark.parametrize("layout", [*COMM_LAYOUTS, *(pytest.param(k, marks=pytest.mark.slow)
+                                                      for k in SLOW_COMM_LAYOUTS)])
+def test_the_planners_collectives_are_what_the_simulated_ranks_issue(layout: str):
+    """The 405B model shrunk, on 64 simulated ranks (and the plan's 512 in make test-all): each
+    pipeline rank's first rank issues, in the second step, the bytes per mesh dim and collective the
+    planner's table gives that pipeline rank (``--debug.comm``'s measure, as test_plan_measured.py
+    holds the planner to real gloo ranks)."""
+    world, degrees = {**COMM_LAYOUTS, **SLOW_COMM_LAYOUTS}[layout]
+    cfg = _planned_405b(world, *degrees)
+    model = build_model(resolve_model(cfg), device="cpu")
+    init_weights(model, cfg.training.seed)
+    seed = {k: v.detach() for k, v in model.state_dict().items()}
+    del model
+    sim = train_simulated(cfg, world, 2, seed, seed)
+    est = estimate(cfg, world, load_hardware("h100"))  # (the hardware plays no part in bytes)
+    degrees_ = est.run.dims.degrees
+    assert len(sim.collectives) == est.layout.pp
+    for pp_rank, got in enumerate(sim.collectives):
+        assert got, pp_rank
+        assert by_ranks(degrees_, got) == by_ranks(degrees_, totals(list(est.collectives[pp_rank]))), pp_rank
 
 
 def _faulty_verify(tmp_path: Path, data_cache: str, ranks: int, layout: str, fault: str):  # noqa: ANN202

@@ -13,6 +13,8 @@ exactly one thing, so the test can show that its tolerance catches that fault:
 - ``skip_tp``: tensor parallel is never applied: the mesh has its tp dim, every module stays whole
   on every tp rank (a parallel flag silently dropped);
 - ``fsdp_unit_grad_scale``: block 1's FSDP unit reduces its gradients scaled by 2 (over 2+ ranks);
+- ``hsdp_skip_replicate``: FSDP reduce-scatters each gradient over dp_shard but never all-reduces it
+  over dp_replicate (each replica steps on its own share of the batch; invisible when dp_replicate=1);
 - ``pp_wrong_microbatch``: the first pipeline stage is fed micro-batch m+1's tokens as micro-batch m;
 - ``pp_drop_remainder``: the pipeline split gives each stage ``n_layers // stages`` blocks: where
   the stages do not divide the blocks, the last ones are held by no stage;
@@ -124,6 +126,17 @@ def _install(fault: str) -> None:
                 model.layers["1"].set_gradient_divide_factor(0.5)  # this unit's reduction doubled
 
         parallelize.apply_fsdp = apply_fsdp
+    elif fault == "hsdp_skip_replicate":
+        import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
+
+        real_reduce = param_group.foreach_reduce
+
+        def foreach_reduce(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            args = list(args)
+            args[9] = None  # all_reduce_group: HSDP's replicas are never summed
+            return real_reduce(*args, **kwargs)
+
+        param_group.foreach_reduce = foreach_reduce
     elif fault == "pp_wrong_microbatch":
         import dataclasses
 
