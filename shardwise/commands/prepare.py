@@ -36,7 +36,9 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
     from shardwise.resolve.checks import load_config
 
     cfg = load_config(args.config, overrides)
-    from shardwise.data.dataset import pack_prepared  # (after the config's checks: it imports torch)
+    from shardwise.data.dataset import pack_prepared, refuse_synthetic  # (after the checks: imports torch)
+
+    refuse_synthetic(cfg.data)
 
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     if args.show_window:

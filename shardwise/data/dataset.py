@@ -266,13 +266,18 @@ class Corpus:
     max_token: int
 
 
+def refuse_synthetic(cfg: DataConfig) -> None:
+    """data.synthetic has no corpus: what prepares, shows or scores one refuses it in one line."""
+    if cfg.synthetic:
+        raise ConfigError("data.synthetic=true draws random token ids as the run goes: there is no "
+                          "corpus to prepare, show or score; give data.path instead")
+
+
 def open_corpus(cfg: DataConfig, tokenizer: Tokenizer, prepare: bool = True, plan: DataPlan | None = None
                 ) -> Corpus:
     """Prepare what is not yet (one process per folder does it; the others wait) and memory-map it
     (``plan``: the run's :func:`prepare_plan`, when it has one)."""
-    if cfg.synthetic:  # (the run draws its tokens: trainer.session.open_run_corpus)
-        raise ConfigError("data.synthetic=true draws random token ids as the run goes: there is no "
-                          "corpus to prepare, show or score; give data.path instead")
+    refuse_synthetic(cfg)  # (a run draws its tokens: trainer.session.open_run_corpus)
     plan = plan if plan is not None else prepare_plan(cfg, tokenizer)
     if prepare:
         run_prepare(cfg, tokenizer, plan=plan)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from shardwise.checkpoint import checkpoint_or_latest, load_weights, read_manifest, run_config
 from shardwise.checkpoint.manifest import manifest_model_config
 from shardwise.config.schema import ConfigError
-from shardwise.data.dataset import check_vocab, open_corpus
+from shardwise.data.dataset import check_vocab, open_corpus, refuse_synthetic
 from shardwise.data.prepare import prepare
 from shardwise.infer.generate import load_for_generation
 from shardwise.infer.harness import run_tasks, task_manager
@@ -105,6 +105,7 @@ def eval_command(args: argparse.Namespace, overrides: list[str], argv: list[str]
     cfg = load_config(args.config or run_config(ckpt), overrides)
     cfg.checkpoint.verify_checksums = cfg.checkpoint.verify_checksums and not args.skip_checksums
     cfg.model = manifest_model_config(read_manifest(ckpt), ckpt)  # the checkpoint's own shape
+    refuse_synthetic(cfg.data)  # (before any rank starts)
     if not any(o.startswith("--compile.") for o in overrides):
         cfg.compile.enabled = False  # one forward pass over the data does not repay a compile
     named = any(o.startswith(("--data.path", "--data.sources", "--data.val_path")) for o in overrides)

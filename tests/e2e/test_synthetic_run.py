@@ -1,5 +1,6 @@
 """``shardwise train --data.synthetic=true``: a run on random ids over the model's vocabulary (here
-4,096 rows, twice the shipped tokenizer's ids) trains, says so, and resumes bit for bit."""
+4,096 rows, twice the shipped tokenizer's ids) trains, says so, and resumes bit for bit; eval of
+it is refused."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import metrics, train_tiny
+from tests.helpers import metrics, run_cli, train_tiny
 
 pytestmark = pytest.mark.e2e
 
@@ -27,3 +28,6 @@ def test_a_synthetic_run_trains_over_the_whole_vocabulary_and_resumes_exactly(tm
     assert [r["step"] for r in got] == [4, 5, 6]
     assert [(r["loss"], r["grad_norm"]) for r in want[3:]] == [(r["loss"], r["grad_norm"]) for r in got]
     assert min(r["loss"] for r in want) > 8.31  # ln 4096: no model predicts uniform ids better
+    # its checkpoint is not scored on random ids: eval refuses in one line, before any rank starts
+    scored = run_cli(["eval", "--checkpoint", str(tmp_path / "full" / "checkpoints" / "step-6")], check=False)
+    assert scored.returncode == 2 and "no corpus to prepare, show or score" in scored.stderr, scored.stderr

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from shardwise.cli import main
 from shardwise.config.schema import ConfigError
 from shardwise.data.dataset import IGNORE_INDEX, PackedLoader, SyntheticStream, open_corpus, synthetic_corpus
 from shardwise.data.tokenizer import load_tokenizer
@@ -63,10 +64,13 @@ def test_a_corpus_beside_it_is_refused_in_one_line(extra: list[str], named: str)
         load_config(None, ["--model.name=debug", "--data.synthetic=true", *extra])
 
 
-def test_nothing_is_prepared_or_scored_from_it():
+def test_nothing_is_prepared_or_scored_from_it(capsys):
     cfg = load_config(None, ["--model.name=debug", "--data.synthetic=true"])
     with pytest.raises(ConfigError, match="no corpus to prepare, show or score"):
         open_corpus(cfg.data, load_tokenizer(""))
+    # `shardwise prepare` says so too, rather than preparing nothing and exiting 0
+    assert main(["prepare", "--model", "debug", "--data.synthetic=true"]) == 2
+    assert "no corpus to prepare, show or score" in capsys.readouterr().err
 
 
 def test_a_family_preset_without_its_tokenizer_is_refused_naming_synthetic_and_trains_with_it(capsys):
