@@ -182,18 +182,22 @@ def verify_layouts(base: Config, config: str | None, overrides: list[str], layou
     return all(r.passed for r in results)
 
 
+def _meets(r: Result, tol: Tolerance, params: bool = True) -> bool:
+    """Whether ``r`` is within ``tol``'s loss and routing bounds (and, ``params``, its parameters')."""
+    return r.loss_rel <= tol.loss_rel and (not params or r.param_rel <= tol.param_rel) and (
+        r.routing is None or r.routing["max_gap"] <= tol.route_gap)
+
+
 def _judged(r: Result, tol: Tolerance) -> Result:
     """``r`` with its verdict against ``tol`` (a run that failed stays failed)."""
     if not r.error:
-        r.passed = r.loss_rel <= tol.loss_rel and r.param_rel <= tol.param_rel and (
-            r.routing is None or r.routing["max_gap"] <= tol.route_gap)
+        r.passed = _meets(r, tol)
     return r
 
 
 def _params_alone(r: Result, tol: Tolerance) -> bool:
     """A run that meets every bound but the parameters' one."""
-    return not r.error and r.param_rel > tol.param_rel and _judged(
-        Result(r.layout, r.ranks, r.loss_abs, r.loss_rel, 0.0, True, routing=r.routing), tol).passed
+    return not r.error and not _meets(r, tol) and _meets(r, tol, params=False)
 
 
 def _simulated(name: str, world: int, config: str | None, settings: list[str], steps: int,
