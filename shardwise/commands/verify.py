@@ -69,6 +69,7 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
         overrides = [*overrides, *_shrunk(args.config, overrides, args.shrink)]
     if args.ranks is not None:  # (the reference too: it must train what the simulated ranks train)
         overrides = [*overrides, *_eager(args.config, overrides)]
+    overrides = [*overrides, *_synthetic_default(args.config, overrides)]
     ranks = args.ranks or args.nproc
     flag = "--nproc" if args.ranks is None else "--ranks"
     layouts = fill_layouts(args.layouts, ranks, flag=flag)  # a bad one fails before any run (and torch)
@@ -121,3 +122,28 @@ def _eager(config: str | None, overrides: list[str]) -> list[str]:
         notice(f"verify --ranks: {' and '.join(f'{k}=false' for k in off)} for the reference and every "
                "layout (simulated ranks run eager, without float8; verify those with real ranks, --nproc)")
     return [f"--{k}=false" for k in off]
+
+
+def _synthetic_default(config: str | None, overrides: list[str]) -> list[str]:
+    """A family's preset on the shipped tokenizer (no data of the user's: the Llama 3 tokenizer is
+    not on this machine) verifies on ``data.synthetic``'s random ids over its whole vocabulary, in a
+    notice: verify compares layouts, which any ids over every row exercise. Data the user named is
+    never replaced (its tokenizer is checked as training checks it)."""
+    from shardwise.config.notice import notice
+    from shardwise.data.tokenizer import load_tokenizer
+    from shardwise.resolve.checks import load_config
+    from shardwise.resolve.preflight import needs_own_tokenizer
+    from shardwise.resolve.run import resolve_model
+
+    cfg = load_config(config, overrides)
+    d = cfg.data
+    if d.synthetic or d.path or d.sources or d.val_path or d.tokenizer or d.format == "chat":
+        return []
+    args = resolve_model(cfg)
+    tokens = load_tokenizer("").vocab_size
+    if not needs_own_tokenizer(cfg, args, tokens):
+        return []
+    notice(f"verify: model {cfg.model.name or 'custom'} trains with its own tokenizer of {args.vocab_size:,} "
+           f"ids, not the shipped one's {tokens:,}: every run verifies on data.synthetic's random ids over "
+           "all of them (--data.tokenizer DIR verifies on the corpus instead)")
+    return ["--data.synthetic=true"]

@@ -109,6 +109,13 @@ def with_data(run: ResolvedRun) -> ResolvedRun:
     return dataclasses.replace(run, tokenizer=tok, data_plan=prepare_plan(run.cfg.data, tok))
 
 
+def needs_own_tokenizer(cfg: Config, args: ModelArgs, tokens: int) -> bool:
+    """Whether a tokenizer of ``tokens`` ids is refused for this model (:func:`check_tokenizer`): a
+    family's model (or an imported one) whose vocabulary is far larger."""
+    return (not cfg.data.synthetic and vocab_beyond_padding(args.vocab_size, tokens)
+            and bool(FAMILY_TOKENIZERS.get(cfg.model.name) or not cfg.model.name))
+
+
 def check_tokenizer(cfg: Config, args: ModelArgs, tokens: int) -> None:
     """The tokenizer's ``tokens`` ids against the model's vocabulary: more ids than rows is refused;
     a family's model (or an imported one) on a tokenizer far smaller than its vocabulary is refused,
@@ -124,7 +131,7 @@ def check_tokenizer(cfg: Config, args: ModelArgs, tokens: int) -> None:
         return
     name, spec = cfg.model.name, cfg.data.tokenizer or "the shipped tokenizer"
     family = FAMILY_TOKENIZERS.get(name)
-    if family or not name:
+    if needs_own_tokenizer(cfg, args, tokens):
         raise ConfigError(f"model {model_label(cfg.model)} has a vocabulary of {args.vocab_size:,} but data."
                           f"tokenizer ({spec}) has {tokens:,} tokens: train it with its {family or 'own'} "
                           "tokenizer, --data.tokenizer DIR (a folder with its tokenizer.json), or on random "

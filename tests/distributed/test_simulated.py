@@ -148,20 +148,22 @@ def test_a_pipeline_split_that_loses_the_remainder_blocks_fails_naming_one(tmp_p
 
 
 def test_the_405b_preset_shrunk_verifies_offline_against_its_own_fp32_noise(tmp_path: Path):
-    """``verify --ranks`` of configs/405b.toml, shrunk 64-fold and cut to 2 of its blocks, on random
-    ids over its 128,256-row vocabulary (data.synthetic: no Llama 3 tokenizer here). The preset's
-    float8 and compile are turned off for every run, said in a notice. Its gradients sit near Adam's
+    """``verify --ranks`` of configs/405b.toml, shrunk 64-fold and cut to 2 of its blocks. No data is
+    named and no Llama 3 tokenizer is here: every run trains on random ids over its 128,256-row
+    vocabulary (data.synthetic), and the preset's float8 and compile are turned off, each said in a
+    notice. Its gradients sit near Adam's
     eps, so TP's reordered sums move the first update 1.5e-4 apart, past the fixed 1e-4 bound: verify
     then measures the run's own fp32 noise (the reference with TP's rounding) and judges against 3x
     it; a learning rate off by a quarter still fails."""
     out = tmp_path / "verify"
     proc = run_cli(["verify", "--config", str(ROOT / "configs" / "405b.toml"), "--ranks", "2", "--shrink",
-                    "--layouts", "tp=2", "tp=2,optimizer.lr=6e-5", "--steps", "1", "--data.synthetic=true",
+                    "--layouts", "tp=2", "tp=2,optimizer.lr=6e-5", "--steps", "1",
                     "--training.seq_len=64", "--training.global_batch=8", "--training.mixed_precision=fp32",
                     "--model.n_layers=2", "--out", str(out)], timeout=600, check=False)
     text = proc.stdout
     assert proc.returncode == 1, text + proc.stderr
     assert "notice: verify --ranks: float8.enabled=false and compile.enabled=false for the reference" in text
+    assert "every run verifies on data.synthetic's random ids over all of them" in text
     assert "kept n_layers=2, n_heads=128, n_kv_heads=8, vocab_size=128256" in text
     rows = {m.group(1): (float(m.group(2)), m.group(3)) for m in re.finditer(
         r"^\| ([^|]+?) \| \d+ \|[^|]+\|[^|]+\| ([\d.e+-]+) \| ([^|]+?) \|$", text, re.M)}
