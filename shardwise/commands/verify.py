@@ -69,10 +69,10 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
         overrides = [*overrides, *_shrunk(args.config, overrides, args.shrink)]
     if args.ranks is not None:  # (the reference too: it must train what the simulated ranks train)
         overrides = [*overrides, *_eager(args.config, overrides)]
-    overrides = [*overrides, *_synthetic_default(args.config, overrides)]
     ranks = args.ranks or args.nproc
     flag = "--nproc" if args.ranks is None else "--ranks"
     layouts = fill_layouts(args.layouts, ranks, flag=flag)  # a bad one fails before any run (and torch)
+    overrides = [*overrides, *_synthetic_default(args.config, overrides)]
     # (resolved: its precision chooses the tolerances)
     base = load_resolved(args.config, overrides)  # (its training.steps: the schedule verify follows)
     if args.layouts is None and base.model.n_experts:  # an MoE model's standard layouts add EP
@@ -129,16 +129,17 @@ def _synthetic_default(config: str | None, overrides: list[str]) -> list[str]:
     not on this machine) verifies on ``data.synthetic``'s random ids over its whole vocabulary, in a
     notice: verify compares layouts, which any ids over every row exercise. Data the user named is
     never replaced (its tokenizer is checked as training checks it)."""
-    from shardwise.config.notice import notice
-    from shardwise.data.tokenizer import load_tokenizer
     from shardwise.resolve.checks import load_config
-    from shardwise.resolve.preflight import needs_own_tokenizer
-    from shardwise.resolve.run import resolve_model
 
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, overrides)  # (a bad value is refused here, before torch is imported)
     d = cfg.data
     if d.synthetic or d.path or d.sources or d.val_path or d.tokenizer or d.format == "chat":
         return []
+    from shardwise.config.notice import notice
+    from shardwise.data.tokenizer import load_tokenizer
+    from shardwise.resolve.preflight import needs_own_tokenizer
+    from shardwise.resolve.run import resolve_model
+
     args = resolve_model(cfg)
     tokens = load_tokenizer("").vocab_size
     if not needs_own_tokenizer(cfg, args, tokens):
