@@ -74,20 +74,32 @@ class Stages(LocalRunnerMode):
         self.board: dict[tuple, dict] = {}
         self.calls: dict[tuple, int] = defaultdict(int)
         self._groups: dict[str, dict[int, tuple[list[int], int]]] = {}
+        self.entered: list[int] = []  # slices in the order their modes were entered
 
     def _stage(self, index: int) -> None:
         # One intra-op thread per stage thread: an OpenMP region a non-main thread opens costs
         # milliseconds here (a 0.35 ms attention backward took 3.9 ms on 2 threads, 0.3 ms on one),
         # and a simulated rank's operations are small. The caller restores its own count.
         torch.set_num_threads(1)
+        mode = LocalTensorMode(self.slices[index])
+        mode.__enter__()
+        self.entered.append(index)
         try:
-            with LocalTensorMode(self.slices[index]):
-                self.results[index] = self.fn()
+            self.results[index] = self.fn()
         except BaseException as e:  # noqa: BLE001 - re-raised by the caller once every thread stops
             if self.failed is None:  # (later ones are its echo: StageAborted)
                 self.failed = e
         finally:
             self.alive -= 1
+            self._progressed()
+            # Each mode patches torch's DeviceMesh methods process-wide on entry and puts back what it
+            # found on exit: a slice leaving first would unpatch them under the others still running
+            # (their next mesh coordinates rank 0's), and the last would leave them patched. So no
+            # slice leaves before every one is done, and they leave in the reverse order of entry.
+            while self.alive or self.entered[-1] != index:
+                self._run_cond.wait()
+            self.entered.pop()
+            mode.__exit__(None, None, None)
             self._progressed()
 
     def _progressed(self) -> None:
