@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="narrow the model N-fold for the run (--ranks at scale): keep its blocks, heads, "
                         "vocabulary and expert and routing counts, divide its hidden widths by N (alone: "
                         "the largest power of two that divides them)")
+    p.add_argument("--shrink-experts", type=int, default=1, metavar="M",
+                   help="with --shrink, an MoE model's routed experts' hidden width divided M-fold more "
+                        "(its experts hold most of its bytes; no layout's cut depends on that width)")
     p.add_argument("--steps", type=int, default=20,
                    help="the run's first N steps, which every layout trains on the run's own "
                         "learning-rate schedule (training.steps)")
@@ -65,8 +68,10 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
                           "layouts: give one")
     if args.ranks is not None and not 1 < args.ranks <= 1024:
         raise ConfigError(f"--ranks must be 2..1024, got {args.ranks}")
+    if args.shrink_experts != 1 and args.shrink is None:
+        raise ConfigError("--shrink-experts narrows the experts beyond --shrink: give --shrink too")
     if args.shrink is not None:  # (before anything resolves the model: every run trains the narrow one)
-        overrides = [*overrides, *_shrunk(args.config, overrides, args.shrink)]
+        overrides = [*overrides, *_shrunk(args.config, overrides, args.shrink, args.shrink_experts)]
     if args.ranks is not None:  # (the reference too: it must train what the simulated ranks train)
         overrides = [*overrides, *_eager(args.config, overrides)]
     ranks = args.ranks or args.nproc
@@ -94,14 +99,14 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
                        args.moe_routing, args.localize, simulated=args.ranks is not None) else 1
 
 
-def _shrunk(config: str | None, overrides: list[str], factor: int) -> list[str]:
+def _shrunk(config: str | None, overrides: list[str], factor: int, experts: int) -> list[str]:
     """The model overrides of ``--shrink`` (said in a notice)."""
     from shardwise.config.notice import notice
     from shardwise.resolve.run import resolve_model
     from shardwise.verify.shrink import largest_factor, shrink
 
     model = resolve_model(load_resolved(config, overrides))
-    added, said = shrink(model, factor or largest_factor(model))
+    added, said = shrink(model, factor or largest_factor(model), experts)
     notice(said)
     return added
 

@@ -115,20 +115,24 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
 
 
 CPU_GROUP_ROWS = 64
-"""Fewest rows a CPU expert group is padded to a multiple of. oneDNN builds (JIT-compiles) a kernel
-for every new GEMM shape and keeps them in a shape-keyed cache (capped,
-:func:`shardwise.runtime.machine.bound_matmul_caches`). Routing gives each expert a new row count at
-almost every call, so unpadded every grouped GEMM rebuilds its kernels, many times the product's
-own cost; padded, the shapes repeat and the kernels are reused (BENCHMARKS.md, MoE on CPU)."""
+"""Fewest rows a CPU expert group is padded to a multiple of, once the groups average that many.
+oneDNN builds (JIT-compiles) a kernel for every new GEMM shape and keeps them in a shape-keyed cache
+(capped, :func:`shardwise.runtime.machine.bound_matmul_caches`). Routing gives each expert a new row
+count at almost every call, so unpadded every grouped GEMM rebuilds its kernels, many times the
+product's own cost; padded, the shapes repeat and the kernels are reused (BENCHMARKS.md, MoE on
+CPU)."""
 
 
 def group_alignment(slots: int, n_experts: int) -> int:
     """Rows each expert's group is padded to a multiple of, on CPU: ``CPU_GROUP_ROWS``, or a
     sixteenth of the mean group (a power of two) when that is more, so that the number of distinct
     group sizes -- and so of GEMM shapes -- stays near 32 per expert whatever the token count, while
-    the padding adds about 1/32 of the rows."""
+    the padding adds about 1/32 of the rows. Groups averaging fewer rows pad to the mean's power of
+    two: their sizes are few already, and 64 would multiply them (256 experts taking one slot each
+    of a 32-token micro-batch, padded to 64: 64x the rows, 11x the grouped GEMMs' time)."""
     mean = max(1, slots // max(1, n_experts))
-    return max(CPU_GROUP_ROWS, 1 << max(0, (mean // 16).bit_length() - 1))
+    floor = min(CPU_GROUP_ROWS, 1 << (mean.bit_length() - 1))
+    return max(floor, 1 << max(0, (mean // 16).bit_length() - 1))
 
 
 def pad_groups(x: torch.Tensor, counts: torch.Tensor, align: int) -> tuple[torch.Tensor, torch.Tensor,
@@ -148,16 +152,31 @@ def pads_groups(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.shape[0] > 0
 
 
+def swiglu_groups(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                  w3: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of rows ``x`` (N, dim), grouped in order by ``counts`` (G,), through their group's
+    weights w1, w3 (G, dim, hidden), w2 (G, hidden, dim) -> (N, dim). On CPU each group's rows are
+    padded to a multiple of :func:`group_alignment` (zero rows: their outputs are dropped, their
+    gradients are zero)."""
+    index = None
+    if pads_groups(x):
+        x, counts, index = pad_groups(x, counts, group_alignment(x.shape[0], counts.numel()))
+    h = F.silu(grouped_mm(x, w1, counts)) * grouped_mm(x, w3, counts)  # (N, hidden)
+    out = grouped_mm(h, w2, counts)  # (N, dim)
+    return out if index is None else out.index_select(0, index)
+
+
 class GroupedExperts(nn.Module):
-    """``n`` SwiGLU experts as 3-D weights: w1, w3 (n, dim, hidden), w2 (n, hidden, dim). On CPU
-    each expert's rows are padded to a multiple of :func:`group_alignment` (zero rows: their outputs
-    are dropped, their gradients are zero)."""
+    """``n`` SwiGLU experts as 3-D weights: w1, w3 (n, dim, hidden), w2 (n, hidden, dim)."""
 
     def __init__(self, n: int, dim: int, hidden: int) -> None:
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(n, hidden, dim))
         self.w3 = nn.Parameter(torch.empty(n, dim, hidden))
+        # (the computation, replaceable: simulated ranks run it on each rank's own groups, whose
+        # sizes differ by rank: shardwise/trainer/simulate.py)
+        self.groups: Callable[..., torch.Tensor] = swiglu_groups
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (N, dim) sorted by expert, counts (n_local,) tokens per expert -> (N, dim)."""
@@ -166,12 +185,7 @@ class GroupedExperts(nn.Module):
         # (in x's dtype: under autocast the MoE cast the tokens before its gather; autocast skips
         # grouped GEMMs)
         w1, w2, w3 = (_local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
-        index = None
-        if pads_groups(x):
-            x, counts, index = pad_groups(x, counts, group_alignment(x.shape[0], counts.numel()))
-        h = F.silu(grouped_mm(x, w1, counts)) * grouped_mm(x, w3, counts)  # (N, hidden)
-        out = grouped_mm(h, w2, counts)  # (N, dim)
-        return out if index is None else out.index_select(0, index)
+        return self.groups(x, counts, w1, w2, w3)
 
 
 class Router(nn.Module):

@@ -103,7 +103,7 @@ class CommTracker(CommDebugMode):
         if kind is None or not func.namespace.startswith(("c10d", "_c10d")):
             return out
         tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-        nbytes = max((t.numel() * t.element_size() for t in tensors), default=0)
+        nbytes = max((_first_rank(t.numel()) * t.element_size() for t in tensors), default=0)
         group = self.group_names.get(_group_name(args) or "", _group_name(args) or "?")
         if self.track_modules:
             module = self.advanced_module_tracker.name
@@ -126,6 +126,13 @@ class CommTracker(CommDebugMode):
         for (_, _, c, g), (_, b) in self.records.items():
             out[g][c] += b
         return {g: dict(v) for g, v in out.items()}
+
+
+def _first_rank(n: int | torch.SymInt) -> int:
+    """A size; on simulated ranks, where sizes differ by rank (an uneven all-to-all's), the first
+    simulated rank's: the tracker counts one rank's collectives."""
+    ints = getattr(getattr(n, "node", None), "_local_ints", None)  # (LocalTensorMode's per-rank int)
+    return ints[min(ints)] if ints else int(n)
 
 
 def mesh_group_names(mesh: DeviceMesh, flat: dict[str, DeviceMesh]) -> dict[str, str]:

@@ -77,14 +77,16 @@ class RoutingTrace:
             self._meta = {"global_batch": global_batch, "seq_len": seq_len, "steps": 0}
 
     @contextlib.contextmanager
-    def around_step(self, step: int, batches: list) -> Iterator[None]:
+    def around_step(self, step: int, batches: list, positions: list[torch.Tensor] | None = None
+                    ) -> Iterator[None]:
         """Make ``batches``' token positions known to the MoE layers for the step's forwards; after
-        it, write the step's record (reference) or count its differences (replay)."""
-        device = batches[0].inputs.device
-        positions = []
-        for b in batches:  # (the unsharded micro-batches: positions are sharded here like tokens)
-            pos = token_positions(b.first_row, b.inputs.shape[0], self.seq_len, device)
-            positions.append(self.cp_shard(pos) if self.cp_shard is not None else pos)
+        it, write the step's record (reference) or count its differences (replay). ``positions``: each
+        micro-batch's, given where a batch's ``first_row`` is not every rank's (simulated ranks)."""
+        if positions is None:
+            device, positions = batches[0].inputs.device, []
+            for b in batches:  # (the unsharded micro-batches: positions are sharded here like tokens)
+                pos = token_positions(b.first_row, b.inputs.shape[0], self.seq_len, device)
+                positions.append(self.cp_shard(pos) if self.cp_shard is not None else pos)
         self.step, self.positions = step, positions
         self.calls = dict.fromkeys(self.layers, 0)
         self.pending = {m: collections.deque() for m in self.layers}
@@ -123,22 +125,34 @@ class RoutingTrace:
         if not recompute:
             with torch.no_grad():
                 differ = (own.sort(-1).values != forced.sort(-1).values).any(-1)  # (T,)
-                gap = layer.router.choice_gap(biased, own, forced)  # (T,)
-                n_diff = int(differ.sum())
-                s = self.stats
-                s["tokens"] += int(differ.numel())
-                s["differ"] += n_diff
-                if n_diff:
-                    s["max_gap"] = max(s["max_gap"], float(gap[differ].max()))
-                    s["steps"][str(self.step)] = s["steps"].get(str(self.step), 0) + n_diff
+                self._tally(differ, layer.router.choice_gap(biased, own, forced))
         return forced
 
-    def close(self) -> None:
+    def _tally(self, differ: torch.Tensor, gap: torch.Tensor) -> None:
+        """Count a forward's replayed tokens whose own top-k differs (``differ`` (T,)) and their largest
+        score gap (``gap`` (T,)), as tensors: read once, when the trace closes."""
+        s = self.stats
+        s["tokens"] += differ.numel()
+        if differ.numel():
+            n = differ.sum()
+            s["differ"] = s["differ"] + n
+            s["max_gap"] = torch.maximum(torch.as_tensor(s["max_gap"]), torch.where(differ, gap, 0).max())
+            s["steps"][str(self.step)] = s["steps"].get(str(self.step), 0) + n
+
+    def detach(self) -> None:
+        """The MoE layers route on their own again."""
         for m in self.layers:
             m.routing = None
+
+    def close(self) -> None:
+        self.detach()
         if self.replay_dir is not None:
+            s = self.stats
+            steps = {k: int(v) for k, v in s["steps"].items() if int(v)}
+            report = {"tokens": int(s["tokens"]), "differ": int(s["differ"]), "max_gap": float(s["max_gap"]),
+                      "steps": steps}
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / f"replay-rank{self.rank}.json").write_text(json.dumps(self.stats))
+            (self.out / f"replay-rank{self.rank}.json").write_text(json.dumps(report))
 
 
 def read_meta(run_dir: Path) -> dict:

@@ -39,6 +39,7 @@ from torch import nn
 
 from shardwise.config.schema import ConfigError
 from shardwise.models.layers import DocumentSpans, attention_by_document
+from shardwise.models.moe import GroupedExperts, swiglu_groups
 from shardwise.trainer.simulate_dispatch import lean_dispatch
 from shardwise.trainer.simulate_stages import Stages, across_stages
 
@@ -214,6 +215,9 @@ def adapt(model: nn.Module) -> None:
     refill_shards(model)
     if getattr(model, "document_spans", None) is DocumentSpans.of:
         model.document_spans = RankDocuments.of
+    for m in model.modules():
+        if isinstance(m, GroupedExperts):
+            m.groups = _experts_each_rank
 
 
 def refill_shards(model: nn.Module) -> None:
@@ -262,9 +266,12 @@ def _chunk(full: int, step: int, index: int) -> int:
 
 
 def from_ranks(values: dict[int, torch.Tensor]) -> torch.Tensor:
-    """One simulated tensor holding ``values[r]`` on rank r."""
+    """One simulated tensor holding ``values[r]`` on rank r (plain tensors: one made under the mode
+    -- ``torch.arange`` there -- is itself every rank's, and nested it computes garbage)."""
     from torch.distributed._local_tensor import LocalTensor
 
+    if any(isinstance(v, LocalTensor) for v in values.values()):
+        raise AssertionError("from_ranks takes each rank's plain tensor: make them under simulate.plain()")
     return LocalTensor(values)
 
 
@@ -298,28 +305,42 @@ class RankDocuments:
     @classmethod
     def of(cls, doc_ids: torch.Tensor) -> RankDocuments:
         ids = every_rank_tensor(doc_ids)  # (a plain tensor: the same batch on every rank)
-        with _plain():
+        with plain():
             return cls({r: DocumentSpans.of(t) for r, t in ids.items()})
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
                   ) -> torch.Tensor:
-        return _EachRank.apply(self.spans, scale, q, k, v)
+        return each_rank(lambda r, *qkv: attention_by_document(*qkv, self.spans[r], scale), q, k, v)
+
+
+def _experts_each_rank(*tensors: torch.Tensor) -> torch.Tensor:
+    """Each rank's expert groups (their sizes its routing's) on its own tokens and weights."""
+    return each_rank(lambda r, *own: swiglu_groups(*own), *tensors)
+
+
+def each_rank(fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
+    """``fn(rank, *plain tensors)`` on each simulated rank's own values of ``tensors``, as one
+    simulated tensor, with autograd through every rank's graph: for computations whose shapes or
+    host-side steps depend on the rank's data (document spans, expert group sizes), which a
+    simulated tensor's one program cannot take."""
+    return _EachRank.apply(fn, *tensors)
 
 
 class _EachRank(torch.autograd.Function):
-    """Document-masked attention on each simulated rank's own tensors: (B, H, S, D) per rank, its
-    graph kept per rank for the backward (the memory a real rank's attention keeps)."""
+    """:func:`each_rank`: each rank's graph kept for the backward (the memory a real rank's keeps)."""
 
     @staticmethod
-    def forward(ctx, spans: dict[int, DocumentSpans], scale: float | None,  # noqa: ANN001 - ctx
-                q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
         from torch.distributed._local_tensor import LocalTensor, maybe_disable_local_tensor_mode
 
+        ranks = next((sorted(t._local_tensors) for t in tensors if isinstance(t, LocalTensor)), None)
+        if ranks is None:
+            raise AssertionError("each_rank needs a simulated tensor among its inputs")
         ctx.graphs, outs = {}, {}
         with maybe_disable_local_tensor_mode(), torch.enable_grad():
-            for r, rank_spans in spans.items():
-                ins = tuple(_rank_value(t, r).detach().requires_grad_(t.requires_grad) for t in (q, k, v))
-                out = attention_by_document(*ins, rank_spans, scale)
+            for r in ranks:
+                ins = tuple(_rank_value(t, r).detach().requires_grad_(t.requires_grad) for t in tensors)
+                out = fn(r, *ins)
                 ctx.graphs[r] = (ins, out)
                 outs[r] = out.detach()
         return LocalTensor(outs)
@@ -328,15 +349,16 @@ class _EachRank(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple:  # noqa: ANN001 - ctx
         from torch.distributed._local_tensor import LocalTensor, maybe_disable_local_tensor_mode
 
-        grads: list[dict[int, torch.Tensor]] = [{}, {}, {}]
+        n = len(next(iter(ctx.graphs.values()))[0])
+        grads: list[dict[int, torch.Tensor]] = [{} for _ in range(n)]
         with maybe_disable_local_tensor_mode():
             for r, (ins, out) in ctx.graphs.items():
                 wanted = [t for t in ins if t.requires_grad]
-                got = iter(torch.autograd.grad(out, wanted, _rank_value(grad, r)))
+                got = iter(torch.autograd.grad(out, wanted, _rank_value(grad, r)) if wanted else ())
                 for i, t in enumerate(ins):
-                    grads[i][r] = next(got) if t.requires_grad else torch.zeros_like(t)
+                    grads[i][r] = next(got) if t.requires_grad else None
         ctx.graphs = None
-        return None, None, *(LocalTensor(g) for g in grads)
+        return None, *(LocalTensor(g) if all(v is not None for v in g.values()) else None for g in grads)
 
 
 def _rank_value(t: torch.Tensor, rank: int) -> torch.Tensor:
@@ -346,7 +368,7 @@ def _rank_value(t: torch.Tensor, rank: int) -> torch.Tensor:
     return t._local_tensors[rank] if isinstance(t, LocalTensor) else t
 
 
-def _plain() -> contextlib.AbstractContextManager:
+def plain() -> contextlib.AbstractContextManager:
     """Within: operations on plain tensors run as plain ones (LocalTensorMode suspended)."""
     from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 

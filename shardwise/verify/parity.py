@@ -149,7 +149,7 @@ def verify_layouts(base: Config, config: str | None, overrides: list[str], layou
     for name, layout_args, world in parsed:
         print(f"{name}: {world} ranks ...", flush=True)
         if simulated:
-            r = _simulated(name, world, config, [*settings, *layout_args], steps, compare)
+            r = _simulated(name, world, config, [*settings, *replay, *layout_args], steps, compare)
         else:
             run_dir = out / run_dirname(name)
             err = _train([*common, f"--run.dir={run_dir}", f"--checkpoint.path={seed}", *replay,
@@ -250,7 +250,7 @@ class _Comparison:
                   for v in step.values())
         if any(math.isnan(d) for d in diffs):
             rel = math.inf
-        return Result(name, ranks, max(diffs), rel, sim.param_rel, True)
+        return Result(name, ranks, max(diffs), rel, sim.param_rel, True, routing=sim.routing)
 
 
 FLOOR_DIR = "floor"

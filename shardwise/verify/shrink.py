@@ -6,7 +6,10 @@ divisibility), the vocabulary (the vocab-parallel embedding and head, and FSDP's
 them), and every expert, shared-expert, top-k and routing-group count. Scaled: the hidden widths,
 each divided by N -- the model width, the head width, the feed-forward widths (dense and expert) and
 latent attention's ranks and head parts. A width N does not divide is refused, naming it and the
-largest factor that divides them all.
+largest factor that divides them all. An MoE model's routed experts hold most of its bytes (the
+DeepSeek-V3 671B model narrowed 32-fold is still 0.7B parameters, 0.64B of them its 256 experts x 58
+blocks): ``experts`` divides their hidden width that much further, which no layout's cut depends on
+(experts are split whole over ep, and FSDP cuts them by the expert dim).
 """
 
 from __future__ import annotations
@@ -45,10 +48,16 @@ def largest_factor(args: ModelArgs) -> int:
     return f
 
 
-def shrink(args: ModelArgs, factor: int) -> tuple[list[str], str]:
-    """The model overrides that narrow ``args`` by ``factor``, and the notice that says what was
-    kept and what was scaled."""
+def shrink(args: ModelArgs, factor: int, experts: int = 1) -> tuple[list[str], str]:
+    """The model overrides that narrow ``args`` by ``factor`` (its routed experts' hidden width by
+    ``factor * experts``), and the notice that says what was kept and what was scaled."""
     w = widths(args)
+    if experts != 1:
+        if not args.n_experts:
+            raise ConfigError("--shrink-experts narrows an MoE model's experts: this model has none")
+        if experts < 1 or w["moe_hidden_dim"] % (factor * experts):
+            raise ConfigError(f"--shrink-experts {experts} with --shrink {factor} does not divide "
+                              f"model.moe_hidden_dim={w['moe_hidden_dim']}: use a smaller power of two")
     if factor < 2:
         raise ConfigError(f"--shrink needs a factor >= 2 (got {factor}); this model's widths allow at most "
                           f"{largest_factor(args)}")
@@ -58,7 +67,8 @@ def shrink(args: ModelArgs, factor: int) -> tuple[list[str], str]:
         what = f"model.{bad[0]}={w[bad[0]]}" if bad else f"model.{rot}={w[rot]} into an even width"
         raise ConfigError(f"--shrink {factor} does not divide {what}: use a factor of at most "
                           f"{largest_factor(args)} that divides every width")
-    overrides = [f"--model.{n}={v // factor}" for n, v in w.items()]
+    new = {n: v // (factor * experts if n == "moe_hidden_dim" else factor) for n, v in w.items()}
+    overrides = [f"--model.{n}={v}" for n, v in new.items()]
     kept = ", ".join(f"{n}={getattr(args, n)}" for n in (*KEPT, *(KEPT_MOE if args.n_experts else ())))
-    scaled = ", ".join(f"{n} {v} -> {v // factor}" for n, v in w.items())
+    scaled = ", ".join(f"{n} {v} -> {new[n]}" for n, v in w.items())
     return overrides, f"--shrink {factor}: kept {kept}; scaled {scaled}"

@@ -20,6 +20,7 @@ import math
 import resource
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -27,6 +28,7 @@ from shardwise.config.schema import Config, ConfigError
 from shardwise.data.dataset import Batch
 from shardwise.models.transformer import load_full_weights
 from shardwise.observe.comm import CommTracker, mesh_group_names
+from shardwise.observe.routing import RoutingTrace, routing_trace, token_positions
 from shardwise.ops.cpu_bf16 import use_fp32_gemms_for_bf16
 from shardwise.parallel.dims import Mesh
 from shardwise.resolve.preflight import with_data
@@ -63,6 +65,9 @@ class SimulatedRun:
     collectives: list[dict[str, dict[str, int]]]
     """Per pipeline rank, the bytes per mesh dim and collective its first rank issued in the last
     step (``--debug.comm``'s totals, which the planner's table is held to)."""
+    routing: dict | None = None
+    """MoE, replaying the reference's routing: {tokens, differ, max_gap} over every rank, as
+    ``replay_report`` sums a real run's."""
 
     @property
     def seconds_per_step(self) -> float:
@@ -78,7 +83,6 @@ def check_simulated(run: ResolvedRun) -> None:
         raise ConfigError(f"--ranks simulates at most {MAX_RANKS} ranks; the layout has {d.world_size}")
     missing = [what for what, on in (
         ("context parallel (cp > 1)", d.cp > 1),
-        ("an MoE model (per-rank routing counts)", bool(run.model.n_experts)),
         ("float8 (float8.enabled)", cfg.float8.enabled),
         ("compile (compile.enabled=true)", cfg.compile.enabled is True),
         ("a fine-tune's initial weights (checkpoint.initial_hf)", bool(cfg.checkpoint.initial_hf)),
@@ -120,8 +124,13 @@ def _train_simulated(cfg: Config, world: int, steps: int, seed: dict[str, torch.
         # (a stage split that lost a block, say: no rank trains these)
         worst = (math.inf, f"{missing[0]} (held by no rank; {len(missing)} missing)")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # (KiB on Linux)
+    routing = None
+    if run.cfg.debug.routing_replay:
+        routing = {"tokens": sum(p.routing["tokens"] for p in parts),
+                   "differ": sum(p.routing["differ"] for p in parts),
+                   "max_gap": max(p.routing["max_gap"] for p in parts)}
     return SimulatedRun(losses, worst[0], worst[1], seconds, rss, run.dims.built_sizes(), states,
-                        [p.collectives for p in parts])
+                        [p.collectives for p in parts], routing)
 
 
 def simulated_states(cfg: Config, world: int) -> dict[int, dict[str, int]]:
@@ -156,6 +165,7 @@ class _Slice:
     names: set[str]
     worst: tuple[float, str]
     collectives: dict[str, dict[str, int]]
+    routing: dict | None
 
 
 def _train_slice(run: ResolvedRun, corpus: object, steps: int, seed: dict[str, torch.Tensor],
@@ -170,17 +180,61 @@ def _train_slice(run: ResolvedRun, corpus: object, steps: int, seed: dict[str, t
     losses, seconds = [], []
     # (the last step's collectives, as --debug.comm counts a real rank's: per step, not per module)
     tracker = CommTracker(mesh_group_names(run.dims.mesh, run.dims.flat_meshes), track_modules=False)
+    trace = _routing_trace(run, parts.model)
     for step in range(1, steps + 1):
         t0 = time.perf_counter()
-        batches = rank_batches({d: ld.next_step() for d, ld in loaders.items()}, dp_of)
-        with tracker if step == steps else contextlib.nullcontext():
+        per_dp = {d: ld.next_step() for d, ld in loaders.items()}
+        batches = rank_batches(per_dp, dp_of)
+        with contextlib.ExitStack() as stack:
+            if trace is not None:
+                stack.enter_context(trace.around_step(step, batches, rank_positions(run, per_dp, dp_of)))
+            if step == steps:
+                stack.enter_context(tracker)
             result = train_step(parts.model, parts.optimizer, parts.scheduler, parts.shard(batches), run,
                                 parts.loss, parts.pipe)
         losses.append(simulate.every_rank(result.loss))
         seconds.append(time.perf_counter() - t0)
-    names = {n for n, _ in parts.model.named_parameters()}
+    names = set(_trained(parts.model, ref))
     return _Slice(losses, seconds, rank_states(parts.model, parts.optimizer), names,
-                  param_error(parts.model, ref, seed), tracker.totals())
+                  param_error(parts.model, ref, seed), tracker.totals(), _replayed(trace))
+
+
+def _routing_trace(run: ResolvedRun, model: torch.nn.Module) -> RoutingTrace | None:
+    """With debug.routing_replay: the reference's expert choices replayed on the slice's MoE layers,
+    each rank's tokens found by their positions (:func:`rank_positions`)."""
+    t = run.cfg.training
+    if not run.cfg.debug.routing_replay:
+        return None
+    return routing_trace(model, run_dir=Path(run.cfg.run.dir), replay_from=run.cfg.debug.routing_replay,
+                         seq_len=t.seq_len, global_batch=t.global_batch, rank=0, tp=(0, 1), cp_shard=None)
+
+
+def rank_positions(run: ResolvedRun, per_dp: dict[int, list[Batch]], dp_of: dict[int, int]
+                   ) -> list[torch.Tensor]:
+    """Each micro-batch's token positions in the global batch as one simulated tensor: rank r's are
+    its data-parallel rank's rows, cut to its tensor-parallel sequence shard, the tokens an MoE block
+    routes there ((B, S / tp) per rank; a real rank's trace cuts them as it routes)."""
+    tp = run.dims.tp
+    tp_of = simulate.coordinates(run.dims.submesh(Mesh.TP), 0) if tp > 1 else dict.fromkeys(dp_of, 0)
+    out, seq, cpu = [], run.cfg.training.seq_len, torch.device("cpu")
+    for i, first in enumerate(next(iter(per_dp.values()))):
+        rows = first.inputs.shape[0]
+        with simulate.plain():  # (each rank's own plain tensor)
+            own = {r: token_positions(per_dp[d][i].first_row, rows, seq, cpu).chunk(tp, dim=1)[tp_of[r]]
+                   for r, d in dp_of.items()}
+        out.append(simulate.from_ranks(own))
+    return out
+
+
+def _replayed(trace: RoutingTrace | None) -> dict | None:
+    """The replay's statistics summed over the slice's ranks (None without a replay)."""
+    if trace is None:
+        return None
+    trace.detach()
+    s = trace.stats
+    differ, gaps = (simulate.every_rank(torch.as_tensor(s[k])) for k in ("differ", "max_gap"))
+    return {"tokens": s["tokens"] * len(differ), "differ": int(sum(differ.values())),
+            "max_gap": max(gaps.values())}
 
 
 def rank_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, dict[str, int]]:
@@ -218,7 +272,7 @@ def param_error(model: torch.nn.Module, ref: dict[str, torch.Tensor], seed: dict
     where it is. A sharded parameter is never gathered (that is N full copies at once: 67 GB of a
     128,256-row embedding over 512 ranks): each rank measures its own shard against the same cut of
     the reference, and the sums are all-reduced over the mesh dims that shard it."""
-    names = dict(model.named_parameters())
+    names = _trained(model, ref)
     if missing := sorted(set(names) - set(ref)):
         raise ValueError(f"the reference checkpoint lacks parameters {missing[:5]}")
     worst, where = 0.0, ""
@@ -227,6 +281,12 @@ def param_error(model: torch.nn.Module, ref: dict[str, torch.Tensor], seed: dict
             if not err <= worst:  # (NaN is worst)
                 worst, where = err if not math.isnan(err) else math.inf, f"{name} (rank {rank})"
     return worst, where
+
+
+def _trained(model: torch.nn.Module, ref: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's parameters, and the buffers its checkpoint keeps (an MoE router's expert bias,
+    which training moves): what the reference's weights are compared on."""
+    return {**dict(model.named_parameters()), **{n: b for n, b in model.named_buffers() if n in ref}}
 
 
 def _rank_errors(p: torch.Tensor, ref: torch.Tensor, seed: torch.Tensor) -> dict[int, float]:

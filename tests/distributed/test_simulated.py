@@ -22,7 +22,17 @@ from shardwise.resolve.run import resolve_model, resolve_run
 from shardwise.verify.parity import checkpoint_params
 from shardwise.verify.shrink import shrink
 from shardwise.verify.simulated import simulated_states, train_simulated
-from tests.helpers import ROOT, by_ranks, check_layout_ran, initial_params, metrics, parity_run, run_cli
+from tests.helpers import (
+    DEEPSEEK_ARGS,
+    MOE_ARGS,
+    ROOT,
+    by_ranks,
+    check_layout_ran,
+    initial_params,
+    metrics,
+    parity_run,
+    run_cli,
+)
 
 pytestmark = pytest.mark.dist
 
@@ -37,6 +47,9 @@ TWINS = {
     # uneven splits (6 blocks: 2, 2, 1, 1) on each rank and splits their backward in two.
     "pp2_fsdp2_zbv": ["--nproc=4", LAYERS, "--parallel.pp=2", "--parallel.dp_shard=2",
                       "--parallel.pp_schedule=zbv"],
+    # MoE: each rank's routing decides its all-to-all's uneven splits and its experts' group sizes
+    # (2 of the 4 experts on each of the ep ranks, FSDP over the other 2, TP's sequence shards routed)
+    "moe_ep2_tp2": ["--nproc=4", *MOE_ARGS, "--parallel.ep=2", "--parallel.tp=2"],
 }
 # (make test-all: HSDP x TP is in make test through the 64-rank verify below)
 SLOW_TWINS = {
@@ -55,6 +68,17 @@ SLOW_TWINS = {
                               "--training.global_batch=16"],  # (dualpipev: 4 micro-batches per dp rank)
     "pp2_fsdp2_gpipe": ["--nproc=4", LAYERS, "--parallel.pp=2", "--parallel.dp_shard=2",
                         "--parallel.pp_schedule=gpipe"],
+    "moe_fsdp4_ep2": ["--nproc=4", *MOE_ARGS, "--parallel.ep=2"],
+    "moe_hsdp2_ep2_ac_full": ["--nproc=4", *MOE_ARGS, "--parallel.dp_replicate=2", "--parallel.ep=2",
+                              "--activation_checkpoint.mode=full"],
+    "moe_pp2_ep2": ["--nproc=4", *MOE_ARGS, LAYERS, "--parallel.pp=2", "--parallel.ep=2"],
+    # DeepSeek-V3's routing (groups, sigmoid scores, the balancing bias) and latent attention
+    "ds_ep2_fsdp2_tp2": ["--nproc=4", *DEEPSEEK_ARGS, "--parallel.ep=2", "--parallel.tp=2"],
+    "ds_pp2_tp2_ep2": ["--nproc=4", *DEEPSEEK_ARGS, LAYERS, "--parallel.pp=2", "--parallel.tp=2",
+                       "--parallel.ep=2"],
+    # 8 experts over ep=4 (2 a rank) of HSDP 2 x FSDP 2 x TP 2
+    "moe8_hsdp2_fsdp2_tp2_ep4": ["--nproc=8", *MOE_ARGS, "--model.n_experts=8", "--parallel.dp_replicate=2",
+                                 "--parallel.dp_shard=2", "--parallel.tp=2", "--parallel.ep=4"],
 }
 
 
@@ -102,7 +126,8 @@ def planned_states(cfg: Config, world: int) -> dict[int, dict[str, int]]:
     d, out = run.dims, {}
     for r in range(world):
         t, c, shard = r % d.tp, r // d.tp % d.cp, r // (d.tp * d.cp) % d.dp_shard  # (pp outermost)
-        at = Coordinates(tp=t, fsdp=shard * d.cp + c)
+        moe = r % (d.dp_shard * d.cp * d.tp)  # (an MoE block's shard group; ep its innermost ranks)
+        at = Coordinates(tp=t, fsdp=shard * d.cp + c, ep=moe % d.ep, moe=moe, efsdp=moe // d.ep)
         st = shape_states(run, pp_ranks=[r // (world // d.pp)], at=at)[0]
         out[r] = {"params": st.params, "optimizer": st.optimizer}
     return out

@@ -137,6 +137,11 @@ HOW: dict[str, Check] = {
     "--data.synthetic=true --training.seq_len=64 --training.global_batch=8 "
     "--training.mixed_precision=fp32": Check(
         slow=True, shows=(r"\| pp=8,tp=8,dp_shard=1 \| 64 \|.*\| PASS \|",)),
+    # (MoE on simulated ranks: the EP x TP twin of the real processes runs in make test)
+    "shardwise verify --config configs/deepseek-debug.toml --ranks 8 --layouts pp=2,dp_shard=4,ep=4 "
+    "--steps 2 --training.mixed_precision=fp32": covered(
+        "tests/distributed/test_simulated.py::"
+        "test_simulated_ranks_train_what_the_real_processes_of_the_layout_train", Check(VERIFY)),
     # (the narrowed model's overrides are the unit test's; verify --ranks over TP x FSDP the 64-rank one's)
     "shardwise verify --config configs/debug.toml --ranks 8 --shrink --layouts dp_shard=2,tp=4 --steps 2 "
     "--training.mixed_precision=fp32": covered(

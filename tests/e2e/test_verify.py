@@ -147,6 +147,27 @@ def test_moe_verify_replays_routing_so_near_ties_cannot_decide(tmp_path: Path, d
     assert differing > 0  # the ties were met, and did not decide the verdict
 
 
+def test_moe_verify_on_simulated_ranks_replays_each_ranks_own_tokens(tmp_path: Path, data_cache: str):
+    """``verify --ranks``: each simulated rank replays the reference's choices for its own tokens (its
+    data-parallel rows, its tensor-parallel sequence shard), so layouts whose routers break the
+    planted near-ties the other way PASS with the ties counted. (A first version built each rank's
+    positions under the mode, simulated tensors nested in one: both layouts FAILed here, loss 2.8e-4
+    and parameters 1.1e-2 off.)"""
+    proc = run_cli([*MOE_VERIFY, f"--data.cache_dir={data_cache}", f"--out={tmp_path}", "--ranks", "4",
+                    "--layouts", "dp_shard=4,ep=2", "dp_shard=2,tp=2,ep=2"], timeout=600,
+                   fault="near_tie_router")
+    rows = _rows(proc.stdout)
+    differing = 0
+    for name in ("dp_shard=4,ep=2", "dp_shard=2,tp=2,ep=2"):
+        *_, own, gap, verdict = rows[name]
+        assert verdict == "PASS", rows[name]
+        n, total = own.split(" of ")
+        assert total == "2,048" and float(gap) <= 1e-5
+        differing += int(n)
+    assert differing > 0
+    assert "4 simulated ranks on a mesh of dp_shard=2 x tp=2 x ep=2" in proc.stdout
+
+
 @pytest.mark.slow  # (make test-all: make test keeps within its time on 2 cores)
 def test_moe_verify_with_replay_still_fails_a_real_bug(tmp_path: Path, data_cache: str):
     """Negative control: the gradient reduction dropped (each rank keeps its own shard) under expert

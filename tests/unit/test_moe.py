@@ -256,6 +256,8 @@ def test_padded_groups_hold_each_row_once_and_zeros_elsewhere():
 
 def test_group_alignment_bounds_the_shapes_and_the_padding():
     assert group_alignment(2048, 8) == CPU_GROUP_ROWS  # 256 rows per expert: the floor
+    # small groups pad to their mean's power of two, not to 64 (one slot each of 256 experts: none)
+    assert [group_alignment(s, 256) for s in (256, 256 * 5, 256 * 40, 256 * 64)] == [1, 4, 32, 64]
     for slots, experts in ((2**16, 8), (2**20, 64), (3 * 2**17, 16)):
         align, mean = group_alignment(slots, experts), slots // experts
         assert align & (align - 1) == 0  # a power of two

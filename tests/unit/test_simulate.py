@@ -27,7 +27,7 @@ from shardwise.resolve.run import resolve_run
 from shardwise.trainer import simulate, simulate_stages
 from shardwise.trainer.simulate_dispatch import _run_each
 from shardwise.verify.simulated import check_simulated
-from tests.helpers import MOE_ARGS, TINY_ARGS, TINY_MODEL, resolved_config, run_cli
+from tests.helpers import TINY_ARGS, TINY_MODEL, resolved_config, run_cli
 
 
 def test_tensor_parallel_on_simulated_ranks_computes_what_one_rank_does():
@@ -134,7 +134,6 @@ def test_document_masked_attention_runs_each_ranks_own_documents():
 
 @pytest.mark.parametrize(("extra", "world", "what"), [
     (["--parallel.cp=2"], 2, "context parallel"),
-    ([*MOE_ARGS], 2, "an MoE model"),
     (["--float8.enabled=true"], 2, "float8"),
     (["--compile.enabled=true"], 2, "compile"),
 ])
@@ -151,6 +150,7 @@ def test_what_the_simulation_does_not_carry_yet_is_refused_in_one_line(extra: li
     (["--ranks", "2000"], "2..1024"),
     (["--ranks", "4", "--layouts", "cp=2,dp_shard=2"], "context parallel"),
     (["--ranks", "4", "--shrink", "3"], "--shrink 3 does not divide model.dim=256"),
+    (["--ranks", "4", "--shrink-experts", "2"], "give --shrink too"),
     (["--ranks", "4", "--shrink", "16"], "--shrink 16 does not divide model.head_size=16 into an even width"),
 ])
 def test_verify_ranks_refuses_bad_input_in_one_line_before_any_run(args: list[str], says: str, tmp_path):
@@ -240,6 +240,28 @@ def test_a_pipeline_rank_computes_its_own_coordinates_while_another_waits():
     assert got == [{0: 0, 1: 1, 2: 2, 3: 3}, {4: 0, 5: 1, 6: 2, 7: 3}]
 
 
+def test_a_pipeline_rank_computes_its_own_coordinates_after_another_has_finished():
+    """A pipeline rank still running when another has returned computes each of its ranks' own mesh
+    coordinates, and torch's DeviceMesh is its own again after: each thread's mode patches it
+    process-wide and puts back what it found, so a thread leaving first unpatched it under the
+    other (which then cut the first reference tensor it compared by rank 0's coordinates: an MoE
+    model's pipeline failed verify with correct weights), and the last left it patched."""
+    def stage(pp: int, group: dist.ProcessGroup) -> dict[int, int]:
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))
+        if pp == 0:
+            dist.recv_object_list([None], group_src=1, group=group)  # (both threads in their modes)
+            return simulate.coordinates(mesh["dp"])
+        dist.send_object_list(["started"], group_dst=0, group=group)
+        stages = lt._LOCAL_RUNNER_MODE
+        stages.wait_until(lambda: stages.alive == 1, "pipeline rank 0 to return")
+        return simulate.coordinates(mesh["dp"])
+
+    before = dist.DeviceMesh.get_coordinate, dist.DeviceMesh.get_local_rank
+    got = _pipeline_world(stage)
+    assert got == [{0: 0, 1: 1, 2: 2, 3: 3}, {4: 0, 5: 1, 6: 2, 7: 3}]
+    assert (dist.DeviceMesh.get_coordinate, dist.DeviceMesh.get_local_rank) == before
+
+
 def test_an_all_reduce_over_pipeline_ranks_sums_across_their_threads_and_other_collectives_are_refused():
     def stage(pp: int, group: dist.ProcessGroup) -> tuple[dict[int, float], str]:
         ranks = sorted(simulate.every_rank_tensor(torch.zeros(())))
@@ -296,6 +318,27 @@ def test_shrink_keeps_what_decides_the_layout_and_divides_the_widths(preset: str
     assert widths(narrow) == {n: v // factor for n, v in widths(full).items()}
     rotated = narrow.qk_rope_head_dim or narrow.head_size
     assert rotated % 2 == 0 and narrow.dim * factor == full.dim
+
+
+def test_shrink_experts_narrows_only_the_routed_experts_further():
+    """``--shrink-experts M``: the routed experts' hidden width divided M-fold beyond ``--shrink``'s,
+    every other width ``--shrink``'s alone, said in the notice; a factor that does not divide the
+    width, or a model without experts, is refused in one line."""
+    from shardwise.models.presets import PRESETS
+    from shardwise.verify.shrink import shrink, widths
+
+    full = PRESETS["deepseek-v3-671b"]
+    plain, _ = shrink(full, 32)
+    narrow, said = shrink(full, 32, 8)
+    assert "moe_hidden_dim 2048 -> 8" in said
+    assert [o for o in narrow if "moe_hidden_dim" not in o] == [o for o in plain if "moe_hidden_dim" not in o]
+    assert "--model.moe_hidden_dim=8" in narrow and "--model.moe_hidden_dim=64" in plain
+    assert widths(full)["moe_hidden_dim"] == 2048
+    for args, factor, experts, says in ((full, 32, 3, "does not divide model.moe_hidden_dim=2048"),
+                                        (PRESETS["debug"], 8, 2, "this model has none")):
+        with pytest.raises(ConfigError) as e:
+            shrink(args, factor, experts)
+        assert says in str(e.value) and "\n" not in str(e.value)
 
 
 def _train_fsdp_tp_on_8_ranks() -> tuple[dict[str, dict[int, torch.Tensor]], dict[int, torch.Tensor],
