@@ -14,6 +14,7 @@ from shardwise.config.outputs import target
 from shardwise.config.schema import Config, ConfigError
 
 if TYPE_CHECKING:
+    from shardwise.plan.estimate import Estimate
     from shardwise.plan.hardware import Hardware
     from shardwise.plan.search import PlanResult
 
@@ -50,6 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="where the best layout's config is written (default: "
                    "plan.toml, an earlier one kept aside; '' = not written)")
     add_overwrite(p, "--out")
+    p.add_argument("--verify", action="store_true",
+                   help="before writing it, train the first choice as --nproc simulated ranks against "
+                        "one rank (verify --ranks, the model narrowed by --shrink, fp32, 2 steps of 64-token "
+                        "sequences): a layout that fails is not written")
 
 
 @dataclass
@@ -89,6 +94,8 @@ def checked_planning(args: argparse.Namespace, overrides: list[str]) -> Planning
     from shardwise.plan.hardware import load_hardware, profile_device
 
     gpus = need_nproc(args, "devices to plan for")
+    if getattr(args, "verify", False) and gpus < 2:
+        raise ConfigError("--verify trains the plan's layout as simulated ranks: it needs --nproc 2 or more")
     if args.top < 1:
         raise ConfigError(f"--top must be >= 1, got {args.top}")
     if not 0 < args.memory_fraction <= 1:
@@ -138,6 +145,10 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
         return 1
     from shardwise.plan.search import layout_toml, run_command
 
+    if args.verify and not verified(result.top[0]):
+        print("plan --verify: the best layout failed its simulated verify (above); no plan written",
+              file=sys.stderr)
+        return 1
     if args.out:
         if said := where.write(layout_toml(result.top[0], args.out, planning.notes)):
             notice(said)
@@ -145,3 +156,31 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
     for n in planning.notes:
         notice(n)
     return 0
+
+
+VERIFY_SETTINGS = ("--shrink", "--steps", "2", "--training.mixed_precision=fp32", "--training.seq_len=64",
+                   "--run.device=cpu")
+"""How ``plan --verify`` checks a layout: narrowed, in fp32 (verify's proof), briefly, on short
+sequences (the layout's cut does not depend on their length; the planned ones would take hours),
+on this machine's CPU whatever the hardware planned for (simulated ranks are one process's)."""
+
+
+def verified(est: Estimate) -> bool:
+    """Whether ``est``'s layout passes ``shardwise verify --ranks`` (its own config, written to a
+    scratch folder, as the layout): verify's report is printed as it runs."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from shardwise.parallel.dims import DEGREES
+    from shardwise.plan.search import layout_toml
+
+    par = est.cfg.parallel
+    layout = ",".join(f"{k}={getattr(par, k)}" for k in DEGREES if getattr(par, k) > 1)
+    print(f"plan --verify: {layout} as {est.layout.world} simulated ranks ...", flush=True)
+    with tempfile.TemporaryDirectory(prefix="shardwise-plan-verify-") as tmp:
+        path = Path(tmp) / "plan.toml"
+        path.write_text(layout_toml(est, str(path)))
+        cmd = [sys.executable, "-m", "shardwise", "verify", "--config", str(path), "--ranks",
+               str(est.layout.world), "--layouts", layout, *VERIFY_SETTINGS, "--out", f"{tmp}/verify"]
+        return subprocess.run(cmd).returncode == 0

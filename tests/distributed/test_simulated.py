@@ -228,6 +228,21 @@ def test_a_gradient_never_summed_over_dp_replicate_fails_hsdp_and_only_hsdp(tmp_
     assert re.search(r"^\| dp_replicate=2,dp_shard=4 \| 8 \|.*\| FAIL \|$", proc.stdout, re.M), proc.stdout
 
 
+def test_experts_placed_by_modulo_against_weights_cut_in_blocks_fail_only_with_two_a_rank(
+        tmp_path: Path, data_cache: str):
+    """Planted: the all-to-all sends expert e's tokens to rank e % ep while the weights give rank r the
+    block of experts r*E/ep onwards. With one expert a rank (4 experts, ep=4) the two agree and the
+    layout passes; with two (ep=2) tokens meet another expert's weights and it fails."""
+    proc = run_cli(["verify", "--config", str(ROOT / "configs" / "moe-debug.toml"), "--ranks", "4",
+                    *MOE_ARGS, "--layouts", "dp_shard=4,ep=4", "dp_shard=4,ep=2", "--steps", "2",
+                    "--training.seq_len=64", "--training.mixed_precision=fp32",
+                    f"--data.cache_dir={data_cache}", "--out", str(tmp_path / "v")],
+                   timeout=600, check=False, fault="ep_experts_by_modulo")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert re.search(r"^\| dp_shard=4,ep=4 \| 4 \|.*\| PASS \|$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^\| dp_shard=4,ep=2 \| 4 \|.*\| FAIL \|$", proc.stdout, re.M), proc.stdout
+
+
 def _planned_405b(world: int, *degrees: str) -> Config:
     """configs/405b.toml shrunk 64-fold as ``verify --shrink`` narrows it, fp32, on random ids."""
     over = ["--float8.enabled=false", "--compile.enabled=false", "--training.mixed_precision=fp32",

@@ -196,6 +196,8 @@ CASES: dict[str, Case] = {
         Case(NOTES, [*PREPARE, "--data.prepared_dir={t}/notes.txt"], "data.prepared_dir"),
     "prepare_negative_workers": Case(nothing, [*PREPARE, "--data.workers=-2"], "data.workers", "prepared"),
     # plan
+    "plan_verify_one_rank": Case(nothing, ["plan", "--config", DEBUG, "--nproc", "1", "--hardware", "h100",
+                                           "--verify", "--out", "{t}/plan.toml"], "--verify trains"),
     "plan_out_is_a_folder": Case(files({"plans": "/"}), [*PLAN, "--out", "{t}/plans"], "--out"),
     "plan_out_under_a_file": Case(NOTES, [*PLAN, "--out", "{t}/notes.txt/plan.toml"], "--out"),
     "plan_top_zero": Case(nothing, [*PLAN, "--top", "0", "--out", "{t}/plan.toml"], "--top must be >= 1",

@@ -5,6 +5,7 @@ fits nowhere an answer saying what would fit (exit 1)."""
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from pathlib import Path
 
@@ -114,6 +115,23 @@ def test_plan_keeps_the_given_config(tmp_path: Path, monkeypatch: pytest.MonkeyP
         assert {k: written[k] for k in keys} == {k: given[k] for k in keys}, section
 
 
+def test_plan_verify_writes_only_a_layout_that_passes_on_simulated_ranks(tmp_path: Path, data_cache: str):
+    """``plan --verify`` trains its first choice as simulated ranks against one rank before writing
+    it: the debug preset's plan for 4 H100s passes and is written; with one FSDP unit's gradients
+    reduced at twice their scale (planted) the same layout fails and nothing is written (exit 1)."""
+    args = ["plan", "--config", "configs/debug.toml", "--nproc", "4", "--hardware", "h100", "--verify",
+            f"--data.cache_dir={data_cache}"]
+    ok = run_cli([*args, "--out", str(tmp_path / "ok.toml")], timeout=600)
+    layout = re.search(r"^plan --verify: (\S+) as 4 simulated ranks", ok.stdout, re.M)
+    assert layout and "dp_shard" in layout[1], ok.stdout
+    assert re.search(rf"^\| {re.escape(layout[1])} \| 4 \|.*\| PASS \|$", ok.stdout, re.M), ok.stdout
+    assert (tmp_path / "ok.toml").exists()
+    bad = run_cli([*args, "--out", str(tmp_path / "bad.toml")], timeout=600, check=False,
+                  fault="fsdp_unit_grad_scale")
+    assert bad.returncode == 1 and re.search(r"\| 4 \|.*\| FAIL \|$", bad.stdout, re.M), bad.stdout
+    assert "no plan written" in bad.stderr and not (tmp_path / "bad.toml").exists()
+
+
 def test_estimate_writes_its_json(tmp_path: Path, capsys):
     out = tmp_path / "est.json"
     assert main(["estimate", "--config", "configs/debug.toml", "--nproc", "4", "--parallel.pp", "2",
@@ -135,6 +153,7 @@ def test_estimate_writes_its_json(tmp_path: Path, capsys):
      "does not exist"),
     (["plan", "--model", "8b", "--nproc", "8", "--hardware", "h1000"], "unknown hardware 'h1000'"),
     (["plan", "--model", "8b", "--nproc", "0"], "--nproc must be >= 1"),
+    (["plan", "--model", "8b", "--nproc", "1", "--verify"], "--verify trains the plan's layout"),
     (["plan", "--model", "80b", "--nproc", "8"], "model"),
     (["plan", "--model", "8b", "--nproc", "8", "--ac", "most"], "--ac: unknown most"),
     (["plan", "--model", "8b", "--nproc", "8", "--global-batch-tokens", "lots"], "global-batch-tokens"),

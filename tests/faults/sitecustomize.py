@@ -12,7 +12,8 @@ exactly one thing, so the test can show that its tolerance catches that fault:
   this rank's partial sums, never reduced (a TP plan that forgets a reduction);
 - ``skip_tp``: tensor parallel is never applied: the mesh has its tp dim, every module stays whole
   on every tp rank (a parallel flag silently dropped);
-- ``fsdp_unit_grad_scale``: block 1's FSDP unit reduces its gradients scaled by 2 (over 2+ ranks);
+- ``fsdp_unit_grad_scale``: block 1's FSDP unit (a pipeline stage's first, where it has not block 1)
+  reduces its gradients scaled by 2 (over 2+ ranks);
 - ``hsdp_skip_replicate``: FSDP reduce-scatters each gradient over dp_shard but never all-reduces it
   over dp_replicate (each replica steps on its own share of the batch; invisible when dp_replicate=1);
 - ``pp_wrong_microbatch``: the first pipeline stage is fed micro-batch m+1's tokens as micro-batch m;
@@ -22,6 +23,9 @@ exactly one thing, so the test can show that its tolerance catches that fault:
   should arrive: one hop of the ring skipped;
 - ``ep_wrong_rank``: block 1's expert all-to-all sends expert 1's tokens to expert 2's rank and
   back (and 2's to 1's);
+- ``ep_experts_by_modulo``: every MoE block's all-to-all places expert ``e`` on rank ``e % ep``
+  (the dispatch's side) while the weights are cut in blocks of ``E / ep`` experts (the partition's
+  side): invisible when each rank holds one expert (``E == ep``);
 - ``perturb_ffn_step3``: block 1's feed-forward adds 1e-3 to its output in its third training
   forward (step 3 with one micro-batch): a one-step change for ``shardwise compare`` to find;
 - ``near_tie_router`` (not a fault of the code: a hard input): at init, every MoE router's expert 1
@@ -122,8 +126,9 @@ def _install(fault: str) -> None:
 
         def apply_fsdp(model, mesh, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
             real_fsdp(model, mesh, *args, **kwargs)
-            if mesh.size() > 1:
-                model.layers["1"].set_gradient_divide_factor(0.5)  # this unit's reduction doubled
+            if mesh.size() > 1:  # (a pipeline stage without block 1: its first block)
+                key = "1" if "1" in model.layers else next(iter(model.layers))
+                model.layers[key].set_gradient_divide_factor(0.5)  # this unit's reduction doubled
 
         parallelize.apply_fsdp = apply_fsdp
     elif fault == "hsdp_skip_replicate":
@@ -223,6 +228,33 @@ def _install(fault: str) -> None:
                     kind().apply(block.get_submodule(block.plan.experts), mesh)
 
         import shardwise.parallel.parallelize as parallelize
+
+        parallelize.apply_ep = apply_ep
+    elif fault == "ep_experts_by_modulo":
+        import torch
+
+        import shardwise.parallel.expert as expert
+        import shardwise.parallel.parallelize as parallelize
+
+        class ByModulo(expert.ExpertParallel):
+            """Expert e's slots go to the slot block of rank e % ep, local expert e // ep."""
+
+            def _dispatch(self, module, inputs, mesh):  # noqa: ANN001, ANN202
+                x, counts = inputs
+                ep, n = mesh.size(), counts.numel()
+                ids = torch.arange(n, device=counts.device)
+                placed = (ids % ep) * (n // ep) + ids // ep  # (E,) the block position given expert e
+                self.order = torch.argsort(placed[torch.repeat_interleave(ids, counts)], stable=True)
+                moved = (x.index_select(0, self.order), counts[torch.argsort(placed)])
+                return super()._dispatch(module, moved, mesh)
+
+            def _combine(self, module, out, mesh):  # noqa: ANN001, ANN202
+                return super()._combine(module, out, mesh).index_select(0, torch.argsort(self.order))
+
+        def apply_ep(model, mesh):  # noqa: ANN001, ANN202
+            for block in model.layers.values():
+                if block.plan.experts:
+                    ByModulo().apply(block.get_submodule(block.plan.experts), mesh)
 
         parallelize.apply_ep = apply_ep
     elif fault == "perturb_ffn_step3":
