@@ -202,9 +202,9 @@ def _train_slice(run: ResolvedRun, corpus: object, steps: int, seed: dict[str, t
 def _routing_trace(run: ResolvedRun, model: torch.nn.Module) -> RoutingTrace | None:
     """With debug.routing_replay: the reference's expert choices replayed on the slice's MoE layers,
     each rank's tokens found by their positions (:func:`rank_positions`)."""
-    t = run.cfg.training
     if not run.cfg.debug.routing_replay:
         return None
+    t = run.cfg.training
     return routing_trace(model, run_dir=Path(run.cfg.run.dir), replay_from=run.cfg.debug.routing_replay,
                          seq_len=t.seq_len, global_batch=t.global_batch, rank=0, tp=(0, 1), cp_shard=None)
 

@@ -218,12 +218,8 @@ def test_a_gradient_never_summed_over_dp_replicate_fails_hsdp_and_only_hsdp(tmp_
     """Planted: FSDP reduce-scatters each gradient over dp_shard, but HSDP's all-reduce over
     dp_replicate never runs. With dp_replicate=1 there is nothing to miss: dp_shard=8 passes; on
     dp_replicate=2 x dp_shard=4 each replica steps on half the batch and the layout fails."""
-    proc = run_cli(["verify", "--config", str(ROOT / "configs" / "debug.toml"), "--ranks", "8",
-                    "--layouts", "dp_shard=8", "dp_replicate=2,dp_shard=4", "--steps", "2",
-                    "--training.seq_len=128", "--training.mixed_precision=fp32",
-                    f"--data.cache_dir={data_cache}", "--out", str(tmp_path / "v")],
-                   timeout=600, check=False, fault="hsdp_skip_replicate")
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+    proc = _faulty_verify(tmp_path, data_cache, 8, "dp_shard=8 dp_replicate=2,dp_shard=4",
+                          "hsdp_skip_replicate", steps=2)
     assert re.search(r"^\| dp_shard=8 \| 8 \|.*\| PASS \|$", proc.stdout, re.M), proc.stdout
     assert re.search(r"^\| dp_replicate=2,dp_shard=4 \| 8 \|.*\| FAIL \|$", proc.stdout, re.M), proc.stdout
 
@@ -233,12 +229,8 @@ def test_experts_placed_by_modulo_against_weights_cut_in_blocks_fail_only_with_t
     """Planted: the all-to-all sends expert e's tokens to rank e % ep while the weights give rank r the
     block of experts r*E/ep onwards. With one expert a rank (4 experts, ep=4) the two agree and the
     layout passes; with two (ep=2) tokens meet another expert's weights and it fails."""
-    proc = run_cli(["verify", "--config", str(ROOT / "configs" / "moe-debug.toml"), "--ranks", "4",
-                    *MOE_ARGS, "--layouts", "dp_shard=4,ep=4", "dp_shard=4,ep=2", "--steps", "2",
-                    "--training.seq_len=64", "--training.mixed_precision=fp32",
-                    f"--data.cache_dir={data_cache}", "--out", str(tmp_path / "v")],
-                   timeout=600, check=False, fault="ep_experts_by_modulo")
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+    proc = _faulty_verify(tmp_path, data_cache, 4, "dp_shard=4,ep=4 dp_shard=4,ep=2", "ep_experts_by_modulo",
+                          *MOE_ARGS, config="moe-debug.toml", steps=2, seq=64)
     assert re.search(r"^\| dp_shard=4,ep=4 \| 4 \|.*\| PASS \|$", proc.stdout, re.M), proc.stdout
     assert re.search(r"^\| dp_shard=4,ep=2 \| 4 \|.*\| FAIL \|$", proc.stdout, re.M), proc.stdout
 
@@ -286,11 +278,12 @@ def test_the_planners_collectives_are_what_the_simulated_ranks_issue(layout: str
         assert by_ranks(degrees_, got) == by_ranks(degrees_, totals(list(est.collectives[pp_rank]))), pp_rank
 
 
-def _faulty_verify(tmp_path: Path, data_cache: str, ranks: int, layout: str, fault: str):  # noqa: ANN202
-    """``verify --ranks`` of one layout, one step of sequences of 128, with ``fault`` planted: it
-    exits 1 (a layout failed)."""
-    proc = run_cli(["verify", "--config", str(ROOT / "configs" / "debug.toml"), "--ranks", str(ranks),
-                    "--layouts", layout, "--steps", "1", "--training.seq_len=128",
+def _faulty_verify(tmp_path: Path, data_cache: str, ranks: int, layouts: str, fault: str, *extra: str,  # noqa: ANN202
+                   config: str = "debug.toml", steps: int = 1, seq: int = 128):
+    """``verify --ranks`` of the layouts (space-separated) of ``configs/<config>`` with ``extra``, in
+    fp32, with ``fault`` planted: it exits 1 (a layout failed)."""
+    proc = run_cli(["verify", "--config", str(ROOT / "configs" / config), "--ranks", str(ranks), *extra,
+                    "--layouts", *layouts.split(), "--steps", str(steps), f"--training.seq_len={seq}",
                     "--training.mixed_precision=fp32", f"--data.cache_dir={data_cache}",
                     "--out", str(tmp_path / "v")], timeout=600, check=False, fault=fault)
     assert proc.returncode == 1, proc.stdout + proc.stderr
