@@ -23,6 +23,7 @@ with the mesh dims that split it and the next two that follow.
 from __future__ import annotations
 
 import contextlib
+import math
 import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -52,6 +53,16 @@ class StepCapture:
     def __init__(self, out: Path, model: nn.Module, optimizer: torch.optim.Optimizer, dims: ParallelDims,
                  seq_len: int, dim: int, load_balance: bool, rank: int) -> None:
         self.out, self.rank, self.dim = out, rank, dim
+        self._place(dims, seq_len, load_balance)
+        self.model, self.active, self.rows = model, False, []
+        self.outputs: list[tuple[str, int, torch.Tensor]] = []
+        self.grads: dict[str, tuple[torch.Tensor, str]] = {}
+        self.handles = [m.register_forward_hook(self._hook(n)) for n, m in model.named_modules() if n]
+        self.handles.append(optimizer.register_step_pre_hook(self._grads))
+        self.calls: dict[str, int] = {}
+
+    def _place(self, dims: ParallelDims, seq_len: int, load_balance: bool) -> None:
+        """This rank's sequence positions, and whether it writes the gradients."""
         positions = torch.arange(seq_len)
         if dims.cp > 1:
             positions = local_positions(seq_len, dims.submesh(Mesh.CP), load_balance).cpu()
@@ -61,12 +72,10 @@ class StepCapture:
         coords = [dims.mesh[d].get_local_rank()
                   for d in (Mesh.DP_REPLICATE, Mesh.DP_SHARD, Mesh.CP, Mesh.TP)]
         self.writes_grads = not any(coords)  # one rank of each pipeline stage
-        self.model, self.active, self.rows = model, False, []
-        self.outputs: list[tuple[str, int, torch.Tensor]] = []
-        self.grads: dict[str, tuple[torch.Tensor, str]] = {}
-        self.handles = [m.register_forward_hook(self._hook(n)) for n, m in model.named_modules() if n]
-        self.handles.append(optimizer.register_step_pre_hook(self._grads))
-        self.calls: dict[str, int] = {}
+
+    def _keep(self, t: torch.Tensor) -> torch.Tensor:
+        """What is kept of a captured tensor (a plain fp32 CPU copy)."""
+        return plain_copy(t)
 
     def _hook(self, name: str):  # noqa: ANN202 - a forward hook
         def record(module: nn.Module, args: Any, out: Any) -> None:
@@ -78,7 +87,7 @@ class StepCapture:
             if local.dim() != 3 or local.shape[1:] != (len(self.positions), self.dim):
                 return  # not the residual stream's pieces (heads, hidden, logits, gathered inputs)
             call = self.calls[name] = self.calls.get(name, -1) + 1
-            self.outputs.append((name, call, _plain(local)))
+            self.outputs.append((name, call, self._keep(local)))
         return record
 
     def _grads(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -95,7 +104,7 @@ class StepCapture:
                                 if pl.is_shard() and mesh[n].size() > 1)
                 g = g.full_tensor()
             if self.writes_grads:
-                self.grads[name] = (_plain(g), dims)
+                self.grads[name] = (self._keep(g), dims)
 
     @contextlib.contextmanager
     def around_step(self, batches: list) -> Iterator[None]:
@@ -107,6 +116,9 @@ class StepCapture:
         finally:
             self.active = False
         self.out.mkdir(parents=True, exist_ok=True)
+        self._save()
+
+    def _save(self) -> None:
         torch.save({"rows": self.rows, "positions": self.positions, "outputs": self.outputs,
                     "grads": self.grads}, self.out / f"rank{self.rank}.pt")
 
@@ -129,7 +141,7 @@ class Mismatch:
     """The mesh dims that split it in the layout."""
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
+def plain_copy(t: torch.Tensor) -> torch.Tensor:
     """A detached fp32 CPU copy as a plain tensor: a collective's pending result (functional
     collectives' ``AsyncCollectiveTensor``) is waited for and unwrapped, so the file holds tensors
     only and loads with ``weights_only``."""
@@ -172,6 +184,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
+LOST = "held by no rank"
+"""A :class:`Mismatch`'s ``split`` where the layout has no such module at all."""
+
+
+def _lost(module: str, ref_grads: dict, lay_grads: dict) -> bool:
+    """Whether the reference's ``module`` has parameters and the layout holds none of them."""
+    own = module + "."
+    return any(k.startswith(own) for k in ref_grads) and not any(k.startswith(own) for k in lay_grads)
+
+
 def localize(reference: Path, layout: Path, precision: str, sharded: str) -> tuple[list[Mismatch], float]:
     """The outputs, then (if they all agree) the gradients, of ``layout``'s capture that differ from
     ``reference``'s beyond the precision's tolerance, first one first; and the largest relative
@@ -182,13 +204,16 @@ def localize(reference: Path, layout: Path, precision: str, sharded: str) -> tup
     lay = [_load_capture(p) for p in sorted(layout.glob("rank*.pt"))]
     ref_out, order = _assemble(ref)
     lay_out, _ = _assemble(lay)
-    # (a module whose output is not residual-shaped in the layout -- a projection split over tp --
-    # is not compared; the region around it is)
-    outputs = [Mismatch("output", n, _rel(lay_out[n], ref_out[n]), sharded) for n in order if n in lay_out]
-    if found := [m for m in outputs if m.rel > tol]:
-        return found, max(m.rel for m in outputs)
     ref_grads = {k: v for r in ref for k, v in r["grads"].items()}
     lay_grads = {k: v for r in lay for k, v in r["grads"].items()}
+    # (a module whose output is not residual-shaped in the layout -- a projection split over tp --
+    # is not compared; the region around it is. One whose parameters no rank holds either -- a block
+    # a pipeline split lost -- differs.)
+    outputs = [Mismatch("output", n, _rel(lay_out[n], ref_out[n]), sharded) if n in lay_out else
+               Mismatch("output", n, math.inf, LOST)
+               for n in order if n in lay_out or _lost(n, ref_grads, lay_grads)]
+    if found := [m for m in outputs if m.rel > tol]:
+        return found, max(m.rel for m in outputs)
     missing = (torch.empty(0), "?")  # (a gradient the layout did not write: differs)
     grads = [Mismatch("gradient", n, _rel(lay_grads.get(n, missing)[0], ref_grads[n][0]),
                       lay_grads.get(n, missing)[1]) for n in reversed(list(ref_grads))]
@@ -204,6 +229,7 @@ def format_localized(name: str, found: list[Mismatch], worst: float, precision: 
                 f"relative difference {worst:.1e}){where}")
     first = found[0]
     lines = [f"{name}: first difference at the {first.kind} of {first.name}: relative {first.rel:.2e} "
-             f"(tolerance {tol:g}); split over {first.split or 'nothing (replicated)'}"]
+             f"(tolerance {tol:g}); " + (LOST if first.split == LOST else
+                                         f"split over {first.split or 'nothing (replicated)'}")]
     lines += [f"  then {m.kind} of {m.name}: {m.rel:.2e}" for m in found[1:3]]
     return "\n".join(lines)

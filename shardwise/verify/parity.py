@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -174,11 +175,13 @@ def verify_layouts(base: Config, config: str | None, overrides: list[str], layou
     print(f"\noverlay plot: {out / 'loss_overlay.png'}; logs and runs under {out}")
     chosen = [(*p, not r.passed) for p, r in zip(parsed, results, strict=True)
               if localize_all or not (r.passed or r.error)]
-    if chosen and simulated:
-        print("\n--localize runs the layouts as real ranks; under --ranks it does not run yet: verify a "
-              "failing layout with --nproc and --localize where it fits this machine")
-    elif chosen:
-        localize_layouts([*common, *replay], seed, chosen, out / "localize", precision)
+    if chosen:
+        capture = None
+        if simulated:  # (each layout's step 1 on its simulated ranks, from the same seed)
+            def capture(layout_args: list[str], world: int, into: Path) -> None:
+                cfg = load_config(config, [*settings, *replay, *layout_args, "--training.stop_after=1"])
+                train_simulated(cfg, world, 1, compare.p_seed, compare.p_seed, capture=into)
+        localize_layouts([*common, *replay], seed, chosen, out / "localize", precision, capture)
     return all(r.passed for r in results)
 
 
@@ -342,9 +345,12 @@ def floor_notice(fixed: Tolerance, tol: Tolerance, floor: Result, precision: str
 
 
 def localize_layouts(common: list[str], seed: Path, layouts: list[tuple[str, list[str], int, bool]],
-                     out: Path, precision: str) -> None:
+                     out: Path, precision: str,
+                     simulated: Callable[[list[str], int, Path], None] | None = None) -> None:
     """Re-run the first step from ``seed`` on one rank and on each layout, capturing every module
-    output and gradient (``debug.capture``), and print where each layout first departs."""
+    output and gradient (``debug.capture``), and print where each layout first departs.
+    ``simulated(layout_args, world, into)``: each layout's step runs as simulated ranks, captured
+    into ``into`` (the reference is still a real rank)."""
     one_step = ["--training.stop_after=1", "--debug.trace_step=1", "--compile.enabled=false",
                 "--checkpoint.final=false", f"--checkpoint.path={seed}"]  # (after a layout's own keys)
     print(f"\nlocalizing: step 1 from the seed, every module output and gradient ({precision})", flush=True)
@@ -357,8 +363,12 @@ def localize_layouts(common: list[str], seed: Path, layouts: list[tuple[str, lis
     for name, layout_args, world, failed in layouts:
         run_dir = out / run_dirname(name)
         captured = out / "capture" / run_dir.name
-        err = _train([*common, *layout_args, *one_step, f"--run.dir={run_dir}",
-                      f"--debug.capture={captured}"], world, out / f"{run_dir.name}.log")
+        if simulated is not None:
+            simulated(layout_args, world, captured)
+            err = ""
+        else:
+            err = _train([*common, *layout_args, *one_step, f"--run.dir={run_dir}",
+                          f"--debug.capture={captured}"], world, out / f"{run_dir.name}.log")
         if err:
             print(f"{name}: its localizing run failed: {err}")
             continue

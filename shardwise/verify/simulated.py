@@ -19,6 +19,7 @@ import dataclasses
 import math
 import resource
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,10 +28,11 @@ import torch
 from shardwise.config.schema import Config, ConfigError
 from shardwise.data.dataset import Batch
 from shardwise.models.transformer import load_full_weights
+from shardwise.observe.capture import StepCapture, plain_copy
 from shardwise.observe.comm import CommTracker, mesh_group_names
 from shardwise.observe.routing import RoutingTrace, routing_trace, token_positions
 from shardwise.ops.cpu_bf16 import use_fp32_gemms_for_bf16
-from shardwise.parallel.dims import Mesh
+from shardwise.parallel.dims import Mesh, ParallelDims
 from shardwise.resolve.preflight import with_data
 from shardwise.resolve.run import ResolvedRun, resolve_run
 from shardwise.runtime.machine import environment_kept
@@ -93,17 +95,19 @@ def check_simulated(run: ResolvedRun) -> None:
 
 
 def train_simulated(cfg: Config, world: int, steps: int, seed: dict[str, torch.Tensor],
-                    ref: dict[str, torch.Tensor]) -> SimulatedRun:
+                    ref: dict[str, torch.Tensor], capture: Path | None = None) -> SimulatedRun:
     """Train ``steps`` steps of ``cfg`` (a layout of ``world`` ranks) as simulated ranks from the
-    ``seed`` weights; compare every rank's final parameters with ``ref``'s. The calling process's
+    ``seed`` weights; compare every rank's final parameters with ``ref``'s. ``capture``: step 1's
+    module outputs and gradients are written there, one file per simulated rank, as
+    ``debug.capture`` writes a real rank's (``verify --localize``). The calling process's
     environment is left as it was (a rank's setup writes variables into its own: deterministic
     cuBLAS, torch's compile cache)."""
     with environment_kept():
-        return _train_simulated(cfg, world, steps, seed, ref)
+        return _train_simulated(cfg, world, steps, seed, ref, capture)
 
 
 def _train_simulated(cfg: Config, world: int, steps: int, seed: dict[str, torch.Tensor],
-                     ref: dict[str, torch.Tensor]) -> SimulatedRun:
+                     ref: dict[str, torch.Tensor], capture: Path | None) -> SimulatedRun:
     if cfg.compile.enabled == "auto":  # (a long run's auto would compile: simulated ranks run eager)
         cfg = dataclasses.replace(cfg, compile=dataclasses.replace(cfg.compile, enabled=False))
     run = resolve_run(cfg, world, detect_device=False)
@@ -115,7 +119,7 @@ def _train_simulated(cfg: Config, world: int, steps: int, seed: dict[str, torch.
         run.dims.build_mesh("cpu")
         slices = simulate.stage_slices(run.dims.submesh(Mesh.PP))
         # (pipeline parallel: each pipeline rank's slice of ranks trains its own stages, in a thread)
-        parts = simulate.on_ranks(slices, lambda: _train_slice(run, corpus, steps, seed, ref))
+        parts = simulate.on_ranks(slices, lambda: _train_slice(run, corpus, steps, seed, ref, capture))
     losses = [{r: v for p in parts for r, v in p.losses[i].items()} for i in range(steps)]
     seconds = [max(p.seconds[i] for p in parts) for i in range(steps)]
     states = {r: v for p in parts for r, v in p.states.items()}
@@ -169,9 +173,9 @@ class _Slice:
 
 
 def _train_slice(run: ResolvedRun, corpus: object, steps: int, seed: dict[str, torch.Tensor],
-                 ref: dict[str, torch.Tensor]) -> _Slice:
+                 ref: dict[str, torch.Tensor], capture: Path | None) -> _Slice:
     """The trainer's step parts on the simulated ranks of the calling ``LocalTensorMode``, trained
-    ``steps`` steps from ``seed``."""
+    ``steps`` steps from ``seed`` (step 1 captured into ``capture``, if given)."""
     set_determinism(run.cfg.debug.deterministic, run.cfg.training.seed)
     parts = build_step_parts(run, "cpu")
     load_full_weights(parts.model, seed)
@@ -190,6 +194,8 @@ def _train_slice(run: ResolvedRun, corpus: object, steps: int, seed: dict[str, t
                 stack.enter_context(trace.around_step(step, batches, rank_positions(run, per_dp, dp_of)))
             if step == steps:
                 stack.enter_context(tracker)
+            if capture is not None and step == 1:
+                stack.enter_context(RankCapture.around(capture, parts, run, per_dp, dp_of, batches))
             result = train_step(parts.model, parts.optimizer, parts.scheduler, parts.shard(batches), run,
                                 parts.loss, parts.pipe)
         losses.append(simulate.every_rank(result.loss))
@@ -197,6 +203,48 @@ def _train_slice(run: ResolvedRun, corpus: object, steps: int, seed: dict[str, t
     names = set(_trained(parts.model, ref))
     return _Slice(losses, seconds, rank_states(parts.model, parts.optimizer), names,
                   param_error(parts.model, ref, seed), tracker.totals(), _replayed(trace))
+
+
+class RankCapture(StepCapture):
+    """``debug.capture`` of one step on every simulated rank of a slice: each rank's file is the one
+    a real rank of the layout writes (its rows, its sequence positions, its local outputs; the
+    gradients from the rank at coordinate 0 of every dim but the pipeline's)."""
+
+    def _place(self, dims: ParallelDims, seq_len: int, load_balance: bool) -> None:
+        dp_of = simulate.coordinates(dims.submesh(Mesh.DP), 0)
+        tp_of = simulate.coordinates(dims.submesh(Mesh.TP), 0) if dims.tp > 1 else dict.fromkeys(dp_of, 0)
+        with simulate.plain():  # (each rank's own plain tensor; cp is refused under --ranks)
+            self.rank_positions = {r: torch.arange(seq_len).chunk(dims.tp)[tp_of[r]] for r in dp_of}
+        self.positions = next(iter(self.rank_positions.values()))  # (the hook's length check)
+        self.writers = {r for r in dp_of if dp_of[r] == 0 and tp_of[r] == 0}
+        self.writes_grads, self.rank_rows = True, {}  # (a gradient's gather is every rank's collective)
+
+    def _keep(self, t: torch.Tensor) -> torch.Tensor:
+        return t.detach()
+
+    def _save(self) -> None:
+        def mine(t: torch.Tensor, r: int) -> torch.Tensor:
+            return plain_copy(simulate.every_rank_tensor(t)[r]).clone()  # (not the storage it views)
+        for r, positions in self.rank_positions.items():
+            with simulate.plain():
+                torch.save({"rows": self.rank_rows[r], "positions": positions,
+                            "outputs": [(n, c, mine(t, r)) for n, c, t in self.outputs],
+                            "grads": {n: (mine(g, r), d) for n, (g, d) in self.grads.items()}
+                            if r in self.writers else {}}, self.out / f"rank{r}.pt")
+
+    @classmethod
+    @contextlib.contextmanager
+    def around(cls, out: Path, parts: object, run: ResolvedRun, per_dp: dict[int, list[Batch]],
+               dp_of: dict[int, int], batches: list[Batch]) -> Iterator[None]:
+        """Capture the step of ``batches`` (each rank's rows from its data-parallel rank's)."""
+        cap = cls(out, parts.model, parts.optimizer, run.dims, run.cfg.training.seq_len, run.model.dim,
+                  run.cfg.parallel.cp_load_balance, rank=-1)
+        cap.rank_rows = {r: [(b.first_row, b.inputs.shape[0]) for b in per_dp[d]] for r, d in dp_of.items()}
+        try:
+            with cap.around_step(batches):
+                yield
+        finally:
+            cap.close()
 
 
 def _routing_trace(run: ResolvedRun, model: torch.nn.Module) -> RoutingTrace | None:

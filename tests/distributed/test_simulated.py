@@ -157,18 +157,25 @@ def test_verify_ranks_64_passes_the_debug_presets_widest_layout(tmp_path: Path, 
 
 def test_a_layout_fault_fails_the_simulated_verify(tmp_path: Path, data_cache: str):
     """A planted fault (block 1's FSDP unit reduces its gradients doubled) fails ``verify --ranks 2``
-    (one step of sequences of 128), where the layouts above pass: the simulated comparison can fail."""
+    (one step of sequences of 128), where the layouts above pass: the simulated comparison can fail,
+    and localizing it on the same simulated ranks names block 1's gradients."""
     proc = _faulty_verify(tmp_path, data_cache, 2, "dp_shard=2", "fsdp_unit_grad_scale")
     assert re.search(r"^\| dp_shard=2 \| 2 \|.*\| FAIL \|$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^dp_shard=2: first difference at the gradient of layers\.1\.\S+: "
+                     r"relative 1\.00e\+00 .*split over dp_shard$", proc.stdout, re.M), proc.stdout
 
 
 def test_a_pipeline_split_that_loses_the_remainder_blocks_fails_naming_one(tmp_path: Path, data_cache: str):
     """A planted split that gives 4 stages 6 // 4 = 1 block each (blocks 4 and 5 held by no stage)
-    fails ``verify --ranks 4 --layouts pp=4`` and names a parameter no rank holds."""
+    fails ``verify --ranks 4 --layouts pp=4``, names a parameter no rank holds, and its localizing
+    names block 4 as held by no rank."""
     proc = _faulty_verify(tmp_path, data_cache, 4, "pp=4", "pp_drop_remainder")
     assert re.search(r"^\| pp=4,dp_shard=1 \| 4 \|.*\| FAIL \|$", proc.stdout, re.M), proc.stdout
     assert re.search(r"largest parameter gap at layers\.[45]\.\S+ \(held by no rank; 2\d missing\)",
                      proc.stdout), proc.stdout
+    # localized on the same simulated ranks: the first module of block 4 runs on no stage
+    assert re.search(r"^pp=4,dp_shard=1: first difference at the output of layers\.4\.attention_norm: "
+                     r"relative inf .*; held by no rank$", proc.stdout, re.M), proc.stdout
 
 
 
@@ -217,11 +224,17 @@ def test_every_rank_of_the_405b_plan_holds_the_planners_states(ranks: int):
 def test_a_gradient_never_summed_over_dp_replicate_fails_hsdp_and_only_hsdp(tmp_path: Path, data_cache: str):
     """Planted: FSDP reduce-scatters each gradient over dp_shard, but HSDP's all-reduce over
     dp_replicate never runs. With dp_replicate=1 there is nothing to miss: dp_shard=8 passes; on
-    dp_replicate=2 x dp_shard=4 each replica steps on half the batch and the layout fails."""
+    dp_replicate=2 x dp_shard=4 each replica steps on half the batch and the layout fails.
+    ``--localize`` on the same 8 simulated ranks: every output and gradient of dp_shard=8 agrees
+    (each rank's capture placed by its own rows), and HSDP's first difference is a gradient."""
     proc = _faulty_verify(tmp_path, data_cache, 8, "dp_shard=8 dp_replicate=2,dp_shard=4",
-                          "hsdp_skip_replicate", steps=2)
+                          "hsdp_skip_replicate", "--localize", steps=2)
     assert re.search(r"^\| dp_shard=8 \| 8 \|.*\| PASS \|$", proc.stdout, re.M), proc.stdout
     assert re.search(r"^\| dp_replicate=2,dp_shard=4 \| 8 \|.*\| FAIL \|$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^dp_shard=8: every module output and gradient of step 1 agrees", proc.stdout, re.M), \
+        proc.stdout
+    assert re.search(r"^dp_replicate=2,dp_shard=4: first difference at the gradient of output\.weight: "
+                     r"relative [1-9]\.\d+e-01 ", proc.stdout, re.M), proc.stdout  # (backward's first)
 
 
 def test_experts_placed_by_modulo_against_weights_cut_in_blocks_fail_only_with_two_a_rank(
@@ -233,6 +246,9 @@ def test_experts_placed_by_modulo_against_weights_cut_in_blocks_fail_only_with_t
                           *MOE_ARGS, config="moe-debug.toml", steps=2, seq=64)
     assert re.search(r"^\| dp_shard=4,ep=4 \| 4 \|.*\| PASS \|$", proc.stdout, re.M), proc.stdout
     assert re.search(r"^\| dp_shard=4,ep=2 \| 4 \|.*\| FAIL \|$", proc.stdout, re.M), proc.stdout
+    # localized: block 1's routed feed-forward (block 0 is dense), where tokens meet the wrong weights
+    assert re.search(r"^dp_shard=4,ep=2: first difference at the output of layers\.1\.feed_forward: .*"
+                     r"ep \(experts, in routed feed-forwards\)$", proc.stdout, re.M), proc.stdout
 
 
 def _planned_405b(world: int, *degrees: str) -> Config:

@@ -142,6 +142,13 @@ HOW: dict[str, Check] = {
     "--steps 2 --training.mixed_precision=fp32": covered(
         "tests/distributed/test_simulated.py::"
         "test_simulated_ranks_train_what_the_real_processes_of_the_layout_train", Check(VERIFY)),
+    # (localized on simulated ranks: the same layouts with HSDP's replicate all-reduce planted away)
+    "shardwise verify --config configs/debug.toml --ranks 8 --layouts dp_shard=8 dp_replicate=2,dp_shard=4 "
+    "--steps 2 --training.mixed_precision=fp32 --localize": covered(
+        "tests/distributed/test_simulated.py::"
+        "test_a_gradient_never_summed_over_dp_replicate_fails_hsdp_and_only_hsdp",
+        Check(VERIFY, shows=(r"dp_shard=8: every module output and gradient of step 1 agrees",
+                     r"dp_replicate=2,dp_shard=4: every module output and gradient of step 1 agrees"))),
     # (the narrowed model's overrides are the unit test's; verify --ranks over TP x FSDP the 64-rank one's)
     "shardwise verify --config configs/debug.toml --ranks 8 --shrink --layouts dp_shard=2,tp=4 --steps 2 "
     "--training.mixed_precision=fp32": covered(
