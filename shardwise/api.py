@@ -7,6 +7,8 @@
     model.generate("In the beginning")
     model.generate([{"role": "user", "content": "Who made the light?"}])   # on its chat template
     best = shardwise.plan(model="8b", nproc=64, hardware="h100").best   # the planner's best layout
+    v = shardwise.verify("configs/debug.toml", ranks=64, layouts=["pp=2,dp_shard=4,tp=8"], steps=2)
+    v.passed, v.results[0].loss_rel                                    # every layout vs one rank
 
 Each call runs what the command runs, in this process (``nproc`` local ranks for ``train``), and
 speaks through the ``shardwise`` logger (shardwise/config/notice.py): set its level to silence it.
@@ -21,7 +23,7 @@ from typing import Any
 
 from shardwise.config.schema import ConfigError, read_config
 
-__all__ = ["ConfigError", "Model", "Plan", "Run", "load", "plan", "train"]
+__all__ = ["ConfigError", "Model", "Plan", "Run", "load", "plan", "train", "verify"]
 
 
 @dataclass(frozen=True)
@@ -185,3 +187,31 @@ def plan(config: str | Path | None = None, *, nproc: int, model: str | dict[str,
         notice(n)
     return Plan(list(result.top), result.considered, len(result.ranked), planning.table(result),
                 "" if result.top else planning.why_nothing(result), planning)
+
+
+def verify(config: str | Path | None = None, *, layouts: list[str] | None = None, nproc: int | None = None,
+           ranks: int | None = None, steps: int = 20, shrink: bool | int = False, shrink_experts: int = 1,
+           localize: bool = False, moe_routing: str = "replay", out: str | Path = "runs/verify",
+           **sections: Any) -> Any:  # noqa: ANN401 - a shardwise.verify.parity.Verification
+    """``shardwise verify``: the one-rank reference and each of ``layouts`` (degree lists such as
+    ``"tp=2,dp_shard=2"``) trained ``steps`` steps from one seed and compared, as real local ranks
+    (``nproc``) or simulated ones in this process (``ranks``); ``shrink`` narrows the model (True: the
+    largest power of two, or N-fold), ``localize`` names where every layout departs, and each
+    section's fields are given as a dict as in :func:`train` (``model="NAME"``: a preset). Returns the
+    ``Verification``: ``.passed``, ``.results`` (per layout: ``loss_rel``, ``param_rel``,
+    ``passed``), ``.tolerance`` and ``.out``; the table is printed as the command prints it."""
+    from shardwise.cli import parse
+    from shardwise.config.notice import notice
+
+    preset = sections.pop("model") if isinstance(sections.get("model"), str) else None
+    argv = ["verify", *(["--config", str(config)] if config is not None else []),
+            *(["--model", preset] if preset else []),
+            *(["--layouts", *layouts] if layouts else []), *(["--nproc", str(nproc)] if nproc else []),
+            *(["--ranks", str(ranks)] if ranks is not None else []), "--steps", str(steps),
+            *(["--shrink", *([] if shrink is True else [str(shrink)])] if shrink else []),
+            "--shrink-experts", str(shrink_experts), *(["--localize"] if localize else []),
+            "--moe-routing", moe_routing, "--out", str(out), *_flags(sections)]
+    command, args, rest = parse(argv)
+    if args.model_note:
+        notice(args.model_note)
+    return command.verification(args, rest)

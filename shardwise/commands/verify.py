@@ -4,10 +4,14 @@ losses and parameters against stated tolerances."""
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from shardwise.commands.common import add_model, add_nproc, load_resolved
 from shardwise.config.outputs import check_folder
 from shardwise.config.schema import ConfigError
+
+if TYPE_CHECKING:
+    from shardwise.verify.parity import Verification
 
 NAME = "verify"
 SUMMARY = "prove layouts match the 1-rank run"
@@ -56,6 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
+    return 0 if verification(args, overrides).passed else 1
+
+
+def verification(args: argparse.Namespace, overrides: list[str]) -> Verification:
+    """The checked flags' layouts verified (what :func:`run` prints, as an object)."""
     from pathlib import Path
 
     from shardwise.resolve.checks import load_config
@@ -95,8 +104,8 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
     check_folder(args.out, "--out")
     from shardwise.verify.parity import verify_layouts
 
-    return 0 if verify_layouts(base, args.config, overrides, layouts, args.steps, Path(args.out),
-                       args.moe_routing, args.localize, simulated=args.ranks is not None) else 1
+    return verify_layouts(base, args.config, overrides, layouts, args.steps, Path(args.out), args.moe_routing,
+                          args.localize, simulated=args.ranks is not None)
 
 
 def _shrunk(config: str | None, overrides: list[str], factor: int, experts: int) -> list[str]:

@@ -78,6 +78,25 @@ class Result:
     """MoE: {tokens, differ, max_gap} of the replay (see shardwise/observe/routing.py)."""
 
 
+@dataclass(frozen=True)
+class Verification:
+    """What ``shardwise verify`` found: every layout's distance from the reference and its verdict."""
+
+    results: list[Result]
+    """One per layout, in the order given."""
+    tolerance: Tolerance
+    """The bounds each layout was judged against (in bf16, raised to the noise floor's)."""
+    floor: Result | None
+    """The run's own noise floor, where it was measured (bf16; fp32 when a layout was past the
+    parameter bound alone)."""
+    out: Path
+    """The runs, their logs and the loss overlay plot."""
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.results)
+
+
 def _train(args: list[str], nproc: int, log: Path) -> str:
     """Run ``shardwise train``; return '' on success, else the last error line."""
     cmd = [sys.executable, "-m", "shardwise", "train", *args] + ([f"--nproc={nproc}"] if nproc > 1 else [])
@@ -110,8 +129,8 @@ def update_error(p: dict[str, torch.Tensor], p_ref: dict[str, torch.Tensor],
 
 def verify_layouts(base: Config, config: str | None, overrides: list[str], layouts: list[str], steps: int,
            out: Path, moe_routing: str = "replay", localize_all: bool = False, simulated: bool = False
-           ) -> bool:
-    """Run the reference and every layout; print the table; return True if all pass. ``base``: the
+           ) -> Verification:
+    """Run the reference and every layout; print the table; return the verdicts. ``base``: the
     config (``config`` with ``overrides``) of the reference run, loaded and checked by the caller.
     ``moe_routing``: replay the reference's expert choices in MoE layouts, or route freely. In bf16
     the bounds are at least :data:`FLOOR_FACTOR` times the run's own noise floor
@@ -182,7 +201,7 @@ def verify_layouts(base: Config, config: str | None, overrides: list[str], layou
                 cfg = load_config(config, [*settings, *replay, *layout_args, "--training.stop_after=1"])
                 train_simulated(cfg, world, 1, compare.p_seed, compare.p_seed, capture=into)
         localize_layouts([*common, *replay], seed, chosen, out / "localize", precision, capture)
-    return all(r.passed for r in results)
+    return Verification(results, tol, floor, out)
 
 
 def _meets(r: Result, tol: Tolerance, params: bool = True) -> bool:

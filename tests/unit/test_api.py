@@ -25,11 +25,14 @@ TINY = {"model": {"qk_norm": False, "dim": 64, "n_layers": 2, "n_heads": 4, "n_k
 
 def test_import_shardwise_and_its_api_stay_light_until_a_call():
     code = ("import sys, shardwise; light = 'torch' not in sys.modules; f = shardwise.train; "
-            "print(light, callable(f), callable(shardwise.plan), 'torch' in sys.modules); "
-            # the planner's package keeps its modules and stays the call once they are imported
-            "import shardwise.plan.search as s; print(callable(shardwise.plan), s.plan.__name__)")
+            "print(light, callable(f), callable(shardwise.plan), callable(shardwise.verify), "
+            "'torch' in sys.modules); "
+            # the planner's and verify's packages keep their modules and stay the calls once imported
+            "import shardwise.plan.search as s; import shardwise.verify.shrink as v; "
+            "print(callable(shardwise.plan), s.plan.__name__, callable(shardwise.verify), v.__name__)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["True", "True", "True", "False", "True", "plan"]
+    assert out.stdout.split() == ["True", "True", "True", "True", "False", "True", "plan", "True",
+                                  "shardwise.verify.shrink"]
 
 
 def test_train_read_load_generate_and_silence_from_python(tmp_path: Path, data_cache: str, capsys):
@@ -112,3 +115,22 @@ def test_plan_from_python_is_the_plan_command(tmp_path: Path):
     assert none.best is None and none.why_nothing and none.estimates == []
     with pytest.raises(shardwise.ConfigError, match="nothing to write"):
         none.write(tmp_path / "none.toml")
+
+
+def test_verify_from_python_returns_each_layouts_verdict(tmp_path: Path, data_cache: str, capsys):
+    """``shardwise.verify`` on 2 simulated ranks: the passing layout and one with its learning rate
+    off by a half, as objects (the command's table printed too); a bad value is the command's
+    one-line message as an exception, before any run."""
+    import shardwise
+
+    sections = {**TINY, "data": {"cache_dir": data_cache}}
+    v = shardwise.verify(ROOT / "configs" / "debug.toml", ranks=2, steps=2, out=tmp_path / "v",
+                         layouts=["dp_shard=2", "dp_shard=2,optimizer.lr=0.0015"], **sections)
+    ok, off = v.results
+    assert (ok.layout, ok.ranks, ok.passed) == ("dp_shard=2", 2, True) and ok.loss_rel <= v.tolerance.loss_rel
+    assert not off.passed and off.param_rel > v.tolerance.param_rel and not v.passed
+    assert v.out == tmp_path / "v" and (v.out / "loss_overlay.png").exists()
+    assert "| dp_shard=2 | 2 |" in capsys.readouterr().out
+    with pytest.raises(shardwise.ConfigError, match="--ranks must be 2..1024"):
+        shardwise.verify(ranks=1, out=tmp_path / "none")
+    assert not (tmp_path / "none").exists()
