@@ -37,7 +37,7 @@ from shardwise.resolve.preflight import with_data
 from shardwise.resolve.run import ResolvedRun, resolve_run
 from shardwise.runtime.machine import environment_kept
 from shardwise.trainer import simulate
-from shardwise.trainer.session import build_loader, build_step_parts, open_run_corpus
+from shardwise.trainer.session import StepParts, build_loader, build_step_parts, open_run_corpus
 from shardwise.trainer.train import set_determinism, train_step
 from shardwise.verify.distance import tensor_update_error, update_sums
 
@@ -234,7 +234,7 @@ class RankCapture(StepCapture):
 
     @classmethod
     @contextlib.contextmanager
-    def around(cls, out: Path, parts: object, run: ResolvedRun, per_dp: dict[int, list[Batch]],
+    def around(cls, out: Path, parts: StepParts, run: ResolvedRun, per_dp: dict[int, list[Batch]],
                dp_of: dict[int, int], batches: list[Batch]) -> Iterator[None]:
         """Capture the step of ``batches`` (each rank's rows from its data-parallel rank's)."""
         cap = cls(out, parts.model, parts.optimizer, run.dims, run.cfg.training.seq_len, run.model.dim,
