@@ -263,10 +263,10 @@ def _planned_405b(world: int, *degrees: str) -> Config:
 COMM_LAYOUTS = {
     "tp8_fsdp8": (64, ["--parallel.pp=1", "--parallel.tp=8", "--parallel.dp_shard=8", "--model.n_layers=2",
                        "--training.global_batch=16"]),
+}
+SLOW_COMM_LAYOUTS = {  # (make test keeps under 30 minutes) and the plan's first choice, PP 8 x TP 8 x FSDP 8
     "pp2_interleaved_tp8_fsdp4": (64, ["--parallel.pp=2", "--parallel.tp=8", "--parallel.dp_shard=4",
                                        "--model.n_layers=4", "--training.global_batch=16"]),
-}
-SLOW_COMM_LAYOUTS = {  # the plan's first choice: PP 8 interleaved x TP 8 x FSDP 8
     "405b_plan_512": (512, ["--parallel.pp=8", "--parallel.tp=8", "--parallel.dp_shard=8",
                             "--model.n_layers=16", "--training.global_batch=64"]),
 }
@@ -275,10 +275,10 @@ SLOW_COMM_LAYOUTS = {  # the plan's first choice: PP 8 interleaved x TP 8 x FSDP
 @pytest.mark.parametrize("layout", [*COMM_LAYOUTS, *(pytest.param(k, marks=pytest.mark.slow)
                                                       for k in SLOW_COMM_LAYOUTS)])
 def test_the_planners_collectives_are_what_the_simulated_ranks_issue(layout: str):
-    """The 405B model shrunk, on 64 simulated ranks (and the plan's 512 in make test-all): each
-    pipeline rank's first rank issues, in the second step, the bytes per mesh dim and collective the
-    planner's table gives that pipeline rank (``--debug.comm``'s measure, as test_plan_measured.py
-    holds the planner to real gloo ranks)."""
+    """The 405B model shrunk, on 64 simulated ranks (PP 2 x TP 8 x FSDP 4 and the plan's 512 in make
+    test-all): each pipeline rank's first rank issues, in the second step, the bytes per mesh dim and
+    collective the planner's table gives that pipeline rank (``--debug.comm``'s measure, as
+    test_plan_measured.py holds the planner to real gloo ranks)."""
     world, degrees = {**COMM_LAYOUTS, **SLOW_COMM_LAYOUTS}[layout]
     cfg = _planned_405b(world, *degrees)
     model = build_model(resolve_model(cfg), device="cpu")
