@@ -199,7 +199,7 @@ def verify_layouts(base: Config, config: str | None, overrides: list[str], layou
         if simulated:  # (each layout's step 1 on its simulated ranks, from the same seed)
             def capture(layout_args: list[str], world: int, into: Path) -> None:
                 cfg = load_config(config, [*settings, *replay, *layout_args, "--training.stop_after=1"])
-                train_simulated(cfg, world, 1, compare.p_seed, compare.p_seed, capture=into)
+                train_simulated(cfg, world, 1, compare.p_seed, None, capture=into)
         localize_layouts([*common, *replay], seed, chosen, out / "localize", precision, capture)
     return Verification(results, tol, floor, out)
 

@@ -95,9 +95,10 @@ def check_simulated(run: ResolvedRun) -> None:
 
 
 def train_simulated(cfg: Config, world: int, steps: int, seed: dict[str, torch.Tensor],
-                    ref: dict[str, torch.Tensor], capture: Path | None = None) -> SimulatedRun:
+                    ref: dict[str, torch.Tensor] | None, capture: Path | None = None) -> SimulatedRun:
     """Train ``steps`` steps of ``cfg`` (a layout of ``world`` ranks) as simulated ranks from the
-    ``seed`` weights; compare every rank's final parameters with ``ref``'s. ``capture``: step 1's
+    ``seed`` weights; compare every rank's final parameters with ``ref``'s (None: not compared, as
+    for a capture alone). ``capture``: step 1's
     module outputs and gradients are written there, one file per simulated rank, as
     ``debug.capture`` writes a real rank's (``verify --localize``). The calling process's
     environment is left as it was (a rank's setup writes variables into its own: deterministic
@@ -107,7 +108,7 @@ def train_simulated(cfg: Config, world: int, steps: int, seed: dict[str, torch.T
 
 
 def _train_simulated(cfg: Config, world: int, steps: int, seed: dict[str, torch.Tensor],
-                     ref: dict[str, torch.Tensor], capture: Path | None) -> SimulatedRun:
+                     ref: dict[str, torch.Tensor] | None, capture: Path | None) -> SimulatedRun:
     if cfg.compile.enabled == "auto":  # (a long run's auto would compile: simulated ranks run eager)
         cfg = dataclasses.replace(cfg, compile=dataclasses.replace(cfg.compile, enabled=False))
     run = resolve_run(cfg, world, detect_device=False)
@@ -124,7 +125,7 @@ def _train_simulated(cfg: Config, world: int, steps: int, seed: dict[str, torch.
     seconds = [max(p.seconds[i] for p in parts) for i in range(steps)]
     states = {r: v for p in parts for r, v in p.states.items()}
     worst = max((p.worst for p in parts), key=lambda w: w[0])
-    if missing := sorted(set(ref) - {n for p in parts for n in p.names}):
+    if missing := sorted(set(ref or {}) - {n for p in parts for n in p.names}):
         # (a stage split that lost a block, say: no rank trains these)
         worst = (math.inf, f"{missing[0]} (held by no rank; {len(missing)} missing)")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # (KiB on Linux)
@@ -173,7 +174,7 @@ class _Slice:
 
 
 def _train_slice(run: ResolvedRun, corpus: object, steps: int, seed: dict[str, torch.Tensor],
-                 ref: dict[str, torch.Tensor], capture: Path | None) -> _Slice:
+                 ref: dict[str, torch.Tensor] | None, capture: Path | None) -> _Slice:
     """The trainer's step parts on the simulated ranks of the calling ``LocalTensorMode``, trained
     ``steps`` steps from ``seed`` (step 1 captured into ``capture``, if given)."""
     set_determinism(run.cfg.debug.deterministic, run.cfg.training.seed)
@@ -200,9 +201,10 @@ def _train_slice(run: ResolvedRun, corpus: object, steps: int, seed: dict[str, t
                                 parts.loss, parts.pipe)
         losses.append(simulate.every_rank(result.loss))
         seconds.append(time.perf_counter() - t0)
-    names = set(_trained(parts.model, ref))
-    return _Slice(losses, seconds, rank_states(parts.model, parts.optimizer), names,
-                  param_error(parts.model, ref, seed), tracker.totals(), _replayed(trace))
+    names = set(_trained(parts.model, ref or {}))
+    worst = param_error(parts.model, ref, seed) if ref is not None else (0.0, "not compared")
+    return _Slice(losses, seconds, rank_states(parts.model, parts.optimizer), names, worst,
+                  tracker.totals(), _replayed(trace))
 
 
 class RankCapture(StepCapture):
@@ -212,7 +214,7 @@ class RankCapture(StepCapture):
 
     def _place(self, dims: ParallelDims, seq_len: int, load_balance: bool) -> None:
         dp_of = simulate.coordinates(dims.submesh(Mesh.DP), 0)
-        tp_of = simulate.coordinates(dims.submesh(Mesh.TP), 0) if dims.tp > 1 else dict.fromkeys(dp_of, 0)
+        tp_of = _tp_of(dims, dp_of)
         with simulate.plain():  # (each rank's own plain tensor; cp is refused under --ranks)
             self.rank_positions = {r: torch.arange(seq_len).chunk(dims.tp)[tp_of[r]] for r in dp_of}
         self.positions = next(iter(self.rank_positions.values()))  # (the hook's length check)
@@ -262,8 +264,7 @@ def rank_positions(run: ResolvedRun, per_dp: dict[int, list[Batch]], dp_of: dict
     """Each micro-batch's token positions in the global batch as one simulated tensor: rank r's are
     its data-parallel rank's rows, cut to its tensor-parallel sequence shard, the tokens an MoE block
     routes there ((B, S / tp) per rank; a real rank's trace cuts them as it routes)."""
-    tp = run.dims.tp
-    tp_of = simulate.coordinates(run.dims.submesh(Mesh.TP), 0) if tp > 1 else dict.fromkeys(dp_of, 0)
+    tp, tp_of = run.dims.tp, _tp_of(run.dims, dp_of)
     out, seq, cpu = [], run.cfg.training.seq_len, torch.device("cpu")
     for i, first in enumerate(next(iter(per_dp.values()))):
         rows = first.inputs.shape[0]
@@ -272,6 +273,11 @@ def rank_positions(run: ResolvedRun, per_dp: dict[int, list[Batch]], dp_of: dict
                    for r, d in dp_of.items()}
         out.append(simulate.from_ranks(own))
     return out
+
+
+def _tp_of(dims: ParallelDims, ranks: dict[int, int]) -> dict[int, int]:
+    """{simulated rank: its tensor-parallel index} for ``ranks``' keys (0 without TP)."""
+    return simulate.coordinates(dims.submesh(Mesh.TP), 0) if dims.tp > 1 else dict.fromkeys(ranks, 0)
 
 
 def _replayed(trace: RoutingTrace | None) -> dict | None:
