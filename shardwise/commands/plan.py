@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardwise.commands.common import add_model, add_nproc, add_overwrite, load_resolved, need_nproc
@@ -145,7 +146,7 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
         return 1
     from shardwise.plan.search import layout_toml, run_command
 
-    if args.verify and not verified(result.top[0]):
+    if args.verify and not verified(result.top[0], verify_folder(args.out)):
         print("plan --verify: the best layout failed its simulated verify (above); no plan written",
               file=sys.stderr)
         return 1
@@ -165,12 +166,16 @@ sequences (the layout's cut does not depend on their length; the planned ones wo
 on this machine's CPU whatever the hardware planned for (simulated ranks are one process's)."""
 
 
-def verified(est: Estimate) -> bool:
-    """Whether ``est``'s layout passes ``shardwise verify --ranks`` (its own config, written to a
-    scratch folder, as the layout): verify's report is printed as it runs."""
+def verify_folder(out: str) -> Path:
+    """Where ``plan --verify`` keeps its verify runs: beside the plan (``plan.toml`` ->
+    ``plan-verify/``), or ``runs/plan-verify`` when none is written."""
+    return Path(out).with_name(Path(out).stem + "-verify") if out else Path("runs") / "plan-verify"
+
+
+def verified(est: Estimate, folder: Path) -> bool:
+    """Whether ``est``'s layout passes ``shardwise verify --ranks`` (its own config, written into
+    ``folder`` as ``layout.toml``, with verify's runs): verify's report is printed as it runs."""
     import subprocess
-    import tempfile
-    from pathlib import Path
 
     from shardwise.parallel.dims import DEGREES
     from shardwise.plan.search import layout_toml
@@ -178,9 +183,9 @@ def verified(est: Estimate) -> bool:
     par = est.cfg.parallel
     layout = ",".join(f"{k}={getattr(par, k)}" for k in DEGREES if getattr(par, k) > 1)
     print(f"plan --verify: {layout} as {est.layout.world} simulated ranks ...", flush=True)
-    with tempfile.TemporaryDirectory(prefix="shardwise-plan-verify-") as tmp:
-        path = Path(tmp) / "plan.toml"
-        path.write_text(layout_toml(est, str(path)))
-        cmd = [sys.executable, "-m", "shardwise", "verify", "--config", str(path), "--ranks",
-               str(est.layout.world), "--layouts", layout, *VERIFY_SETTINGS, "--out", f"{tmp}/verify"]
-        return subprocess.run(cmd).returncode == 0
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "layout.toml"
+    path.write_text(layout_toml(est, str(path)))
+    cmd = [sys.executable, "-m", "shardwise", "verify", "--config", str(path), "--ranks",
+           str(est.layout.world), "--layouts", layout, *VERIFY_SETTINGS, "--out", str(folder / "runs")]
+    return subprocess.run(cmd).returncode == 0

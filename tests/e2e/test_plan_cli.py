@@ -126,6 +126,8 @@ def test_plan_verify_writes_only_a_layout_that_passes_on_simulated_ranks(tmp_pat
     assert layout and "dp_shard" in layout[1], ok.stdout
     assert re.search(rf"^\| {re.escape(layout[1])} \| 4 \|.*\| PASS \|$", ok.stdout, re.M), ok.stdout
     assert (tmp_path / "ok.toml").exists()
+    assert f"logs and runs under {tmp_path / 'ok-verify' / 'runs'}" in ok.stdout  # (kept beside the plan)
+    assert (tmp_path / "ok-verify" / "runs" / "loss_overlay.png").exists()
     bad = run_cli([*args, "--out", str(tmp_path / "bad.toml")], timeout=600, check=False,
                   fault="fsdp_unit_grad_scale")
     assert bad.returncode == 1 and re.search(r"\| 4 \|.*\| FAIL \|$", bad.stdout, re.M), bad.stdout
