@@ -1,8 +1,8 @@
 """shardwise: PyTorch-native N-D parallel training of transformer language models.
 
-``shardwise.train``, ``shardwise.load``, ``shardwise.plan`` and ``shardwise.verify`` (shardwise/api.py)
-are the commands as Python calls; they load torch when first used, so ``import shardwise`` stays
-light."""
+``shardwise.train``, ``load``, ``plan``, ``verify``, ``estimate``, ``eval``, ``prepare``, ``convert`` and
+``download`` (shardwise/api.py) are the commands as Python calls; they load torch when first used, so
+``import shardwise`` stays light."""
 
 import types
 
@@ -11,7 +11,8 @@ from shardwise import verify as _verify_package
 
 __version__ = "0.1.0"
 
-_API = ("train", "load", "Run", "Model", "Plan", "ConfigError")
+_API = ("train", "load", "estimate", "eval", "prepare", "convert", "download", "Run", "Model", "Plan",
+        "Evaluation", "Prepared", "Converted", "Downloaded", "ConfigError")
 
 
 class _CallablePackage(types.ModuleType):

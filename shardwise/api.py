@@ -9,6 +9,11 @@
     best = shardwise.plan(model="8b", nproc=64, hardware="h100").best   # the planner's best layout
     v = shardwise.verify("configs/debug.toml", ranks=64, layouts=["pp=2,dp_shard=4,tp=8"], steps=2)
     v.passed, v.results[0].loss_rel                                    # every layout vs one rank
+    shardwise.estimate(model="8b", nproc=8, parallel={"tp": 2}).peak   # one layout's per-rank bytes
+    shardwise.eval(run.dir).loss                                       # held-out loss of its latest step
+    shardwise.prepare("configs/debug.toml", data={"path": "corpus/"})  # each source's shards and tokens
+    shardwise.convert(to_hf=run.dir, out="hf-out").files               # or from_hf=..., out="ckpt/x"
+    shardwise.download("Qwen/Qwen3-0.6B").folder                       # into the Hugging Face cache
 
 Each call runs what the command runs, in this process (``nproc`` local ranks for ``train``), and
 speaks through the ``shardwise`` logger (shardwise/config/notice.py): set its level to silence it.
@@ -23,7 +28,8 @@ from typing import Any
 
 from shardwise.config.schema import ConfigError, read_config
 
-__all__ = ["ConfigError", "Model", "Plan", "Run", "load", "plan", "train", "verify"]
+__all__ = ["ConfigError", "Converted", "Downloaded", "Evaluation", "Model", "Plan", "Prepared", "Run",
+           "convert", "download", "estimate", "eval", "load", "plan", "prepare", "train", "verify"]
 
 
 @dataclass(frozen=True)
@@ -200,18 +206,176 @@ def verify(config: str | Path | None = None, *, layouts: list[str] | None = None
     section's fields are given as a dict as in :func:`train` (``model="NAME"``: a preset). Returns the
     ``Verification``: ``.passed``, ``.results`` (per layout: ``loss_rel``, ``param_rel``,
     ``passed``), ``.tolerance`` and ``.out``; the table is printed as the command prints it."""
-    from shardwise.cli import parse
-    from shardwise.config.notice import notice
-
-    preset = sections.pop("model") if isinstance(sections.get("model"), str) else None
-    argv = ["verify", *(["--config", str(config)] if config is not None else []),
-            *(["--model", preset] if preset else []),
+    argv = ["verify", *_preset(config, sections),
             *(["--layouts", *layouts] if layouts else []), *(["--nproc", str(nproc)] if nproc else []),
             *(["--ranks", str(ranks)] if ranks is not None else []), "--steps", str(steps),
             *(["--shrink", *([] if shrink is True else [str(shrink)])] if shrink else []),
             "--shrink-experts", str(shrink_experts), *(["--localize"] if localize else []),
             "--moe-routing", moe_routing, "--out", str(out), *_flags(sections)]
+    command, args, rest = _parsed(argv)
+    return command.verification(args, rest)
+
+
+def _parsed(argv: list[str]) -> tuple[Any, Any, list[str]]:
+    """``argv`` parsed as the command line parses it, its preset's notice said."""
+    from shardwise.cli import parse
+    from shardwise.config.notice import notice
+
     command, args, rest = parse(argv)
     if args.model_note:
         notice(args.model_note)
-    return command.verification(args, rest)
+    return command, args, rest
+
+
+def _preset(config: str | Path | None, sections: dict[str, Any]) -> list[str]:
+    """``--config`` and ``--model NAME`` (``model="NAME"`` among the sections) as flags."""
+    preset = sections.pop("model") if isinstance(sections.get("model"), str) else None
+    return [*(["--config", str(config)] if config is not None else []),
+            *(["--model", preset] if preset else [])]
+
+
+def estimate(config: str | Path | None = None, *, nproc: int, hardware: str = "h100",
+             **sections: Any) -> Any:  # noqa: ANN401 - a shardwise.plan.estimate.Estimate
+    """``shardwise estimate``: one layout of ``config`` (or ``model="NAME"``, a preset) on ``nproc``
+    devices of ``hardware``, each section's fields as a dict as in :func:`train` (the layout in
+    ``parallel={...}``). Returns the ``Estimate``: ``.states`` and ``.memory`` per pipeline rank
+    (bytes), ``.collectives``, ``.time``, ``.peak``, ``.fits``, ``.mfu``."""
+    head = _preset(config, sections)
+    command, args, rest = _parsed(["estimate", *head, "--nproc", str(nproc), "--hardware", hardware,
+                                   *_flags(sections)])
+    return command.estimation(args, rest)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """What ``shardwise eval`` scored: per data source (and ``"all"``, token-weighted) or per
+    lm-evaluation-harness task."""
+
+    checkpoint: Path
+    scores: dict[str, Any]
+    """Source name -> its Score (``.loss``, ``.perplexity``, ``.tokens``, ``.sequences``); ``"all"``
+    is the whole set. Empty with ``tasks``."""
+    tasks: dict[str, dict[str, Any]]
+    """Task -> the harness's metrics (``tasks=``); empty otherwise."""
+    split: str = ""
+    seq_len: int = 0
+
+    @property
+    def loss(self) -> float:
+        """The whole set's mean token loss."""
+        return self.scores["all"].loss
+
+
+def eval(checkpoint: str | Path, *, config: str | Path | None = None, split: str = "auto",
+         nproc: int | None = None, tasks: list[str] | None = None, tasks_path: str = "",
+         limit: int | None = None, num_fewshot: int | None = None, batch_size: int = 16,
+         skip_checksums: bool = False, **sections: Any) -> Evaluation:
+    """``shardwise eval``: ``checkpoint`` (a ``step-<N>`` folder or a run directory) scored on its run's
+    held-out data, or on other data and in any layout through the sections (``data={"path": ...}``,
+    ``parallel={...}``), on ``nproc`` local ranks; or on lm-evaluation-harness ``tasks``. The scores
+    are printed as the command prints them and returned as an :class:`Evaluation`."""
+    import json
+    import tempfile
+
+    from shardwise.cli import main
+    from shardwise.infer.eval_command import Score
+
+    with tempfile.TemporaryDirectory(prefix="shardwise-eval-") as tmp:
+        argv = ["eval", "--checkpoint", str(checkpoint), *(["--config", str(config)] if config else []),
+                "--split", split, *(["--nproc", str(nproc)] if nproc is not None else []),
+                *(["--tasks", ",".join(tasks), "--batch-size", str(batch_size)] if tasks else []),
+                *(["--tasks-path", tasks_path] if tasks_path else []),
+                *(["--limit", str(limit)] if limit is not None else []),
+                *(["--num-fewshot", str(num_fewshot)] if num_fewshot is not None else []),
+                *(["--skip-checksums"] if skip_checksums else []), "--out", f"{tmp}/scores.json",
+                *_flags(sections)]
+        if code := main(argv, raise_errors=True):
+            raise RuntimeError(f"shardwise eval ended with exit code {code} (its messages say why)")
+        record = json.loads(Path(tmp, "scores.json").read_text())
+    scores = {s["name"]: Score(s["name"], s["loss"], s["tokens"], s["sequences"])
+              for s in record.get("scores", [])}
+    return Evaluation(Path(record["checkpoint"]), scores, record.get("tasks", {}), record.get("split", ""),
+                      record.get("seq_len", 0))
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One data source as ``shardwise prepare`` left it: its folder and what its manifest counts."""
+
+    folder: Path
+    shards: int
+    docs: int
+    tokens: int
+    val_docs: int
+    val_tokens: int
+    bad_rows: int
+
+
+def prepare(config: str | Path | None = None, **sections: Any) -> list[Prepared]:
+    """``shardwise prepare``: every source of the config's data (``data={"path": ...}``, or
+    ``model="NAME"``'s preset) tokenized into the shards training memory-maps, or resumed where an
+    earlier run stopped. Returns each source's :class:`Prepared`; chat packing notices are said."""
+    import json
+
+    from shardwise.config.notice import notice
+
+    command, args, rest = _parsed(["prepare", *_preset(config, sections), *_flags(sections)])
+    folders, packing = command.prepared(args, rest)
+    for line in packing:
+        notice(line)
+    out = []
+    for folder in folders:
+        m = json.loads((folder / "manifest.json").read_text())
+        out.append(Prepared(folder, m["shards"], m["docs"], m["tokens"], m["val_docs"], m["val_tokens"],
+                            m["bad_rows"]))
+    return out
+
+
+@dataclass(frozen=True)
+class Converted:
+    """What ``shardwise convert`` wrote: an HF folder's safetensors, or a checkpoint and its config."""
+
+    out: Path
+    files: list[Path]
+    """Export: the safetensors files written in ``out`` (beside config.json and the tokenizer)."""
+    toml: Path | None = None
+    """Import: the training config written for the checkpoint (train with ``--config`` it)."""
+
+
+def convert(*, out: str | Path, to_hf: str | Path | None = None, from_hf: str | Path | None = None,
+            dtype: str = "bf16", config: str | Path | None = None, toml: str | Path | None = None,
+            overwrite: bool = False, skip_checksums: bool = False, **sections: Any) -> Converted:
+    """``shardwise convert``: a checkpoint (``to_hf``: a ``step-<N>`` folder or a run directory) to a
+    Hugging Face folder ``out``, or an HF folder (``from_hf``, or a Hub id) to a checkpoint ``out``
+    and its training config (``toml``, default ``<out>.toml``; ``config`` and the sections go into
+    it). An existing ``out`` is refused unless ``overwrite``. Returns the :class:`Converted`."""
+    way = [*(["--to-hf", str(to_hf)] if to_hf is not None else []),
+           *(["--from-hf", str(from_hf)] if from_hf is not None else [])]
+    command, args, rest = _parsed(["convert", *way, "--out", str(out), "--dtype", dtype,
+                                   *(["--config", str(config)] if config is not None else []),
+                                   *(["--toml", str(toml)] if toml is not None else []),
+                                   *(["--overwrite"] if overwrite else []),
+                                   *(["--skip-checksums"] if skip_checksums else []), *_flags(sections)])
+    if args.to_hf:
+        return Converted(Path(out), command.exported(args, rest)[1])
+    return Converted(Path(out), [], command.imported(args, rest)[0])
+
+
+@dataclass(frozen=True)
+class Downloaded:
+    """What ``shardwise download`` fetched: ``kind`` "model" or "dataset", and where it is."""
+
+    ref: str
+    kind: str
+    folder: Path
+
+
+def download(ref: str, *, out: str | Path | None = None, overwrite: bool = False) -> Downloaded:
+    """``shardwise download``: a Hub model (``ORG/NAME[@REVISION]``: config, tokenizer, safetensors) or
+    dataset (``hf://datasets/ORG/NAME[@REVISION][/PATH]``) into the Hugging Face cache, where every
+    command finds it by its id (offline too), or into the folder ``out``. Returns the
+    :class:`Downloaded`."""
+    command, args, rest = _parsed(["download", ref, *(["--out", str(out)] if out is not None else []),
+                                   *(["--overwrite"] if overwrite else [])])
+    kind, folder = command.downloaded(args, rest)
+    return Downloaded(ref, kind, folder)

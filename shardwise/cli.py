@@ -72,6 +72,11 @@ def main(argv: list[str] | None = None, raise_errors: bool = False) -> int:
         if not process.rank_error(f"{prefix}{e}", "config"):
             say(f"shardwise: error: {prefix}{e}", err=True)
         return 2
+    except process.RanksFailed as e:  # (their tracebacks are above; this is the one line)
+        if raise_errors:
+            raise
+        say(f"shardwise: error: {e}", err=True)
+        return 1
     except BrokenPipeError:  # `shardwise plan ... | head`: the reader left; nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1

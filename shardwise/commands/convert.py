@@ -4,6 +4,7 @@ and the training config for it."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from shardwise.commands.common import add_overwrite, add_skip_checksums
 from shardwise.config.outputs import target
@@ -36,35 +37,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_overwrite(p, "--out and --toml")
 
 
-def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
-    from pathlib import Path
-
+def exported(args: argparse.Namespace, overrides: list[str]) -> tuple[Path, list[Path]]:
+    """``--to-hf``: the checkpoint exported (a run directory: its latest); (the checkpoint, the
+    safetensors files written under ``--out``)."""
+    from shardwise.checkpoint import checkpoint_or_latest
     from shardwise.checkpoint import hf as convert
+
+    if overrides or args.config or args.toml:
+        raise ConfigError("convert --to-hf reads the model config from the checkpoint's manifest: "
+                          "drop --config, --toml and overrides")
+    source = Path(args.to_hf)
+    source = checkpoint_or_latest(source) if source.is_dir() else source  # (a run: its latest)
+    where = target(args.out, "--out", args.overwrite)
+    with where.staging() as staging:
+        files = convert.export_hf(source, staging, args.dtype, checksums=not args.skip_checksums)
+    return source, [Path(args.out) / Path(f).name for f in files]  # (the folder's own files)
+
+
+def imported(args: argparse.Namespace, overrides: list[str]) -> tuple[Path, str]:
+    """``--from-hf``: the HF folder imported as a checkpoint at ``--out``, and the training config
+    for it written; (that config's path, the model's preset name or '')."""
+    from shardwise.checkpoint import hf as convert
+    from shardwise.config.types import read_toml
+    from shardwise.models.hf_config import hf_tokenizer
     from shardwise.resolve.checks import load_config
 
-    if args.to_hf:
-        if overrides or args.config or args.toml:
-            raise ConfigError("convert --to-hf reads the model config from the checkpoint's manifest: "
-                              "drop --config, --toml and overrides")
-        from shardwise.checkpoint import checkpoint_or_latest
-
-        source = Path(args.to_hf)
-        source = checkpoint_or_latest(source) if source.is_dir() else source  # (a run: its latest)
-        where = target(args.out, "--out", args.overwrite)
-        with where.staging() as staging:
-            files = convert.export_hf(source, staging, args.dtype,
-                                      checksums=not args.skip_checksums)
-        print(f"exported {source} -> {args.out} ({len(files)} safetensors file(s), {args.dtype})")
-        return 0
     out = Path(args.out)
     toml = Path(args.toml or f"{out}.toml")
     where, where_toml = target(out, "--out", args.overwrite), target(toml, "--toml", args.overwrite,
                                                                      folder=False)
     cfg = load_config(args.config, overrides)
     # The model comes from config.json unless the user named one (a preset or model fields).
-    from shardwise.config.types import read_toml
-    from shardwise.models.hf_config import hf_tokenizer
-
     named = bool(args.config and "model" in read_toml(Path(args.config), "config file")) or any(
         o.startswith("--model.") for o in overrides)
     with where.staging() as staging:
@@ -73,6 +76,15 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
     cfg.checkpoint.path = str(out)
     cfg.data.tokenizer = cfg.data.tokenizer or hf_tokenizer(Path(args.from_hf))  # the model's own
     where_toml.write(cfg.to_toml())
-    print(f"imported {args.from_hf} -> {out} (model {model.name or 'from config.json'}); train from it: "
+    return toml, model.name
+
+
+def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
+    if args.to_hf:
+        source, files = exported(args, overrides)
+        print(f"exported {source} -> {args.out} ({len(files)} safetensors file(s), {args.dtype})")
+        return 0
+    toml, name = imported(args, overrides)
+    print(f"imported {args.from_hf} -> {args.out} (model {name or 'from config.json'}); train from it: "
           f"shardwise train --config {toml}")
     return 0

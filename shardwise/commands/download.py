@@ -4,6 +4,7 @@ machine whose compute nodes have no network."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from shardwise.commands.common import add_overwrite
 
@@ -28,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_overwrite(p, "--out folder")
 
 
-def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
+def downloaded(args: argparse.Namespace, overrides: list[str]) -> tuple[str, Path]:
+    """``args.id`` fetched into the cache (or ``--out``): ("model" or "dataset", where it is)."""
     from shardwise.config.outputs import target
     from shardwise.config.schema import ConfigError
     from shardwise.runtime.hub import download
@@ -36,12 +38,18 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
     if overrides:
         raise ConfigError(f"download takes an id and --out, not config flags ({overrides[0]})")
     if args.out is None:
-        kind, folder = download(args.id)
-        print(f"downloaded {args.id} ({kind}) -> {folder}\nany command finds it by its id, offline too "
-              "(HF_HUB_OFFLINE=1), with the same HF_HOME")
-        return 0
+        return download(args.id)
     where = target(args.out, "--out", args.overwrite)
     with where.staging() as staging:
-        kind, _ = download(args.id, staging)
-    print(f"downloaded {args.id} ({kind}) -> {args.out}")
+        kind, inside = download(args.id, staging)
+    return kind, Path(args.out) / inside.resolve().relative_to(staging.resolve())
+
+
+def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
+    kind, folder = downloaded(args, overrides)
+    if args.out is None:
+        print(f"downloaded {args.id} ({kind}) -> {folder}\nany command finds it by its id, offline too "
+              "(HF_HUB_OFFLINE=1), with the same HF_HOME")
+    else:
+        print(f"downloaded {args.id} ({kind}) -> {args.out}")
     return 0

@@ -32,7 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_overwrite(p, "--json")
 
 
-def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
+def estimation(args: argparse.Namespace, overrides: list[str]):  # noqa: ANN201 - plan.estimate.Estimate
+    """The estimate of ``args``' layout (its one-line notices said), as :func:`run` prints it and
+    ``shardwise.estimate`` returns it."""
     from shardwise.config.notice import notice
     from shardwise.plan.hardware import load_hardware, profile_device
 
@@ -47,10 +49,16 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
     if said := extras.plan_without_float8(cfg):
         notice(said)
     hw = load_hardware(args.hardware, cfg.data.cache_dir)
-    from shardwise.plan.estimate import estimate_json, estimate_run, format_estimate
+    from shardwise.plan.estimate import estimate_run
 
+    return estimate_run(run, hw)
+
+
+def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
     where = target(args.json, "--json", args.overwrite, folder=False) if args.json else None
-    est = estimate_run(run, hw)
+    est = estimation(args, overrides)
+    from shardwise.plan.estimate import estimate_json, format_estimate  # (torch: after the checks)
+
     print(format_estimate(est))
     if where is not None:
         where.write(estimate_json(est))

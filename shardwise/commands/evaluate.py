@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from shardwise.commands.common import add_nproc, add_skip_checksums
+from shardwise.commands.common import add_nproc, add_overwrite, add_skip_checksums
 from shardwise.config import schema as config
 
 NAME = "eval"
@@ -30,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "all of data named by --data.path / --data.sources")
     add_nproc(p, "local ranks to score on (not under torchrun, which sets them)")
     p.add_argument("--json", action="store_true", help="print the scores as JSON")
+    p.add_argument("--out", default="", metavar="FILE", help="also write the scores as JSON to this file")
     p.add_argument("--tasks", default="", help="comma-separated lm-evaluation-harness tasks to score instead "
                    "(on --nproc ranks, batched: --batch-size; needs pip install 'shardwise[eval]')")
     p.add_argument("--tasks-path", default="", help="a folder of task YAML files for --tasks (local data)")
@@ -38,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=16, help="--tasks: log-likelihood requests per forward "
                    "pass (longest first)")
     add_skip_checksums(p)
+    add_overwrite(p, "--out")
 
 
 def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from shardwise.commands.common import add_model
 
@@ -28,9 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "training.seq_len, instead of the summary")
 
 
-def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
-    import json
-
+def prepared(args: argparse.Namespace, overrides: list[str]) -> tuple[list[Path], list[str]]:
+    """Every source of ``args``' data prepared (or resumed): the prepared folders, and for chat data
+    the packing's notices. What :func:`run` reports and ``shardwise.prepare`` returns."""
     from shardwise.data.prepare import prepare
     from shardwise.data.tokenizer import load_tokenizer
     from shardwise.resolve.checks import load_config
@@ -39,19 +40,31 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
     from shardwise.data.dataset import pack_prepared, refuse_synthetic  # (after the checks: imports torch)
 
     refuse_synthetic(cfg.data)
-
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    if args.show_window:
-        from shardwise.data.dataset import open_corpus, show_window
+    folders = prepare(cfg.data, tokenizer)
+    return folders, pack_prepared(cfg.data, tokenizer, cfg.training.seq_len)  # chat: whole conversations
 
+
+def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
+    import json
+
+    if args.show_window:
+        from shardwise.data.dataset import open_corpus, refuse_synthetic, show_window
+        from shardwise.data.tokenizer import load_tokenizer
+        from shardwise.resolve.checks import load_config
+
+        cfg = load_config(args.config, overrides)
+        refuse_synthetic(cfg.data)
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
         corpus = open_corpus(cfg.data, tokenizer)
         print(show_window(corpus, tokenizer, cfg.training.seq_len, args.show_window))
         return 0
-    for where in prepare(cfg.data, tokenizer):
+    folders, packing = prepared(args, overrides)
+    for where in folders:
         m = json.loads((where / "manifest.json").read_text())
         bad = f", {m['bad_rows']:,} bad rows skipped" if m["bad_rows"] else ""
         print(f"{where}: {m['shards']} shard(s), {m['docs']:,} documents and {m['tokens']:,} tokens to "
               f"train on, {m['val_docs']:,} documents and {m['val_tokens']:,} tokens held out{bad}")
-    for line in pack_prepared(cfg.data, tokenizer, cfg.training.seq_len):  # chat: whole conversations
+    for line in packing:
         print(line)
     return 0

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 from shardwise.checkpoint import checkpoint_or_latest, load_weights, read_manifest, run_config
 from shardwise.checkpoint.manifest import manifest_model_config
+from shardwise.config.outputs import target
 from shardwise.config.schema import ConfigError
 from shardwise.data.dataset import check_vocab, open_corpus, refuse_synthetic
 from shardwise.data.prepare import prepare
@@ -99,6 +101,9 @@ def eval_command(args: argparse.Namespace, overrides: list[str], argv: list[str]
     path = Path(args.checkpoint)
     if not path.exists():
         raise ConfigError(f"--checkpoint '{path}' does not exist")
+    # rank 0 writes it (checked here, before any work, by the launcher and rank 0)
+    args.out_target = (target(args.out, "--out", args.overwrite, folder=False)
+                       if args.out and os.environ.get("RANK", "0") == "0" else None)
     if args.tasks:
         return lm_eval_tasks(args, overrides, argv, rank_main)
     ckpt = checkpoint_or_latest(path)
@@ -123,10 +128,12 @@ def eval_command(args: argparse.Namespace, overrides: list[str], argv: list[str]
     scores = evaluate_checkpoint(run, ckpt, split)
     if dist.get_rank() == 0:
         t = run.cfg.training
+        record = {"checkpoint": str(ckpt), "split": split, "seq_len": t.seq_len,
+                  "global_batch": t.global_batch,
+                  "scores": [{**dataclasses.asdict(s), "perplexity": s.perplexity} for s in scores]}
+        _write(args, record)
         if args.json:
-            print(json.dumps({"checkpoint": str(ckpt), "split": split, "seq_len": t.seq_len,
-                              "scores": [{**dataclasses.asdict(s), "perplexity": s.perplexity}
-                                         for s in scores]}))
+            print(json.dumps(record))
         else:
             print(f"{ckpt} on {split} data, sequences of {t.seq_len} tokens in batches of {t.global_batch}:")
             for s in scores:
@@ -160,10 +167,18 @@ def lm_eval_tasks(args: argparse.Namespace, overrides: list[str], argv: list[str
     results = run_tasks(loaded, tasks, manager, args.limit, args.num_fewshot, args.batch_size)
     if results is None:  # (not rank 0)
         return 0
+    record = {"checkpoint": loaded.source, "tasks": results}
+    _write(args, record)
     if args.json:
-        print(json.dumps({"checkpoint": loaded.source, "tasks": results}))
+        print(json.dumps(record))
     else:
         for task, metrics in results.items():
             print(f"{task}: " + ", ".join(f"{k.removesuffix(',none')} {v:.4f}" for k, v in metrics.items()
                                          if isinstance(v, float)))
     return 0
+
+
+def _write(args: argparse.Namespace, record: dict) -> None:
+    """``--out``: the scores' JSON record (what ``--json`` prints) written to that file, at rank 0."""
+    if args.out_target is not None:
+        args.out_target.write(json.dumps(record, indent=1) + "\n")

@@ -24,7 +24,14 @@ from typing import Any
 
 from shardwise.checkpoint import list_checkpoints
 from shardwise.config.notice import say
-from shardwise.launch.process import ERROR_DIR_ENV, env_since_server_start, set_rank_env, start_rank_server
+from shardwise.config.schema import ConfigError
+from shardwise.launch.process import (
+    ERROR_DIR_ENV,
+    RanksFailed,
+    env_since_server_start,
+    set_rank_env,
+    start_rank_server,
+)
 
 
 def strip_launcher_flags(argv: list[str]) -> list[str]:
@@ -148,12 +155,11 @@ def launch(argv: list[str], nproc: int, max_restarts: int, run_dir: str,
         except ChildFailedError as e:
             first = first_failure(errors)
             if first is not None and first["kind"] == "config":
-                say(f"shardwise: error: {first['message']}", err=True)
-                return 2
+                raise ConfigError(first["message"]) from None  # (cli.main: one line, exit 2)
             rank = first["rank"] if first is not None else min(e.failures)
-            say(f"shardwise: error: {len(e.failures)} of {nproc} ranks failed (first: rank {rank}); "
-                "see its traceback above", err=True)
-            return 1
+            line = first["message"] if first is not None else f"exit code {e.failures[rank].exitcode}"
+            raise RanksFailed(f"{len(e.failures)} of {nproc} ranks failed (first: rank {rank}: {line}); "
+                              "see its traceback above") from None
         finally:
             os.environ.pop(ERROR_DIR_ENV, None)
     return 0

@@ -197,6 +197,11 @@ def enter_rank(env: dict[str, str | None]) -> None:
 ERROR_DIR_ENV = LAUNCHED_RANK_ENV
 
 
+class RanksFailed(RuntimeError):
+    """Ranks of a locally launched command failed; the message names the first and its error line
+    (the command line prints it, ``shardwise.train(nproc=N)`` raises it)."""
+
+
 def rank_error(message: str, kind: str) -> bool:
     """In a launched rank: record this rank's failure for the launcher. Returns whether it did."""
     folder, rank = os.environ.get(ERROR_DIR_ENV), os.environ.get("RANK")

@@ -32,6 +32,8 @@ exactly one thing, so the test can show that its tolerance catches that fault:
   gets expert 0's gate row plus a perturbation of ~1e-7, so which of the two a token prefers is
   decided by rounding -- a layout that sums in another order breaks such ties the other way;
 - ``enospc_export``: the disk is full when an HF export writes its safetensors (a failing writer);
+- ``rank1_raises``: rank 1 raises a RuntimeError at its first gradient clip (one rank of a
+  launched run crashing, its peers then losing it);
 - ``one_gpu`` (not a fault of the code: a machine): torch reports CUDA available with one device,
   for the checks that run before any CUDA call.
 """
@@ -288,6 +290,17 @@ def _install(fault: str) -> None:
             raise OSError(errno.ENOSPC, "No space left on device")
 
         safetensors.torch.save_file = save_file
+    elif fault == "rank1_raises":
+        import shardwise.trainer.train as train
+
+        real_clip = train.clip_grad_norm_
+
+        def clip_grad_norm_(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            if os.environ.get("RANK") == "1":
+                raise RuntimeError("planted: rank 1 fails at its first step")
+            return real_clip(*args, **kwargs)
+
+        train.clip_grad_norm_ = clip_grad_norm_
     elif fault == "one_gpu":
         import torch
 

@@ -300,7 +300,7 @@ def test_one_table_of_commands():
 
 COMMAND_INTERFACE = {"run", "add_arguments"}
 """What every command module defines (shardwise/commands/__init__.py); __main__.run is the console entry."""
-API = {"train", "load", "plan", "verify"}
+API = {"train", "load", "plan", "verify", "estimate", "eval", "prepare", "convert", "download"}
 """The Python API's calls (shardwise/api.py), named after the commands they run."""
 
 
