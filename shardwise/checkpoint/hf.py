@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardwise.checkpoint import ModelTensors, read_manifest, run_config, save_model_only
-from shardwise.checkpoint.manifest import manifest_model
+from shardwise.checkpoint.manifest import manifest_lora, manifest_model
 from shardwise.config.outputs import umask
 from shardwise.config.schema import ConfigError, ModelConfig, read_config
 from shardwise.data.tokenizer import SHIPPED_TOKENIZER, load_tokenizer
@@ -47,6 +47,7 @@ from shardwise.models.hf_config import (  # (hf_family: re-exported for the test
     rope_rows,
     to_rotate_half,
 )
+from shardwise.models.lora import is_adapter, merged
 from shardwise.models.transformer import build_model
 from shardwise.runtime.hub import local_model
 
@@ -119,9 +120,11 @@ def export_hf(checkpoint: Path, out: Path, dtype: str = "bf16", tokenizer: str |
     from safetensors.torch import save_file
 
     manifest = read_manifest(checkpoint)
-    args = manifest_model(manifest, checkpoint)
+    args, lora = manifest_model(manifest, checkpoint), manifest_lora(manifest, checkpoint)
     config = hf_config(args, dtype)
     state = ModelTensors(checkpoint, checksums)
+    get = state.__getitem__ if lora is None else merged(state.__getitem__, set(state.specs), lora.rank,
+                                                        lora.alpha)  # (the adapters folded in)
     if config["model_type"] != "deepseek_v3" and any(
             k.endswith("router.expert_bias") and state[k].any() for k in state.specs):
         raise ConfigError("this checkpoint's experts are chosen with a routing bias (model.moe_balance="
@@ -149,7 +152,7 @@ def export_hf(checkpoint: Path, out: Path, dtype: str = "bf16", tokenizer: str |
                  "weight_map": {name: files[i].name for name, i in shard_of.items()}}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     current, tensors = 0, {}
-    for name, t in to_hf_tensors(state.__getitem__, args):
+    for name, t in to_hf_tensors(get, args):
         if shard_of[name] != current:
             save_file(tensors, str(files[current]), metadata={"format": "pt"})
             current, tensors = shard_of[name], {}
@@ -255,7 +258,7 @@ def load_hf_weights(model: nn.Module, folder: Path, args: ModelArgs) -> None:
     hf = HFFolder(folder)
     check_hf_config(hf.config, args)
     carried = hf_names(args)
-    params = {**dict(model.named_parameters()),
+    params = {**{n: p for n, p in model.named_parameters() if not is_adapter(n)},  # (LoRA's: their init)
               **{n: b for n, b in model.named_buffers() if n in carried}}
     for name, full in from_hf_tensors(hf.__getitem__, args, params):
         p = params[name]

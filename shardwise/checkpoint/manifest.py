@@ -13,7 +13,7 @@ from typing import Any
 
 from shardwise.config.model_args import TRAINING_CHOICES
 from shardwise.config.notice import say
-from shardwise.config.schema import ConfigError, ModelConfig
+from shardwise.config.schema import ConfigError, LoRAConfig, ModelConfig
 from shardwise.models import ModelArgs, model_args
 
 MANIFEST = "manifest.json"
@@ -252,3 +252,19 @@ def manifest_model(manifest: dict[str, Any], path: Path) -> ModelArgs:
         return model_args(manifest_model_config(manifest, path))
     except ConfigError as e:
         raise CheckpointError(f"checkpoint '{path}': its recorded model config is refused ({e})") from None
+
+
+def manifest_lora(manifest: dict[str, Any], path: Path) -> LoRAConfig | None:
+    """The LoRA adapters checkpoint ``path`` holds beside its base weights (``[lora]`` of the run that
+    saved it), None when it holds none."""
+    saved = manifest.get("lora")
+    if saved is None:
+        return None
+    try:
+        lora = LoRAConfig(**saved)
+        if not isinstance(lora.rank, int) or lora.rank < 1:
+            raise ValueError(f"rank {lora.rank!r}")
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint '{path}' records an unusable [lora] section ({e}): it was damaged "
+                              "or edited; load an earlier step-<N>") from None
+    return lora

@@ -37,6 +37,7 @@ from shardwise.checkpoint.manifest import (
 )
 from shardwise.checkpoint.saver import app_state, set_rng_state
 from shardwise.data.dataset import PackedLoader
+from shardwise.models.lora import is_adapter
 
 # What a DCP .metadata file refers to (checked on torch 2.11-2.13): its dataclasses, torch.Size,
 # dtypes, layouts and the path type of the writer.
@@ -229,10 +230,11 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     """Restore everything saved by :meth:`Checkpointer.save` in place; returns the checkpoint's
     step. A weights-only checkpoint restores the model and returns 0 (fresh optimizer and data)."""
     manifest = verify_distributed(path, checksums)
-    if is_weights_only(manifest):
-        state = {"model": get_model_state_dict(model)}
-        _dcp_load(state, path)
-        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
+    base_for_lora = manifest.get("lora") is None and any(is_adapter(n) for n, _ in model.named_parameters())
+    if is_weights_only(manifest) or base_for_lora:  # (a base for LoRA: its weights, fresh adapters)
+        state = {k: v for k, v in get_model_state_dict(model).items() if not is_adapter(k)}
+        _dcp_load({"model": state}, path)
+        set_model_state_dict(model, state, options=StateDictOptions(strict=not base_for_lora))
         return 0
     state = app_state(model, optimizer, scheduler, loader, step=0)
     # Hyperparameters come from this run's config, state from the checkpoint: only the optimizer's

@@ -168,3 +168,12 @@ def load_resolved(path: str | None, overrides: list[str], device: str | None = N
     from shardwise.resolve.checks import load_config, resolve_config
 
     return resolve_config(load_config(path, overrides), device)
+
+
+def refuse_lora_costing(cfg: Config, command: str) -> None:
+    """The planner counts every parameter's gradient and optimizer state: a LoRA run (frozen base) is
+    refused in one line until it counts them as LoRA trains."""
+    if cfg.lora.rank:
+        raise ConfigError(f"{command}: a LoRA run (lora.rank={cfg.lora.rank}) is not costed yet (its frozen "
+                          f"weights have no gradients or optimizer states); {command} with --lora.rank=0 "
+                          "gives the full fine-tune's figures, an upper bound")

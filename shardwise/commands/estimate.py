@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from shardwise.commands.common import add_model, add_nproc, add_overwrite, load_resolved, need_nproc
+from shardwise.commands.common import (
+    add_model,
+    add_nproc,
+    add_overwrite,
+    load_resolved,
+    need_nproc,
+    refuse_lora_costing,
+)
 from shardwise.config import extras
 from shardwise.config.outputs import target
 
@@ -41,6 +48,7 @@ def estimation(args: argparse.Namespace, overrides: list[str]):  # noqa: ANN201 
     world = need_nproc(args, "ranks (devices) to estimate for")
     # training.mixed_precision=auto resolves for the planned device, not for this machine.
     cfg = load_resolved(args.config, overrides, profile_device(args.hardware))
+    refuse_lora_costing(cfg, "estimate")
     from shardwise.resolve.run import resolve_run
 
     # The trainer's own refusals, one line each (for the planned machine, not this one's device);

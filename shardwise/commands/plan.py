@@ -8,7 +8,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardwise.commands.common import add_model, add_nproc, add_overwrite, load_resolved, need_nproc
+from shardwise.commands.common import (
+    add_model,
+    add_nproc,
+    add_overwrite,
+    load_resolved,
+    need_nproc,
+    refuse_lora_costing,
+)
 from shardwise.config import extras
 from shardwise.config import schema as config
 from shardwise.config.outputs import target
@@ -109,6 +116,7 @@ def checked_planning(args: argparse.Namespace, overrides: list[str]) -> Planning
             known = ", ".join(config.choices(key))
             raise ConfigError(f"{name}: unknown {', '.join(bad)}; choose from {known}")
     cfg = load_resolved(args.config, overrides, profile_device(args.hardware))
+    refuse_lora_costing(cfg, "plan")
     without_float8 = extras.plan_without_float8(cfg)
     hw = load_hardware(args.hardware, cfg.data.cache_dir)
     from shardwise.plan.search import (  # (torch: checks first)

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from shardwise.checkpoint import checkpoint_or_latest, load_weights, read_manifest, run_config
-from shardwise.checkpoint.manifest import manifest_model_config
+from shardwise.checkpoint.manifest import manifest_lora, manifest_model_config
 from shardwise.config.outputs import target
-from shardwise.config.schema import ConfigError
+from shardwise.config.schema import ConfigError, LoRAConfig
 from shardwise.data.dataset import check_vocab, open_corpus, refuse_synthetic
 from shardwise.data.prepare import prepare
 from shardwise.infer.generate import load_for_generation
@@ -109,7 +109,9 @@ def eval_command(args: argparse.Namespace, overrides: list[str], argv: list[str]
     ckpt = checkpoint_or_latest(path)
     cfg = load_config(args.config or run_config(ckpt), overrides)
     cfg.checkpoint.verify_checksums = cfg.checkpoint.verify_checksums and not args.skip_checksums
-    cfg.model = manifest_model_config(read_manifest(ckpt), ckpt)  # the checkpoint's own shape
+    manifest = read_manifest(ckpt)
+    cfg.model = manifest_model_config(manifest, ckpt)  # the checkpoint's own shape
+    cfg.lora = manifest_lora(manifest, ckpt) or LoRAConfig()  # and adapters
     refuse_synthetic(cfg.data)  # (before any rank starts)
     if not any(o.startswith("--compile.") for o in overrides):
         cfg.compile.enabled = False  # one forward pass over the data does not repay a compile

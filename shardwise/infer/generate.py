@@ -21,12 +21,13 @@ import torch
 
 from shardwise.checkpoint import read_manifest
 from shardwise.checkpoint.hf import load_hf_weights, run_tokenizer
-from shardwise.checkpoint.manifest import checkpoint_or_latest, manifest_model
+from shardwise.checkpoint.manifest import checkpoint_or_latest, manifest_lora, manifest_model
 from shardwise.checkpoint.reader import check_compatible, load_model_only
-from shardwise.config.schema import ConfigError
+from shardwise.config.schema import ConfigError, LoRAConfig
 from shardwise.data.chat import check_messages
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.models.hf_config import args_from_hf, read_hf_config
+from shardwise.models.lora import apply_lora, fold_lora
 from shardwise.models.transformer import KVCache, build_model, rope_table
 from shardwise.ops.cpu_bf16 import use_fp32_gemms_for_bf16
 from shardwise.runtime.hub import local_model
@@ -139,9 +140,13 @@ class Loaded:
     source: str
 
 
-def _materialized(args: Any, device: torch.device) -> torch.nn.Module:
-    """The model on ``device`` (fp32) with its buffers set and its parameters still to be loaded."""
-    model = build_model(args).to_empty(device=device)
+def _materialized(args: Any, device: torch.device, lora: LoRAConfig | None = None) -> torch.nn.Module:
+    """The model on ``device`` (fp32) with its buffers set and its parameters still to be loaded
+    (``lora``: with the adapters a checkpoint holds)."""
+    model = build_model(args)
+    if lora is not None:
+        apply_lora(model, lora)
+    model = model.to_empty(device=device)
     for name, b in model.named_buffers():
         if name != "rope":
             b.zero_()  # MoE routing state: a loaded checkpoint overwrites the persistent ones
@@ -177,10 +182,11 @@ def load_for_generation(checkpoint: str = "", hf: str = "", tokenizer: str = "",
             raise ConfigError(f"--checkpoint '{checkpoint}' does not exist")
         path = checkpoint_or_latest(path)
         manifest = read_manifest(path)
-        args = manifest_model(manifest, path)
-        check_compatible(path, build_model(args))
-        model = _materialized(args, torch.device("cpu"))
+        args, lora = manifest_model(manifest, path), manifest_lora(manifest, path)
+        model = _materialized(args, torch.device("cpu"), lora)
+        check_compatible(path, model)
         load_model_only(path, model, checksums)
+        fold_lora(model)  # (a LoRA run's adapters into its weights: the model its export computes)
         model = model.to(device=dev, dtype=dt)
         spec = tokenizer or run_tokenizer(path)
         source = str(path)

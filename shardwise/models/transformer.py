@@ -292,6 +292,10 @@ def param_init_spec(name: str, args: ModelArgs) -> tuple[str, float]:
     """
     if name.endswith("norm.weight"):
         return "ones", 0.0
+    if name.endswith(".lora_a"):  # PEFT's kaiming_uniform_(a=sqrt(5)): U(-1/sqrt(in), 1/sqrt(in))
+        return "fan_in_uniform", 0.0
+    if name.endswith(".lora_b"):  # zero: the adapted model starts as the base model
+        return "zeros", 0.0
     if name == "tok_embeddings.weight":
         return "normal", args.dim**-0.5 if args.tie_embeddings else 1.0
     if name == "output.weight":
@@ -341,14 +345,23 @@ def _keep_shard(p: torch.Tensor, full: torch.Tensor) -> None:
     _local(p).copy_(full)
 
 
+def _generator(name: str, seed: int, device: torch.device) -> torch.Generator:
+    """Parameter ``name``'s own generator: the same draw on every rank and in every layout."""
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    return g
+
+
 def _draw(model: Transformer, name: str, p: torch.Tensor, kind: str, std: float, seed: int) -> torch.Tensor:
     """Parameter ``name``'s full initial value (fp32), from its (seed, name) generator."""
     full = torch.empty(p.shape, dtype=torch.float32, device=_local(p).device)
-    if kind == "ones":
-        full.fill_(1.0)
+    if kind in ("ones", "zeros"):
+        full.fill_(1.0 if kind == "ones" else 0.0)
+    elif kind == "fan_in_uniform":
+        bound = full.shape[-1] ** -0.5  # (r, in): 1/sqrt(in)
+        full.uniform_(-bound, bound, generator=_generator(name, seed, full.device))
     else:
-        g = torch.Generator(device=full.device)
-        g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+        g = _generator(name, seed, full.device)
         base = INIT_STD if kind == "keys_values" else std
         nn.init.trunc_normal_(full, std=base, a=-3 * base, b=3 * base, generator=g)
         if kind == "keys_values":  # a truncated normal scaled is one at the scaled std and bounds

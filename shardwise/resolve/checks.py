@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import shardwise.runtime.machine
+from shardwise.config.lora import check_lora
 from shardwise.config.model_args import ModelArgs
 from shardwise.config.notice import notice
 from shardwise.config.outputs import check_folder
@@ -103,6 +104,7 @@ def validate(cfg: Config) -> None:
         if _get(cfg, key):
             check_folder(_get(cfg, key), key)
     check_args(cfg.model)
+    check_lora(cfg.lora)
     if cfg.training.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"training.seq_len={cfg.training.seq_len} exceeds model.max_seq_len="
                           f"{cfg.model.max_seq_len}: lower the sequence length or raise model.max_seq_len")

@@ -21,6 +21,7 @@ from shardwise.data.tokenizer import load_tokenizer
 from shardwise.launch import rundir
 from shardwise.launch.resilience import restart_count
 from shardwise.models import ModelArgs
+from shardwise.models.lora import apply_lora
 from shardwise.models.presets import FAMILY_TOKENIZERS, vocab_beyond_padding
 from shardwise.models.transformer import build_model
 from shardwise.observe.routing import read_meta
@@ -220,8 +221,35 @@ def check_run_dir(cfg: Config, run_dir: Path, args: ModelArgs) -> None:
         path = intact[0]
     else:
         return
-    checkpoint.check_compatible(path, build_model(args))
+    model = build_model(args)
+    if check_lora_start(path, cfg):  # resuming a LoRA run: its adapters are in the checkpoint too
+        apply_lora(model, cfg.lora)
+    checkpoint.check_compatible(path, model)
     checkpoint.check_same_function(path, cfg.model)
+
+
+def check_lora_start(path: Path, cfg: Config) -> bool:
+    """Whether checkpoint ``path`` holds LoRA adapters, which this run's ``[lora]`` must match (one line
+    naming the field if not). A checkpoint without adapters is a base for a LoRA run (fresh adapters),
+    except when resuming: that run trained every weight."""
+    saved, ours = checkpoint.manifest_lora(checkpoint.read_manifest(path), path), cfg.lora
+    if saved is None:
+        if ours.rank and cfg.checkpoint.resume:
+            raise ConfigError(f"checkpoint.resume: '{path}' trained every weight (no LoRA adapters): resume "
+                              "it with lora.rank=0, or start LoRA from it in a new run.dir with "
+                              f"--checkpoint.path {path}")
+        return False
+    if not ours.rank:
+        flags = f"--lora.rank={saved.rank} --lora.alpha={saved.alpha:g} --lora.targets={saved.targets}"
+        raise ConfigError(f"checkpoint '{path}' holds LoRA adapters (lora.rank={saved.rank}): load it with "
+                          f"the [lora] it was trained with ({flags}), or export it merged (shardwise convert "
+                          "--to-hf) and train every weight from that (checkpoint.initial_hf)")
+    for name in ("rank", "alpha", "targets"):
+        theirs, mine = getattr(saved, name), getattr(ours, name)
+        if theirs != mine:
+            raise ConfigError(f"checkpoint '{path}' was trained with lora.{name}={theirs}, this run has "
+                              f"lora.{name}={mine}: pass --lora.{name}={theirs}")
+    return True
 
 
 def load_candidates(cfg: Config, run_dir: Path) -> tuple[list[Path], bool]:

@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from shardwise.data.dataset import IGNORE_INDEX, Batch
+from shardwise.models.lora import apply_lora
 from shardwise.models.transformer import build_model, init_weights
 from shardwise.parallel.context import shard_sequences
 from shardwise.parallel.dims import Mesh, ParallelDims
@@ -48,6 +49,8 @@ def build_stage(run: ResolvedRun) -> nn.Module:
     batch = dims.submesh(Mesh.DP_CP_TP).get_group() if dims.dp * dims.cp * dims.tp > 1 else None
     model = build_model(run.model, sequences_per_step=run.cfg.training.global_batch, sequence_group=group,
                         batch_group=batch)
+    if run.cfg.lora.rank:  # (the whole model: a pipeline stage's adapters keep the full model's names)
+        apply_lora(model, run.cfg.lora)
     if dims.pp == 1:
         return model
     ids = rank_stages(dims.submesh(Mesh.PP).get_local_rank(), dims.pp, pc.pp_schedule, pc.pp_stages_per_rank)

@@ -35,10 +35,18 @@ from shardwise.data.dataset import (
 from shardwise.data.tokenizer import load_tokenizer
 from shardwise.launch import rundir
 from shardwise.launch.resilience import NonFiniteError, StopRequest, nonfinite_message
+from shardwise.models.lora import flops_change_per_token
 from shardwise.observe.capture import StepCapture
 from shardwise.observe.comm import trace_step
 from shardwise.observe.experts import CollapseWatch
-from shardwise.observe.flops import batch_pairs, executed_flops, flops_per_token, num_params, palm_flops
+from shardwise.observe.flops import (
+    batch_pairs,
+    executed_flops,
+    flops_per_token,
+    matmul_params,
+    num_params,
+    palm_flops,
+)
 from shardwise.observe.memory import GiB, current_memory_gib, peak_memory_gib, peak_reserved_gib, track_peak
 from shardwise.observe.metrics import MetricsLogger, Throughput, per_rank
 from shardwise.observe.peak import cpu_name, peak_tflops
@@ -103,6 +111,8 @@ class Session:
     """Steps whose update was dropped for a non-finite gradient norm."""
     spikes_skipped: int = 0
     """Steps whose update was dropped as a loss spike (training.spike=skip)."""
+    lora_flops: float = 0.0
+    """LoRA: what the frozen base and the adapters change in a step's FLOPs per token (models/lora.py)."""
 
     def observe(self, step: int, batches: list[Batch]) -> contextlib.ExitStack:
         """Around one step: debug.memory / debug.comm at debug.trace_step, MoE routing traces,
@@ -130,11 +140,12 @@ class Session:
         (for MFU), which then count each document's length, not the window's."""
         run, ac = self.run, self.run.cfg.activation_checkpoint
         tokens, pairs = sum(b.inputs.numel() for b in batches), batch_pairs(batches, run.cfg.training.seq_len)
+        lora = self.lora_flops * tokens
         flops = executed_flops(run.model, tokens, pairs, ac.mode, ac.every,
-                               run.loss_chunk > 0 and run.dims.tp > 1).total
+                               run.loss_chunk > 0 and run.dims.tp > 1).total + lora
         devices = self.env.world_size // run.dims.dp
         masked = any(b.doc_ids is not None for b in batches)
-        return flops / devices, palm_flops(run.model, tokens, pairs) / devices if masked else None
+        return flops / devices, (palm_flops(run.model, tokens, pairs) + lora) / devices if masked else None
 
     def check_finite(self, step: int, result: Any) -> None:
         """A non-finite gradient norm (the update was not applied): stop with one line naming the
@@ -258,8 +269,9 @@ def open_session(run: ResolvedRun, env: DistEnv, run_dir: Path, ckpt_group: dist
         rundir.write_config(run_dir, cfg.to_toml())
     if cfg.checkpoint.save_initial and start == 0:
         ckpt.save(0, model, optimizer, scheduler, loader)
-    throughput = Throughput(flops_per_token(run.model, cfg.training.seq_len), shared_peak(env.device, cfg),
-                            env.world_size)
+    lora = flops_change_per_token(model, matmul_params(run.model))
+    throughput = Throughput(flops_per_token(run.model, cfg.training.seq_len) + lora,
+                            shared_peak(env.device, cfg), env.world_size)
     if env.rank == 0:
         say(describe_run(run, start))
         for line in packing_notices(corpus, cfg.training.seq_len):  # chat data: whole conversations
@@ -274,7 +286,8 @@ def open_session(run: ResolvedRun, env: DistEnv, run_dir: Path, ckpt_group: dist
                    capture, gathers_float8(model, cfg.float8), start, started,
                    SpikeWatch(cfg.training.spike_factor, cfg.training.spike_window,
                               cfg.lr_scheduler.warmup_steps),
-                   CollapseWatch(run.model.n_experts, run.model.moe_top_k) if run.model.n_experts else None)
+                   CollapseWatch(run.model.n_experts, run.model.moe_top_k) if run.model.n_experts else None,
+                   lora_flops=lora)
 
 
 def export_hf_folder(checkpoint_dir: Path, run_dir: Path, retired: list[int]) -> str:
@@ -417,7 +430,9 @@ def manifest_info(run: ResolvedRun) -> dict[str, Any]:
     """What a checkpoint's manifest records about the run that wrote it: the layout asked for, the
     mesh torch built for it (its dims' and views' sizes) and the model."""
     layout = {k: getattr(run.dims, k) for k in DEGREES}
-    return {"layout": layout, "mesh": run.dims.built_sizes(), "model": dataclasses.asdict(run.cfg.model)}
+    lora = {"lora": dataclasses.asdict(run.cfg.lora)} if run.cfg.lora.rank else {}  # (its tensors' shapes)
+    return {"layout": layout, "mesh": run.dims.built_sizes(), "model": dataclasses.asdict(run.cfg.model),
+            **lora}
 
 
 def shared_peak(device: torch.device, cfg: Config) -> float:
@@ -436,5 +451,7 @@ def shared_peak(device: torch.device, cfg: Config) -> float:
 def describe_run(run: ResolvedRun, start: int) -> str:
     args = run.model
     active = f", {num_params(args, active=True) / 1e6:.1f}M active" if args.n_experts else ""
-    return (f"model {model_label(run.cfg.model)}: {num_params(args) / 1e6:.1f}M params{active} | {run} | "
-            f"steps {start + 1}..{last_step(run.cfg)}")
+    lo = run.cfg.lora
+    lora = f" | LoRA r={lo.rank} alpha={lo.alpha:g} on {lo.targets}, the rest frozen" if lo.rank else ""
+    return (f"model {model_label(run.cfg.model)}: {num_params(args) / 1e6:.1f}M params{active}{lora} | {run} "
+            f"| steps {start + 1}..{last_step(run.cfg)}")
