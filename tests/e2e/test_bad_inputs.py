@@ -185,6 +185,14 @@ CASES: dict[str, Case] = {
         Case(files({"corpus": "/"}), train("--data.path={t}/corpus"), "corpus", "run"),
     "train_data_is_binary":
         Case(files({"corpus.bin": BINARY}), train("--data.path={t}/corpus.bin"), "corpus.bin", "run"),
+    "train_lora_negative_rank": Case(nothing, train("--lora.rank=-1"), "lora.rank must be >= 0", "run"),
+    "train_lora_target_names_no_linear": Case(nothing, train("--lora.rank=4", "--lora.targets=wq,q_proj"),
+                                              "'q_proj' names no linear of this model", "run"),
+    "train_lora_under_tp": Case(nothing, train("--nproc", "2", "--parallel.tp=2", "--lora.rank=4"),
+                                "LoRA is built for data parallel, FSDP and HSDP so far", "run"),
+    "train_lora_resumes_a_full_run": Case(ckpt(), train("--checkpoint.path={t}/step-2", "--lora.rank=4",
+                                                        "--checkpoint.resume=true"),
+                                          "trained every weight (no LoRA adapters)", "run"),
     # prepare
     "prepare_data_missing":
         Case(nothing, [*PREPARE, "--data.path={t}/corpus.jsonl"], "does not exist", "prepared"),
@@ -195,6 +203,7 @@ CASES: dict[str, Case] = {
     "prepare_dir_is_a_file":
         Case(NOTES, [*PREPARE, "--data.prepared_dir={t}/notes.txt"], "data.prepared_dir"),
     "prepare_negative_workers": Case(nothing, [*PREPARE, "--data.workers=-2"], "data.workers", "prepared"),
+    "estimate_lora": Case(nothing, [*ESTIMATE, "--lora.rank=8"], "(lora.rank=8) is not costed yet"),
     # plan
     "plan_verify_one_rank": Case(nothing, ["plan", "--config", DEBUG, "--nproc", "1", "--hardware", "h100",
                                            "--verify", "--out", "{t}/plan.toml"], "--verify trains"),

@@ -1,0 +1,76 @@
+"""LoRA through the commands, as a user runs it: a full run's checkpoint as the base, a LoRA run that
+keeps every base weight and trains the adapters, its resume bit for bit, its export merged and
+loaded by transformers, its scores; and its FSDP and HSDP layouts against one rank."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tests.helpers import TINY_ARGS, metrics, require, run_cli
+
+
+def test_lora_from_a_base_keeps_it_resumes_exactly_and_exports_merged(tmp_path: Path, data_cache: str):
+    transformers = require("transformers")
+    from shardwise.checkpoint import read_model_tensors
+
+    common = [*TINY_ARGS, f"--data.cache_dir={data_cache}"]
+    base = tmp_path / "base"
+    run_cli(["train", *common, "--training.steps=2", "--checkpoint.final=true", f"--run.dir={base}"])
+    lora = [*common, "--lora.rank=4", "--lora.alpha=8", "--training.steps=4", "--checkpoint.interval=2",
+            "--checkpoint.final=true", "--optimizer.lr=1e-2"]
+    start = f"--checkpoint.path={base / 'checkpoints' / 'step-2'}"
+    a = tmp_path / "a"
+    out = run_cli(["train", *lora, start, f"--run.dir={a}"]).stdout
+    assert "LoRA r=4 alpha=8 on wq,wk,wv,wo,w1,w2,w3, the rest frozen" in out
+    # every base tensor of the LoRA run's last checkpoint is the base run's, as loaded
+    got = read_model_tensors(a / "checkpoints" / "step-4")
+    was = read_model_tensors(base / "checkpoints" / "step-2")
+    adapters = sorted(set(got) - set(was))
+    assert len(adapters) == 2 * 7 * 2 and all(n.endswith(("lora_a", "lora_b")) for n in adapters)
+    assert all(torch.equal(got[n], was[n]) for n in was)
+    assert all(got[n].abs().sum() > 0 for n in adapters if n.endswith("lora_b"))  # (from zero)
+    manifest = json.loads((a / "checkpoints" / "step-4" / "manifest.json").read_text())
+    assert manifest["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": "wq,wk,wv,wo,w1,w2,w3"}
+    # stopped after step 2 and resumed: steps 3 and 4 as the run that went through, bit for bit
+    b = tmp_path / "b"
+    run_cli(["train", *lora, start, "--training.stop_after=2", f"--run.dir={b}"])
+    run_cli(["train", *lora, "--checkpoint.resume=true", f"--run.dir={b}"])
+    assert [r["loss"] for r in metrics(b)] == [r["loss"] for r in metrics(a)]
+    assert len(metrics(a)) == 4
+    # a different [lora] cannot resume it
+    proc = run_cli(["train", *lora, "--lora.alpha=16", "--checkpoint.resume=true", f"--run.dir={b}"],
+                   check=False)
+    assert proc.returncode == 2
+    assert "was trained with lora.alpha=8.0, this run has lora.alpha=16.0" in proc.stderr
+    # exported merged: transformers' Llama computes what shardwise's LoRA model computes
+    run_cli(["convert", "--to-hf", str(a), "--out", str(tmp_path / "hf"), "--dtype", "fp32"])
+    import shardwise
+
+    ours = shardwise.load(a).module
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    tokens = torch.randint(0, 256, (2, 32))
+    with torch.no_grad():
+        want, theirs = ours(tokens), hf(tokens).logits
+    assert (want - theirs).abs().max() <= 1e-4 * want.abs().max()
+    base_model = shardwise.load(base).module
+    with torch.no_grad():
+        assert (base_model(tokens) - want).abs().max() > 1e-3  # (the adapters changed the model)
+    # and it is scored as it trained: eval reads the adapters from the checkpoint's manifest
+    scores = json.loads(run_cli(["eval", "--checkpoint", str(a), "--json"]).stdout.splitlines()[-1])
+    assert scores["scores"][-1]["loss"] > 0
+
+
+def test_lora_under_fsdp_and_hsdp_matches_one_rank(tmp_path: Path, data_cache: str):
+    """``verify`` with ``[lora]`` on: FSDP over 2 real ranks, and FSDP and HSDP over 4 simulated ones,
+    each within the fp32 bounds of the one-rank LoRA run (the verdict names every layout)."""
+    flags = ["--config", TINY_ARGS[1], *TINY_ARGS[2:], f"--data.cache_dir={data_cache}", "--lora.rank=4",
+             "--optimizer.lr=1e-2", "--steps", "4"]
+    real = run_cli(["verify", *flags, "--nproc", "2", "--layouts", "dp_shard=2", "--out", f"{tmp_path}/r"])
+    hsdp = ["dp_shard=4", "dp_replicate=2,dp_shard=2"]
+    simulated = run_cli(["verify", *flags, "--ranks", "4", "--layouts", *hsdp, "--out", str(tmp_path / "s")])
+    for out, layouts in ((real.stdout, ["dp_shard=2"]), (simulated.stdout, hsdp)):
+        rows = [line for line in out.splitlines() if line.startswith(tuple(f"| {x} |" for x in layouts))]
+        assert len(rows) == len(layouts) and all(r.endswith("| PASS |") for r in rows), out
