@@ -337,21 +337,25 @@ class Converted:
 
     out: Path
     files: list[Path]
-    """Export: the safetensors files written in ``out`` (beside config.json and the tokenizer)."""
+    """Export: the safetensors files written in ``out`` (beside config.json and the tokenizer), or
+    with ``adapter`` the PEFT folder's two files."""
     toml: Path | None = None
     """Import: the training config written for the checkpoint (train with ``--config`` it)."""
 
 
 def convert(*, out: str | Path, to_hf: str | Path | None = None, from_hf: str | Path | None = None,
-            dtype: str = "bf16", config: str | Path | None = None, toml: str | Path | None = None,
-            overwrite: bool = False, skip_checksums: bool = False, **sections: Any) -> Converted:
+            dtype: str = "bf16", adapter: bool = False, config: str | Path | None = None,
+            toml: str | Path | None = None, overwrite: bool = False, skip_checksums: bool = False,
+            **sections: Any) -> Converted:
     """``shardwise convert``: a checkpoint (``to_hf``: a ``step-<N>`` folder or a run directory) to a
-    Hugging Face folder ``out``, or an HF folder (``from_hf``, or a Hub id) to a checkpoint ``out``
+    Hugging Face folder ``out`` (``adapter``: a LoRA checkpoint's adapters alone, as a PEFT folder),
+    or an HF folder (``from_hf``, or a Hub id) to a checkpoint ``out``
     and its training config (``toml``, default ``<out>.toml``; ``config`` and the sections go into
     it). An existing ``out`` is refused unless ``overwrite``. Returns the :class:`Converted`."""
     way = [*(["--to-hf", str(to_hf)] if to_hf is not None else []),
            *(["--from-hf", str(from_hf)] if from_hf is not None else [])]
     command, args, rest = _parsed(["convert", *way, "--out", str(out), "--dtype", dtype,
+                                   *(["--adapter"] if adapter else []),
                                    *(["--config", str(config)] if config is not None else []),
                                    *(["--toml", str(toml)] if toml is not None else []),
                                    *(["--overwrite"] if overwrite else []),

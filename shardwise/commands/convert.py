@@ -30,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     way.add_argument("--from-hf", metavar="HF_DIR", help="an HF model folder to import")
     p.add_argument("--out", required=True, help="output folder (HF folder, or the new checkpoint)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="export dtype")
+    p.add_argument("--adapter", action="store_true", help="--to-hf of a LoRA checkpoint: its adapters alone, "
+                   "as a PEFT folder (adapter_config.json + adapter_model.safetensors), not the merged model")
     p.add_argument("--config", help="TOML config: its other sections go into the written config "
                 "(import only); with model fields, they must match config.json")
     p.add_argument("--toml", help="import: the training config to write (default: <out>.toml)")
@@ -42,6 +44,7 @@ def exported(args: argparse.Namespace, overrides: list[str]) -> tuple[Path, list
     safetensors files written under ``--out``)."""
     from shardwise.checkpoint import checkpoint_or_latest
     from shardwise.checkpoint import hf as convert
+    from shardwise.checkpoint.peft import export_adapter
 
     if overrides or args.config or args.toml:
         raise ConfigError("convert --to-hf reads the model config from the checkpoint's manifest: "
@@ -49,8 +52,9 @@ def exported(args: argparse.Namespace, overrides: list[str]) -> tuple[Path, list
     source = Path(args.to_hf)
     source = checkpoint_or_latest(source) if source.is_dir() else source  # (a run: its latest)
     where = target(args.out, "--out", args.overwrite)
+    export = export_adapter if args.adapter else convert.export_hf
     with where.staging() as staging:
-        files = convert.export_hf(source, staging, args.dtype, checksums=not args.skip_checksums)
+        files = export(source, staging, args.dtype, checksums=not args.skip_checksums)
     return source, [Path(args.out) / Path(f).name for f in files]  # (the folder's own files)
 
 
@@ -62,6 +66,9 @@ def imported(args: argparse.Namespace, overrides: list[str]) -> tuple[Path, str]
     from shardwise.models.hf_config import hf_tokenizer
     from shardwise.resolve.checks import load_config
 
+    if args.adapter:
+        raise ConfigError("--adapter exports a LoRA checkpoint's adapters (--to-hf); an import reads a model "
+                          "folder")
     out = Path(args.out)
     toml = Path(args.toml or f"{out}.toml")
     where, where_toml = target(out, "--out", args.overwrite), target(toml, "--toml", args.overwrite,
@@ -82,7 +89,9 @@ def imported(args: argparse.Namespace, overrides: list[str]) -> tuple[Path, str]
 def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
     if args.to_hf:
         source, files = exported(args, overrides)
-        print(f"exported {source} -> {args.out} ({len(files)} safetensors file(s), {args.dtype})")
+        what = "its LoRA adapters as a PEFT folder" if args.adapter else \
+            f"{sum(f.suffix == '.safetensors' for f in files)} safetensors file(s)"
+        print(f"exported {source} -> {args.out} ({what}, {args.dtype})")
         return 0
     toml, name = imported(args, overrides)
     print(f"imported {args.from_hf} -> {args.out} (model {name or 'from config.json'}); train from it: "

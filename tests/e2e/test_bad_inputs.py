@@ -276,6 +276,8 @@ CASES: dict[str, Case] = {
         Case(both(ckpt(), files({"hf_out/notes.txt": "mine"})), [*TO_HF, "{t}/hf_out"],
              "the folder holds files"),
     "convert_to_hf_out_is_a_file": Case(both(ckpt(), NOTES), [*TO_HF, "{t}/notes.txt"], "--out"),
+    "convert_adapter_of_a_full_run": Case(ckpt(), [*TO_HF, "{t}/adapter", "--adapter"],
+                                          "holds no LoRA adapters (it trained every weight)", "adapter"),
     "convert_to_hf_without_metadata": Case(ckpt(unlink(".metadata")), [*TO_HF, "{t}/hf_out"], ".metadata",
                                            "hf_out"),
     "convert_from_hf_config_is_a_list":

@@ -99,6 +99,8 @@ _LOGIN = ("tests/e2e/test_journeys.py::"
 _EVAL = "tests/e2e/test_eval.py::test_eval_scores_a_checkpoint_as_training_does"
 _LORA = "tests/e2e/test_lora.py::test_lora_from_a_base_keeps_it_resumes_exactly_and_exports_merged"
 _BASE_100 = "shardwise train --config configs/debug.toml --run.dir runs/base --eval.interval 0"
+_LORA_RUN = (_BASE_100, "shardwise train --config configs/debug.toml --checkpoint.path "
+                        "runs/base/checkpoints/step-100 --lora.rank 8 --run.dir runs/lora --training.steps 2")
 _TRACE = "tests/e2e/test_trace.py::test_two_runs_are_bitwise_equal_and_compare_finds_a_planted_change"
 _SMOKE = ("shardwise train --config configs/debug.toml --training.steps 2 --run.dir runs/smoke "
           "--eval.interval 0")
@@ -286,9 +288,9 @@ HOW: dict[str, Check] = {
     "shardwise train --config configs/debug.toml --run.dir runs/base": covered(_LORA),
     "shardwise train --config configs/debug.toml --checkpoint.path runs/base/checkpoints/step-100 "
     "--lora.rank 8 --run.dir runs/lora": covered(_LORA, Check(TRAIN, setup=(_BASE_100,))),
-    "shardwise convert --to-hf runs/lora --out lora-hf/": covered(_LORA, Check(setup=(
-        _BASE_100, "shardwise train --config configs/debug.toml --checkpoint.path "
-                   "runs/base/checkpoints/step-100 --lora.rank 8 --run.dir runs/lora --training.steps 2"))),
+    "shardwise convert --to-hf runs/lora --out lora-hf/": covered(_LORA, Check(setup=_LORA_RUN)),
+    "shardwise convert --to-hf runs/lora --out lora-adapter/ --adapter": covered(_LORA, Check(
+        setup=_LORA_RUN, shows=(r"exported \S+ -> (?P<file>\S+) \(its LoRA adapters as a PEFT folder",))),
     "shardwise generate --hf Qwen/Qwen3-0.6B --prompt \"In the beginning\"": Check(
         reason=f"reads the Hub; {_LOGIN} generates from a downloaded id offline"),
     "shardwise convert --from-hf Qwen/Qwen3-0.6B --out ckpt/qwen3": Check(

@@ -55,6 +55,21 @@ def test_lora_from_a_base_keeps_it_resumes_exactly_and_exports_merged(tmp_path: 
     with torch.no_grad():
         want, theirs = ours(tokens), hf(tokens).logits
     assert (want - theirs).abs().max() <= 1e-4 * want.abs().max()
+    # the adapters alone, as a PEFT folder: PEFT puts them on transformers' base model, the same logits
+    peft = require("peft")
+    run_cli(["convert", "--to-hf", str(base), "--out", str(tmp_path / "base-hf"), "--dtype", "fp32"])
+    out = run_cli(["convert", "--to-hf", str(a), "--out", str(tmp_path / "adapter"), "--adapter", "--dtype",
+                   "fp32"]).stdout
+    assert "(its LoRA adapters as a PEFT folder, fp32)" in out
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8.0, "LORA")
+    assert config["target_modules"] == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                               "down_proj", "up_proj"])
+    on_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base-hf", dtype=torch.float32)
+    adapted = peft.PeftModel.from_pretrained(on_base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        theirs = adapted(tokens).logits
+    assert (want - theirs).abs().max() <= 1e-4 * want.abs().max()
     base_model = shardwise.load(base).module
     with torch.no_grad():
         assert (base_model(tokens) - want).abs().max() > 1e-3  # (the adapters changed the model)
