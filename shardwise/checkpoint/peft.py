@@ -24,12 +24,12 @@ from shardwise.checkpoint.manifest import (
     run_config,
 )
 from shardwise.checkpoint.reader import ModelTensors
-from shardwise.config.lora import LoRAConfig
 from shardwise.config.outputs import umask
 from shardwise.config.schema import read_config
 from shardwise.config.types import ConfigError
 from shardwise.models import ModelArgs
 from shardwise.models.hf_config import hf_names, rope_rows, to_rotate_half
+from shardwise.models.lora import is_adapter
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -37,13 +37,13 @@ _PEFT_PREFIX = "base_model.model."
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def adapter_names(args: ModelArgs, lora: LoRAConfig) -> dict[str, str]:
-    """Our adapter parameter name -> PEFT's saved name, for each linear ``lora`` adapts."""
-    targets = {t.strip() for t in lora.targets.split(",") if t.strip()}
+def adapter_names(args: ModelArgs, held: set[str]) -> dict[str, str]:
+    """Our adapter parameter name -> PEFT's saved name, for each adapter among ``held`` (a
+    checkpoint's tensor names)."""
     out = {}
     for ours, hf in hf_names(args).items():
         stem = ours.removesuffix(".weight")
-        if ours.endswith(".weight") and stem.rpartition(".")[2] in targets:
+        if ours.endswith(".weight") and f"{stem}.lora_a" in held:
             theirs = _PEFT_PREFIX + hf.removesuffix(".weight")
             out[f"{stem}.lora_a"] = f"{theirs}.lora_A.weight"
             out[f"{stem}.lora_b"] = f"{theirs}.lora_B.weight"
@@ -68,11 +68,12 @@ def export_adapter(checkpoint: Path, out: Path, dtype: str = "bf16", checksums: 
     if lora is None:
         raise ConfigError(f"convert --adapter: checkpoint '{checkpoint}' holds no LoRA adapters (it trained "
                           "every weight): drop --adapter to export the model")
-    names = adapter_names(args, lora)
     state = ModelTensors(checkpoint, checksums)
-    if missing := sorted(set(names) - set(state.specs)):
-        raise CheckpointError(f"checkpoint '{checkpoint}' records [lora] but has no '{missing[0]}': it was "
-                              "damaged or edited; load an earlier step-<N>")
+    names = adapter_names(args, set(state.specs))
+    if not names or (missing := sorted(n for n in state.specs if is_adapter(n) and n not in names)):
+        what = f"'{missing[0]}' that the HF mapping has no name for" if names else "no adapter tensors"
+        raise CheckpointError(f"checkpoint '{checkpoint}' records [lora] but holds {what}: it was damaged or "
+                              "edited; load an earlier step-<N>")
     tensors = {theirs: rope_rows(f"{ours.removesuffix('.lora_b')}.weight", state[ours], args, to_rotate_half)
                if ours.endswith("lora_b") else state[ours] for ours, theirs in names.items()}
     tensors = {k: v.detach().to(_DTYPES[dtype]).contiguous() for k, v in tensors.items()}

@@ -17,10 +17,11 @@ class LoRAConfig:
     """Scale numerator: the adapter's output is multiplied by alpha / rank (PEFT's lora_alpha)."""
     dropout: float = 0.0
     """Dropout on the adapter's input (PEFT's lora_dropout), in [0, 1)."""
-    targets: str = "wq,wk,wv,wo,w1,w2,w3"
-    """Comma-separated names of the linears that get adapters (the last part of the module name:
-    wq, wk, wv, wo for attention; w1, w2, w3 for the MLP and a shared expert; MLA's wq_a, wq_b,
-    wkv_a, wkv_b; output for the head)."""
+    targets: str = "all-linear"
+    """The linears that get adapters: all-linear (every linear of attention and the feed-forward: not
+    the output head, nor an MoE router's gate), or their names, comma-separated (the last part of the
+    module name: wq, wk, wv, wo for attention, MLA's wq_a, wq_b, wkv_a, wkv_b; w1, w2, w3 for the MLP
+    and a shared expert). The output head and the routed experts take none yet."""
 
 
 def check_lora(cfg: LoRAConfig) -> None:

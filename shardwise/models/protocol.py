@@ -12,6 +12,10 @@ A model built by :func:`shardwise.models.transformer.build_model` has:
 - ``model.placeholder_forward()``: a context for forwards on placeholder inputs (the pipeline's
   shape inference): they count in no statistic (the experts' token loads) and ``model.placeholder``
   is true meanwhile (captures skip them).
+- a linear that splits its own way under tensor parallel names the styles on its class:
+  ``colwise_style`` / ``rowwise_style`` (torch ``ParallelStyle`` classes taking the column- or
+  row-parallel style's arguments), used instead of torch's: LoRA's adapted linears
+  (models/lora.py) split their adapters with their weight.
 
 Names are submodule paths relative to the block (or the model, for the ends). Torch-free.
 """

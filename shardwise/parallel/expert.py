@@ -46,7 +46,9 @@ class ExpertParallel:
     @staticmethod
     def _partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         for pname, p in list(module.named_parameters(recurse=False)):
-            module.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Shard(0)])))
+            # (requires_grad kept: LoRA's frozen experts stay frozen)
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Shard(0)]),
+                                                          requires_grad=p.requires_grad))
 
     def _dispatch(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         x, counts = inputs  # (N, dim) sorted by expert, (E,) slots per expert

@@ -53,18 +53,25 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> None:
         enable_async_tp(mesh)
     float8_comm = dist.get_backend(mesh.get_group()) != "gloo"  # gloo has no float8 dtypes
     ends = model.plan
+    head = own_style(getattr(model, ends.head, None), "colwise", ColwiseParallel)
     styles = {
         # Vocab-sharded lookup; the partial sums are reduce-scattered into sequence shards.
         ends.embedding: VocabParallelLookup(input_layouts=Replicate(), output_layouts=Shard(1)),
         ends.norm: SequenceParallel(),
-        ends.head: ColwiseParallel(input_layouts=Shard(1),
-                                   output_layouts=Shard(-1) if cfg.loss_parallel else Replicate(),
-                                   use_local_output=not cfg.loss_parallel),
+        ends.head: head(input_layouts=Shard(1),
+                        output_layouts=Shard(-1) if cfg.loss_parallel else Replicate(),
+                        use_local_output=not cfg.loss_parallel),
     }
     # (a pipeline stage holds the ends it runs, the others are None: torch warns about each absent key)
+    # torch's SequenceParallel re-creates a norm's weight as a trainable Parameter: a frozen one
+    # (LoRA's base) is frozen again after
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     parallelize_module(model, mesh, {k: v for k, v in styles.items() if getattr(model, k, None) is not None})
     for block in blocks(model):
         parallelize_module(block, mesh, block_tp_plan(block, float8_comm))
+    for n, p in model.named_parameters():
+        if n in frozen:
+            p.requires_grad_(False)
 
 
 def block_tp_plan(block: nn.Module, float8_comm: bool) -> dict[str, ParallelStyle]:
@@ -86,15 +93,23 @@ def block_tp_plan(block: nn.Module, float8_comm: bool) -> dict[str, ParallelStyl
         rest = (None,) * (group.inputs - 1)
         styles[group.region] = prepare(input_layouts=(Shard(1), *rest),
                                        desired_input_layouts=(Replicate(), *rest))
-        styles.update({f"{group.region}.{n}": col() for n in group.columns})
+        styles.update({f"{group.region}.{n}": own_style(parent.get_submodule(n), "colwise", col)()
+                       for n in group.columns})
         # reduce-scatter over tp, back into sequence shards
-        styles.update({f"{group.region}.{n}": row(output_layouts=Shard(1)) for n in group.rows})
+        styles.update({f"{group.region}.{n}": own_style(parent.get_submodule(n), "rowwise", row)(
+            output_layouts=Shard(1)) for n in group.rows})
         styles.update({f"{group.region}.{n}": Replicated() for n in group.replicated})
         styles.update({f"{group.region}.{n}": SharedByHeads() for n in group.shared})
     # Per-head norms run on this rank's heads (dim 2 of (B, S, H/tp, D)): the weight is replicated
     # and its gradient, a partial sum over the local heads, is summed over tp.
     styles.update({norm: SequenceParallel(sequence_dim=2, use_local_output=True) for norm in plan.head_norms})
     return styles
+
+
+def own_style(linear: nn.Module | None, kind: str, default: type) -> type:
+    """The ``kind`` ("colwise" / "rowwise") TP style ``linear`` declares for itself
+    (models/protocol.py: LoRA's adapted linears), else ``default``."""
+    return getattr(type(linear), f"{kind}_style", None) or default
 
 
 class VocabParallelLookup(RowwiseParallel):

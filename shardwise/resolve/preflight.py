@@ -21,7 +21,7 @@ from shardwise.data.tokenizer import load_tokenizer
 from shardwise.launch import rundir
 from shardwise.launch.resilience import restart_count
 from shardwise.models import ModelArgs
-from shardwise.models.lora import apply_lora
+from shardwise.models.lora import apply_lora, check_targets
 from shardwise.models.presets import FAMILY_TOKENIZERS, vocab_beyond_padding
 from shardwise.models.transformer import build_model
 from shardwise.observe.routing import read_meta
@@ -68,6 +68,8 @@ def preflight(run: ResolvedRun) -> ResolvedRun:
             notice(lowered)
     if run.compile_reason:
         notice(run.compile_reason)
+    if cfg.lora.rank and (said := check_targets(args, cfg.lora)):  # (a target it refuses: one line here)
+        notice(said)
     if cfg.float8.enabled:  # (here, not in resolve_run: the planner checks thousands of layouts)
         require_extra("float8", "float8.enabled=true")
         notice(float8_summary(build_model(args), cfg.float8, run.dims.tp))

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from shardwise.data.dataset import IGNORE_INDEX, Batch
-from shardwise.models.lora import apply_lora
+from shardwise.models.lora import apply_lora, check_frozen
 from shardwise.models.transformer import build_model, init_weights
 from shardwise.parallel.context import shard_sequences
 from shardwise.parallel.dims import Mesh, ParallelDims
@@ -34,6 +34,8 @@ def build_rank_model(run: ResolvedRun, device: torch.device | str) -> nn.Module:
         # its pipeline stage holds experts (parallelize() makes them only where it does).
         run.dims.moe_meshes()
     parallelize(model, run.dims, run.cfg, run.compile)
+    if run.cfg.lora.rank:
+        check_frozen(model)
     model.to_empty(device=device)
     simulate.adapt(model)  # simulated ranks (verify --ranks) only: see trainer/simulate.py
     init_weights(model, run.cfg.training.seed)

@@ -97,7 +97,7 @@ _SFT = ("tests/e2e/test_journeys.py::"
 _LOGIN = ("tests/e2e/test_journeys.py::"
           "test_a_login_node_downloads_and_a_compute_node_trains_and_generates_offline")
 _EVAL = "tests/e2e/test_eval.py::test_eval_scores_a_checkpoint_as_training_does"
-_LORA = "tests/e2e/test_lora.py::test_lora_from_a_base_keeps_it_resumes_exactly_and_exports_merged"
+_LORA = "tests/e2e/test_lora_journey.py::test_lora_from_a_base_keeps_it_resumes_exactly_and_exports_merged"
 _BASE_100 = "shardwise train --config configs/debug.toml --run.dir runs/base --eval.interval 0"
 _LORA_RUN = (_BASE_100, "shardwise train --config configs/debug.toml --checkpoint.path "
                         "runs/base/checkpoints/step-100 --lora.rank 8 --run.dir runs/lora --training.steps 2")

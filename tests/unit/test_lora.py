@@ -12,7 +12,14 @@ import torch
 from shardwise.config.lora import LoRAConfig
 from shardwise.config.schema import ConfigError, OptimizerConfig
 from shardwise.models.hf_config import rope_rows, to_rotate_half
-from shardwise.models.lora import LoRALinear, apply_lora, flops_change_per_token, fold_lora, merged
+from shardwise.models.lora import (
+    LoRALinear,
+    apply_lora,
+    check_targets,
+    flops_change_per_token,
+    fold_lora,
+    merged,
+)
 from shardwise.models.transformer import build_model, init_weights
 from shardwise.observe.flops import matmul_params
 from shardwise.optim.adamw import build_optimizer
@@ -132,10 +139,23 @@ def test_folding_the_adapters_in_computes_what_they_do():
     torch.testing.assert_close(get("layers.1.feed_forward.w2.weight"), w + LORA.alpha / LORA.rank * b @ a)
 
 
-def test_a_target_that_names_no_linear_is_refused_in_one_line():
+def test_a_target_that_names_no_linear_is_refused_and_one_an_moe_model_lacks_is_said():
     with pytest.raises(ConfigError, match="lora.targets: 'q_proj' names no linear of this model; its "
-                                          "linears are output, w1, w2, w3, wk, wo, wq, wv"):
-        apply_lora(build_model(TINY_MODEL), LoRAConfig(rank=4, targets="wq,q_proj"))
+                                          "linears are w1, w2, w3, wk, wo, wq, wv \\(or all-linear\\)"):
+        check_targets(TINY_MODEL, LoRAConfig(rank=4, targets="wq,q_proj"))
+    assert check_targets(TINY_MODEL, LORA) == ""
+    with pytest.raises(ConfigError, match=r"the output head \('output'\) takes no adapter yet"):
+        check_targets(TINY_MODEL, LoRAConfig(rank=4, targets="wq,output"))
+    moe = dataclasses.replace(TINY_MODEL, n_experts=4, moe_top_k=2)  # routed experts only: no w1-w3 linears
+    assert check_targets(moe, LoRAConfig(rank=4)) == ("lora: the routed experts stay frozen (they take no "
+                                                      "adapter yet): adapting wk, wo, wq, wv")
+    said = check_targets(moe, LoRAConfig(rank=4, targets="wq,wk,wv,wo,w1,w2,w3"))
+    assert said == ("lora: the routed experts stay frozen (they take no adapter yet); this model has no w1, "
+                    "w2, w3 linear: adapting wq, wk, wv, wo")
+    model = build_model(moe)
+    assert len(apply_lora(model, LoRAConfig(rank=4))) == 4 * moe.n_layers
+    with pytest.raises(ConfigError, match="none of w1,w2 is a linear of this model"):
+        check_targets(moe, LoRAConfig(rank=4, targets="w1,w2"))
 
 
 def test_lora_step_flops_drop_the_frozen_weight_gradients_and_add_the_adapters():
@@ -145,3 +165,29 @@ def test_lora_step_flops_drop_the_frozen_weight_gradients_and_add_the_adapters()
     adapters = a.n_layers * 4 * ((a.dim + a.n_heads * a.head_dim) + (a.ffn_hidden_dim + a.dim))
     assert flops_change_per_token(model, matmul_params(a)) == 6 * adapters - 2 * matmul_params(a)
     assert flops_change_per_token(build_model(a), matmul_params(a)) == 0.0
+
+
+def test_under_tensor_parallel_the_adapters_split_with_their_weight():
+    """tp=2 x dp_shard=2 built as the trainer builds it (on torch's fake process group): a
+    column-parallel linear's B is split by rows like its weight and A is whole; a row-parallel one's A
+    is split by columns like its weight and B is whole; FSDP then shards each over dp_shard; only the
+    adapters train (the norms torch's SequenceParallel re-creates are frozen again)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from shardwise.plan.states import build_rank, fake_world
+    from shardwise.resolve.checks import load_config
+    from tests.helpers import ROOT, planned
+
+    cfg = load_config(ROOT / "configs" / "debug.toml", ["--parallel.tp=2", "--parallel.dp_shard=2",
+                                                        "--lora.rank=4"])
+    with fake_world(4, 0):
+        model, _ = build_rank(planned(cfg, 4), every_block=True)
+        tp = [d.placements[-1] for d in (model.get_parameter(f"layers.0.{n}") for n in (
+            "attention.wq.weight", "attention.wq.lora_a", "attention.wq.lora_b",
+            "attention.wo.weight", "attention.wo.lora_a", "attention.wo.lora_b"))]
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        wq_b = model.get_parameter("layers.0.attention.wq.lora_b")
+        mesh_dims = wq_b.device_mesh.mesh_dim_names
+    assert tp == [Shard(0), Replicate(), Shard(0), Shard(1), Shard(1), Replicate()]
+    assert mesh_dims == ("dp_shard", "tp") and wq_b.placements[0].dim == 0  # FSDP's shard of the tp shard
+    assert trainable and all(n.endswith(("lora_a", "lora_b")) for n in trainable)

@@ -24,7 +24,7 @@ def test_lora_from_a_base_keeps_it_resumes_exactly_and_exports_merged(tmp_path: 
     start = f"--checkpoint.path={base / 'checkpoints' / 'step-2'}"
     a = tmp_path / "a"
     out = run_cli(["train", *lora, start, f"--run.dir={a}"]).stdout
-    assert "LoRA r=4 alpha=8 on wq,wk,wv,wo,w1,w2,w3, the rest frozen" in out
+    assert "LoRA r=4 alpha=8 on all-linear, the rest frozen" in out
     # every base tensor of the LoRA run's last checkpoint is the base run's, as loaded
     got = read_model_tensors(a / "checkpoints" / "step-4")
     was = read_model_tensors(base / "checkpoints" / "step-2")
@@ -33,7 +33,7 @@ def test_lora_from_a_base_keeps_it_resumes_exactly_and_exports_merged(tmp_path: 
     assert all(torch.equal(got[n], was[n]) for n in was)
     assert all(got[n].abs().sum() > 0 for n in adapters if n.endswith("lora_b"))  # (from zero)
     manifest = json.loads((a / "checkpoints" / "step-4" / "manifest.json").read_text())
-    assert manifest["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": "wq,wk,wv,wo,w1,w2,w3"}
+    assert manifest["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": "all-linear"}
     # stopped after step 2 and resumed: steps 3 and 4 as the run that went through, bit for bit
     b = tmp_path / "b"
     run_cli(["train", *lora, start, "--training.stop_after=2", f"--run.dir={b}"])
@@ -78,14 +78,27 @@ def test_lora_from_a_base_keeps_it_resumes_exactly_and_exports_merged(tmp_path: 
     assert scores["scores"][-1]["loss"] > 0
 
 
-def test_lora_under_fsdp_and_hsdp_matches_one_rank(tmp_path: Path, data_cache: str):
-    """``verify`` with ``[lora]`` on: FSDP over 2 real ranks, and FSDP and HSDP over 4 simulated ones,
-    each within the fp32 bounds of the one-rank LoRA run (the verdict names every layout)."""
+def test_lora_under_every_parallelism_matches_one_rank(tmp_path: Path, data_cache: str):
+    """``verify`` with ``[lora]`` on, each layout within the fp32 bounds of the one-rank LoRA run:
+    FSDP, TP (its adapters split with their base: LoRAColwise / LoRARowwise) and CP on 2 real
+    ranks; HSDP, TP x FSDP and PP x TP on 4 simulated ranks; the MoE preset's EP x TP x FSDP (its
+    routed experts frozen) on 4 simulated ranks."""
     flags = ["--config", TINY_ARGS[1], *TINY_ARGS[2:], f"--data.cache_dir={data_cache}", "--lora.rank=4",
              "--optimizer.lr=1e-2", "--steps", "4"]
-    real = run_cli(["verify", *flags, "--nproc", "2", "--layouts", "dp_shard=2", "--out", f"{tmp_path}/r"])
-    hsdp = ["dp_shard=4", "dp_replicate=2,dp_shard=2"]
-    simulated = run_cli(["verify", *flags, "--ranks", "4", "--layouts", *hsdp, "--out", str(tmp_path / "s")])
-    for out, layouts in ((real.stdout, ["dp_shard=2"]), (simulated.stdout, hsdp)):
-        rows = [line for line in out.splitlines() if line.startswith(tuple(f"| {x} |" for x in layouts))]
+    real = ["dp_shard=2", "tp=2", "cp=2"]
+    simulated = ["dp_replicate=2,dp_shard=2", "tp=2,dp_shard=2", "pp=2,tp=2"]
+    moe = ["tp=2,ep=2,dp_shard=2"]
+    runs = [(run_cli(["verify", *flags, "--nproc", "2", "--layouts", *real, "--out", f"{tmp_path}/r"]).stdout,
+             real)]
+    runs.append((run_cli(["verify", *flags, "--ranks", "4", "--layouts", *simulated,
+                          "--out", f"{tmp_path}/s"]).stdout, simulated))
+    moe_flags = ["--config", str(Path(TINY_ARGS[1]).with_name("moe-debug.toml")), "--training.seq_len=64",
+                 "--training.global_batch=8", "--training.mixed_precision=fp32", "--eval.interval=0",
+                 "--compile.enabled=false", f"--data.cache_dir={data_cache}", "--lora.rank=4",
+                 "--optimizer.lr=1e-2", "--steps", "4"]
+    moe_run = run_cli(["verify", *moe_flags, "--ranks", "4", "--layouts", *moe, "--out", f"{tmp_path}/m"])
+    said = (tmp_path / "m" / "reference.log").read_text()
+    assert "lora: the routed experts stay frozen (they take no adapter yet): adapting w1, w2, w3, wk" in said
+    for out, layouts in [*runs, (moe_run.stdout, moe)]:
+        rows = [line for line in out.splitlines() if line.startswith(tuple(f"| {x}" for x in layouts))]
         assert len(rows) == len(layouts) and all(r.endswith("| PASS |") for r in rows), out
