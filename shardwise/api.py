@@ -114,9 +114,11 @@ class Model:
         return self.tokenizer.decode([t for t in out if t not in self._stop])
 
 
-def load(source: str | Path, *, tokenizer: str = "", device: str = "auto", dtype: str = "auto") -> Model:
+def load(source: str | Path, *, tokenizer: str = "", device: str = "auto", dtype: str = "auto",
+         adapter: str | Path = "") -> Model:
     """A checkpoint (a ``step-<N>`` folder, or a run directory: its latest), a Hugging Face folder or
-    a Hub id (``ORG/NAME``), loaded to generate with, as ``shardwise generate`` loads it."""
+    a Hub id (``ORG/NAME``; ``adapter``: with a PEFT LoRA folder on it), loaded to generate with, as
+    ``shardwise generate`` loads it."""
     from shardwise.infer.generate import load_for_generation
     from shardwise.runtime.hub import is_hub_id
 
@@ -127,7 +129,7 @@ def load(source: str | Path, *, tokenizer: str = "", device: str = "auto", dtype
         raise ConfigError(f"load: '{source}' is neither a checkpoint, a run directory, a Hugging Face folder "
                           "nor a Hub id (ORG/NAME)")
     loaded = load_for_generation(checkpoint="" if hf else str(path), hf=str(source) if hf else "",
-                                 tokenizer=tokenizer, device=device, dtype=dtype)
+                                 tokenizer=tokenizer, device=device, dtype=dtype, adapter=str(adapter or ""))
     return Model(loaded.model, loaded.tokenizer, loaded.source, loaded.stop)
 
 

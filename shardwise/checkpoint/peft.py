@@ -1,6 +1,7 @@
 """LoRA adapters as PEFT folders (``adapter_config.json`` + ``adapter_model.safetensors``), the
 layout ``peft.PeftModel.from_pretrained(base, folder)`` loads onto a transformers model:
-:func:`export_adapter` writes a LoRA checkpoint's adapters alone (``convert --to-hf --adapter``).
+:func:`export_adapter` writes a LoRA checkpoint's adapters alone (``convert --to-hf --adapter``),
+:func:`load_adapter` starts a LoRA run's adapters from one (``checkpoint.initial_adapter``).
 
 Names follow the HF mapping of the base weights (models/hf_config.py): our ``layers.0.attention.wq``
 is HF's ``model.layers.0.self_attn.q_proj``, whose adapter PEFT saves as
@@ -15,6 +16,8 @@ import os
 from pathlib import Path
 
 import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardwise.checkpoint.manifest import (
     CheckpointError,
@@ -28,11 +31,16 @@ from shardwise.config.outputs import umask
 from shardwise.config.schema import read_config
 from shardwise.config.types import ConfigError
 from shardwise.models import ModelArgs
-from shardwise.models.hf_config import hf_names, rope_rows, to_rotate_half
+from shardwise.models.hf_config import (
+    PEFT_CONFIG,
+    PEFT_WEIGHTS,
+    from_rotate_half,
+    hf_names,
+    rope_rows,
+    to_rotate_half,
+)
 from shardwise.models.lora import is_adapter
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -82,9 +90,41 @@ def export_adapter(checkpoint: Path, out: Path, dtype: str = "bf16", checksums: 
               "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
               "modules_to_save": None, "base_model_name_or_path": base, "inference_mode": True}
     out.mkdir(parents=True, exist_ok=True)
-    files = [out / ADAPTER_WEIGHTS, out / ADAPTER_CONFIG]
+    files = [out / PEFT_WEIGHTS, out / PEFT_CONFIG]
     save_file(tensors, str(files[0]), metadata={"format": "pt"})
     files[1].write_text(json.dumps(config, indent=1))
     for f in files:
         os.chmod(f, 0o644 & ~umask())
     return files
+
+
+@torch.no_grad()
+def load_adapter(model: nn.Module, folder: Path, args: ModelArgs) -> int:
+    """Fill this rank's adapters (any layout: each keeps its shard of the full tensor, as
+    :func:`shardwise.checkpoint.hf.load_hf_weights` does for the base) from the PEFT LoRA folder
+    ``folder`` (``checkpoint.initial_adapter``; its settings are the run's ``[lora]``). Returns the
+    tensors loaded; a missing or misshapen one is one line."""
+    from safetensors import safe_open
+
+    field = "checkpoint.initial_adapter"
+    mine = {n: p for n, p in model.named_parameters() if is_adapter(n)}
+    names = adapter_names(args, set(mine))
+    with safe_open(str(folder / PEFT_WEIGHTS), framework="pt") as f:
+        have = set(f.keys())
+        for ours, theirs in names.items():
+            if theirs not in have:
+                raise ConfigError(f"{field} '{folder}' has no tensor '{theirs}': it adapts another model "
+                                  "(or other linears than its adapter_config.json says)")
+            full = f.get_tensor(theirs).float()
+            if ours.endswith("lora_b"):  # (HF's RoPE row layout -> ours)
+                full = rope_rows(f"{ours.removesuffix('.lora_b')}.weight", full, args, from_rotate_half)
+            p = mine[ours]
+            if tuple(full.shape) != tuple(p.shape):
+                raise ConfigError(f"{field}: '{theirs}' has shape {tuple(full.shape)}, this model's adapter "
+                                  f"needs {tuple(p.shape)}")
+            local = p.to_local() if isinstance(p, DTensor) else p
+            if isinstance(p, DTensor):  # every rank read the same tensor: each keeps its shard, no comm
+                full = distribute_tensor(full.to(local.device), p.device_mesh, p.placements,
+                                         src_data_rank=None).to_local()
+            local.copy_(full)
+    return len(names)

@@ -74,7 +74,7 @@ def apply_model(args: argparse.Namespace, overrides: list[str]) -> tuple[list[st
     return [f"--model.name={model}", *overrides], said
 
 
-PATH_FLAGS = ("checkpoint", "hf", "messages", "to_hf", "from_hf", "tasks_path")
+PATH_FLAGS = ("checkpoint", "hf", "messages", "to_hf", "from_hf", "tasks_path", "adapter")
 """Flags that name an existing file or folder (--config: read_config says more of a missing one)."""
 HUB_FLAGS = ("hf", "from_hf")
 """Path flags that take a Hugging Face model folder, or a Hub id in its stead (runtime/hub.py)."""
@@ -85,7 +85,8 @@ def check_paths(args: argparse.Namespace) -> None:
     id in an HF folder's flag becomes its snapshot in the cache (fetched there first when missing)."""
     for name in PATH_FLAGS:
         flag = f"--{name.replace('_', '-')}"
-        if not (path := getattr(args, name, None)):
+        # (convert's --adapter is a switch, generate's a folder)
+        if not isinstance(path := getattr(args, name, None), str) or not path:
             continue
         if name in HUB_FLAGS and is_hub_id(path):
             setattr(args, name, str(local_model(path, flag)))

@@ -35,6 +35,8 @@ def add_model_source(p: argparse.ArgumentParser) -> None:
     src.add_argument("--checkpoint", help="a step-<N> checkpoint, or a run directory (its latest one)")
     src.add_argument("--hf", help="a Hugging Face model folder (config.json, safetensors, tokenizer), or a "
                      "Hub id (ORG/NAME)")
+    p.add_argument("--adapter", default="", help="with --hf: a PEFT LoRA folder (adapter_config.json + "
+                   "adapter_model.safetensors) put on that model, as peft.PeftModel.from_pretrained does")
     p.add_argument("--tokenizer", default="", help="tokenizer folder or tokenizer.json (default: the "
                    "run's data.tokenizer, or the HF folder's)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])

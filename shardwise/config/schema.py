@@ -285,6 +285,10 @@ class CheckpointConfig:
     included; any layout): its config.json gives the [model] section, its tokenizer.json the tokenizer
     unless data.tokenizer is set. Each rank reads the full tensor of each of its own parameters, one at
     a time, and keeps its shard (no copy on disk); a resume goes on from the run's own checkpoints."""
+    initial_adapter: str = ""
+    """Start the LoRA adapters from a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors),
+    on the base that initial_hf or path names; its settings become [lora] unless lora.rank is set
+    (then they must agree)."""
     export_hf: bool = False
     """Also write each saved checkpoint as a Hugging Face folder (bf16) in run.dir/hf/step-<N>
     (rank 0 gathers the model in host memory; keep_latest_k removes it with its checkpoint)."""

@@ -22,11 +22,12 @@ import torch
 from shardwise.checkpoint import read_manifest
 from shardwise.checkpoint.hf import load_hf_weights, run_tokenizer
 from shardwise.checkpoint.manifest import checkpoint_or_latest, manifest_lora, manifest_model
+from shardwise.checkpoint.peft import load_adapter
 from shardwise.checkpoint.reader import check_compatible, load_model_only
 from shardwise.config.schema import ConfigError, LoRAConfig
 from shardwise.data.chat import check_messages
 from shardwise.data.tokenizer import load_tokenizer
-from shardwise.models.hf_config import args_from_hf, read_hf_config
+from shardwise.models.hf_config import args_from_hf, peft_lora_config, read_hf_config
 from shardwise.models.lora import apply_lora, fold_lora
 from shardwise.models.transformer import KVCache, build_model, rope_table
 from shardwise.ops.cpu_bf16 import use_fp32_gemms_for_bf16
@@ -155,9 +156,10 @@ def _materialized(args: Any, device: torch.device, lora: LoRAConfig | None = Non
 
 
 def load_for_generation(checkpoint: str = "", hf: str = "", tokenizer: str = "", device: str = "auto",
-         dtype: str = "auto", checksums: bool = True) -> Loaded:
-    """The model of a checkpoint (or run directory) or HF folder, with its tokenizer and end ids; a
-    checkpoint's files are checked against its manifest first (``checksums``: SHA-256 too)."""
+         dtype: str = "auto", checksums: bool = True, adapter: str = "") -> Loaded:
+    """The model of a checkpoint (or run directory) or HF folder (``adapter``: with a PEFT LoRA
+    folder's adapters folded in), with its tokenizer and end ids; a checkpoint's files are checked
+    against its manifest first (``checksums``: SHA-256 too)."""
     dev = torch.device(device_type(device))
     dt = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32, "bf16": torch.bfloat16,
           "fp32": torch.float32}[dtype]
@@ -171,12 +173,19 @@ def load_for_generation(checkpoint: str = "", hf: str = "", tokenizer: str = "",
                               "tokenizer folder")
         spec = tokenizer or str(folder)
         args = args_from_hf(read_hf_config(folder))
-        model = _materialized(args, dev)
-        load_hf_weights(model, folder, args)
+        lora = LoRAConfig(**peft_lora_config(Path(adapter), args, "--adapter")) if adapter else None
+        model = _materialized(args, dev, lora)
+        load_hf_weights(model, folder, args)  # (the base: the adapters are the folder's)
+        if lora is not None:
+            load_adapter(model, Path(adapter), args)
+            fold_lora(model)
         model = model.to(dt)
         stop |= generation_eos(folder)
         source = str(folder)
     else:
+        if adapter:
+            raise ConfigError("--adapter puts a PEFT adapter on an HF model (--hf); a LoRA checkpoint holds "
+                              "its own adapters: drop --adapter")
         path = Path(checkpoint)
         if not path.exists():
             raise ConfigError(f"--checkpoint '{checkpoint}' does not exist")
@@ -231,7 +240,7 @@ def from_flags(args: argparse.Namespace, extra: list[str]) -> tuple[Sampling, Lo
     s = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
     s.check()
     return s, load_for_generation(args.checkpoint or "", args.hf or "", args.tokenizer, args.device,
-                                  args.dtype, checksums=not args.skip_checksums)
+                                  args.dtype, checksums=not args.skip_checksums, adapter=args.adapter)
 
 
 def generate_command(args: argparse.Namespace, extra: list[str]) -> int:

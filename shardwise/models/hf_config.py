@@ -359,3 +359,48 @@ def rope_rows(name: str, w: torch.Tensor, args: ModelArgs, permute: Callable) ->
     if name.endswith(("q_norm.weight", "k_norm.weight")):  # one head's channels
         return permute(w[:, None], 1)[:, 0]
     return w
+
+
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+
+
+def peft_lora_config(folder: Path, args: ModelArgs, field: str) -> dict[str, Any]:
+    """The ``[lora]`` fields (rank, alpha, dropout, targets in our names) of a PEFT LoRA folder for a
+    model of ``args``, or one line saying why shardwise's LoRA cannot compute it: another PEFT method,
+    rsLoRA or DoRA scaling, trained biases or extra modules, a module this model has no linear for."""
+    path = folder / PEFT_CONFIG
+    if not path.is_file() or not (folder / PEFT_WEIGHTS).is_file():
+        raise ConfigError(f"{field} '{folder}' is not a PEFT adapter folder (it needs {PEFT_CONFIG} and "
+                          f"{PEFT_WEIGHTS})")
+    try:
+        c = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{field}: {path} is not valid JSON ({e})") from None
+    if not isinstance(c, dict) or c.get("peft_type") != "LORA":
+        raise ConfigError(f"{field}: {path} is not a LoRA adapter (peft_type "
+                          f"{c.get('peft_type') if isinstance(c, dict) else None!r})")
+    for key, fine in (("use_rslora", False), ("use_dora", False), ("bias", "none"),
+                      ("fan_in_fan_out", False)):
+        if c.get(key, fine) != fine:
+            raise ConfigError(f"{field}: {path} has {key}={c[key]!r}, which shardwise's LoRA does not "
+                              f"compute (only {key}={fine!r})")
+    if c.get("modules_to_save"):
+        raise ConfigError(f"{field}: {path} also trains whole modules (modules_to_save="
+                          f"{c['modules_to_save']}), which shardwise's LoRA does not")
+    r, alpha = c.get("r"), c.get("lora_alpha")
+    if not isinstance(r, int) or r < 1 or not isinstance(alpha, (int, float)) or alpha <= 0:
+        raise ConfigError(f"{field}: {path} has no usable r ({r!r}) and lora_alpha ({alpha!r})")
+    ours = {hf.rsplit(".", 2)[-2]: name.rsplit(".", 2)[-2] for name, hf in hf_names(args).items()
+            if name.startswith("layers.") and name.endswith(".weight")}  # q_proj -> wq, ...
+    theirs = c.get("target_modules")
+    if isinstance(theirs, str):
+        theirs = [theirs]
+    if not isinstance(theirs, list) or not theirs:
+        raise ConfigError(f"{field}: {path} names target_modules {theirs!r}: shardwise reads a list of "
+                          "module names (q_proj, ...)")
+    if unknown := [t for t in theirs if t not in ours]:
+        raise ConfigError(f"{field}: {path} adapts '{unknown[0]}', which this model has no linear for "
+                          f"(its linears: {', '.join(sorted(ours))})")
+    return {"rank": r, "alpha": float(alpha), "dropout": float(c.get("lora_dropout") or 0.0),
+            "targets": ",".join(sorted({ours[t] for t in theirs}))}

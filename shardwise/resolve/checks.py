@@ -24,7 +24,13 @@ from shardwise.config.notice import notice
 from shardwise.config.outputs import check_folder
 from shardwise.config.schema import Config, ConfigError, MetricsConfig, ModelConfig, read_config
 from shardwise.models import check_args, model_args
-from shardwise.models.hf_config import args_from_hf, hf_tokenizer, model_config_of, read_hf_config
+from shardwise.models.hf_config import (
+    args_from_hf,
+    hf_tokenizer,
+    model_config_of,
+    peft_lora_config,
+    read_hf_config,
+)
 from shardwise.models.presets import PRESETS
 from shardwise.parallel.dims import parse_backend_spec
 from shardwise.runtime.hub import is_hub_id, local_model
@@ -50,6 +56,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg = read_config(path, overrides)
     model_from_hf(cfg)
     complete_model(cfg)
+    lora_from_adapter(cfg)
     validate(cfg)
     if cfg.optimizer.lr == 0:
         notice("optimizer.lr=0: the weights will not change (forward and backward only); set "
@@ -244,7 +251,7 @@ def model_from_hf(cfg: Config) -> None:
     # The model's own tokenizer, named as the user named the model (an id resolves again where read).
     own = hf_tokenizer(folder)
     cfg.data.tokenizer = cfg.data.tokenizer or (ref if own and is_hub_id(ref) else own)
-    if cfg.optimizer.lr >= PRETRAINING_LR:
+    if cfg.optimizer.lr >= PRETRAINING_LR and not cfg.lora.rank and not cfg.checkpoint.initial_adapter:
         preset = SFT_PRESETS.get(str(hf.get("model_type")), "sft-llama3")
         notice(f"checkpoint.initial_hf starts from trained weights, but optimizer.lr={cfg.optimizer.lr:g} is "
                f"a pretraining rate (fine-tuning uses about 1e-5): --config configs/{preset}.toml sets the "
@@ -256,6 +263,31 @@ PRETRAINING_LR = 1e-4
 SFT_PRESETS = {"qwen3": "sft-qwen3", "qwen3_moe": "sft-qwen3", "llama": "sft-llama3",
                "deepseek_v3": "sft-deepseek-v3"}
 """The fine-tuning preset of each HF family (configs/)."""
+
+
+def lora_from_adapter(cfg: Config) -> None:
+    """checkpoint.initial_adapter: the ``[lora]`` the PEFT folder was trained with; with lora.rank
+    unset it becomes the run's (said in a notice), set it must agree (one line naming the field)."""
+    if not (ref := cfg.checkpoint.initial_adapter):
+        return
+    folder = Path(ref).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(f"checkpoint.initial_adapter '{ref}' is not a folder: point it at a PEFT adapter "
+                          "folder (adapter_config.json + adapter_model.safetensors)")
+    theirs = peft_lora_config(folder, model_args(cfg.model), "checkpoint.initial_adapter")
+    if not cfg.lora.rank:
+        cfg.lora = dataclasses.replace(cfg.lora, **theirs)
+        notice(f"checkpoint.initial_adapter: LoRA r={theirs['rank']} alpha={theirs['alpha']:g} on "
+               f"{theirs['targets']}, as {folder / 'adapter_config.json'} says")
+        return
+    for name in ("rank", "alpha", "targets"):
+        mine = getattr(cfg.lora, name)
+        if name == "targets" and mine == "all-linear":
+            continue  # (all-linear resolves on the model: the adapter's own list is what loads)
+        if mine != theirs[name]:
+            raise ConfigError(f"checkpoint.initial_adapter was trained with lora.{name}={theirs[name]}, this "
+                              f"run has lora.{name}={mine}: pass --lora.{name}={theirs[name]} (or leave "
+                              "lora.rank unset to take the adapter's)")
 
 
 def complete_model(cfg: Config) -> None:

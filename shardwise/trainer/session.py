@@ -20,6 +20,7 @@ from torch import nn
 
 from shardwise import checkpoint
 from shardwise.checkpoint import hf as convert
+from shardwise.checkpoint.peft import load_adapter
 from shardwise.config.notice import say
 from shardwise.config.outputs import RunRecord, target
 from shardwise.config.schema import Config, ConfigError, model_label
@@ -265,6 +266,10 @@ def open_session(run: ResolvedRun, env: DistEnv, run_dir: Path, ckpt_group: dist
                                 run.model)
         if env.rank == 0:
             say(f"loaded the weights of {cfg.checkpoint.initial_hf}")
+    if start == 0 and cfg.checkpoint.initial_adapter:  # the adapters too, on whichever base loaded
+        n = load_adapter(model, Path(cfg.checkpoint.initial_adapter).expanduser(), run.model)
+        if env.rank == 0:
+            say(f"loaded {n} LoRA tensors of {cfg.checkpoint.initial_adapter}")
     if env.rank == 0:  # the run starts: its resolved config joins run.dir
         rundir.write_config(run_dir, cfg.to_toml())
     if cfg.checkpoint.save_initial and start == 0:

@@ -101,6 +101,8 @@ _LORA = "tests/e2e/test_lora_journey.py::test_lora_from_a_base_keeps_it_resumes_
 _BASE_100 = "shardwise train --config configs/debug.toml --run.dir runs/base --eval.interval 0"
 _LORA_RUN = (_BASE_100, "shardwise train --config configs/debug.toml --checkpoint.path "
                         "runs/base/checkpoints/step-100 --lora.rank 8 --run.dir runs/lora --training.steps 2")
+_LORA_FOLDERS = (*_LORA_RUN, "shardwise convert --to-hf runs/base --out base-hf/",
+                 "shardwise convert --to-hf runs/lora --out lora-adapter/ --adapter")
 _TRACE = "tests/e2e/test_trace.py::test_two_runs_are_bitwise_equal_and_compare_finds_a_planted_change"
 _SMOKE = ("shardwise train --config configs/debug.toml --training.steps 2 --run.dir runs/smoke "
           "--eval.interval 0")
@@ -289,6 +291,12 @@ HOW: dict[str, Check] = {
     "shardwise train --config configs/debug.toml --checkpoint.path runs/base/checkpoints/step-100 "
     "--lora.rank 8 --run.dir runs/lora": covered(_LORA, Check(TRAIN, setup=(_BASE_100,))),
     "shardwise convert --to-hf runs/lora --out lora-hf/": covered(_LORA, Check(setup=_LORA_RUN)),
+    "shardwise convert --to-hf runs/base --out base-hf/": covered(_LORA, Check(setup=(_BASE_100,))),
+    "shardwise generate --hf base-hf/ --adapter lora-adapter/ --prompt \"In the beginning\"": covered(
+        _LORA, Check(setup=_LORA_FOLDERS)),
+    "shardwise train --config configs/debug.toml --checkpoint.initial_hf base-hf/ "
+    "--checkpoint.initial_adapter lora-adapter/ --run.dir runs/lora-2": covered(
+        _LORA, Check(TRAIN, setup=_LORA_FOLDERS)),
     "shardwise convert --to-hf runs/lora --out lora-adapter/ --adapter": covered(_LORA, Check(
         setup=_LORA_RUN, shows=(r"exported \S+ -> (?P<file>\S+) \(its LoRA adapters as a PEFT folder",))),
     "shardwise generate --hf Qwen/Qwen3-0.6B --prompt \"In the beginning\"": Check(

@@ -70,6 +70,20 @@ def test_lora_from_a_base_keeps_it_resumes_exactly_and_exports_merged(tmp_path: 
     with torch.no_grad():
         theirs = adapted(tokens).logits
     assert (want - theirs).abs().max() <= 1e-4 * want.abs().max()
+    # the PEFT folder on the HF base, by shardwise: generate --hf --adapter answers as the LoRA run does
+    prompt = ["--prompt", "In the beginning", "--max-new-tokens", "8", "--json"]
+    on_hf = json.loads(run_cli(["generate", "--hf", str(tmp_path / "base-hf"), "--adapter",
+                                str(tmp_path / "adapter"), *prompt]).stdout)
+    own = json.loads(run_cli(["generate", "--checkpoint", str(a), *prompt]).stdout)
+    assert on_hf["tokens"] == own["tokens"]
+    # and a run starts from it (checkpoint.initial_adapter, on the HF base): its step 0 holds those adapters
+    c = tmp_path / "c"
+    out = run_cli(["train", *common, f"--checkpoint.initial_hf={tmp_path / 'base-hf'}",
+                   f"--checkpoint.initial_adapter={tmp_path / 'adapter'}", "--training.steps=1",
+                   "--checkpoint.save_initial=true", "--optimizer.lr=1e-2", f"--run.dir={c}"]).stdout
+    assert "checkpoint.initial_adapter: LoRA r=4 alpha=8 on w1,w2,w3,wk,wo,wq,wv" in out
+    start = read_model_tensors(c / "checkpoints" / "step-0")
+    assert sorted(start) == sorted(got) and all(torch.equal(start[n], got[n]) for n in got)
     base_model = shardwise.load(base).module
     with torch.no_grad():
         assert (base_model(tokens) - want).abs().max() > 1e-3  # (the adapters changed the model)
