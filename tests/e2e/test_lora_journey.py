@@ -94,14 +94,14 @@ def test_lora_from_a_base_keeps_it_resumes_exactly_and_exports_merged(tmp_path: 
 
 def test_lora_under_every_parallelism_matches_one_rank(tmp_path: Path, data_cache: str):
     """``verify`` with ``[lora]`` on, each layout within the fp32 bounds of the one-rank LoRA run:
-    FSDP, TP (its adapters split with their base: LoRAColwise / LoRARowwise) and CP on 2 real
-    ranks; HSDP, TP x FSDP and PP x TP on 4 simulated ranks; the MoE preset's EP x TP x FSDP (its
-    routed experts frozen) on 4 simulated ranks."""
+    FSDP, TP (its adapters split with their base: LoRAColwise / LoRARowwise), CP and PP on 2 real
+    ranks; HSDP, TP x FSDP and PP x TP on 4 simulated ranks; the MoE preset's EP x FSDP and EP x TP x
+    FSDP (its routed experts frozen) on 4 simulated ranks."""
     flags = ["--config", TINY_ARGS[1], *TINY_ARGS[2:], f"--data.cache_dir={data_cache}", "--lora.rank=4",
              "--optimizer.lr=1e-2", "--steps", "4"]
-    real = ["dp_shard=2", "tp=2", "cp=2"]
+    real = ["dp_shard=2", "tp=2", "cp=2", "pp=2"]
     simulated = ["dp_replicate=2,dp_shard=2", "tp=2,dp_shard=2", "pp=2,tp=2"]
-    moe = ["tp=2,ep=2,dp_shard=2"]
+    moe = ["ep=2,dp_shard=2", "tp=2,ep=2,dp_shard=2"]
     runs = [(run_cli(["verify", *flags, "--nproc", "2", "--layouts", *real, "--out", f"{tmp_path}/r"]).stdout,
              real)]
     runs.append((run_cli(["verify", *flags, "--ranks", "4", "--layouts", *simulated,
