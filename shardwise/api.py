@@ -317,20 +317,14 @@ def prepare(config: str | Path | None = None, **sections: Any) -> list[Prepared]
     """``shardwise prepare``: every source of the config's data (``data={"path": ...}``, or
     ``model="NAME"``'s preset) tokenized into the shards training memory-maps, or resumed where an
     earlier run stopped. Returns each source's :class:`Prepared`; chat packing notices are said."""
-    import json
-
     from shardwise.config.notice import notice
 
     command, args, rest = _parsed(["prepare", *_preset(config, sections), *_flags(sections)])
     folders, packing = command.prepared(args, rest)
     for line in packing:
         notice(line)
-    out = []
-    for folder in folders:
-        m = json.loads((folder / "manifest.json").read_text())
-        out.append(Prepared(folder, m["shards"], m["docs"], m["tokens"], m["val_docs"], m["val_tokens"],
-                            m["bad_rows"]))
-    return out
+    return [Prepared(folder, m["shards"], m["docs"], m["tokens"], m["val_docs"], m["val_tokens"],
+                     m["bad_rows"]) for folder, m in folders]
 
 
 @dataclass(frozen=True)

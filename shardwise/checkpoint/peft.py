@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardwise.checkpoint.manifest import (
     CheckpointError,
@@ -40,6 +39,7 @@ from shardwise.models.hf_config import (
     to_rotate_half,
 )
 from shardwise.models.lora import is_adapter
+from shardwise.models.transformer import keep_shard
 
 _PEFT_PREFIX = "base_model.model."
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -122,9 +122,5 @@ def load_adapter(model: nn.Module, folder: Path, args: ModelArgs) -> int:
             if tuple(full.shape) != tuple(p.shape):
                 raise ConfigError(f"{field}: '{theirs}' has shape {tuple(full.shape)}, this model's adapter "
                                   f"needs {tuple(p.shape)}")
-            local = p.to_local() if isinstance(p, DTensor) else p
-            if isinstance(p, DTensor):  # every rank read the same tensor: each keeps its shard, no comm
-                full = distribute_tensor(full.to(local.device), p.device_mesh, p.placements,
-                                         src_data_rank=None).to_local()
-            local.copy_(full)
+            keep_shard(p, full.to(p.device))  # (every rank read the same tensor: no communication)
     return len(names)

@@ -29,9 +29,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "training.seq_len, instead of the summary")
 
 
-def prepared(args: argparse.Namespace, overrides: list[str]) -> tuple[list[Path], list[str]]:
-    """Every source of ``args``' data prepared (or resumed): the prepared folders, and for chat data
-    the packing's notices. What :func:`run` reports and ``shardwise.prepare`` returns."""
+def prepared(args: argparse.Namespace, overrides: list[str]) -> tuple[list[tuple[Path, dict]], list[str]]:
+    """Every source of ``args``' data prepared (or resumed): each prepared folder with its manifest,
+    and for chat data the packing's notices. What :func:`run` reports and ``shardwise.prepare``
+    returns."""
+    import json
+
     from shardwise.data.prepare import prepare
     from shardwise.data.tokenizer import load_tokenizer
     from shardwise.resolve.checks import load_config
@@ -41,13 +44,11 @@ def prepared(args: argparse.Namespace, overrides: list[str]) -> tuple[list[Path]
 
     refuse_synthetic(cfg.data)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    folders = prepare(cfg.data, tokenizer)
+    folders = [(f, json.loads((f / "manifest.json").read_text())) for f in prepare(cfg.data, tokenizer)]
     return folders, pack_prepared(cfg.data, tokenizer, cfg.training.seq_len)  # chat: whole conversations
 
 
 def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
-    import json
-
     if args.show_window:
         from shardwise.data.dataset import open_corpus, refuse_synthetic, show_window
         from shardwise.data.tokenizer import load_tokenizer
@@ -60,8 +61,7 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
         print(show_window(corpus, tokenizer, cfg.training.seq_len, args.show_window))
         return 0
     folders, packing = prepared(args, overrides)
-    for where in folders:
-        m = json.loads((where / "manifest.json").read_text())
+    for where, m in folders:
         bad = f", {m['bad_rows']:,} bad rows skipped" if m["bad_rows"] else ""
         print(f"{where}: {m['shards']} shard(s), {m['docs']:,} documents and {m['tokens']:,} tokens to "
               f"train on, {m['val_docs']:,} documents and {m['val_tokens']:,} tokens held out{bad}")

@@ -325,7 +325,7 @@ def init_weights(model: Transformer, seed: int) -> None:
         kind, std = param_init_spec(name, model.args)
         with _one_process_draw():
             full = _draw(model, name, p, kind, std, seed)
-        _keep_shard(p, full)
+        keep_shard(p, full)
     _reset_state(model)
 
 
@@ -334,11 +334,12 @@ def load_full_weights(model: nn.Module, tensors: dict[str, torch.Tensor]) -> Non
     """Fill every parameter from ``tensors`` (name -> the full tensor, the same on every rank), each
     rank keeping its shard."""
     for name, p in model.named_parameters():
-        _keep_shard(p, tensors[name].to(torch.float32))
+        keep_shard(p, tensors[name].to(torch.float32))
 
 
-def _keep_shard(p: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy this rank's shard of ``full`` into parameter ``p``."""
+def keep_shard(p: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's shard of ``full`` (the same full tensor on every rank, on ``p``'s device)
+    into parameter ``p``."""
     if isinstance(p, DTensor):
         # src_data_rank=None: every rank holds the same full tensor; each keeps its shard, no comm.
         full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()

@@ -76,6 +76,10 @@ def resolve_config(cfg: Config, device: str | None = None) -> Config:
     if out.data.format == "chat" and not out.data.document_mask:
         notice("data.format=chat: data.document_mask is on (each conversation attends to itself only)")
         out.data.document_mask = True
+    if out.lora.rank and out.float8.enabled:  # (the GPU presets enable it; a LoRA run of them adapts)
+        notice("lora: float8 linears take no adapter yet: this run trains without float8 "
+               "(float8.enabled=false)")
+        out.float8 = dataclasses.replace(out.float8, enabled=False)
     clamp_warmup(out)
     clamp_profile(out)
     resolve_precision(out, device)

@@ -99,7 +99,6 @@ def resolve_run(cfg: Config, world_size: int, detect_device: bool = True, model:
     args = model or resolve_model(cfg)
     dims.check_model(args, cfg.training.seq_len)
     check_tp_rounding(cfg, dims, args)
-    check_lora_layout(cfg)
     if args.n_experts and cfg.parallel.expert_load > args.n_experts / args.moe_top_k:
         raise ConfigError(f"parallel.expert_load={cfg.parallel.expert_load} exceeds n_experts/top_k="
                           f"{args.n_experts / args.moe_top_k:g} (an expert taking every token): lower it")
@@ -153,14 +152,6 @@ def check_tp_rounding(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
         raise ConfigError(f"debug.tp_rounding={n}: {e}") from None
 
 
-def check_lora_layout(cfg: Config) -> None:
-    """LoRA's adapters are plain linears' (no float8 one takes them yet): float8 is refused in one
-    line."""
-    if cfg.lora.rank and cfg.float8.enabled:
-        raise ConfigError("lora.rank > 0 with float8.enabled: float8 linears take no adapter yet; set "
-                          "float8.enabled=false")
-
-
 def check_async_tp(cfg: Config, dims: ParallelDims, device_type: str, compiled: bool) -> None:
     """parallel.async_tp: micro-pipelined TP is an inductor pass over symmetric memory (CUDA, NCCL)."""
     if not cfg.parallel.async_tp:
@@ -192,17 +183,14 @@ def compile_run(cfg: Config, dims: _Degrees, device_type: str, toolchain: bool =
             raise ConfigError("debug.trace hooks every module's output, eager only: set "
                               "compile.enabled=false (or auto) to trace")
         return False, "compile.enabled=auto: eager, debug.trace hooks every module"
+    if cfg.lora.rank and want is not False:  # (a preset's compile.enabled=true adapts, said)
+        return False, f"compile.enabled={str(want).lower()}: eager, LoRA runs eager so far"
     missing = shardwise.runtime.machine.compile_toolchain(device_type) if toolchain and want else None
     if want is True and missing:
         raise ConfigError(f"compile.enabled=true needs {missing} to build its {device_type} kernels: "
                           "install it, or set compile.enabled=false")
-    if cfg.lora.rank and want is True:
-        raise ConfigError("compile.enabled=true with lora.rank > 0: LoRA runs eager so far; set "
-                          "compile.enabled=false (or auto)")
     if want != "auto":
         return bool(want), ""
-    if cfg.lora.rank:
-        return False, "compile.enabled=auto: eager, LoRA runs eager so far"
     untested = [k for k in (Mesh.PP, Mesh.CP, Mesh.EP) if getattr(dims, k) > 1]
     steps = last_step(cfg)  # (the steps this run trains)
     if steps < COMPILE_MIN_STEPS:

@@ -194,8 +194,6 @@ CASES: dict[str, Case] = {
         {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "use_dora": True}),
         "ad/adapter_model.safetensors": "x"}), train("--checkpoint.initial_adapter={t}/ad"),
         "use_dora=True, which shardwise's LoRA does not compute", "run"),
-    "train_lora_float8": Case(nothing, train("--lora.rank=4", "--float8.enabled=true"),
-                              "float8 linears take no adapter yet", "run"),
     "train_lora_on_the_head": Case(nothing, train("--lora.rank=4", "--lora.targets=wq,output"),
                                    "the output head ('output') takes no adapter yet", "run"),
     "train_lora_resumes_a_full_run": Case(ckpt(), train("--checkpoint.path={t}/step-2", "--lora.rank=4",
